@@ -1,0 +1,188 @@
+"""Run a function on N real processes joined in a gloo process group (CPU), for tests.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, each of which sets
+``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` (a free port), joins a gloo
+process group, calls ``fn(*args, **kwargs)`` and sends its return value back. It returns the list of
+per-rank results. An exception on any rank, a rank that dies, or a run past ``timeout`` fails with
+:class:`DistributedTestError` carrying the failing rank's traceback; every remaining process is killed,
+so none is left behind.
+
+``fn`` and its arguments must be picklable (a module-level function). Each rank uses one intra-op
+thread, so a 4-rank test does not oversubscribe a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+
+class DistributedTestError(RuntimeError):
+    """A rank raised, died, or the run timed out."""
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free when asked."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    out_dir: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    env: dict[str, str],
+    backend: str,
+    collective_timeout_s: float,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    out = Path(out_dir) / f"rank{rank}.pkl"
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
+        try:
+            payload = ("ok", fn(*args, **kwargs), time.time())
+        except BaseException:  # noqa: BLE001 - everything goes back to the parent
+            # The time of the failure (not of the teardown) tells the first failing rank.
+            payload = ("error", traceback.format_exc(), time.time())
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        payload = ("error", traceback.format_exc(), time.time())
+    tmp = out.with_suffix(".tmp")
+    try:
+        tmp.write_bytes(pickle.dumps(payload))
+    except Exception:  # an unpicklable result is an error too
+        tmp.write_bytes(pickle.dumps(("error", traceback.format_exc(), time.time())))
+    tmp.rename(out)
+
+
+def _collect_errors(out_dir: str, procs: list, grace_s: float = 2.0) -> str:
+    """All ranks' errors, earliest failure first (the others are usually its consequences)."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(
+        p.is_alive() and not (Path(out_dir) / f"rank{r}.pkl").exists() for r, p in enumerate(procs)
+    ):
+        time.sleep(0.05)
+    errors = []
+    for rank in range(len(procs)):
+        path = Path(out_dir) / f"rank{rank}.pkl"
+        if path.exists():
+            status, value, when = pickle.loads(path.read_bytes())
+            if status == "error":
+                errors.append((when, rank, value))
+    errors.sort()
+    return "\n".join(f"rank {rank} raised:\n{tb}" for _, rank, tb in errors)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 240.0,
+    backend: str = "gloo",
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks and return the per-rank results.
+
+    Args:
+        fn: A picklable (module-level) function; it runs after ``init_process_group``.
+        world_size: Number of processes (ranks).
+        *args: Positional arguments for ``fn`` (picklable).
+        timeout: Seconds for the whole run; past it every rank is killed and the test fails.
+        backend: Process-group backend (``"gloo"`` on CPU).
+        env: Extra environment variables set in every rank before anything is imported.
+        **kwargs: Keyword arguments for ``fn``.
+
+    Returns:
+        ``[result_of_rank_0, ..., result_of_rank_{world_size-1}]``.
+
+    Raises:
+        DistributedTestError: If a rank raised (its traceback is in the message), died without a
+            result, or the run exceeded ``timeout``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    port = find_free_port()
+    with tempfile.TemporaryDirectory(prefix="verl_dist_") as out_dir:
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, world_size, port, out_dir, fn, args, kwargs, dict(env or {}), backend,
+                      max(timeout, 1.0)),
+                name=f"rank{rank}",
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        failure: str | None = None
+        try:
+            while len(results) < world_size and failure is None:
+                for rank, p in enumerate(procs):
+                    if rank in results:
+                        continue
+                    path = Path(out_dir) / f"rank{rank}.pkl"
+                    if path.exists():
+                        status, value, _ = pickle.loads(path.read_bytes())
+                        if status == "error":
+                            failure = _collect_errors(out_dir, procs)
+                            break
+                        results[rank] = value
+                    elif not p.is_alive() and not path.exists():
+                        p.join()
+                        if not path.exists():
+                            failure = f"rank {rank} exited with code {p.exitcode} and no result"
+                            break
+                if failure is None and len(results) < world_size:
+                    if time.monotonic() > deadline:
+                        missing = [r for r in range(world_size) if r not in results]
+                        failure = f"timed out after {timeout:.0f}s; ranks {missing} never finished"
+                    else:
+                        time.sleep(0.02)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.join(timeout=0.5 if failure is None else 0.0)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+        if failure is not None:
+            raise DistributedTestError(failure)
+    return [results[r] for r in range(world_size)]
