@@ -53,7 +53,9 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> tor
     return out.reshape(sum(recv), *row).to(x.dtype)
 
 
-def exchange_samples(batch: TensorDict, dest: torch.Tensor, group: dist.ProcessGroup | None = None) -> TensorDict:
+def exchange_samples(
+    batch: TensorDict, dest: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> TensorDict:
     """Send each sample to its destination rank; return the samples this rank receives.
 
     Args:

@@ -1,0 +1,338 @@
+"""Conversions between the three forms of a batch: padded, jagged and packed.
+
+* **padded**: the schema form (``verl_trainer.data.schema``): token fields ``[B, T, ...]``, right-padded,
+  sample ``i`` holds its ``seq_len[i]`` real tokens at positions ``0 .. seq_len[i] - 1``.
+* **jagged**: a ``torch.nested`` tensor with ``layout=torch.jagged``: ``[B, j, ...]``, no padding.
+* **packed**: one row without padding, ``[1, N, ...]`` with ``N = sum(seq_len)``; samples follow each
+  other and are delimited by ``cu_seqlens`` (int32 ``[B + 1]``, ``cu_seqlens[i] .. cu_seqlens[i+1]``
+  are the tokens of sample ``i``). Position ids restart at 0 for every sample. This is what the engine
+  feeds the model (see ``verl_trainer.models.attention``).
+
+All conversions are vectorised (no Python loop over samples). Samples of length 0 are allowed
+everywhere (their segment is empty).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tensordict import TensorDict
+
+from verl_trainer.data import schema
+
+_STRUCTURAL_KEYS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.POSITION_IDS)
+
+
+def seq_lens_to_cu_seqlens(seq_lens: torch.Tensor) -> torch.Tensor:
+    """Cumulative sequence offsets.
+
+    Args:
+        seq_lens: ``[B]`` integer lengths.
+
+    Returns:
+        ``[B + 1]`` int32, ``cu[0] = 0`` and ``cu[i + 1] = cu[i] + seq_lens[i]``.
+
+    """
+    cu = torch.zeros(seq_lens.numel() + 1, dtype=torch.int32, device=seq_lens.device)
+    cu[1:] = torch.cumsum(seq_lens.reshape(-1), 0)
+    return cu
+
+
+def _valid_mask(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, width]`` bool, True at the real (non-padding) positions of each right-padded row."""
+    if seq_lens.numel() and int(seq_lens.max()) > width:
+        raise ValueError(f"a sequence length ({int(seq_lens.max())}) exceeds the padded width {width}")
+    if seq_lens.numel() and int(seq_lens.min()) < 0:
+        raise ValueError(f"sequence lengths must be >= 0, got {seq_lens.tolist()}")
+    return torch.arange(width, device=seq_lens.device)[None, :] < seq_lens.reshape(-1, 1)
+
+
+def _segment_index(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each packed token: its sample index and its position inside the sample.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` offsets.
+
+    Returns:
+        ``(row, col)``, each ``[N]`` long.
+
+    """
+    cu = cu_seqlens.to(torch.long)
+    lens = cu[1:] - cu[:-1]
+    total = int(cu[-1])
+    row = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens, output_size=total)
+    col = torch.arange(total, device=cu.device) - cu[:-1][row]
+    return row, col
+
+
+def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Position ids of a packed row, restarting at 0 for every sample.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` offsets.
+
+    Returns:
+        ``[1, N]`` long.
+
+    """
+    return _segment_index(cu_seqlens)[1].unsqueeze(0)
+
+
+def unpack_to_padded(
+    values: torch.Tensor, cu_seqlens: torch.Tensor, width: int, pad_value: float | int = 0
+) -> torch.Tensor:
+    """Scatter a packed row back into a right-padded batch (the inverse of packing).
+
+    A tensor whose first dim is 1 and second dim is ``N`` is read as the packed row ``[1, N, ...]``;
+    otherwise it must be ``[N, ...]``.
+
+    Args:
+        values: ``[1, N, ...]`` or ``[N, ...]``, ``N = cu_seqlens[-1]``.
+        cu_seqlens: ``[B + 1]`` offsets.
+        width: Padded width ``T`` of the result (>= the longest sample).
+        pad_value: Value written at padding positions.
+
+    Returns:
+        ``[B, width, ...]`` with the dtype and device of ``values``.
+
+    """
+    total = int(cu_seqlens[-1])
+    if values.dim() >= 2 and values.shape[0] == 1 and values.shape[1] == total:
+        values = values[0]
+    if values.shape[0] != total:
+        raise ValueError(
+            f"values hold {values.shape[0]} tokens (shape {tuple(values.shape)}) but cu_seqlens "
+            f"describes {total}; pass [1, N, ...] or [N, ...]"
+        )
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long)
+    if lens.numel() and int(lens.max()) > width:
+        raise ValueError(f"a sequence length ({int(lens.max())}) exceeds the padded width {width}")
+    row, col = _segment_index(cu_seqlens.to(values.device))
+    out = values.new_full((lens.numel(), width, *values.shape[1:]), pad_value)
+    out[row, col] = values
+    return out
+
+
+def padded_to_jagged(x: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Drop the right padding of a batch.
+
+    Args:
+        x: ``[B, T, ...]`` right-padded.
+        seq_lens: ``[B]`` real lengths.
+
+    Returns:
+        A jagged nested tensor ``[B, j, ...]`` (``layout=torch.jagged``) whose ``values()`` are the packed
+        tokens ``[N, ...]`` and ``offsets()`` the ``cu_seqlens`` (int64).
+
+    """
+    seq_lens = seq_lens.to(device=x.device)
+    values = x[_valid_mask(seq_lens, x.shape[1])]
+    offsets = seq_lens_to_cu_seqlens(seq_lens).to(torch.long)
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+
+
+def jagged_to_padded(nt: torch.Tensor, width: int | None = None, pad_value: float | int = 0) -> torch.Tensor:
+    """Right-pad a jagged nested tensor.
+
+    Args:
+        nt: Jagged nested tensor ``[B, j, ...]``.
+        width: Padded width; defaults to the longest sequence.
+        pad_value: Value written at padding positions.
+
+    Returns:
+        ``[B, width, ...]``.
+
+    """
+    offsets = nt.offsets()
+    if width is None:
+        width = int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
+    return unpack_to_padded(nt.values(), offsets, width, pad_value)
+
+
+def get_seq_lens(batch: TensorDict) -> torch.Tensor:
+    """``[B]`` long: ``batch["seq_len"]`` if present, else ``attention_mask.sum(-1)``."""
+    if schema.SEQ_LEN in batch.keys():
+        return batch[schema.SEQ_LEN].to(torch.long)
+    if schema.ATTENTION_MASK in batch.keys():
+        return batch[schema.ATTENTION_MASK].to(torch.long).sum(-1)
+    raise KeyError(f"the batch has neither {schema.SEQ_LEN!r} nor {schema.ATTENTION_MASK!r}")
+
+
+@dataclass
+class PackedBatch:
+    """A micro-batch packed into one row without padding.
+
+    Attributes:
+        input_ids: ``[1, N]`` long.
+        position_ids: ``[1, N]`` long, restarting at 0 for every sample.
+        cu_seqlens: ``[B + 1]`` int32 offsets of the samples in the row.
+        max_seqlen: Longest sample (int).
+        seq_lens: ``[B]`` long.
+        width: Padded width ``T`` of the batch this was packed from (for :meth:`unpack`).
+        fields: Other token fields, each ``[1, N, ...]``, packed the same way.
+
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    seq_lens: torch.Tensor
+    width: int
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        """``N``, the number of real tokens in the row."""
+        return self.input_ids.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        """``B``, the number of samples."""
+        return self.seq_lens.numel()
+
+    def unpack(self, values: torch.Tensor, pad_value: float | int = 0) -> torch.Tensor:
+        """``[1, N, ...]`` or ``[N, ...]`` → ``[B, width, ...]`` (see :func:`unpack_to_padded`)."""
+        return unpack_to_padded(values, self.cu_seqlens, self.width, pad_value)
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """Return a copy with every tensor on ``device``."""
+        return PackedBatch(
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            cu_seqlens=self.cu_seqlens.to(device),
+            max_seqlen=self.max_seqlen,
+            seq_lens=self.seq_lens.to(device),
+            width=self.width,
+            fields={k: v.to(device) for k, v in self.fields.items()},
+        )
+
+
+def pack_batch(batch: TensorDict, keys: Sequence[str] | None = None) -> PackedBatch:
+    """Pack a padded schema batch into one row.
+
+    Args:
+        batch: ``TensorDict`` with ``input_ids [B, T]`` and ``seq_len [B]`` or ``attention_mask [B, T]``.
+        keys: Token keys to pack into :attr:`PackedBatch.fields`. ``None``: every key of
+            ``schema.TOKEN_KEYS`` present in the batch except input_ids / attention_mask / position_ids.
+
+    Returns:
+        The :class:`PackedBatch`.
+
+    """
+    input_ids = batch[schema.INPUT_IDS]
+    width = input_ids.shape[1]
+    seq_lens = get_seq_lens(batch).to(input_ids.device)
+    valid = _valid_mask(seq_lens, width)
+    cu_seqlens = seq_lens_to_cu_seqlens(seq_lens)
+    if keys is None:
+        keys = [k for k in schema.TOKEN_KEYS if k not in _STRUCTURAL_KEYS and k in batch.keys()]
+    fields = {}
+    for key in keys:
+        value = batch[key]
+        if tuple(value.shape[:2]) != tuple(input_ids.shape):
+            raise ValueError(
+                f"token field {key!r} has shape {tuple(value.shape)}, expected {tuple(input_ids.shape)} "
+                "(aligned with input_ids)"
+            )
+        fields[key] = value[valid].unsqueeze(0)
+    return PackedBatch(
+        input_ids=input_ids[valid].unsqueeze(0),
+        position_ids=position_ids_from_cu_seqlens(cu_seqlens),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(seq_lens.max()) if seq_lens.numel() else 0,
+        seq_lens=seq_lens,
+        width=width,
+        fields=fields,
+    )
+
+
+def packed_log_probs(
+    logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Per-token log-probs of a packed row under the schema's next-token convention.
+
+    ``out[t] = log p(input_ids[t] | tokens of the same sample before t)``, read from ``logits[t - 1]``;
+    the first token of every sample has no prediction and gets 0 (``logits`` at the last token of a
+    sample predict nothing and are unused).
+
+    Args:
+        logits: ``[1, N, V]`` (or ``[N, V]``).
+        input_ids: ``[1, N]`` (or ``[N]``).
+        cu_seqlens: ``[B + 1]`` offsets.
+        temperature: Logits are divided by it first (rollout sampling temperature).
+
+    Returns:
+        ``[1, N]`` float32 (``unpack_to_padded(out, cu_seqlens, T)`` gives the schema's ``[B, T]``).
+
+    """
+    logits = logits.reshape(-1, logits.shape[-1])
+    ids = input_ids.reshape(-1)
+    shifted = logits[:-1].float() / temperature
+    lp = shifted.gather(-1, ids[1:, None]).squeeze(-1) - torch.logsumexp(shifted, -1)
+    out = torch.cat([lp.new_zeros(1), lp]) if ids.numel() else lp.new_zeros(0)
+    starts = cu_seqlens[:-1].to(torch.long)
+    starts = starts[starts < ids.numel()]
+    out = out.index_fill(0, starts, 0.0)
+    return out.unsqueeze(0)
+
+
+def make_batch(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    uids: Sequence[int] | torch.Tensor | None = None,
+    width: int | None = None,
+    pad_token_id: int = 0,
+) -> TensorDict:
+    """Build a schema batch from token-id lists (prompt + response per sample).
+
+    Args:
+        prompts: ``B`` lists of prompt token ids.
+        responses: ``B`` lists of response token ids (may be empty).
+        uids: ``[B]`` group ids; default ``0 .. B - 1`` (every sample its own group).
+        width: Padded width ``T``; default the longest prompt + response.
+        pad_token_id: Id written at padding positions of ``input_ids``.
+
+    Returns:
+        ``TensorDict`` (batch_size ``[B]``) with input_ids, attention_mask, position_ids ``[B, T]`` long;
+        loss_mask, response_mask ``[B, T]`` float32 (1 on the response tokens); uid, seq_len,
+        prompt_len, response_len ``[B]`` long; is_padding ``[B]`` bool (all False).
+
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses")
+    b = len(prompts)
+    prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    response_len = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    seq_len = prompt_len + response_len
+    longest = int(seq_len.max()) if b else 0
+    width = longest if width is None else width
+    if width < longest:
+        raise ValueError(f"width={width} is shorter than the longest sample ({longest} tokens)")
+    flat = [t for p, r in zip(prompts, responses) for t in (*p, *r)]
+    jagged_ids = torch.tensor(flat, dtype=torch.long)
+    cu = seq_lens_to_cu_seqlens(seq_len)
+    valid = _valid_mask(seq_len, width)
+    pos = torch.arange(width).expand(b, width)
+    in_response = (pos >= prompt_len[:, None]) & valid
+    if uids is None:
+        uid = torch.arange(b, dtype=torch.long)
+    else:
+        uid = torch.as_tensor(uids, dtype=torch.long).reshape(b)
+    return TensorDict(
+        {
+            schema.INPUT_IDS: unpack_to_padded(jagged_ids, cu, width, pad_token_id),
+            schema.ATTENTION_MASK: valid.long(),
+            schema.POSITION_IDS: pos * valid,
+            schema.LOSS_MASK: in_response.float(),
+            schema.RESPONSE_MASK: in_response.float(),
+            schema.UID: uid,
+            schema.SEQ_LEN: seq_len,
+            schema.PROMPT_LEN: prompt_len,
+            schema.RESPONSE_LEN: response_len,
+            schema.IS_PADDING: torch.zeros(b, dtype=torch.bool),
+        },
+        batch_size=[b],
+    )

@@ -1,0 +1,42 @@
+"""Models: tiny local models and tokenizer, and padding-free attention for HF models.
+
+Importing this package registers the ``"verl_varlen"`` attention implementation with transformers.
+"""
+
+from verl_trainer.models.attention import (
+    VARLEN_ATTENTION,
+    block_diagonal_causal_mask,
+    cu_seqlens_from_position_ids,
+    ensure_varlen_attention,
+    packed_forward,
+    reference_packed_forward,
+    register_varlen_attention,
+    varlen_attention,
+    varlen_attention_forward,
+    varlen_model_kwargs,
+)
+from verl_trainer.models.tiny import (
+    build_tokenizer,
+    load_causal_lm,
+    load_tokenizer,
+    load_value_model,
+    make_tiny_model,
+)
+
+__all__ = [
+    "VARLEN_ATTENTION",
+    "block_diagonal_causal_mask",
+    "build_tokenizer",
+    "cu_seqlens_from_position_ids",
+    "ensure_varlen_attention",
+    "load_causal_lm",
+    "load_tokenizer",
+    "load_value_model",
+    "make_tiny_model",
+    "packed_forward",
+    "reference_packed_forward",
+    "register_varlen_attention",
+    "varlen_attention",
+    "varlen_attention_forward",
+    "varlen_model_kwargs",
+]

@@ -1,0 +1,221 @@
+"""Tiny models and a character-level tokenizer, built locally (no model hub), for tests and CPU recipes.
+
+``make_tiny_model(path)`` writes a randomly initialised HF causal LM (Qwen2 or Llama) and the project's
+character tokenizer with ``save_pretrained``; :func:`load_causal_lm`, :func:`load_value_model` and
+:func:`load_tokenizer` read them back through the real ``from_pretrained`` path, exactly as for a hub
+checkpoint on disk.
+
+The tokenizer maps every character of :data:`CHARS` to one id (after the special tokens ``<pad>``,
+``<bos>``, ``<eos>``, ``<unk>``), so arithmetic prompts like ``"12+7="`` tokenise to one id per character
+and decode back to the same text.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+import verl_trainer.models.attention  # noqa: F401  (registers "verl_varlen" before any from_pretrained)
+
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+CHARS = string.digits + string.ascii_letters + "+-*/=()<>.,:;?!%^'\"_#[]{}|&~@$\\ \n"
+"""The characters of the vocabulary, one token each (ids after the special tokens)."""
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+"""A minimal chat template (``role: content`` lines) so ``apply_chat_template`` works."""
+
+ARCHITECTURES = ("qwen2", "llama")
+
+
+def _byte_level_char(ch: str) -> str:
+    """Map an ASCII character to its byte-level BPE stand-in (space -> "Ġ", newline -> "Ċ")."""
+    b = ord(ch)
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    if b in printable:
+        return ch
+    return chr(256 + sorted(set(range(256)) - set(printable)).index(b))
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Build the project's character-level tokenizer (a ``PreTrainedTokenizerFast``).
+
+    It is a byte-level BPE without merges over the characters of :data:`CHARS`, so every character
+    is one token whatever pre-tokenizer runs first. That matters because ``AutoTokenizer`` rebuilds
+    the tokenizer of a ``qwen2`` checkpoint as ``Qwen2Tokenizer`` from the saved vocab and merges (with
+    its own regex pre-tokenizer): with no merges it still splits into the same characters, and the
+    byte-level stand-ins keep spaces and newlines.
+
+    Returns:
+        A tokenizer with ``pad_token_id=0``, ``bos_token_id=1``, ``eos_token_id=2``, ``unk_token_id=3``;
+        it adds no special tokens on encode and right-pads.
+
+    """
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({_byte_level_char(ch): len(SPECIAL_TOKENS) + i for i, ch in enumerate(CHARS)})
+    tok = Tokenizer(models.BPE(vocab, merges=[], unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _model_config(arch: str, tokenizer: PreTrainedTokenizerFast, **overrides: Any) -> Any:
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny-model arch {arch!r}; choose one of {ARCHITECTURES}")
+    return AutoConfig.for_model(
+        arch,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        **overrides,
+    )
+
+
+def make_tiny_model(
+    path: str | Path,
+    arch: str = "qwen2",
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+    **config_overrides: Any,
+) -> str:
+    """Write a randomly initialised tiny causal LM and the character tokenizer to ``path``.
+
+    Args:
+        path: Output directory (created).
+        arch: ``"qwen2"`` or ``"llama"``.
+        hidden_size: Model width.
+        num_hidden_layers: Number of decoder layers.
+        num_attention_heads: Query heads.
+        num_key_value_heads: Key/value heads (GQA when fewer than the query heads).
+        intermediate_size: MLP width; default ``2 * hidden_size``.
+        max_position_embeddings: Longest sequence the rotary embedding is configured for.
+        seed: Seed of the weight initialisation (the global RNG state is left untouched).
+        **config_overrides: Any other config field (e.g. ``rope_theta``, ``initializer_range``).
+
+    Returns:
+        ``str(path)``, ready for ``from_pretrained``.
+
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = _model_config(
+        arch,
+        tokenizer,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        max_position_embeddings=max_position_embeddings,
+        **config_overrides,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """``AutoTokenizer.from_pretrained`` on a local directory."""
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_causal_lm(
+    path: str | Path,
+    attn_implementation: str | None = None,
+    torch_dtype: torch.dtype = torch.float32,
+    **kwargs: Any,
+) -> PreTrainedModel:
+    """Load a causal LM with ``AutoModelForCausalLM.from_pretrained`` from a local directory.
+
+    Args:
+        path: Directory written by :func:`make_tiny_model` (or any HF checkpoint on disk).
+        attn_implementation: ``None`` (transformers' default, sdpa), ``"eager"``, ``"sdpa"``,
+            ``"verl_varlen"`` (padding-free, ``verl_trainer.models.attention``), ...
+        torch_dtype: Parameter dtype.
+        **kwargs: Passed on to ``from_pretrained`` (config overrides included).
+
+    Returns:
+        The model (train mode is left to the caller; ``from_pretrained`` returns it in eval mode).
+
+    """
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), attn_implementation=attn_implementation, dtype=torch_dtype, **kwargs
+    )
+
+
+def load_value_model(
+    path: str | Path,
+    attn_implementation: str | None = None,
+    torch_dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    **kwargs: Any,
+) -> PreTrainedModel:
+    """Load a value (critic) model: ``AutoModelForTokenClassification`` with ``num_labels=1``.
+
+    The backbone comes from the checkpoint (typically the actor's); the scalar head ``score`` is new and
+    initialised from ``seed`` (identically on every rank). Head dropout is 0 unless overridden, so a
+    value forward is deterministic in train mode as well.
+
+    Args:
+        path: Checkpoint directory.
+        attn_implementation: As for :func:`load_causal_lm`.
+        torch_dtype: Parameter dtype.
+        seed: Seed of the new head's initialisation (the global RNG state is left untouched).
+        **kwargs: Passed on to ``from_pretrained``.
+
+    Returns:
+        The model; its output ``logits`` are ``[B, T, 1]``.
+
+    """
+    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(str(path))
+    config.num_labels = 1
+    default_dropout = getattr(config, "classifier_dropout", None) or 0.0
+    config.classifier_dropout = kwargs.pop("classifier_dropout", default_dropout)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForTokenClassification.from_pretrained(
+            str(path), config=config, attn_implementation=attn_implementation, dtype=torch_dtype, **kwargs
+        )
