@@ -1,0 +1,225 @@
+"""Masked reductions and :func:`agg_loss`, the one place a token-loss matrix becomes a scalar.
+
+Every loss in this project is a *partial* value: the engine calls the loss function once per
+micro-batch, on every data-parallel (DP) rank, and back-propagates each result as is. ``agg_loss``
+therefore divides by the **global** denominators of the whole optimizer step (all micro-batches, all
+DP ranks) and multiplies by ``dp_size``, because DDP/FSDP average gradients over the DP ranks. Summed
+over micro-batches and averaged over ranks, the partial values equal the loss of the whole step
+computed in one piece, whatever the micro-batching and the dp size.
+
+Notation: ``S_i`` is the masked token sum of row ``i`` of ``loss_mat``, ``n_i`` its token count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+TOKEN_MEAN = "token-mean"
+TOKEN_SUM = "token-sum"
+SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+
+AGG_MODES: tuple[str, ...] = (
+    TOKEN_MEAN,
+    TOKEN_SUM,
+    SEQ_MEAN_TOKEN_SUM,
+    SEQ_MEAN_TOKEN_MEAN,
+    SEQ_MEAN_TOKEN_SUM_NORM,
+)
+"""The valid ``loss_agg_mode`` values."""
+
+Number = int | float | torch.Tensor
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of ``values`` where ``mask`` is true; masked positions never contribute (not even NaN).
+
+    Args:
+        values: ``[B, T]`` (any shape).
+        mask: Same shape as ``values``; bool or 0/1.
+        dim: Reduce this dimension only; ``None`` reduces everything.
+
+    Returns:
+        A scalar, or ``values`` reduced over ``dim``.
+
+    """
+    selected = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return selected.sum() if dim is None else selected.sum(dim=dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over the positions where ``mask`` is true; 0 where there are none.
+
+    Args:
+        values: ``[B, T]`` (any shape).
+        mask: Same shape as ``values``; bool or 0/1.
+        dim: Reduce this dimension only; ``None`` reduces everything.
+
+    Returns:
+        A scalar, or ``values`` averaged over ``dim``.
+
+    """
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim=dim)
+    total = masked_sum(values, mask, dim)
+    return total / count.clamp_min(1).to(total.dtype)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Whiten ``values`` with the mean and unbiased variance of the masked positions (as verl).
+
+    Args:
+        values: ``[B, T]``.
+        mask: ``[B, T]``, bool or 0/1.
+        shift_mean: If False, the mean is added back (only the scale is normalised).
+
+    Returns:
+        ``(values - mean) / sqrt(var + 1e-8)`` at every position, ``[B, T]``.
+
+    Raises:
+        ValueError: If fewer than two positions are masked in (the unbiased variance is undefined).
+
+    """
+    count = mask.bool().sum()
+    if int(count) < 2:
+        raise ValueError(
+            f"masked_whiten needs at least 2 masked-in positions to estimate a variance, got {int(count)}; "
+            "whiten a larger batch or use an estimator without whitening."
+        )
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask) * (count / (count - 1)).to(values.dtype)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+def global_batch_kwargs(
+    global_batch_info: Any = None, loss_scale_factor: float | None = None
+) -> dict[str, Any]:
+    """Build the keyword arguments :func:`agg_loss` takes from a step's global batch info.
+
+    Args:
+        global_batch_info: A :class:`~verl_trainer.engine.batch_info.GlobalBatchInfo`, a mapping with
+            the same keys (verl's ``config.global_batch_info`` dict), or ``None`` (one process, the
+            denominators of the batch at hand).
+        loss_scale_factor: The constant of ``seq-mean-token-sum-norm`` (from the loss config).
+
+    Returns:
+        ``{"dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor"}``.
+
+    """
+    if global_batch_info is None:
+        info: Mapping[str, Any] = {}
+    elif isinstance(global_batch_info, Mapping):
+        info = global_batch_info
+    else:
+        keys = ("dp_size", "batch_num_tokens", "global_batch_size")
+        info = {k: getattr(global_batch_info, k, None) for k in keys}
+    factor = info.get("loss_scale_factor", None) if loss_scale_factor is None else loss_scale_factor
+    return {
+        "dp_size": info.get("dp_size", 1) or 1,
+        "batch_num_tokens": info.get("batch_num_tokens", None),
+        "global_batch_size": info.get("global_batch_size", None),
+        "loss_scale_factor": factor,
+    }
+
+
+def _denominator(given: Number | None, local: torch.Tensor, dp_size: int, name: str, mode: str) -> Number:
+    if given is None:
+        if dp_size > 1:
+            raise ValueError(
+                f"loss_agg_mode={mode!r} with dp_size={dp_size} needs the global {name} of the step "
+                f"(all micro-batches on all DP ranks); got {name}=None. Pass the engine's GlobalBatchInfo "
+                "(or global_batch_kwargs(info)) to agg_loss: a local denominator would make the loss "
+                "depend on how the batch is split."
+            )
+        return local
+    return given
+
+
+def _safe_div(numerator: torch.Tensor, denominator: Number) -> torch.Tensor:
+    """``numerator / denominator``, with an empty step (denominator 0) giving 0 instead of NaN."""
+    if isinstance(denominator, torch.Tensor):
+        return numerator / denominator.to(numerator.dtype).clamp_min(1)
+    return numerator / max(denominator, 1)
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    dp_size: int = 1,
+    batch_num_tokens: Number | None = None,
+    global_batch_size: Number | None = None,
+    loss_scale_factor: Number | None = None,
+) -> torch.Tensor:
+    """Aggregate a token-loss matrix into this micro-batch's partial (globally normalised) loss.
+
+    Modes (``S_i`` masked token sum of row ``i``, ``n_i`` its token count, ``dp = dp_size``):
+
+    * ``token-mean``: ``sum_i S_i / batch_num_tokens * dp``
+    * ``token-sum``: ``sum_i S_i * dp``
+    * ``seq-mean-token-sum``: ``sum_i S_i / global_batch_size * dp``
+    * ``seq-mean-token-mean``: ``sum_i (S_i / n_i) / global_batch_size * dp`` (rows with ``n_i = 0``
+      contribute 0)
+    * ``seq-mean-token-sum-norm``: ``seq-mean-token-sum / loss_scale_factor`` (Dr.GRPO)
+
+    With ``dp_size == 1`` a missing denominator falls back to the batch at hand (``loss_mask.sum()``
+    tokens, or the number of rows with at least one token), which is verl's local behaviour.
+
+    Deviation from verl 0.9.1: verl defaults ``loss_scale_factor`` to ``loss_mask.shape[-1]``, the padded
+    width of the current (micro-)batch, so the loss changes with micro-batching and padding; here a
+    missing ``loss_scale_factor`` in ``seq-mean-token-sum-norm`` is a ``ValueError`` (Dr.GRPO uses a
+    constant, the maximum response length). A denominator of 0 (a step without tokens) yields 0,
+    not NaN.
+
+    Args:
+        loss_mat: Per-token losses, ``[b, t]``.
+        loss_mask: ``[b, t]``, bool or 0/1; 1 = the token counts.
+        loss_agg_mode: One of :data:`AGG_MODES`.
+        dp_size: Data-parallel size (the gradient average divides by it again).
+        batch_num_tokens: ``loss_mask`` summed over the whole step on all DP ranks (``token-mean``).
+        global_batch_size: Number of real samples in the whole step on all DP ranks (``seq-mean-*``).
+        loss_scale_factor: The constant divisor of ``seq-mean-token-sum-norm``.
+
+    Returns:
+        A scalar tensor: this micro-batch's partial loss.
+
+    Raises:
+        ValueError: Unknown mode; ``dp_size > 1`` without the needed global denominator;
+            ``seq-mean-token-sum-norm`` without ``loss_scale_factor``.
+
+    """
+    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
+        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
+    mask = loss_mask.bool()
+    row_sums = masked_sum(loss_mat, mask, dim=-1)  # [b]
+    if loss_agg_mode == TOKEN_MEAN:
+        denom = _denominator(batch_num_tokens, mask.sum(), dp_size, "batch_num_tokens", loss_agg_mode)
+        return _safe_div(row_sums.sum(), denom) * dp_size
+    if loss_agg_mode == TOKEN_SUM:
+        return row_sums.sum() * dp_size
+    if loss_agg_mode in (SEQ_MEAN_TOKEN_SUM, SEQ_MEAN_TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM_NORM):
+        row_counts = mask.sum(dim=-1)  # [b]
+        if loss_agg_mode == SEQ_MEAN_TOKEN_SUM_NORM and loss_scale_factor is None:
+            raise ValueError(
+                "loss_agg_mode='seq-mean-token-sum-norm' (Dr.GRPO) needs a constant loss_scale_factor, "
+                "e.g. the maximum response length; got None. verl's fallback, the padded width of the "
+                "current micro-batch, changes with micro-batching, so it is not used here."
+            )
+        denom = _denominator(global_batch_size, (row_counts > 0).sum(), dp_size, "global_batch_size",
+                             loss_agg_mode)
+        if loss_agg_mode == SEQ_MEAN_TOKEN_MEAN:
+            row_sums = row_sums / row_counts.clamp_min(1).to(row_sums.dtype)
+        loss = _safe_div(row_sums.sum(), denom) * dp_size
+        if loss_agg_mode == SEQ_MEAN_TOKEN_SUM_NORM:
+            loss = loss / loss_scale_factor
+        return loss
+    raise ValueError(
+        f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {', '.join(AGG_MODES)}. "
+        "Set loss_agg_mode to one of these."
+    )

@@ -1,0 +1,83 @@
+"""Core RL algorithms: loss aggregation, policy losses, KL estimators, value loss, advantage estimators.
+
+Names, argument order and results follow verl 0.9.1 (``verl.trainer.ppo.core_algos``) so that verl
+code ports over and numbers compare one for one. Where verl depends on how the batch is split (local
+denominators, a padded-width default), the signature is kept and the behaviour fixed; each such place
+says so in its docstring. The implementation lives in ``verl_trainer._core_algos``:
+
+* ``aggregation``: :func:`agg_loss` (global denominators, ``x dp_size``), masked reductions.
+* ``penalties``: :func:`kl_penalty` (k1/kl, abs, k2/mse, k3/low_var_kl, ``+`` straight-through),
+  :func:`compute_value_loss`.
+* ``policy_losses``: :func:`register_policy_loss` / :func:`get_policy_loss_fn` with ``vanilla``
+  (dual-clip PPO, clip-higher), ``gspo``, ``gpg``, ``geo_mean`` (GMPO).
+* ``advantages``: :func:`register_adv_est` / :func:`get_adv_estimator_fn` with ``gae``, ``grpo``,
+  ``rloo``, ``reinforce_plus_plus``, ``remax``.
+"""
+
+from __future__ import annotations
+
+from verl_trainer._core_algos.advantages import (
+    ADV_ESTIMATOR_REGISTRY,
+    AdvantageEstimator,
+    compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_remax_outcome_advantage,
+    compute_rloo_outcome_advantage,
+    get_adv_estimator_fn,
+    register_adv_est,
+)
+from verl_trainer._core_algos.aggregation import (
+    AGG_MODES,
+    agg_loss,
+    global_batch_kwargs,
+    masked_mean,
+    masked_sum,
+    masked_whiten,
+)
+from verl_trainer._core_algos.penalties import (
+    KL_PENALTY_TYPES,
+    compute_value_loss,
+    kl_penalty,
+    validate_kl_penalty,
+)
+from verl_trainer._core_algos.policy_losses import (
+    POLICY_LOSS_REGISTRY,
+    PolicyLossFn,
+    compute_policy_loss_geo_mean,
+    compute_policy_loss_gpg,
+    compute_policy_loss_gspo,
+    compute_policy_loss_vanilla,
+    get_policy_loss_fn,
+    register_policy_loss,
+)
+
+__all__ = [
+    "ADV_ESTIMATOR_REGISTRY",
+    "AGG_MODES",
+    "KL_PENALTY_TYPES",
+    "POLICY_LOSS_REGISTRY",
+    "AdvantageEstimator",
+    "PolicyLossFn",
+    "agg_loss",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_policy_loss_geo_mean",
+    "compute_policy_loss_gpg",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_vanilla",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage",
+    "compute_rloo_outcome_advantage",
+    "compute_value_loss",
+    "get_adv_estimator_fn",
+    "get_policy_loss_fn",
+    "global_batch_kwargs",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "masked_whiten",
+    "register_adv_est",
+    "register_policy_loss",
+    "validate_kl_penalty",
+]

@@ -1,0 +1,313 @@
+"""The loss functions a driver hands to the engine: :func:`ppo_loss`, :func:`value_loss`, :func:`sft_loss`.
+
+Each is a factory: built once from a typed, validated config, it returns a callable with the engine's
+contract (:mod:`verl_trainer.engine.batch_info`)::
+
+    loss_fn = ppo_loss(PPOLossConfig(clip_ratio=0.2, use_kl_loss=True))
+    loss, metrics = loss_fn(model_output, micro_batch, global_batch_info)
+
+* ``model_output``: ``"log_probs"`` ``[b, t]`` (+ ``"entropy"`` ``[b, t]``) or ``"values"`` ``[b, t]``,
+  aligned with ``micro_batch["input_ids"]``.
+* ``micro_batch``: a ``TensorDict`` (or mapping) with ``loss_mask`` and the keys each loss names below,
+  all ``[b, t]``. Padding samples have an all-zero ``loss_mask`` and contribute nothing.
+* ``global_batch_info``: the step's :class:`~verl_trainer.engine.batch_info.GlobalBatchInfo`; ``None``
+  means one process and one micro-batch (the denominators of the batch at hand).
+* ``loss``: this micro-batch's partial loss (global denominators, ``x dp_size``); back-propagate as is.
+* ``metrics``: ``{name: Metric}``; losses are ``SUM`` (partial values), ratios are token-weighted
+  ``MEAN`` (see :mod:`verl_trainer.metrics`), so :func:`~verl_trainer.metrics.reduce_metrics` gives the
+  same values for any micro-batching and dp/sp size.
+
+verl 0.9.1's ``ppo_loss(config, model_output, data, dp_group)`` computes directly and mutates
+``config.global_batch_info`` on every call; here the config is frozen and validated once, and the global
+info is an argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verl_trainer._core_algos.aggregation import (
+    AGG_MODES,
+    SEQ_MEAN_TOKEN_SUM_NORM,
+    TOKEN_MEAN,
+    agg_loss,
+    global_batch_kwargs,
+)
+from verl_trainer._core_algos.penalties import compute_value_loss, kl_penalty, validate_kl_penalty
+from verl_trainer._core_algos.policy_losses import POLICY_LOSS_REGISTRY, get_policy_loss_fn
+from verl_trainer.data.schema import ADVANTAGES, LOSS_MASK, OLD_LOG_PROBS, REF_LOG_PROB, RETURNS, VALUES
+from verl_trainer.engine.batch_info import GlobalBatchInfo
+from verl_trainer.metrics import Metric
+
+__all__ = [
+    "PPOLoss",
+    "PPOLossConfig",
+    "SFTLoss",
+    "SFTLossConfig",
+    "ValueLoss",
+    "ValueLossConfig",
+    "ppo_loss",
+    "sft_loss",
+    "value_loss",
+]
+
+LossOutput = tuple[torch.Tensor, dict[str, Metric]]
+
+
+def _check_agg(owner: str, loss_agg_mode: str, loss_scale_factor: float | None) -> None:
+    if loss_agg_mode not in AGG_MODES:
+        raise ValueError(
+            f"{owner}.loss_agg_mode={loss_agg_mode!r} is not valid; choose one of {', '.join(AGG_MODES)} "
+            f"(e.g. loss_agg_mode='{TOKEN_MEAN}')."
+        )
+    if loss_agg_mode == SEQ_MEAN_TOKEN_SUM_NORM and loss_scale_factor is None:
+        raise ValueError(
+            f"{owner}.loss_agg_mode='{SEQ_MEAN_TOKEN_SUM_NORM}' (Dr.GRPO) needs a constant "
+            "loss_scale_factor; got None. Set loss_scale_factor to the maximum response length (e.g. "
+            "loss_scale_factor=data.max_response_length): verl's fallback, the padded width of each "
+            "micro-batch, makes the loss depend on micro-batching."
+        )
+    if loss_scale_factor is not None and not loss_scale_factor > 0:
+        raise ValueError(f"{owner}.loss_scale_factor must be > 0, got {loss_scale_factor!r}.")
+
+
+@dataclass(frozen=True)
+class PPOLossConfig:
+    """Actor (policy) loss settings; verl's ``actor`` config names and defaults.
+
+    Attributes:
+        clip_ratio: PPO clip range epsilon.
+        clip_ratio_low: Lower clip range (default ``clip_ratio``).
+        clip_ratio_high: Upper clip range (default ``clip_ratio``; DAPO's clip-higher sets it larger).
+        clip_ratio_c: Dual-clip bound for negative advantages (> 1).
+        loss_agg_mode: See :func:`verl_trainer.core_algos.agg_loss`.
+        policy_loss: A name in the policy-loss registry (``vanilla``, ``gspo``, ``gpg``, ``geo_mean``, ...).
+        entropy_coeff: Weight of the entropy bonus (``loss -= entropy_coeff * entropy``); needs
+            ``model_output["entropy"]`` when non-zero.
+        use_kl_loss: Add ``kl_loss_coef * KL(pi || pi_ref)`` to the loss (needs ``ref_log_prob``).
+        kl_loss_coef: Weight of the KL loss.
+        kl_loss_type: KL estimator, see :func:`verl_trainer.core_algos.kl_penalty`.
+        loss_scale_factor: The constant of ``seq-mean-token-sum-norm`` (required in that mode).
+
+    """
+
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = TOKEN_MEAN
+    policy_loss: str = "vanilla"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    loss_scale_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_agg("PPOLossConfig", self.loss_agg_mode, self.loss_scale_factor)
+        if self.policy_loss not in POLICY_LOSS_REGISTRY:
+            raise ValueError(
+                f"PPOLossConfig.policy_loss={self.policy_loss!r} is not registered; registered: "
+                f"{POLICY_LOSS_REGISTRY.keys_repr()}. Use one of these or register yours with "
+                "verl_trainer.core_algos.register_policy_loss."
+            )
+        if not self.clip_ratio > 0:
+            raise ValueError(
+                f"PPOLossConfig.clip_ratio must be > 0, got {self.clip_ratio!r} (verl default 0.2)."
+            )
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"PPOLossConfig.{name} must be >= 0 or None (= clip_ratio), got {value!r}.")
+        if not self.clip_ratio_c > 1.0:
+            raise ValueError(
+                f"PPOLossConfig.clip_ratio_c must be > 1.0 (the dual-clip bound), got {self.clip_ratio_c!r} "
+                "(verl default 3.0)."
+            )
+        try:
+            validate_kl_penalty(self.kl_loss_type)
+        except ValueError as err:
+            raise ValueError(f"PPOLossConfig.kl_loss_type: {err}") from None
+
+
+@dataclass(frozen=True)
+class ValueLossConfig:
+    """Critic loss settings (verl's ``critic`` names and defaults).
+
+    Attributes:
+        cliprange_value: Clip range of the value prediction around the rollout-time value.
+        loss_agg_mode: See :func:`verl_trainer.core_algos.agg_loss`.
+        loss_scale_factor: The constant of ``seq-mean-token-sum-norm`` (required in that mode).
+
+    """
+
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = TOKEN_MEAN
+    loss_scale_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_agg("ValueLossConfig", self.loss_agg_mode, self.loss_scale_factor)
+        if not self.cliprange_value >= 0:
+            raise ValueError(f"ValueLossConfig.cliprange_value must be >= 0, got {self.cliprange_value!r}.")
+
+
+@dataclass(frozen=True)
+class SFTLossConfig:
+    """SFT (negative log-likelihood) loss settings.
+
+    Attributes:
+        loss_agg_mode: See :func:`verl_trainer.core_algos.agg_loss` (verl: ``token-mean``).
+        loss_scale_factor: The constant of ``seq-mean-token-sum-norm`` (required in that mode).
+
+    """
+
+    loss_agg_mode: str = TOKEN_MEAN
+    loss_scale_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_agg("SFTLossConfig", self.loss_agg_mode, self.loss_scale_factor)
+
+
+def _get(source: Mapping[str, Any] | Any, key: str, who: str, shape: torch.Size | None = None) -> Any:
+    """``source[key]`` with an error naming the loss, the key and what is present."""
+    if key not in source:
+        present = sorted(str(k) for k in source.keys())
+        raise KeyError(f"{who} needs {key!r} ([b, t]); present: {present}")
+    value = source[key]
+    if shape is not None and value.shape != shape:
+        raise ValueError(
+            f"{who}: {key!r} has shape {tuple(value.shape)}, expected {tuple(shape)} (= loss_mask)"
+        )
+    return value
+
+
+class PPOLoss:
+    """The actor loss: policy loss (registry) - entropy bonus + KL loss. Build with :func:`ppo_loss`.
+
+    Reads ``micro_batch``: ``loss_mask``, ``old_log_probs``, ``advantages``, optionally
+    ``rollout_is_weights``, and ``ref_log_prob`` when ``use_kl_loss``. Metrics: the policy loss's
+    (``actor/pg_clipfrac``, ``actor/ppo_kl``, ...), ``actor/pg_loss``; with entropy ``actor/entropy_loss``
+    (aggregated like the loss) and ``actor/entropy`` (token mean); with KL ``actor/kl_loss`` and
+    ``actor/kl_coef``.
+    """
+
+    def __init__(self, config: PPOLossConfig) -> None:
+        self.config = config
+        self.policy_loss_fn = get_policy_loss_fn(config.policy_loss)
+
+    def __call__(
+        self, model_output: Mapping[str, torch.Tensor], data: Any, info: GlobalBatchInfo | None = None
+    ) -> LossOutput:
+        """Partial loss and metrics of one micro-batch (see the module docstring)."""
+        cfg = self.config
+        mask = _get(data, LOSS_MASK, "ppo_loss").bool()
+        log_prob = _get(model_output, "log_probs", "ppo_loss (model_output)", mask.shape)
+        agg_kwargs = global_batch_kwargs(info, cfg.loss_scale_factor)
+        pg_loss, metrics = self.policy_loss_fn(
+            old_log_prob=_get(data, OLD_LOG_PROBS, "ppo_loss", mask.shape),
+            log_prob=log_prob,
+            advantages=_get(data, ADVANTAGES, "ppo_loss", mask.shape),
+            response_mask=mask,
+            loss_agg_mode=cfg.loss_agg_mode,
+            config=cfg,
+            rollout_is_weights=data.get("rollout_is_weights", None),
+            global_batch_info=info,
+        )
+        metrics = dict(metrics)
+        metrics["actor/pg_loss"] = Metric.sum(pg_loss)
+        loss = pg_loss
+        entropy = model_output.get("entropy", None)
+        if entropy is not None:
+            entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg_kwargs)
+            metrics["actor/entropy_loss"] = Metric.sum(entropy_loss)
+            metrics["actor/entropy"] = Metric.token_mean(entropy, mask)
+            if cfg.entropy_coeff != 0:
+                loss = loss - cfg.entropy_coeff * entropy_loss
+        elif cfg.entropy_coeff != 0:
+            raise KeyError(
+                f"ppo_loss: entropy_coeff={cfg.entropy_coeff} needs model_output['entropy'] ([b, t]); "
+                "ask the engine to compute entropy, or set entropy_coeff=0."
+            )
+        if cfg.use_kl_loss:
+            ref_log_prob = _get(data, REF_LOG_PROB, "ppo_loss (use_kl_loss=True)", mask.shape)
+            kld = kl_penalty(log_prob, ref_log_prob, cfg.kl_loss_type)
+            kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, **agg_kwargs)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            metrics["actor/kl_loss"] = Metric.sum(kl_loss)
+            metrics["actor/kl_coef"] = Metric.mean(float(cfg.kl_loss_coef))
+        return loss, metrics
+
+
+class ValueLoss:
+    """The clipped critic loss. Build with :func:`value_loss`.
+
+    Reads ``model_output["values"]`` and ``micro_batch``: ``loss_mask``, ``values`` (rollout-time),
+    ``returns``. Metrics: ``critic/vf_loss`` (SUM), ``critic/vf_clipfrac`` and ``critic/vpred_mean``
+    (token means).
+    """
+
+    def __init__(self, config: ValueLossConfig) -> None:
+        self.config = config
+
+    def __call__(
+        self, model_output: Mapping[str, torch.Tensor], data: Any, info: GlobalBatchInfo | None = None
+    ) -> LossOutput:
+        """Partial loss and metrics of one micro-batch (see the module docstring)."""
+        cfg = self.config
+        mask = _get(data, LOSS_MASK, "value_loss").bool()
+        vpreds = _get(model_output, "values", "value_loss (model_output)", mask.shape)
+        vf_loss, vf_clipfrac = compute_value_loss(
+            vpreds=vpreds,
+            returns=_get(data, RETURNS, "value_loss", mask.shape),
+            values=_get(data, VALUES, "value_loss", mask.shape),
+            response_mask=mask,
+            cliprange_value=cfg.cliprange_value,
+            loss_agg_mode=cfg.loss_agg_mode,
+            **global_batch_kwargs(info, cfg.loss_scale_factor),
+        )
+        metrics = {
+            "critic/vf_loss": Metric.sum(vf_loss),
+            "critic/vf_clipfrac": Metric.mean(vf_clipfrac, weight=mask.sum()),
+            "critic/vpred_mean": Metric.token_mean(vpreds, mask),
+        }
+        return vf_loss, metrics
+
+
+class SFTLoss:
+    """Negative log-likelihood of the ``loss_mask`` tokens. Build with :func:`sft_loss`.
+
+    Metrics: ``sft/loss`` (SUM).
+    """
+
+    def __init__(self, config: SFTLossConfig) -> None:
+        self.config = config
+
+    def __call__(
+        self, model_output: Mapping[str, torch.Tensor], data: Any, info: GlobalBatchInfo | None = None
+    ) -> LossOutput:
+        """Partial loss and metrics of one micro-batch (see the module docstring)."""
+        cfg = self.config
+        mask = _get(data, LOSS_MASK, "sft_loss").bool()
+        log_prob = _get(model_output, "log_probs", "sft_loss (model_output)", mask.shape)
+        agg_kwargs = global_batch_kwargs(info, cfg.loss_scale_factor)
+        loss = agg_loss(-log_prob, mask, cfg.loss_agg_mode, **agg_kwargs)
+        return loss, {"sft/loss": Metric.sum(loss)}
+
+
+def ppo_loss(config: PPOLossConfig | None = None) -> PPOLoss:
+    """Build the actor loss function for the engine from ``config`` (default: verl's defaults)."""
+    return PPOLoss(config if config is not None else PPOLossConfig())
+
+
+def value_loss(config: ValueLossConfig | None = None) -> ValueLoss:
+    """Build the critic loss function for the engine from ``config``."""
+    return ValueLoss(config if config is not None else ValueLossConfig())
+
+
+def sft_loss(config: SFTLossConfig | None = None) -> SFTLoss:
+    """Build the SFT loss function for the engine from ``config``."""
+    return SFTLoss(config if config is not None else SFTLossConfig())
