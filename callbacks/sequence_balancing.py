@@ -1,0 +1,199 @@
+"""SequenceBalancing: re-partition a step's samples over data-parallel ranks by workload (SPMD).
+
+On ``on_before_update`` every DP rank holds its own samples (a rank's prompt groups, their advantages
+already computed). The callback
+
+1. all-gathers the per-sample ``seq_len`` only (no token data) over the DP group;
+2. pads the global batch to the required multiple with synthetic ``is_padding=True`` samples (one
+   token each, zero loss mask, a fresh uid each, unique across ranks);
+3. computes, identically on every rank, a Karmarkar-Karp partition of the FLOPs workloads
+   (``calculate_workload``, h from the model config) into ``dp_size`` equal-count parts;
+4. moves samples (a variable-size all-to-all of their real tokens) so that DP rank r holds part r, in
+   global (rank-major) order; the synthetic samples are created on the rank they are assigned to.
+
+It logs :func:`~verl_trainer.balancing.log_seqlen_unbalance` metrics. Without the callback no data moves.
+GRPO groups may be split across ranks here: advantages are computed before ``on_before_update``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from verl_trainer.balancing import calculate_workload, get_seqlen_balanced_partitions, log_seqlen_unbalance
+from verl_trainer.callbacks.base import Callback
+from verl_trainer.data import schema
+from verl_trainer.data.exchange import exchange_samples, is_token_key, sample_lengths
+
+
+def _all_gather_lengths(lengths: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """All-gather a ``[B_r]`` long tensor whose size differs per rank; returns one tensor per rank."""
+    world = dist.get_world_size(group)
+    count = torch.tensor([lengths.numel()], dtype=torch.long)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    width = max(int(c) for c in counts)
+    padded = torch.zeros(width, dtype=torch.long)
+    padded[: lengths.numel()] = lengths
+    gathered = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    return [g[: int(c)] for g, c in zip(gathered, counts)]
+
+
+def padding_samples(like: TensorDict, count: int, uids: torch.Tensor) -> TensorDict:
+    """``count`` synthetic samples shaped like ``like``: one pad token, zero loss mask, ``is_padding``.
+
+    Args:
+        like: A batch whose keys and dtypes the samples copy (may have zero rows).
+        count: Number of samples.
+        uids: ``[count]`` fresh uids.
+
+    Returns:
+        ``TensorDict`` with ``batch_size=[count]``: token fields ``[count, 1, ...]`` zero except
+        ``attention_mask`` (1: the sample has one real token, so every code path sees a valid
+        sequence); ``seq_len = prompt_len = 1``; ``is_padding = True``.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for key in like.keys():
+        value = like[key]
+        if is_token_key(like, key):
+            out[key] = torch.zeros((count, 1, *value.shape[2:]), dtype=value.dtype)
+        else:
+            out[key] = torch.zeros((count, *value.shape[1:]), dtype=value.dtype)
+    if schema.ATTENTION_MASK in out:
+        out[schema.ATTENTION_MASK][:, 0] = 1
+    for key in (schema.SEQ_LEN, schema.PROMPT_LEN):
+        if key in out:
+            out[key][:] = 1
+    out[schema.UID] = uids.to(out[schema.UID].dtype if schema.UID in out else torch.long)
+    out[schema.IS_PADDING] = torch.ones(count, dtype=torch.bool)
+    out.setdefault(schema.SEQ_LEN, torch.ones(count, dtype=torch.long))
+    return TensorDict(out, batch_size=[count])
+
+
+def _cat_padded(a: TensorDict, b: TensorDict) -> TensorDict:
+    """Concatenate two padded batches whose token widths may differ (pads the narrower with 0)."""
+    width = max(a[schema.INPUT_IDS].shape[1], b[schema.INPUT_IDS].shape[1])
+    out = {}
+    for key in a.keys():
+        parts = []
+        for td in (a, b):
+            value = td[key]
+            if is_token_key(td, key) and value.shape[1] < width:
+                pad = value.new_zeros((value.shape[0], width - value.shape[1], *value.shape[2:]))
+                value = torch.cat([value, pad], 1)
+            parts.append(value)
+        out[key] = torch.cat(parts, 0)
+    return TensorDict(out, batch_size=[a.batch_size[0] + b.batch_size[0]])
+
+
+def balance_batch(
+    batch: TensorDict,
+    dp_group: dist.ProcessGroup | None = None,
+    hidden_size: int = 4096,
+    batch_multiple: int = 1,
+    equal_size: bool = True,
+    prefix: str = "global_seqlen",
+) -> tuple[TensorDict, dict[str, float]]:
+    """Re-partition samples over the DP group by workload; collective over ``dp_group``.
+
+    Args:
+        batch: This rank's padded batch ``[B_r, T_r]`` (tensor entries; ``input_ids``, ``uid``, and
+            ``seq_len`` or ``attention_mask``).
+        dp_group: The data-parallel group (``None``: the world).
+        hidden_size: Model hidden size for :func:`calculate_workload`.
+        batch_multiple: The global batch is padded to a multiple of ``lcm(dp_size, batch_multiple)``
+            (:func:`~verl_trainer.balancing.required_batch_multiple`).
+        equal_size: Every rank gets the same number of samples (needed for mini-batching).
+        prefix: Metric-name prefix.
+
+    Returns:
+        ``(new_batch, metrics)``: this rank's part (rank-major global order, synthetic samples last) and
+        the balance metrics (identical on every rank).
+    """
+    world, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    per_rank = _all_gather_lengths(sample_lengths(batch).long(), dp_group)
+    lengths = torch.cat(per_rank)
+    n_real = lengths.numel()
+    multiple = math.lcm(world, max(int(batch_multiple), 1))
+    n_pad = (-n_real) % multiple
+    if n_real + n_pad < world:
+        n_pad += multiple  # every rank needs at least one sample
+    all_lengths = torch.cat([lengths, torch.ones(n_pad, dtype=torch.long)])
+    workloads = calculate_workload(all_lengths, hidden_size=hidden_size)
+    parts = get_seqlen_balanced_partitions(workloads.tolist(), world, equal_size)
+
+    owner = torch.empty(n_real + n_pad, dtype=torch.long)
+    for r, part in enumerate(parts):
+        owner[torch.as_tensor(part, dtype=torch.long)] = r
+    offset = sum(p.numel() for p in per_rank[:rank])
+    dest = owner[offset : offset + batch.batch_size[0]]
+    mine = exchange_samples(batch, dest, group=dp_group)
+
+    if n_pad:  # n_pad is the same on every rank: the all_reduce below is collective
+        uid_max = batch[schema.UID].max() if batch.batch_size[0] else torch.tensor(-1)
+        uid_max = uid_max.to(torch.long).reshape(1).clone()
+        dist.all_reduce(uid_max, op=dist.ReduceOp.MAX, group=dp_group)
+        my_pads = torch.as_tensor([i for i in parts[rank] if i >= n_real], dtype=torch.long)
+        if my_pads.numel():
+            uids = int(uid_max) + 1 + my_pads - n_real
+            mine = _cat_padded(mine, padding_samples(mine, my_pads.numel(), uids))
+    metrics = log_seqlen_unbalance(all_lengths.tolist(), parts, prefix)
+    metrics[f"{prefix}/num_padding_samples"] = float(n_pad)
+    return mine, metrics
+
+
+class SequenceBalancing(Callback):
+    """Balance per-rank workload before each update (see the module docstring).
+
+    Args:
+        hidden_size: Hidden size for the workload model; ``None`` reads it from the actor's model config
+            (``module.hidden_size`` or ``module.config.hidden_size``), else 4096 (verl's constant).
+        batch_multiple: Extra multiple for the global batch size, e.g.
+            ``required_batch_multiple(dp, actor_mini_batch_size, critic_mini_batch_size, n)``; ``None``
+            asks ``module.required_batch_multiple`` when it exists.
+        equal_size: Equal sample counts per rank.
+        prefix: Metric-name prefix.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int | None = None,
+        batch_multiple: int | None = None,
+        equal_size: bool = True,
+        prefix: str = "global_seqlen",
+    ) -> None:
+        self.hidden_size = hidden_size
+        self.batch_multiple = batch_multiple
+        self.equal_size = equal_size
+        self.prefix = prefix
+        self.last_metrics: dict[str, float] = {}
+
+    def _hidden_size(self, module: Any) -> int:
+        if self.hidden_size is not None:
+            return self.hidden_size
+        for obj in (module, getattr(module, "config", None)):
+            value = getattr(obj, "hidden_size", None)
+            if isinstance(value, int):
+                return value
+        return 4096
+
+    def on_before_update(self, trainer: Any, module: Any, batch: TensorDict) -> TensorDict | None:
+        """Return this rank's balanced part of the step's global batch."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = getattr(trainer, "dp_group", None)
+        multiple = self.batch_multiple
+        if multiple is None:
+            multiple = int(getattr(module, "required_batch_multiple", 1) or 1)
+        new_batch, self.last_metrics = balance_batch(
+            batch, group, self._hidden_size(module), multiple, self.equal_size, self.prefix
+        )
+        log = getattr(trainer, "callback_metrics", None)
+        if isinstance(log, dict):
+            log.update(self.last_metrics)
+        return new_batch
