@@ -1,0 +1,39 @@
+"""The engine layer: ``EngineRegistry``, ``BaseEngine`` and the backends (DESIGN.md §4).
+
+Importing this package registers the built-in engines. Optional backends are imported inside
+``try/except ImportError`` so a machine without their package (e.g. deepspeed) imports fine; their
+names are then ``None`` here, and asking the registry for them says which extra installs them.
+"""
+
+from __future__ import annotations
+
+from verl_trainer.engine.base import BaseEngine, BaseEngineCtx, LossFunction
+from verl_trainer.engine.batch_info import GlobalBatchInfo
+from verl_trainer.engine.config import EngineConfig, OptimConfig
+from verl_trainer.engine.registry import EngineRegistry, MissingBackendError
+
+try:
+    from verl_trainer.engine.fsdp import FSDPEngine, FSDPLanguageModelEngine, FSDPValueModelEngine
+except ImportError:  # a torch build without torch.distributed
+    FSDPEngine = FSDPLanguageModelEngine = FSDPValueModelEngine = None  # type: ignore[assignment,misc]
+
+try:
+    from verl_trainer.engine import deepspeed as _deepspeed_engines  # noqa: F401
+    from verl_trainer.engine.deepspeed import DeepSpeedEngine
+except ImportError:  # deepspeed not installed: `pip install 'verl-trainer[deepspeed]'`
+    DeepSpeedEngine = None  # type: ignore[assignment,misc]
+
+__all__ = [
+    "BaseEngine",
+    "BaseEngineCtx",
+    "DeepSpeedEngine",
+    "EngineConfig",
+    "EngineRegistry",
+    "FSDPEngine",
+    "FSDPLanguageModelEngine",
+    "FSDPValueModelEngine",
+    "GlobalBatchInfo",
+    "LossFunction",
+    "MissingBackendError",
+    "OptimConfig",
+]

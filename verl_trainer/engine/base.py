@@ -1,0 +1,281 @@
+"""The engine interface: :class:`BaseEngine` and its mode context :class:`BaseEngineCtx`.
+
+An engine owns one model (and, when trained, its optimizer and LR scheduler) sharded over the
+data-parallel ranks. Its public surface has five groups (DESIGN.md §4):
+
+* lifecycle: :meth:`~BaseEngine.initialize`, :meth:`~BaseEngine.to`, :meth:`~BaseEngine.train_mode`,
+  :meth:`~BaseEngine.eval_mode`;
+* compute: :meth:`~BaseEngine.forward_backward_batch`, :meth:`~BaseEngine.train_batch`,
+  :meth:`~BaseEngine.infer_batch`;
+* optimizer: :meth:`~BaseEngine.optimizer_zero_grad`, :meth:`~BaseEngine.optimizer_step`,
+  :meth:`~BaseEngine.lr_scheduler_step`;
+* topology: ``get_data_parallel_size/rank/group``, :meth:`~BaseEngine.is_mp_src_rank_with_outputs`;
+* weight export: :meth:`~BaseEngine.get_per_tensor_param`;
+
+plus :meth:`~BaseEngine.save_checkpoint` / :meth:`~BaseEngine.load_checkpoint`.
+
+Concrete engines are composed from small parts in this package (``topology``, ``compute``,
+``heads``, ``optim``, ``offload``, ``checkpoint``) rather than written as one class with flags.
+The engine owns no loss: the caller hands ``loss_function(model_output, micro_batch, info)`` in
+(contract: ``verl_trainer.engine.batch_info``).
+
+Writing a backend (``fsdp.py`` and ``deepspeed.py`` are the examples)::
+
+    class MyEngine(TopologyMixin, MicroBatchComputeMixin, OptimizerMixin, BaseEngine):
+        def initialize(self): ...      # self.topology = build_topology(...); self.module = wrap(
+                                       #     self.load_hf_model()); optimizer / lr_scheduler from optim.py
+        def to(self, device, model=True, optimizer=True, grad=True): ...   # offload.py helpers
+        def _forward_packed(self, packed): ...          # optional: module call on the packed row
+        def _backward(self, loss): ...                  # optional: default loss.backward()
+        def _grad_sync_context(self, is_last): ...      # sync grads on the last micro-batch only
+        def get_per_tensor_param(self): ...
+        def save_checkpoint(self, path, global_step=0): ...  # inside checkpoint.atomic_checkpoint_dir
+        def load_checkpoint(self, path): ...
+
+    @EngineRegistry.register(model_type="language_model", backend="mine", device=["cpu", "cuda"])
+    class MyLanguageModelEngine(LanguageModelMixin, MyEngine): ...   # heads.py: the model type
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from verl_trainer.engine.config import EngineConfig, OptimConfig
+from verl_trainer.utils.device import get_torch_device
+
+LossFunction = Callable[..., "tuple[torch.Tensor, dict[str, Any]]"]
+"""``loss_fn(model_output, micro_batch, info) -> (loss, metrics)`` (see ``engine/batch_info.py``)."""
+
+
+class BaseEngineCtx:
+    """Context manager for a train or eval phase of an engine.
+
+    On enter it loads offloaded parameters onto the device (only when ``param_offload``) and, in train
+    mode only, the optimizer state (only when ``optimizer_offload``); it sets ``module.train()`` /
+    ``module.eval()``. On exit, also when the block raised, it offloads them again. Eval never moves
+    the optimizer.
+
+    Args:
+        engine: The engine.
+        mode: ``"train"`` or ``"eval"``.
+
+    """
+
+    def __init__(self, engine: BaseEngine, mode: Literal["train", "eval"]) -> None:
+        if mode not in ("train", "eval"):
+            raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
+        self.engine = engine
+        self.mode = mode
+
+    @property
+    def _moves_params(self) -> bool:
+        return bool(self.engine.config.param_offload)
+
+    @property
+    def _moves_optimizer(self) -> bool:
+        return self.mode == "train" and bool(self.engine.config.optimizer_offload)
+
+    def __enter__(self) -> BaseEngine:
+        engine = self.engine
+        if self._moves_params:
+            engine.to(engine.device, model=True, optimizer=False, grad=True)
+        if self._moves_optimizer:
+            engine.to(engine.device, model=False, optimizer=True, grad=False)
+        engine.mode = self.mode
+        if engine.module is not None:
+            engine.module.train(self.mode == "train")
+        return engine
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        engine = self.engine
+        try:
+            if self._moves_params:
+                engine.to("cpu", model=True, optimizer=False, grad=True)
+            if self._moves_optimizer:
+                engine.to("cpu", model=False, optimizer=True, grad=False)
+        finally:
+            engine.mode = None
+        return False  # never swallow the block's exception
+
+
+class BaseEngine(ABC):
+    """Abstract engine. Subclasses are registered with ``EngineRegistry`` and built by ``new``.
+
+    Args:
+        config: What to build and how to run it.
+        optim_config: Optimizer/scheduler config; ``None`` builds an inference-only engine
+            (e.g. a reference policy) without optimizer.
+        backend: The registry name the engine was built under (``"fsdp"``, ``"fsdp2"``, ...).
+        **config_overrides: ``EngineConfig`` fields to override (alias presets such as
+            ``zero_stage=3`` arrive here).
+
+    """
+
+    MODEL_TYPE: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        optim_config: OptimConfig | None = None,
+        *,
+        backend: str = "",
+        **config_overrides: Any,
+    ) -> None:
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.config: EngineConfig = config.replace(**config_overrides) if config_overrides else config
+        self.optim_config: OptimConfig | None = optim_config
+        self.backend = backend
+        self.device: torch.device = get_torch_device()
+        self.module: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.mode: Literal["train", "eval"] | None = None
+        self.initialized = False
+
+    # ----------------------------------------------------------------------------------- lifecycle
+    @abstractmethod
+    def initialize(self) -> None:
+        """Build the model (sharded), the optimizer and the LR scheduler; idempotent."""
+
+    @abstractmethod
+    def to(
+        self, device: str | torch.device, model: bool = True, optimizer: bool = True, grad: bool = True
+    ) -> None:
+        """Move parameters / optimizer state / gradients to ``device`` (offload or load)."""
+
+    def train_mode(self) -> BaseEngineCtx:
+        """Context for a training phase (see :class:`BaseEngineCtx`)."""
+        return BaseEngineCtx(self, "train")
+
+    def eval_mode(self) -> BaseEngineCtx:
+        """Context for an inference phase; never moves the optimizer (see :class:`BaseEngineCtx`)."""
+        return BaseEngineCtx(self, "eval")
+
+    # ------------------------------------------------------------------------------------- compute
+    @abstractmethod
+    def forward_backward_batch(
+        self,
+        data: TensorDict,
+        loss_function: LossFunction | None,
+        forward_only: bool = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """Run all micro-batches of ``data`` (this rank's share of one optimizer step).
+
+        Args:
+            data: Padded schema batch ``[B, T]`` of this DP rank.
+            loss_function: ``loss_fn(model_output, micro_batch, info) -> (loss, metrics)``; ``None``
+                only with ``forward_only``.
+            forward_only: No backward (inference / validation).
+            **kwargs: ``calculate_entropy`` (bool), ``temperature`` (float).
+
+        Returns:
+            ``{"loss": float (global), "local_loss": float, "metrics": [per-micro-batch dict],
+            "num_micro_batches": int, "model_output": {key: [B, T]} (forward_only, original order)}``.
+
+        """
+
+    def train_batch(self, data: TensorDict, loss_function: LossFunction, **kwargs: Any) -> dict[str, Any]:
+        """One optimizer step: zero grads, forward/backward over all micro-batches, step.
+
+        The LR scheduler is NOT stepped here (PPO runs several ``train_batch`` per trainer step); call
+        :meth:`lr_scheduler_step` once per trainer step.
+
+        Returns:
+            ``{"loss", "grad_norm", "lr", "step_skipped", "metrics", "num_micro_batches"}``;
+            ``lr`` is the learning rate this step used.
+
+        """
+        if self.optimizer is None:
+            raise RuntimeError(
+                f"{type(self).__name__} was built without optim_config, so it cannot train; "
+                f"pass an OptimConfig to build a trainable engine"
+            )
+        self.optimizer_zero_grad()
+        out = self.forward_backward_batch(data, loss_function, forward_only=False, **kwargs)
+        lr = self.get_lr()
+        grad_norm = self.optimizer_step()
+        finite = bool(torch.isfinite(torch.tensor(grad_norm)))
+        return {
+            "loss": out["loss"],
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "step_skipped": not finite,
+            "metrics": out["metrics"],
+            "num_micro_batches": out["num_micro_batches"],
+        }
+
+    def infer_batch(
+        self, data: TensorDict, loss_function: LossFunction | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        """Forward only; ``model_output`` holds ``[B, T]`` tensors in the original sample order."""
+        with torch.no_grad():
+            return self.forward_backward_batch(data, loss_function, forward_only=True, **kwargs)
+
+    # ----------------------------------------------------------------------------------- optimizer
+    @abstractmethod
+    def optimizer_zero_grad(self) -> None:
+        """Clear the gradients."""
+
+    @abstractmethod
+    def optimizer_step(self) -> float:
+        """Clip, then step; a non-finite grad norm zeroes the grads and skips the step.
+
+        Returns:
+            The total grad norm before clipping.
+
+        """
+
+    @abstractmethod
+    def lr_scheduler_step(self) -> float:
+        """Advance the LR schedule by one step; returns the new learning rate."""
+
+    def get_lr(self) -> float:
+        """Return the current learning rate of the first parameter group (0.0 without optimizer)."""
+        if self.optimizer is None:
+            return 0.0
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------------------------ topology
+    @abstractmethod
+    def get_data_parallel_size(self) -> int:
+        """Return the number of DP ranks (world_size // sp_size)."""
+
+    @abstractmethod
+    def get_data_parallel_rank(self) -> int:
+        """Return this rank's DP rank."""
+
+    @abstractmethod
+    def get_data_parallel_group(self) -> dist.ProcessGroup | None:
+        """Return the DP process group (``None`` when not distributed)."""
+
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        """Tell whether the caller should collect this rank's outputs (every rank without TP/PP)."""
+        return True
+
+    # ------------------------------------------------------------------------------- weight export
+    @abstractmethod
+    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, full_tensor)`` one at a time; a collective, call it on every rank."""
+
+    # --------------------------------------------------------------------------------- checkpoints
+    @abstractmethod
+    def save_checkpoint(self, path: str, global_step: int = 0, **kwargs: Any) -> None:
+        """Save model, optimizer, scheduler and RNG atomically to the directory ``path``."""
+
+    @abstractmethod
+    def load_checkpoint(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        """Restore what :meth:`save_checkpoint` wrote; returns its plain metadata (e.g. global_step)."""

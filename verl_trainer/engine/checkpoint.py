@@ -1,0 +1,234 @@
+"""Checkpoint part: atomic checkpoint directories, RNG / scheduler state, and DCP for torch-native engines.
+
+Layout of a checkpoint directory ``path``::
+
+    path/dcp/...                     model + optimizer, torch.distributed.checkpoint (sharded, any backend
+                                     may use its own sub-directory instead, e.g. DeepSpeed's format)
+    path/extra_state_rank{r}.pt      lr scheduler, RNG states, global_step (plain data and tensors;
+                                     loadable with torch.load(weights_only=True))
+    path/meta.json                   global_step, world_size, backend, model_type
+    path/huggingface/config.json     the model's HF config
+
+Writes go to ``.{name}.tmp`` next to ``path`` and are renamed into place only after every rank has
+finished, so an interrupted save never replaces the previous checkpoint (see
+:func:`atomic_checkpoint_dir`). Assumes a file system shared by all ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+EXTRA_STATE = "extra_state_rank{rank}.pt"
+META = "meta.json"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _sibling(path: Path, suffix: str) -> Path:
+    return path.parent / f".{path.name}.{suffix}"
+
+
+@contextlib.contextmanager
+def atomic_checkpoint_dir(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary directory every rank writes into; commit it to ``path`` when all are done.
+
+    A collective: every rank must enter it. Rank 0 clears a stale temporary directory first; after the
+    block, rank 0 moves an existing ``path`` aside, renames the temporary directory to ``path`` and
+    deletes the old one. If the block raises, nothing is renamed.
+
+    Args:
+        path: The final checkpoint directory.
+
+    """
+    final = Path(path)
+    tmp, old = _sibling(final, "tmp"), _sibling(final, "old")
+    if _rank() == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    yield tmp
+    _barrier()
+    if _rank() == 0:
+        if final.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            final.rename(old)
+        tmp.rename(final)
+        if old.exists():
+            shutil.rmtree(old)
+    _barrier()
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """``path``, or the previous checkpoint moved aside by a save interrupted while committing.
+
+    Raises:
+        FileNotFoundError: If neither exists.
+
+    """
+    final = Path(path)
+    if final.is_dir():
+        return final
+    old = _sibling(final, "old")
+    if old.is_dir():
+        return old
+    raise FileNotFoundError(f"no checkpoint at {str(final)!r}")
+
+
+def get_rng_state() -> dict[str, Any]:
+    """RNG states of torch (CPU and accelerator), numpy and Python, as tensors and plain data."""
+    np_state = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64),
+                   "gauss": py_gauss},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`get_rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    npst = state["numpy"]
+    np.random.set_state(
+        ("MT19937", npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"],
+         npst["cached_gaussian"])
+    )
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_extra_state(
+    directory: Path,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    global_step: int,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Write this rank's scheduler + RNG state to ``directory / extra_state_rank{r}.pt``."""
+    payload = {
+        "global_step": int(global_step),
+        "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
+        "rng": get_rng_state(),
+        "extra": extra or {},
+    }
+    torch.save(payload, directory / EXTRA_STATE.format(rank=_rank()))
+
+
+def load_extra_state(
+    directory: Path, lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
+) -> dict[str, Any]:
+    """Restore this rank's scheduler and RNG state (``torch.load(weights_only=True)``).
+
+    A checkpoint saved with fewer ranks has no file for this rank: the scheduler comes from rank 0's
+    file and the RNG is left as is.
+
+    Returns:
+        The loaded payload (``global_step``, ``extra``, ...).
+
+    """
+    own = directory / EXTRA_STATE.format(rank=_rank())
+    path = own if own.exists() else directory / EXTRA_STATE.format(rank=0)
+    payload = torch.load(path, weights_only=True, map_location="cpu")
+    if lr_scheduler is not None and payload.get("lr_scheduler") is not None:
+        lr_scheduler.load_state_dict(payload["lr_scheduler"])
+        # the scheduler's state does not include the optimizer's current lr: put it back as well
+        for group, lr in zip(lr_scheduler.optimizer.param_groups, lr_scheduler.get_last_lr()):
+            group["lr"] = lr
+    if path == own:
+        set_rng_state(payload["rng"])
+    return payload
+
+
+def write_meta(directory: Path, meta: dict[str, Any], hf_config: Any = None) -> None:
+    """Rank 0 writes ``meta.json`` and the HF config (``huggingface/config.json``)."""
+    if _rank() != 0:
+        return
+    (directory / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    if hf_config is not None and hasattr(hf_config, "save_pretrained"):
+        hf_config.save_pretrained(directory / "huggingface")
+
+
+class DCPCheckpointMixin:
+    """``save_checkpoint`` / ``load_checkpoint`` with torch.distributed.checkpoint (FSDP1 and FSDP2).
+
+    Attributes read: ``module``, ``optimizer``, ``lr_scheduler``, ``backend``, ``MODEL_TYPE``.
+    """
+
+    module: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    backend: str
+    MODEL_TYPE: str
+
+    def _state_dicts(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.module)}
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def save_checkpoint(self, path: str, global_step: int = 0, **kwargs: Any) -> None:
+        """Save model, optimizer (DCP), scheduler and RNG atomically to the directory ``path``."""
+        import torch.distributed.checkpoint as dcp
+
+        state = self._state_dicts()
+        with atomic_checkpoint_dir(path) as tmp:
+            dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+            save_extra_state(tmp, self.lr_scheduler, global_step)
+            meta = {
+                "global_step": int(global_step),
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "backend": self.backend,
+                "model_type": self.MODEL_TYPE,
+            }
+            write_meta(tmp, meta, getattr(self.module, "config", None))
+
+    def load_checkpoint(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        """Restore model, optimizer, scheduler and RNG from ``path``; returns ``meta.json``'s content."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        directory = resolve_checkpoint_dir(path)
+        state = self._state_dicts()
+        dcp.load(state, checkpoint_id=str(directory / "dcp"))
+        if self.optimizer is None:
+            set_model_state_dict(self.module, state["model"])
+        else:
+            set_state_dict(
+                self.module, self.optimizer,
+                model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+            )
+        payload = load_extra_state(directory, self.lr_scheduler)
+        meta = json.loads((directory / META).read_text()) if (directory / META).exists() else {}
+        meta.setdefault("global_step", payload.get("global_step", 0))
+        return meta

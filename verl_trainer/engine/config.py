@@ -1,0 +1,217 @@
+"""Typed configs of the engine layer: :class:`OptimConfig` and :class:`EngineConfig`.
+
+Every field is validated in ``__post_init__``; a bad value raises ``ValueError`` that shows the value,
+the valid choices and the fix. ``replace(**overrides)`` returns a validated copy (the registry uses it to
+apply the preset arguments of aliases such as ``deepspeed_stage_3``); an unknown key is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+LR_SCHEDULERS = ("constant", "cosine")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def to_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Return the ``torch.dtype`` named e.g. ``"bf16"`` / ``"float32"`` (a dtype is returned as is)."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+class _Validated:
+    """Mixin: ``replace`` with a clear error for unknown keys."""
+
+    def replace(self, **overrides: Any) -> Any:
+        """Return a validated copy with ``overrides`` applied.
+
+        Raises:
+            ValueError: If a key is not a field of this config.
+
+        """
+        names = {f.name for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ValueError(
+                f"unknown {type(self).__name__} field(s) {unknown}; valid fields: {sorted(names)}"
+            )
+        return dataclasses.replace(self, **overrides)  # type: ignore[type-var]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the config as plain data (for logs and checkpoints)."""
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass
+class OptimConfig(_Validated):
+    """AdamW + learning-rate schedule + gradient clipping.
+
+    Attributes:
+        lr: Peak learning rate.
+        betas: AdamW betas.
+        weight_decay: AdamW decoupled weight decay (applied to every parameter, as verl does).
+        eps: AdamW epsilon.
+        clip_grad: Max total grad norm; ``None`` or ``<= 0`` disables clipping (the norm is still
+            computed and a non-finite norm still skips the step).
+        lr_scheduler: ``"constant"`` (after warmup) or ``"cosine"`` (warmup then cosine decay to
+            ``min_lr_ratio * lr`` at ``total_training_steps``).
+        warmup_steps: Linear warmup steps; step ``s < warmup_steps`` uses ``lr * (s + 1) / warmup_steps``.
+        total_training_steps: Optimizer steps of the whole run (required by ``"cosine"``).
+        min_lr_ratio: Final lr of the cosine schedule as a fraction of ``lr``.
+
+    """
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.01
+    eps: float = 1e-8
+    clip_grad: float | None = 1.0
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    total_training_steps: int | None = None
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)  # type: ignore[assignment]  # YAML gives lists
+        _check(self.lr >= 0, f"OptimConfig.lr must be >= 0, got {self.lr}")
+        _check(
+            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+            f"OptimConfig.betas must be two numbers in [0, 1), got {self.betas}",
+        )
+        _check(self.weight_decay >= 0, f"OptimConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        _check(self.eps > 0, f"OptimConfig.eps must be > 0, got {self.eps}")
+        _check(
+            self.lr_scheduler in LR_SCHEDULERS,
+            f"OptimConfig.lr_scheduler={self.lr_scheduler!r}; choose one of {LR_SCHEDULERS}",
+        )
+        _check(self.warmup_steps >= 0, f"OptimConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(
+            0.0 <= self.min_lr_ratio <= 1.0,
+            f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}",
+        )
+        if self.lr_scheduler == "cosine":
+            _check(
+                self.total_training_steps is not None and self.total_training_steps > self.warmup_steps,
+                f"lr_scheduler='cosine' needs total_training_steps > warmup_steps "
+                f"(got total_training_steps={self.total_training_steps}, "
+                f"warmup_steps={self.warmup_steps}); set OptimConfig.total_training_steps to the number "
+                f"of optimizer steps of the run, or use lr_scheduler='constant'",
+            )
+
+    @property
+    def clipping_enabled(self) -> bool:
+        """True when ``clip_grad`` is a positive number."""
+        return self.clip_grad is not None and self.clip_grad > 0
+
+
+@dataclass
+class EngineConfig(_Validated):
+    """What an engine builds and how it runs (model, parallelism, micro-batching, offload, precision).
+
+    Attributes:
+        model_path: Directory of a HF model (``from_pretrained``).
+        micro_batch_size_per_gpu: Samples per micro-batch in fixed mode.
+        use_dynamic_bsz: Plan micro-batches by a token budget instead of a fixed sample count.
+        max_token_len_per_gpu: Token budget per micro-batch in dynamic mode (× sp size).
+        ulysses_sequence_parallel_size: SP degree; the device mesh is ``(dp, sp)`` with
+            ``dp = world_size // sp``; DP collectives and denominators use the dp group only.
+        param_offload: Keep parameters (and their gradients) on CPU between phases; the mode
+            contexts load them onto the device on enter and offload them again on exit.
+        optimizer_offload: Keep optimizer state on CPU between train phases.
+        param_dtype: Compute dtype of parameters (mixed precision).
+        reduce_dtype: Dtype of gradient reduction.
+        model_dtype: Dtype the (master) weights are loaded and kept in.
+        seed: Seed set on every rank before the model is built.
+        reshard_after_forward: FSDP: free gathered params after forward (ZeRO-3 style).
+        fsdp_cpu_offload: FSDP's own CPU offload (``CPUOffloadPolicy`` / ``CPUOffload``).
+        wrap_modules: Class names wrapped/sharded one by one; default: the model's
+            ``_no_split_modules`` (its decoder layer).
+        enable_gradient_checkpointing: Recompute activations in backward.
+        zero_stage: DeepSpeed ZeRO stage (1, 2 or 3).
+        deepspeed_config: Extra raw DeepSpeed config merged over the generated one.
+        temperature: Logits are divided by it before log-probs / entropy (the rollout temperature).
+        strategy_kwargs: Extra backend-specific options (free-form, for plug-in backends).
+
+    """
+
+    model_path: str = ""
+    micro_batch_size_per_gpu: int = 1
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: int | None = None
+    ulysses_sequence_parallel_size: int = 1
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    model_dtype: str = "float32"
+    seed: int = 42
+    reshard_after_forward: bool = True
+    fsdp_cpu_offload: bool = False
+    wrap_modules: list[str] | None = None
+    enable_gradient_checkpointing: bool = False
+    zero_stage: int = 2
+    deepspeed_config: dict[str, Any] = field(default_factory=dict)
+    temperature: float = 1.0
+    strategy_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.micro_batch_size_per_gpu >= 1,
+            f"EngineConfig.micro_batch_size_per_gpu must be >= 1, got {self.micro_batch_size_per_gpu}",
+        )
+        if self.use_dynamic_bsz:
+            _check(
+                self.max_token_len_per_gpu is not None and self.max_token_len_per_gpu > 0,
+                f"use_dynamic_bsz=True needs max_token_len_per_gpu > 0, got "
+                f"{self.max_token_len_per_gpu}; set EngineConfig.max_token_len_per_gpu",
+            )
+        _check(
+            self.ulysses_sequence_parallel_size >= 1,
+            f"EngineConfig.ulysses_sequence_parallel_size must be >= 1, got "
+            f"{self.ulysses_sequence_parallel_size}",
+        )
+        for name in ("param_dtype", "reduce_dtype", "model_dtype"):
+            try:
+                to_dtype(getattr(self, name))
+            except ValueError as e:
+                raise ValueError(f"EngineConfig.{name}: {e}") from None
+        _check(
+            self.zero_stage in (1, 2, 3),
+            f"EngineConfig.zero_stage must be 1, 2 or 3, got {self.zero_stage}",
+        )
+        _check(self.temperature > 0, f"EngineConfig.temperature must be > 0, got {self.temperature}")
+
+    def dp_size(self, world_size: int) -> int:
+        """Data-parallel size for ``world_size`` ranks.
+
+        Raises:
+            ValueError: If ``world_size`` is not a multiple of the SP size.
+
+        """
+        sp = self.ulysses_sequence_parallel_size
+        if world_size % sp:
+            raise ValueError(
+                f"world_size={world_size} is not divisible by ulysses_sequence_parallel_size={sp}; "
+                f"choose an SP size that divides the number of ranks"
+            )
+        return world_size // sp

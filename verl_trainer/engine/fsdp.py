@@ -1,0 +1,166 @@
+"""FSDP engines: ``fsdp2`` (``fully_shard`` on a DeviceMesh) and ``fsdp`` (FSDP1), one implementation.
+
+:class:`FSDPEngine` composes the shared parts (topology, micro-batch loop, optimizer, DCP checkpoints)
+and adds only what is FSDP-specific: wrapping, gradient-sync control (FSDP2
+``set_requires_gradient_sync``, FSDP1 ``no_sync``), FSDP1's grad clipping, parameter offload, and the
+export of full tensors. :class:`FSDPLanguageModelEngine` and :class:`FSDPValueModelEngine` add the model
+type and are registered for cpu, cuda and npu.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from verl_trainer.engine.base import BaseEngine
+from verl_trainer.engine.checkpoint import DCPCheckpointMixin
+from verl_trainer.engine.compute import MicroBatchComputeMixin
+from verl_trainer.engine.config import EngineConfig, OptimConfig
+from verl_trainer.engine.heads import LanguageModelMixin, ValueModelMixin
+from verl_trainer.engine.offload import move_grads, move_module, move_optimizer_state
+from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler, build_optimizer
+from verl_trainer.engine.parallelize import apply_fsdp1, apply_fsdp2
+from verl_trainer.engine.registry import EngineRegistry
+from verl_trainer.engine.topology import TopologyMixin, build_topology
+
+FSDP_BACKENDS = ("fsdp", "fsdp2")
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Return the unsharded value of a state-dict entry (DTensor or plain); a collective for DTensors."""
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    return t
+
+
+class FSDPEngine(
+    TopologyMixin, MicroBatchComputeMixin, OptimizerMixin, DCPCheckpointMixin, BaseEngine
+):
+    """FSDP1 / FSDP2 engine; the model type comes from a mixin (see the registered subclasses).
+
+    Args:
+        config: Engine config.
+        optim_config: Optimizer config; ``None`` builds an inference-only engine.
+        backend: ``"fsdp2"`` (default) or ``"fsdp"`` (FSDP1).
+        **config_overrides: ``EngineConfig`` fields to override.
+
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        optim_config: OptimConfig | None = None,
+        *,
+        backend: str = "fsdp2",
+        **config_overrides: Any,
+    ) -> None:
+        super().__init__(config, optim_config, backend=backend, **config_overrides)
+        if backend not in FSDP_BACKENDS:
+            raise ValueError(f"FSDPEngine backend must be one of {FSDP_BACKENDS}, got {backend!r}")
+        if self.config.param_offload and self.config.fsdp_cpu_offload:
+            raise ValueError(
+                "param_offload (offload between phases) and fsdp_cpu_offload (FSDP keeps params on "
+                "CPU all the time) exclude each other; enable one of them"
+            )
+
+    @property
+    def is_fsdp1(self) -> bool:
+        """True for the FSDP1 wrapper (``backend="fsdp"``)."""
+        return self.backend == "fsdp"
+
+    # ----------------------------------------------------------------------------------- lifecycle
+    def initialize(self) -> None:
+        """Load the HF model, shard it, build AdamW + LR schedule; a collective, idempotent."""
+        if self.initialized:
+            return
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"{type(self).__name__} ({self.backend}) needs an initialised process group; "
+                f"call torch.distributed.init_process_group (or use Trainer / torchrun) first"
+            )
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(self.config.seed)
+        self.topology = build_topology(self.config, self.device.type)
+        model = self.load_hf_model()  # type: ignore[attr-defined]  (model-type part)
+        if self.config.enable_gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        mesh = self.topology.shard_mesh
+        if self.is_fsdp1:
+            self.module = apply_fsdp1(model, mesh, self.config, self.device)
+        else:
+            self.module = apply_fsdp2(model, mesh, self.config)
+        if self.optim_config is not None:
+            self.optimizer = build_optimizer(self.module.parameters(), self.optim_config)
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim_config)
+        self.initialized = True
+        if self.config.param_offload:
+            self.to("cpu", model=True, optimizer=False, grad=False)
+
+    def to(
+        self, device: str | torch.device, model: bool = True, optimizer: bool = True, grad: bool = True
+    ) -> None:
+        """Move parameters / optimizer state / gradients to ``device``.
+
+        Parameters under FSDP's own CPU offload (``fsdp_cpu_offload``) stay where FSDP keeps them.
+        """
+        if model and not self.config.fsdp_cpu_offload:
+            move_module(self.module, device, fsdp1=self.is_fsdp1)
+        if grad and not self.config.fsdp_cpu_offload:
+            move_grads(self.module, device)
+        if optimizer:
+            move_optimizer_state(self.optimizer, device)
+
+    # ------------------------------------------------------------------------------------- compute
+    def _grad_sync_context(self, is_last: bool) -> contextlib.AbstractContextManager:
+        """FSDP2: reduce-scatter only on the last micro-batch; FSDP1: ``no_sync`` on the others."""
+        assert self.module is not None
+        if self.is_fsdp1:
+            return contextlib.nullcontext() if is_last else self.module.no_sync()
+        self.module.set_requires_gradient_sync(is_last)
+        return contextlib.nullcontext()
+
+    def _clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """FSDP1 has its own ``clip_grad_norm_`` (flat parameters); FSDP2 uses the DTensor-aware one."""
+        if self.is_fsdp1:
+            clip = float("inf") if max_norm is None else float(max_norm)
+            return self.module.clip_grad_norm_(clip).detach().cpu()  # type: ignore[union-attr,operator]
+        return super()._clip_grad_norm(max_norm)
+
+    # ------------------------------------------------------------------------------- weight export
+    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, full_tensor)`` one at a time (each gathered when reached); a collective.
+
+        Loadable into a plain transformers model with ``load_state_dict``. Offloaded parameters are
+        loaded for the export and offloaded again afterwards.
+        """
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        offloaded = self.config.param_offload and self.mode is None
+        if offloaded:
+            self.to(self.device, model=True, optimizer=False, grad=False)
+        try:
+            for name, value in get_model_state_dict(self.module).items():
+                yield name, full_tensor(value).detach()
+        finally:
+            if offloaded:
+                self.to("cpu", model=True, optimizer=False, grad=False)
+
+
+@EngineRegistry.register(
+    model_type="language_model", backend=list(FSDP_BACKENDS), device=["cpu", "cuda", "npu"]
+)
+class FSDPLanguageModelEngine(LanguageModelMixin, FSDPEngine):
+    """FSDP engine for a causal LM: outputs ``log_probs`` (+ ``entropy``)."""
+
+
+@EngineRegistry.register(
+    model_type="value_model", backend=list(FSDP_BACKENDS), device=["cpu", "cuda", "npu"]
+)
+class FSDPValueModelEngine(ValueModelMixin, FSDPEngine):
+    """FSDP engine for a value model: outputs ``values``."""

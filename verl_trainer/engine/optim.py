@@ -1,0 +1,151 @@
+"""Optimizer part: AdamW and the LR schedule built from :class:`OptimConfig`, and the step logic.
+
+:class:`OptimizerMixin` gives an engine ``optimizer_zero_grad``, ``optimizer_step`` (clip; a non-finite
+total grad norm zeroes the grads and skips the step) and ``lr_scheduler_step``. Backends override
+:meth:`OptimizerMixin._clip_grad_norm` (e.g. FSDP1's own ``clip_grad_norm_``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from verl_trainer.engine.config import OptimConfig
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over ``params`` (weight decay on every parameter, as verl does).
+
+    Args:
+        params: Trainable parameters (plain or DTensor).
+        config: Optimizer config.
+
+    """
+    return torch.optim.AdamW(
+        [p for p in params if p.requires_grad],
+        lr=config.lr,
+        betas=tuple(config.betas),
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+    )
+
+
+class WarmupSchedule:
+    """LR multiplier: linear warmup, then constant or cosine decay to ``min_lr_ratio``.
+
+    A callable object with plain attributes, so ``LambdaLR.state_dict()`` stores them as plain data.
+
+    Args:
+        warmup_steps: Steps ``s < warmup_steps`` get ``(s + 1) / warmup_steps``.
+        kind: ``"constant"`` or ``"cosine"``.
+        total_steps: Last step of the cosine decay (``None`` for constant).
+        min_lr_ratio: Floor of the cosine decay.
+
+    """
+
+    def __init__(
+        self, warmup_steps: int, kind: str, total_steps: int | None = None, min_lr_ratio: float = 0.0
+    ) -> None:
+        self.warmup_steps = int(warmup_steps)
+        self.kind = str(kind)
+        self.total_steps = None if total_steps is None else int(total_steps)
+        self.min_lr_ratio = float(min_lr_ratio)
+
+    def __call__(self, step: int) -> float:
+        """Multiplier of the peak lr at scheduler step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind == "constant" or self.total_steps is None:
+            return 1.0
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig) -> LambdaLR:
+    """Build the ``LambdaLR`` of :class:`WarmupSchedule` for ``config``."""
+    schedule = WarmupSchedule(
+        config.warmup_steps, config.lr_scheduler, config.total_training_steps, config.min_lr_ratio
+    )
+    return LambdaLR(optimizer, schedule)
+
+
+def total_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Total L2 norm of the gradients (over all shards for DTensor grads), clipping to ``max_norm``.
+
+    Args:
+        parameters: Parameters whose ``.grad`` count.
+        max_norm: Clip threshold; ``None`` only measures.
+
+    Returns:
+        A plain scalar tensor (the norm before clipping).
+
+    """
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    clip = float("inf") if max_norm is None else float(max_norm)
+    norm = torch.nn.utils.clip_grad_norm_(params, clip, error_if_nonfinite=False, foreach=None)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm
+
+
+class OptimizerMixin:
+    """``optimizer_zero_grad`` / ``optimizer_step`` / ``lr_scheduler_step`` for a torch optimizer.
+
+    Attributes read: ``optimizer``, ``lr_scheduler``, ``optim_config``, ``module``.
+    Attributes written: ``skipped_steps`` (number of steps skipped for a non-finite grad norm).
+    """
+
+    optimizer: torch.optim.Optimizer | None
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    optim_config: OptimConfig | None
+    module: torch.nn.Module | None
+    skipped_steps: int = 0
+
+    def _require_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no optimizer (built without optim_config, or not "
+                f"initialized); pass an OptimConfig and call initialize() first"
+            )
+        return self.optimizer
+
+    def _clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """Total grad norm before clipping; clips in place when ``max_norm`` is given."""
+        assert self.module is not None
+        return total_grad_norm(self.module.parameters(), max_norm)
+
+    def optimizer_zero_grad(self) -> None:
+        """Set every gradient to ``None``."""
+        self._require_optimizer().zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> float:
+        """Clip and step; a non-finite grad norm zeroes the grads and skips the step.
+
+        Returns:
+            The total grad norm before clipping (``nan``/``inf`` when the step was skipped).
+
+        """
+        optimizer = self._require_optimizer()
+        cfg = self.optim_config
+        max_norm = cfg.clip_grad if cfg is not None and cfg.clipping_enabled else None
+        norm = float(self._clip_grad_norm(max_norm))
+        if not math.isfinite(norm):
+            optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            return norm
+        optimizer.step()
+        return norm
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the schedule one step; returns the new learning rate."""
+        optimizer = self._require_optimizer()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return float(optimizer.param_groups[0]["lr"])

@@ -1,0 +1,189 @@
+"""``EngineRegistry``: engines keyed on (model_type, backend, device, vendor).
+
+Registration is a class decorator whose arguments each take a string or a list; one call registers the
+whole product::
+
+    @EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"],
+                             device=["cuda", "npu", "cpu"])
+    class FSDPLanguageModelEngine(...): ...
+
+Aliases are entries with preset constructor arguments (``preset={"zero_stage": 3}``). Lookup
+(:meth:`EngineRegistry.get_engine_cls`) detects the device and vendor, applies the env overrides
+``VERL_ENGINE_DEVICE`` / ``VERL_ENGINE_VENDOR`` and tries (1) the exact (device, vendor), (2) the device
+alone (``vendor=None``), (3) for ``cuda`` with a vendor other than ``nvidia``, (``cuda``, ``nvidia``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from verl_trainer.utils.device import detect_device_and_vendor
+from verl_trainer.utils.registry import Registry, as_list
+
+T = TypeVar("T", bound=type)
+
+MODEL_TYPES = ("language_model", "value_model")
+
+# backend name prefix -> (python package it needs, pip extra that installs it)
+BACKEND_PACKAGES: dict[str, tuple[str, str]] = {
+    "deepspeed": ("deepspeed", "deepspeed"),
+    "megatron": ("megatron.core", "megatron"),
+}
+
+EngineKey = tuple[str, str, str, "str | None"]
+
+
+class MissingBackendError(ValueError, ImportError):
+    """The asked backend needs a package that is not installed (the message names the extra)."""
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """One registry entry: the engine class and the constructor arguments its alias presets."""
+
+    cls: type
+    preset: dict[str, Any] = field(default_factory=dict)
+
+
+def _missing_package(backend: str) -> tuple[str, str] | None:
+    """(package, extra) when ``backend`` needs a package that is not importable, else ``None``."""
+    for prefix, (package, extra) in BACKEND_PACKAGES.items():
+        if backend == prefix or backend.startswith(prefix + "_"):
+            try:
+                found = importlib.util.find_spec(package) is not None
+            except (ImportError, ValueError):
+                found = False
+            return None if found else (package, extra)
+    return None
+
+
+class EngineRegistry:
+    """Class-level registry of engine classes (no instances needed)."""
+
+    _registry: Registry[EngineEntry] = Registry("engine")
+
+    @classmethod
+    def register(
+        cls,
+        model_type: str | Iterable[str],
+        backend: str | Iterable[str],
+        device: str | Iterable[str],
+        vendor: str | Iterable[str] | None = None,
+        preset: dict[str, Any] | None = None,
+    ) -> Callable[[T], T]:
+        """Class decorator registering the engine for every combination of the arguments.
+
+        Args:
+            model_type: ``"language_model"`` / ``"value_model"`` or a list.
+            backend: Backend name(s), e.g. ``["fsdp", "fsdp2"]``.
+            device: ``"cpu"``, ``"cuda"``, ``"npu"`` or a list.
+            vendor: Vendor(s) (``"nvidia"``, ``"amd"``, ...) or ``None`` for "any vendor of the device".
+            preset: Constructor keyword arguments :meth:`new` passes (aliases such as
+                ``deepspeed_stage_3`` preset ``{"zero_stage": 3}``).
+
+        Raises:
+            ValueError: If one of the combinations is already registered.
+
+        """
+        keys = [
+            (m, b, d, v)
+            for m in as_list(model_type)
+            for b in as_list(backend)
+            for d in as_list(device)
+            for v in as_list(vendor)
+        ]
+        for key in keys:
+            if None in key[:3]:
+                raise ValueError(f"model_type, backend and device must be given, got {key}")
+
+        def deco(engine_cls: T) -> T:
+            taken = [k for k in keys if k in cls._registry]
+            if taken:
+                raise ValueError(
+                    f"engine {taken[0]} is already registered (by "
+                    f"{cls._registry.get(taken[0]).cls.__qualname__}); pick another backend name or "
+                    f"unregister the earlier engine first"
+                )
+            for key in keys:
+                cls._registry.add(key, EngineEntry(engine_cls, dict(preset or {})))
+            return engine_cls
+
+        return deco
+
+    @classmethod
+    def unregister(cls, model_type: str, backend: str, device: str, vendor: str | None = None) -> None:
+        """Remove one entry (for tests and plugins)."""
+        cls._registry.remove((model_type, backend, device, vendor))
+
+    @classmethod
+    def registered(cls) -> list[EngineKey]:
+        """Every registered (model_type, backend, device, vendor), in registration order."""
+        return list(cls._registry.keys())  # type: ignore[arg-type]
+
+    @staticmethod
+    def _ensure_builtin_engines() -> None:
+        importlib.import_module("verl_trainer.engine")
+
+    @classmethod
+    def get_entry(cls, model_type: str, backend: str) -> EngineEntry:
+        """Look up the entry for ``(model_type, backend)`` on this machine's device and vendor.
+
+        Raises:
+            MissingBackendError: If the backend's package is not installed.
+            ValueError: If nothing matches; the message lists every registered entry.
+
+        """
+        cls._ensure_builtin_engines()
+        device, vendor = detect_device_and_vendor()
+        candidates: list[EngineKey] = [(model_type, backend, device, vendor)]
+        if vendor is not None:
+            candidates.append((model_type, backend, device, None))
+        if device == "cuda" and vendor != "nvidia":
+            candidates.append((model_type, backend, "cuda", "nvidia"))
+        for key in candidates:
+            if key in cls._registry:
+                return cls._registry.get(key)
+        missing = _missing_package(backend)
+        if missing is not None:
+            package, extra = missing
+            raise MissingBackendError(
+                f"engine backend {backend!r} needs the package {package!r}, which is not installed; "
+                f"install it with `pip install 'verl-trainer[{extra}]'`"
+            )
+        listing = "\n  ".join(
+            f"(model_type={k[0]!r}, backend={k[1]!r}, device={k[2]!r}, vendor={k[3]!r})"
+            for k in cls.registered()
+        ) or "(none)"
+        raise ValueError(
+            f"no engine registered for model_type={model_type!r}, backend={backend!r} on "
+            f"device={device!r}, vendor={vendor!r} (tried {candidates}). Registered engines:\n  {listing}\n"
+            f"Pick one of these, or set VERL_ENGINE_DEVICE / VERL_ENGINE_VENDOR to override detection."
+        )
+
+    @classmethod
+    def get_engine_cls(cls, model_type: str, backend: str) -> type:
+        """Return the engine class for ``(model_type, backend)`` on this device (see :meth:`get_entry`)."""
+        return cls.get_entry(model_type, backend).cls
+
+    @classmethod
+    def new(cls, model_type: str, backend: str, *args: Any, **kwargs: Any) -> Any:
+        """Build the engine: ``engine_cls(*args, backend=backend, **preset, **kwargs)``.
+
+        Raises:
+            ValueError: If ``kwargs`` contradicts the alias's preset (e.g. ``zero_stage=2`` for
+                ``deepspeed_stage_3``).
+
+        """
+        entry = cls.get_entry(model_type, backend)
+        for key, value in entry.preset.items():
+            if key in kwargs and kwargs[key] != value:
+                raise ValueError(
+                    f"backend {backend!r} presets {key}={value!r}, but {key}={kwargs[key]!r} was passed; "
+                    f"drop the argument or choose a backend without that preset"
+                )
+        merged = {"backend": backend, **entry.preset, **kwargs}
+        return entry.cls(*args, **merged)
