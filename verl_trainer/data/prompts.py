@@ -1,0 +1,328 @@
+"""RL prompt data: verl-style parquet/jsonl files, a tokenising dataset, and the prompt batch.
+
+**File format** (verl's): one row per prompt with the columns
+
+* ``prompt``: a string, or a chat list ``[{"role": "user", "content": "..."}, ...]``;
+* ``reward_model``: ``{"style": "rule", "ground_truth": ...}`` — or the flattened column
+  ``reward_model.ground_truth`` (pandas ``json_normalize`` style), or a top-level ``ground_truth``;
+* ``data_source``: the task name a reward function may dispatch on;
+* ``extra_info`` (optional): a dict passed on to the reward function.
+
+Parquet is read with pyarrow (no ``datasets`` dependency), jsonl with ``json``. :func:`load_prompts`
+normalises every row to a *record* ``{"prompt", "ground_truth", "data_source", "extra_info", "index"}``.
+
+**Prompt batch** (what :meth:`verl_trainer.rollout.BaseRollout.generate` takes): a ``TensorDict`` with
+``batch_size=[B]`` built by :func:`collate_prompts`:
+
+* ``prompts`` ``[B, P]`` long, **left**-padded prompt token ids (schema key ``prompts``);
+* ``prompt_len`` ``[B]`` long; ``uid`` ``[B]`` long (the record's ``index``: the group id of its samples);
+* non-tensor entries (``tensordict.NonTensorStack``, one Python object per sample, they follow
+  indexing/``torch.cat``): ``ground_truth``, ``data_source``, ``extra_info``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import NonTensorStack, TensorDict
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from verl_trainer.data import schema
+
+GROUND_TRUTH = "ground_truth"
+DATA_SOURCE = "data_source"
+EXTRA_INFO = "extra_info"
+NON_TENSOR_KEYS = (GROUND_TRUTH, DATA_SOURCE, EXTRA_INFO)
+"""Per-sample Python objects carried in prompt and rollout batches as ``NonTensorStack`` entries."""
+
+TRUNCATION_MODES = ("error", "left", "right", "filter")
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The raw rows of a ``.parquet`` (pyarrow), ``.jsonl`` or ``.json`` file, as dicts."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix in (".parquet", ".pq"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if suffix in (".jsonl", ".json"):
+        text = path.read_text(encoding="utf-8")
+        if suffix == ".json" and text.lstrip().startswith("["):
+            return list(json.loads(text))
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    raise ValueError(f"cannot read prompts from {str(path)!r}: use a .parquet, .jsonl or .json file")
+
+
+def _ground_truth(row: Mapping[str, Any], where: str) -> Any:
+    reward_model = row.get("reward_model")
+    if isinstance(reward_model, Mapping) and GROUND_TRUTH in reward_model:
+        return reward_model[GROUND_TRUTH]
+    for key in (f"reward_model.{GROUND_TRUTH}", GROUND_TRUTH):
+        if key in row:
+            return row[key]
+    raise ValueError(
+        f"{where} has no ground truth: expected reward_model.ground_truth (nested or flattened) or "
+        f"ground_truth; columns present: {sorted(row)}"
+    )
+
+
+def _check_prompt(prompt: Any, where: str) -> str | list[dict[str, str]]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Sequence) and all(
+        isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt
+    ):
+        return [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+    raise ValueError(
+        f"{where}: prompt must be a string or a chat list of {{'role', 'content'}} dicts, got {prompt!r}"
+    )
+
+
+def normalize_record(row: Mapping[str, Any], index: int, prompt_key: str = "prompt",
+                     default_data_source: str = "unknown") -> dict[str, Any]:
+    """Normalise one verl-style row to a record.
+
+    Args:
+        row: A row of a prompt file (see the module docstring).
+        index: Its position in the file; becomes the record's ``index`` (the ``uid`` of its samples).
+        prompt_key: Column holding the prompt.
+        default_data_source: Used when the row has no ``data_source``.
+
+    Returns:
+        ``{"prompt", "ground_truth", "data_source", "extra_info", "index"}``.
+
+    """
+    where = f"prompt row {index}"
+    if prompt_key not in row:
+        raise ValueError(f"{where} has no {prompt_key!r} column; columns present: {sorted(row)}")
+    extra = row.get(EXTRA_INFO)
+    return {
+        "prompt": _check_prompt(row[prompt_key], where),
+        GROUND_TRUTH: _ground_truth(row, where),
+        DATA_SOURCE: str(row.get(DATA_SOURCE) or default_data_source),
+        EXTRA_INFO: dict(extra) if isinstance(extra, Mapping) else {},
+        "index": index,
+    }
+
+
+def load_prompts(path: str | Path, prompt_key: str = "prompt",
+                 default_data_source: str = "unknown") -> list[dict[str, Any]]:
+    """Read a verl-style prompt file (parquet or jsonl) into normalised records.
+
+    Args:
+        path: ``.parquet`` / ``.pq`` (pyarrow), ``.jsonl`` (one JSON object a line) or ``.json``.
+        prompt_key: Column holding the prompt.
+        default_data_source: Used for rows without ``data_source``.
+
+    Returns:
+        One record per row, ``index`` = row number (see :func:`normalize_record`).
+
+    """
+    rows = read_rows(Path(path))
+    return [normalize_record(row, i, prompt_key, default_data_source) for i, row in enumerate(rows)]
+
+
+def to_verl_row(prompt: str | list[dict[str, str]], ground_truth: Any, data_source: str,
+                extra_info: Mapping[str, Any] | None = None, ability: str = "math") -> dict[str, Any]:
+    """One row in verl's column layout (``reward_model`` nested, style ``"rule"``)."""
+    return {
+        DATA_SOURCE: data_source,
+        "prompt": prompt,
+        "ability": ability,
+        "reward_model": {"style": "rule", GROUND_TRUTH: ground_truth},
+        EXTRA_INFO: dict(extra_info or {}),
+    }
+
+
+def save_rows(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """Write rows to ``.parquet`` (pyarrow) or ``.jsonl``; parent directories are created.
+
+    Parquet columns are typed: every row needs the same kind of prompt (string or chat list), and dict
+    columns read back with every key of any row (``None`` where a row lacked it).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    suffix = path.suffix.lower()
+    if suffix in (".parquet", ".pq"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            table = pa.Table.from_pylist([dict(r) for r in rows])
+        except (pa.ArrowTypeError, pa.ArrowInvalid) as err:
+            raise ValueError(
+                f"cannot write these rows to parquet ({err}): a parquet column holds one type, so every "
+                "row needs the same kind of prompt (all strings or all chat lists) and extra_info values "
+                "of one type per key; write .jsonl instead, or make the rows uniform"
+            ) from err
+        pq.write_table(table, path)
+    elif suffix == ".jsonl":
+        with path.open("w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    else:
+        raise ValueError(f"cannot write {str(path)!r}: use a .parquet or .jsonl file")
+    return path
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]],
+                  chat_template: bool | None = None) -> list[int]:
+    """Tokenise a prompt to ids (no special tokens added beyond what the chat template writes).
+
+    Args:
+        tokenizer: A transformers tokenizer.
+        prompt: Plain text, or a chat list.
+        chat_template: ``None``: chat lists go through the tokenizer's chat template (with the generation
+            prompt), strings are encoded as they are. ``True``: a string is wrapped as one user message
+            first. ``False``: a chat list is joined as ``"role: content"`` lines.
+
+    Returns:
+        The token ids.
+
+    """
+    use_template = isinstance(prompt, list) if chat_template is None else chat_template
+    if use_template:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat_template; pass chat_template=False")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        text = prompt if isinstance(prompt, str) else "".join(
+            f"{m['role']}: {m['content']}\n" for m in prompt
+        )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class PromptDataset(Dataset):
+    """Tokenised prompts with their reward data; items are dicts, batches come from :meth:`collate`.
+
+    Prompts are tokenised once, at construction.
+
+    Args:
+        source: A prompt file path (see :func:`load_prompts`) or a list of records.
+        tokenizer: A transformers tokenizer.
+        max_prompt_length: Longest prompt in tokens.
+        truncation: What to do with a longer prompt: ``"error"``, ``"left"`` (keep the end),
+            ``"right"`` (keep the start) or ``"filter"`` (drop the row).
+        chat_template: See :func:`encode_prompt`.
+
+    """
+
+    def __init__(self, source: str | Path | Sequence[Mapping[str, Any]], tokenizer: Any,
+                 max_prompt_length: int = 512, truncation: str = "error",
+                 chat_template: bool | None = None) -> None:
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"truncation={truncation!r}; choose one of {TRUNCATION_MODES}")
+        records = load_prompts(source) if isinstance(source, (str, Path)) else list(source)
+        self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        self.max_prompt_length = max_prompt_length
+        self.items: list[dict[str, Any]] = []
+        for rec in records:
+            ids = encode_prompt(tokenizer, rec["prompt"], chat_template)
+            if len(ids) > max_prompt_length:
+                if truncation == "error":
+                    raise ValueError(
+                        f"prompt {rec.get('index')} has {len(ids)} tokens > max_prompt_length="
+                        f"{max_prompt_length}; raise the limit or set truncation='left'/'right'/'filter'"
+                    )
+                if truncation == "filter":
+                    continue
+                ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
+            reward_data = {k: rec[k] for k in NON_TENSOR_KEYS}
+            self.items.append({"input_ids": ids, **reward_data, "index": rec["index"]})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.items[i]
+
+    def collate(self, items: Sequence[Mapping[str, Any]]) -> TensorDict:
+        """:func:`collate_prompts` with this dataset's pad id (use as a DataLoader ``collate_fn``)."""
+        return collate_prompts(items, self.pad_token_id)
+
+
+def collate_prompts(items: Sequence[Mapping[str, Any]], pad_token_id: int = 0) -> TensorDict:
+    """Build a prompt batch from dataset items.
+
+    Args:
+        items: Dicts with ``input_ids`` (list of ints), ``index`` and, optionally, ``ground_truth``,
+            ``data_source``, ``extra_info``.
+        pad_token_id: Id written at the (left) padding positions.
+
+    Returns:
+        ``TensorDict`` [B]: ``prompts`` [B, P] left-padded, ``prompt_len`` [B], ``uid`` [B] (= index),
+        and the non-tensor entries (see the module docstring).
+
+    """
+    b = len(items)
+    lens = [len(it["input_ids"]) for it in items]
+    if b and min(lens) == 0:
+        raise ValueError("an empty prompt cannot be generated from; every prompt needs >= 1 token")
+    width = max(lens, default=0)
+    prompts = torch.full((b, width), pad_token_id, dtype=torch.long)
+    for i, it in enumerate(items):
+        if lens[i]:
+            prompts[i, width - lens[i]:] = torch.as_tensor(list(it["input_ids"]), dtype=torch.long)
+    batch = TensorDict(
+        {
+            schema.PROMPTS: prompts,
+            schema.PROMPT_LEN: torch.tensor(lens, dtype=torch.long),
+            schema.UID: torch.tensor([int(it.get("index", i)) for i, it in enumerate(items)]).long(),
+        },
+        batch_size=[b],
+    )
+    defaults = {GROUND_TRUTH: None, DATA_SOURCE: "unknown", EXTRA_INFO: {}}
+    for key, default in defaults.items():
+        batch[key] = NonTensorStack.from_list([it.get(key, default) for it in items])
+    return batch
+
+
+def prompt_token_lists(batch: TensorDict) -> list[list[int]]:
+    """The prompts of a prompt batch without their left padding, as id lists."""
+    prompts, lens = batch[schema.PROMPTS], batch[schema.PROMPT_LEN].tolist()
+    width = prompts.shape[1]
+    return [prompts[i, width - n:].tolist() for i, n in enumerate(lens)]
+
+
+def non_tensor_list(batch: TensorDict, key: str) -> list[Any]:
+    """The per-sample Python objects under a non-tensor ``key``, as a plain list of length ``B``.
+
+    Works for a ``NonTensorStack`` (one object per sample) and a ``NonTensorData`` (one object shared
+    by every sample, e.g. set with ``batch.set_non_tensor``).
+    """
+    values = batch.get(key).tolist()
+    return values if isinstance(values, list) else [values] * batch.batch_size[0]
+
+
+def non_tensor_lists(batch: TensorDict, keys: Sequence[str] = NON_TENSOR_KEYS) -> dict[str, list[Any]]:
+    """:func:`non_tensor_list` for each of ``keys`` present in ``batch``."""
+    return {k: non_tensor_list(batch, k) for k in keys if k in batch.keys()}
+
+
+def make_prompt_dataloader(dataset: PromptDataset, batch_size: int, shuffle: bool = True, seed: int = 0,
+                           drop_last: bool = True, rank: int = 0, world_size: int = 1) -> DataLoader:
+    """A DataLoader of prompt batches; with ``world_size > 1`` each rank gets its shard.
+
+    Args:
+        dataset: The prompts.
+        batch_size: Prompts per batch **per rank** (before ``n`` samples each).
+        shuffle: Shuffle every epoch (call ``loader.sampler.set_epoch(e)`` when sharded).
+        seed: Shuffle seed (the same on every rank).
+        drop_last: Drop the last incomplete batch (keeps every step's batch the same size).
+        rank: This process's data-parallel rank.
+        world_size: Data-parallel size.
+
+    Returns:
+        A ``DataLoader`` yielding prompt batches (see :func:`collate_prompts`).
+
+    """
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                                 drop_last=drop_last)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+                      collate_fn=dataset.collate)

@@ -1,0 +1,208 @@
+"""A synthetic arithmetic task for the default runs: prompt files for RL, examples for an SFT warm start.
+
+Problems are ``"{a}{op}{b}="`` with the integer result as the answer (``"3+4="`` -> ``"7"``); the
+character tokenizer makes this one token per character. The default — single-digit addition, 100
+distinct problems — is what the tiny model (2 layers, hidden 64) learns on CPU in seconds: measured
+here, full-batch SFT with AdamW lr 3e-3 reaches ~15% greedy accuracy after 25 steps, ~60% after 50 and
+100% after ~100 (about 2 s); holding 20% of the problems out, the held-out accuracy reaches ~90%. Operands
+up to 19 (400 problems) take ~300 steps. For a GRPO demo, warm-start with a *short* SFT (format learned,
+accuracy well below 100%) so the reward has room to rise.
+
+Files use verl's columns (see :mod:`verl_trainer.data.prompts`): ``prompt`` (a string, or a chat list
+with ``chat=True``), ``reward_model.ground_truth`` (the answer as a string), ``data_source``
+(``"arithmetic"``), ``extra_info`` (split, index, question, answer). SFT files hold ``prompt`` and
+``response`` (the answer text; the eos is appended at tokenisation). Everything is deterministic given
+the seed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch.utils.data import Dataset
+
+from verl_trainer.data.packing import make_batch
+from verl_trainer.data.prompts import encode_prompt, read_rows, save_rows, to_verl_row
+
+OPERATIONS = ("+", "-", "*")
+
+
+@dataclass
+class ArithmeticTaskConfig:
+    """What problems to generate.
+
+    Attributes:
+        num_train: Training rows (drawn with replacement from the training problems).
+        num_val: Validation rows (without replacement while the pool lasts).
+        min_operand: Smallest operand.
+        max_operand: Largest operand (inclusive).
+        operations: Any of ``"+"``, ``"-"``, ``"*"``.
+        holdout_fraction: Fraction of the distinct problems kept out of training; validation draws
+            from them. 0: validation draws from the same problems as training.
+        chat: Write prompts as a one-message chat list (``[{"role": "user", "content": "3+4="}]``)
+            instead of the plain string.
+        data_source: The ``data_source`` column.
+        seed: Seed of every random choice.
+
+    """
+
+    num_train: int = 1000
+    num_val: int = 100
+    min_operand: int = 0
+    max_operand: int = 9
+    operations: tuple[str, ...] = ("+",)
+    holdout_fraction: float = 0.0
+    chat: bool = False
+    data_source: str = "arithmetic"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.operations = tuple(self.operations)
+        bad = [op for op in self.operations if op not in OPERATIONS]
+        if bad or not self.operations:
+            raise ValueError(f"operations={self.operations!r}: choose a non-empty subset of {OPERATIONS}")
+        if self.min_operand > self.max_operand:
+            raise ValueError(f"min_operand={self.min_operand} > max_operand={self.max_operand}")
+        if not 0.0 <= self.holdout_fraction < 1.0:
+            raise ValueError(f"holdout_fraction={self.holdout_fraction} must be in [0, 1)")
+        if self.num_train < 0 or self.num_val < 0:
+            raise ValueError(f"num_train={self.num_train} and num_val={self.num_val} must be >= 0")
+
+
+def solve(a: int, op: str, b: int) -> int:
+    """The result of ``a op b``."""
+    return {"+": a + b, "-": a - b, "*": a * b}[op]
+
+
+def all_problems(config: ArithmeticTaskConfig) -> list[tuple[int, str, int]]:
+    """Every distinct ``(a, op, b)``, in a fixed order."""
+    operands = range(config.min_operand, config.max_operand + 1)
+    return [(a, op, b) for op in config.operations for a in operands for b in operands]
+
+
+def _row(problem: tuple[int, str, int], split: str, index: int,
+         config: ArithmeticTaskConfig) -> dict[str, Any]:
+    a, op, b = problem
+    question, answer = f"{a}{op}{b}=", str(solve(a, op, b))
+    prompt: str | list[dict[str, str]] = [{"role": "user", "content": question}] if config.chat else question
+    extra = {"split": split, "index": index, "question": question, "answer": answer}
+    return to_verl_row(prompt, answer, config.data_source, extra)
+
+
+def make_arithmetic_rows(config: ArithmeticTaskConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Generate the train and validation rows (verl columns).
+
+    Returns:
+        ``(train_rows, val_rows)``.
+
+    """
+    rng = random.Random(config.seed)
+    problems = all_problems(config)
+    rng.shuffle(problems)
+    n_hold = int(round(config.holdout_fraction * len(problems)))
+    if config.holdout_fraction > 0 and not 0 < n_hold < len(problems):
+        raise ValueError(
+            f"holdout_fraction={config.holdout_fraction} of {len(problems)} problems leaves no train or no "
+            "validation problems"
+        )
+    train_pool = problems[n_hold:]
+    val_pool = problems[:n_hold] if n_hold else problems
+    train = [rng.choice(train_pool) for _ in range(config.num_train)]
+    if config.num_val <= len(val_pool):
+        val = rng.sample(val_pool, config.num_val)
+    else:
+        val = [rng.choice(val_pool) for _ in range(config.num_val)]
+    return ([_row(p, "train", i, config) for i, p in enumerate(train)],
+            [_row(p, "val", i, config) for i, p in enumerate(val)])
+
+
+def sft_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """SFT rows ``{"prompt", "response"}`` from verl rows: the response is the ground-truth answer."""
+    return [{"prompt": r["prompt"], "response": str(r["reward_model"]["ground_truth"])} for r in rows]
+
+
+def write_arithmetic_task(out_dir: str | Path, config: ArithmeticTaskConfig | None = None,
+                          fmt: str = "jsonl") -> dict[str, Path]:
+    """Write ``train``, ``val`` (RL prompts) and ``sft_train``, ``sft_val`` files to ``out_dir``.
+
+    Args:
+        out_dir: Output directory (created).
+        config: The task; default :class:`ArithmeticTaskConfig()`.
+        fmt: ``"jsonl"`` or ``"parquet"``.
+
+    Returns:
+        ``{"train": path, "val": path, "sft_train": path, "sft_val": path}``.
+
+    """
+    if fmt not in ("jsonl", "parquet"):
+        raise ValueError(f"fmt={fmt!r}; choose 'jsonl' or 'parquet'")
+    config = config or ArithmeticTaskConfig()
+    train, val = make_arithmetic_rows(config)
+    out = Path(out_dir)
+    return {
+        "train": save_rows(train, out / f"train.{fmt}"),
+        "val": save_rows(val, out / f"val.{fmt}"),
+        "sft_train": save_rows(sft_rows(train), out / f"sft_train.{fmt}"),
+        "sft_val": save_rows(sft_rows(val), out / f"sft_val.{fmt}"),
+    }
+
+
+def encode_sft_example(tokenizer: Any, prompt: str | list[dict[str, str]], response: str,
+                       chat_template: bool | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of one SFT example: prompt as the RL prompt dataset encodes it, response + eos.
+
+    Returns:
+        ``(prompt_ids, response_ids)``.
+
+    """
+    prompt_ids = encode_prompt(tokenizer, prompt, chat_template)
+    response_ids = list(tokenizer.encode(response, add_special_tokens=False)) + [int(tokenizer.eos_token_id)]
+    return prompt_ids, response_ids
+
+
+class SFTDataset(Dataset):
+    """Prompt/response pairs tokenised for SFT; :meth:`collate` builds a schema batch.
+
+    Args:
+        source: An SFT file (``.jsonl``/``.parquet`` with ``prompt`` and ``response``) or its rows.
+        tokenizer: A transformers tokenizer (with an eos token).
+        max_length: Longest prompt + response; longer examples raise.
+        chat_template: See :func:`verl_trainer.data.prompts.encode_prompt`.
+
+    """
+
+    def __init__(self, source: str | Path | Sequence[Mapping[str, Any]], tokenizer: Any,
+                 max_length: int = 512, chat_template: bool | None = None) -> None:
+        rows = read_rows(Path(source)) if isinstance(source, (str, Path)) else list(source)
+        self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        self.examples: list[tuple[list[int], list[int]]] = []
+        for i, row in enumerate(rows):
+            if "prompt" not in row or "response" not in row:
+                raise ValueError(f"SFT row {i} needs 'prompt' and 'response' columns; it has {sorted(row)}")
+            p, r = encode_sft_example(tokenizer, row["prompt"], str(row["response"]), chat_template)
+            if len(p) + len(r) > max_length:
+                raise ValueError(f"SFT row {i} has {len(p) + len(r)} tokens > max_length={max_length}")
+            self.examples.append((p, r))
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
+        return self.examples[i]
+
+    def collate(self, items: Sequence[tuple[list[int], list[int]]]) -> TensorDict:
+        """Schema batch (``make_batch``): ``loss_mask`` = 1 on the response tokens (eos included)."""
+        return collate_sft(items, self.pad_token_id)
+
+
+def collate_sft(items: Sequence[tuple[list[int], list[int]]], pad_token_id: int = 0) -> TensorDict:
+    """Build a schema batch from ``(prompt_ids, response_ids)`` pairs (every sample its own uid)."""
+    prompts = [p for p, _ in items]
+    responses = [r for _, r in items]
+    return make_batch(prompts, responses, uids=torch.arange(len(items)), pad_token_id=pad_token_id)

@@ -1,0 +1,97 @@
+"""The reward-function registry, and resolving ``"name"`` / ``"module.path:function"`` to a function.
+
+A reward function follows verl's ``compute_score`` signature, so functions written for verl work here::
+
+    def my_reward(data_source: str, solution_str: str, ground_truth: Any,
+                  extra_info: dict | None = None) -> float | dict:
+        ...
+
+It returns the scalar score of one response, or a dict with a ``"score"`` entry and any other numbers
+to log (e.g. ``"acc"``: logged as ``reward/accuracy``). ``extra_info`` is passed only when the function
+accepts it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from verl_trainer.utils.registry import Registry
+
+RewardFn = Callable[..., float | dict[str, Any]]
+
+REWARD_REGISTRY: Registry[RewardFn] = Registry("reward function")
+"""Built-in and user-registered reward functions, by name."""
+
+
+def register_reward(*names: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: register a reward function under one or more names (a duplicate name raises)."""
+    return REWARD_REGISTRY.register(*names)
+
+
+def _load_from_file(file: str) -> Any:
+    path = Path(file)
+    if not path.is_file():
+        raise ValueError(f"reward function file {file!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"_verl_trainer_user_reward_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot import {file!r} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
+    """Resolve a reward function.
+
+    Args:
+        name_or_path: A registered name (``"math"``, ``"math_exact"``, ``"format"``, ...), or
+            ``"package.module:function"`` (imported), or ``"path/to/file.py:function"`` (loaded from the
+            file, like verl's ``custom_reward_function.path``), or a callable (returned as is).
+
+    Returns:
+        The function.
+
+    Raises:
+        ValueError: Unknown name (the message lists the registered ones), a module or attribute that does
+            not exist, or an attribute that is not callable.
+
+    """
+    if callable(name_or_path):
+        return name_or_path
+    if not isinstance(name_or_path, str):
+        raise TypeError(
+            f"reward function must be a name, 'module:function' or a callable, got {name_or_path!r}"
+        )
+    if ":" not in name_or_path:
+        from verl_trainer.rewards import rule_based  # noqa: F401  (registers the built-ins)
+
+        return REWARD_REGISTRY.get(name_or_path)
+    target, _, attr = name_or_path.rpartition(":")
+    if not target or not attr:
+        raise ValueError(f"reward function {name_or_path!r}: expected 'module.path:function'")
+    if target.endswith(".py") or "/" in target:
+        module = _load_from_file(target)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as err:
+            raise ValueError(
+                f"reward function {name_or_path!r}: cannot import module {target!r} ({err})"
+            ) from err
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"reward function {name_or_path!r}: module {target!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"reward function {name_or_path!r} is a {type(fn).__name__}, not a callable")
+    return fn
+
+
+def available_rewards() -> list[str]:
+    """The registered reward names."""
+    from verl_trainer.rewards import rule_based  # noqa: F401
+
+    return [str(k) for k in REWARD_REGISTRY.keys()]

@@ -1,0 +1,86 @@
+"""Typed configuration of a rollout (generation) backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+ROLLOUT_NAMES = ("auto", "hf", "vllm")
+
+
+@dataclass
+class RolloutConfig:
+    """How prompts are turned into sampled responses.
+
+    Sampling follows verl's ``actor_rollout_ref.rollout`` names where they exist (``n``, ``temperature``,
+    ``top_p``, ``top_k``, ``do_sample``); ``max_new_tokens`` is verl's ``response_length``.
+
+    Attributes:
+        name: Backend: ``"hf"`` (transformers ``generate``, CPU or GPU), ``"vllm"`` (GPU, needs the
+            ``vllm`` package), or ``"auto"`` (vllm when it is installed and CUDA is available, else hf).
+        n: Samples per prompt (GRPO group size). The ``n`` samples of a prompt are adjacent in the
+            output and share its ``uid``.
+        temperature: Sampling temperature (> 0 when ``do_sample``).
+        top_p: Nucleus sampling mass in ``(0, 1]``; 1 disables it.
+        top_k: Top-k sampling; ``-1`` or ``0`` disables it.
+        max_new_tokens: Longest response, in tokens (the eos token included).
+        do_sample: ``False`` decodes greedily (temperature/top_p/top_k are ignored).
+        seed: Base seed. Call ``c`` of :meth:`BaseRollout.generate` on rank ``r`` samples from a seed
+            derived from ``(seed, r, c)``, so a run is reproducible and ranks draw different samples.
+        generation_batch_size: Sequences (prompts x n) per ``generate`` call; ``None`` = all at once.
+        device: ``"auto"`` (this process's accelerator, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
+        dtype: Parameter dtype of the rollout copy: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        attn_implementation: Passed to ``from_pretrained`` (``None`` = transformers' default, sdpa).
+        gpu_memory_utilization: vLLM only: fraction of GPU memory vLLM may take.
+        tensor_parallel_size: vLLM only.
+        enforce_eager: vLLM only: disable CUDA graphs.
+
+    """
+
+    name: str = "hf"
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    do_sample: bool = True
+    seed: int = 0
+    generation_batch_size: int | None = None
+    device: str = "auto"
+    dtype: str = "float32"
+    attn_implementation: str | None = None
+    gpu_memory_utilization: float = 0.5
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field; raise ``ValueError`` naming the field, its value and the valid range."""
+        if self.name not in ROLLOUT_NAMES:
+            raise ValueError(f"rollout name={self.name!r} is unknown; choose one of {ROLLOUT_NAMES}")
+        if self.n < 1:
+            raise ValueError(f"rollout n={self.n} must be >= 1 (samples per prompt)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(
+                f"rollout temperature={self.temperature} must be > 0 when do_sample=True; "
+                "use do_sample=False for greedy decoding"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"rollout top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError(f"rollout top_k={self.top_k} must be -1 or 0 (disabled) or a positive count")
+        if self.generation_batch_size is not None and self.generation_batch_size < 1:
+            raise ValueError(
+                f"rollout generation_batch_size={self.generation_batch_size} must be >= 1, "
+                "or None (all at once)"
+            )
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"rollout dtype={self.dtype!r}; choose float32, bfloat16 or float16")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """Names of the fields (for overrides and config mapping)."""
+        return tuple(f.name for f in fields(cls))

@@ -1,0 +1,166 @@
+"""Rollout with transformers ``generate`` on a private copy of the policy (CPU or GPU)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from verl_trainer.models.tiny import load_causal_lm, load_tokenizer
+from verl_trainer.rollout.base import BaseRollout
+from verl_trainer.rollout.config import RolloutConfig
+from verl_trainer.utils.device import get_torch_device
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> this process's accelerator (local rank) or CPU; anything else as given."""
+    return get_torch_device() if device == "auto" else torch.device(device)
+
+
+def _mismatch_report(unknown: list[str], missing: list[str], shapes: list[str]) -> str:
+    def head(names: list[str]) -> str:
+        return ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+
+    parts = []
+    if unknown:
+        parts.append(f"names the rollout model does not have: {head(unknown)}")
+    if missing:
+        parts.append(f"rollout parameters that were not sent: {head(missing)}")
+    if shapes:
+        parts.append(f"shape mismatches: {head(shapes)}")
+    return (
+        "update_weights: the sent tensors do not match the rollout model — " + "; ".join(parts) + ". "
+        "Send the HF state_dict names of the same architecture (engine.get_per_tensor_param()); strip "
+        "wrapper prefixes such as 'module.' or '_orig_mod.' first."
+    )
+
+
+class HFRollout(BaseRollout):
+    """Batched sampling with ``model.generate`` on left-padded prompts, under ``torch.no_grad``.
+
+    The rollout owns its own copy of the causal LM, in eval mode, without gradients. After each update
+    the trainer streams the new weights in with :meth:`update_weights`.
+
+    Args:
+        config: Sampling settings (``config.device``, ``config.dtype``, ``config.attn_implementation``
+            choose where and how the copy lives).
+        model: A checkpoint directory (loaded with ``from_pretrained``) or a model (deep-copied).
+        tokenizer: Defaults to the tokenizer saved with ``model`` (a path is required then).
+
+    """
+
+    def __init__(self, config: RolloutConfig, model: str | Path | PreTrainedModel,
+                 tokenizer: Any = None) -> None:
+        if tokenizer is None:
+            if not isinstance(model, (str, Path)):
+                raise ValueError("HFRollout needs a tokenizer when it is given a model object, not a path")
+            tokenizer = load_tokenizer(model)
+        super().__init__(config, tokenizer)
+        self.device = resolve_device(config.device)
+        dtype = _DTYPES[config.dtype]
+        if isinstance(model, (str, Path)):
+            self.model = load_causal_lm(
+                model, attn_implementation=config.attn_implementation, torch_dtype=dtype
+            )
+        else:
+            self.model = copy.deepcopy(model).to(dtype)
+        self.model.to(self.device).eval().requires_grad_(False)
+        self.eos_token_ids = self._eos_ids(tokenizer, self.model.generation_config.eos_token_id)
+
+    def generation_config(self, config: RolloutConfig) -> GenerationConfig:
+        """The ``GenerationConfig`` of one call (every sampling field set explicitly)."""
+        common = dict(
+            max_new_tokens=config.max_new_tokens,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            use_cache=True,
+        )
+        if not config.do_sample:
+            return GenerationConfig(do_sample=False, **common)
+        return GenerationConfig(
+            do_sample=True,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k if config.top_k > 0 else 0,
+            **common,
+        )
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.as_tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def generate_token_ids(self, prompts: list[list[int]], config: RolloutConfig,
+                           seed: int) -> list[list[int]]:
+        """Sample one response per prompt, in chunks of ``config.generation_batch_size`` sequences.
+
+        Args:
+            prompts: ``N`` prompt id lists (each prompt already repeated ``n`` times).
+            config: This call's sampling settings.
+            seed: Seeds torch's RNG for the call (the global RNG state is restored afterwards).
+
+        Returns:
+            ``N`` lists of generated ids (``[P + R]`` outputs with their prompt part ``[P]`` removed).
+
+        """
+        gen_config = self.generation_config(config)
+        chunk = config.generation_batch_size or len(prompts)
+        devices = [self.device] if self.device.type == "cuda" else []
+        out: list[list[int]] = []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            torch.manual_seed(seed)
+            for start in range(0, len(prompts), chunk):
+                input_ids, attention_mask = self._left_pad(prompts[start: start + chunk])
+                sequences = self.model.generate(
+                    input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config
+                )
+                out.extend(sequences[:, input_ids.shape[1]:].tolist())
+        return out
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy full tensors into the rollout model's parameters and buffers, one at a time.
+
+        Tied weights (one storage under several names) count as sent when any of their names is.
+
+        Args:
+            named_tensors: ``(hf_name, full_tensor)`` pairs, e.g. ``engine.get_per_tensor_param()``.
+
+        Returns:
+            The number of tensors copied.
+
+        Raises:
+            ValueError: After consuming every pair: unknown names, parameters never sent, or shape
+                mismatches (nothing is rolled back).
+
+        """
+        targets = self.model.state_dict(keep_vars=True)
+        unknown: list[str] = []
+        shapes: list[str] = []
+        written: set[int] = set()
+        count = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = targets.get(name)
+                if target is None:
+                    unknown.append(name)
+                    continue
+                if tuple(target.shape) != tuple(tensor.shape):
+                    shapes.append(f"{name} {tuple(tensor.shape)} vs {tuple(target.shape)}")
+                    continue
+                target.copy_(tensor.detach())
+                written.add(target.data_ptr())
+                count += 1
+        missing = [name for name, t in targets.items() if t.data_ptr() not in written]
+        if unknown or missing or shapes:
+            raise ValueError(_mismatch_report(unknown, missing, shapes))
+        return count
