@@ -8,8 +8,8 @@ from verl_trainer.data.packing import (
     get_seq_lens,
     jagged_to_padded,
     make_batch,
+    next_token_log_probs_and_entropy,
     pack_batch,
-    packed_log_probs,
     padded_to_jagged,
     position_ids_from_cu_seqlens,
     seq_lens_to_cu_seqlens,
@@ -131,8 +131,8 @@ def test_packed_log_probs_next_token_convention(batch):
     packed = pack_batch(batch)
     v = 30
     logits = torch.randn(1, packed.num_tokens, v)
-    lp = packed_log_probs(logits, packed.input_ids, packed.cu_seqlens)
-    assert lp.shape == (1, packed.num_tokens)
+    lp, ent = next_token_log_probs_and_entropy(logits, packed.input_ids, packed.cu_seqlens)
+    assert lp.shape == (packed.num_tokens,) and ent is None
     padded = packed.unpack(lp)  # [B, T], schema convention
     for i, length in enumerate(batch[schema.SEQ_LEN].tolist()):
         start = int(packed.cu_seqlens[i])
@@ -142,9 +142,14 @@ def test_packed_log_probs_next_token_convention(batch):
             expected = torch.log_softmax(logits[0, start + t - 1], -1)[ids[t]]
             torch.testing.assert_close(padded[i, t], expected)
         assert (padded[i, length:] == 0).all()
-    lp_t = packed_log_probs(logits, packed.input_ids, packed.cu_seqlens, temperature=2.0)
+    lp_t, ent_t = next_token_log_probs_and_entropy(
+        logits, packed.input_ids, packed.cu_seqlens, temperature=2.0, calculate_entropy=True
+    )
     expected = torch.log_softmax(logits[0, 0] / 2.0, -1)[packed.input_ids[0, 1]]
-    torch.testing.assert_close(lp_t[0, 1], expected)
+    torch.testing.assert_close(lp_t[1], expected)
+    p = torch.softmax(logits[0, 0] / 2.0, -1)
+    torch.testing.assert_close(ent_t[1], -(p * p.log()).sum())
+    assert ent_t[0] == 0
 
 
 def test_packed_batch_to(batch):

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from verl_trainer.data.packing import make_batch, pack_batch, packed_log_probs
+from verl_trainer.data.packing import make_batch, next_token_log_probs_and_entropy, pack_batch
 from verl_trainer.models import (
     VARLEN_ATTENTION,
     block_diagonal_causal_mask,
@@ -97,7 +97,8 @@ def test_zero_length_sample_and_log_probs(models):
     packed = pack_batch(batch)
     assert packed.cu_seqlens.tolist() == [0, 5, 5, 8]
     logits = packed_forward(model, packed).logits
-    lp = packed.unpack(packed_log_probs(logits, packed.input_ids, packed.cu_seqlens))  # [B, T]
+    lp, _ = next_token_log_probs_and_entropy(logits, packed.input_ids, packed.cu_seqlens)
+    lp = packed.unpack(lp)  # [B, T]
     assert (lp[1] == 0).all() and (lp[:, 0] == 0).all()
     for i in (0, 2):
         n = int(batch["seq_len"][i])

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from verl_trainer.data.packing import make_batch, pack_batch, packed_log_probs
+from verl_trainer.data.packing import make_batch, next_token_log_probs_and_entropy, pack_batch
 from verl_trainer.models import (
     VARLEN_ATTENTION,
     load_causal_lm,
@@ -85,7 +85,7 @@ def _equivalence(path: str, sp: int, lengths_per_dp: list[list[int]], seed: int 
     for b in batches:
         packed = pack_batch(b)
         logits = packed_forward(ref, packed).logits
-        lp = packed_log_probs(logits, packed.input_ids, packed.cu_seqlens)[0]
+        lp = next_token_log_probs_and_entropy(logits, packed.input_ids, packed.cu_seqlens)[0]
         ent = _entropy_ref(logits, packed.cu_seqlens)
         ref_loss = ref_loss + _loss(lp, ent, packed, num_tokens)
         ref_out.append((lp.detach(), ent.detach(), logits.detach()))
@@ -127,7 +127,7 @@ def _fsdp2_sp2(path: str) -> float:
     packed = pack_batch(_batch(ODD, 7))
     num_tokens = float(packed.fields["loss_mask"].sum())
     logits = packed_forward(ref, packed).logits
-    ref_lp = packed_log_probs(logits, packed.input_ids, packed.cu_seqlens)[0]
+    ref_lp = next_token_log_probs_and_entropy(logits, packed.input_ids, packed.cu_seqlens)[0]
     _loss(ref_lp, _entropy_ref(logits, packed.cu_seqlens), packed, num_tokens).backward()
     out = ulysses_packed_log_probs(model, packed, dist.group.WORLD, calculate_entropy=True)
     _loss(out["log_probs"], out["entropy"], packed, num_tokens).backward()

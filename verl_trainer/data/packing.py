@@ -249,34 +249,73 @@ def pack_batch(batch: TensorDict, keys: Sequence[str] | None = None) -> PackedBa
     )
 
 
-def packed_log_probs(
-    logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """Per-token log-probs of a packed row under the schema's next-token convention.
+def shift_to_targets(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Move per-position values of a packed row one step right, zeroing each sample's first position.
 
-    ``out[t] = log p(input_ids[t] | tokens of the same sample before t)``, read from ``logits[t - 1]``;
-    the first token of every sample has no prediction and gets 0 (``logits`` at the last token of a
-    sample predict nothing and are unused).
+    Args:
+        values: ``[N]``; ``values[j]`` describes the prediction made at position ``j`` (of token ``j+1``).
+        cu_seqlens: ``[B + 1]`` offsets.
+
+    Returns:
+        ``[N]`` with ``out[j] = values[j - 1]`` inside a sample and ``0`` at sample starts: the schema's
+        next-token convention, aligned with ``input_ids``.
+    """
+    if values.numel() == 0:
+        return values
+    out = torch.cat([values.new_zeros(1), values[:-1]])
+    starts = cu_seqlens[:-1].to(device=values.device, dtype=torch.long)
+    return out.index_fill(0, starts[starts < values.numel()], 0.0)
+
+
+def token_log_probs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, calculate_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of ``targets[j]`` under ``logits[j]`` (and the entropy at ``j``), from one float32 copy.
+
+    Args:
+        logits: ``[n, V]`` (or ``[1, n, V]``) in any dtype.
+        targets: ``[n]`` token ids.
+        temperature: Logits are divided by it first (the rollout's sampling temperature).
+        calculate_entropy: Also return the entropy of each distribution.
+
+    Returns:
+        ``(log_probs [n], entropy [n] | None)`` float32, per position (not shifted).
+    """
+    logits32 = logits.reshape(-1, logits.shape[-1]).float()
+    if temperature != 1.0:
+        logits32 = logits32 / temperature
+    lse = torch.logsumexp(logits32, -1)
+    log_probs = logits32.gather(-1, targets.reshape(-1, 1)).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(logits32, -1) * logits32).sum(-1) if calculate_entropy else None
+    return log_probs, entropy
+
+
+def next_token_log_probs_and_entropy(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropy) of a packed row under the schema's next-token convention.
+
+    ``log_probs[t] = log p(input_ids[t] | tokens of the same sample before t)``, read from
+    ``logits[t - 1]``; the first token of every sample has no prediction and gets 0.
 
     Args:
         logits: ``[1, N, V]`` (or ``[N, V]``).
         input_ids: ``[1, N]`` (or ``[N]``).
         cu_seqlens: ``[B + 1]`` offsets.
-        temperature: Logits are divided by it first (rollout sampling temperature).
+        temperature: Logits are divided by it first.
+        calculate_entropy: Also return the entropy of the distribution that chose each token.
 
     Returns:
-        ``[1, N]`` float32 (``unpack_to_padded(out, cu_seqlens, T)`` gives the schema's ``[B, T]``).
-
+        ``(log_probs [N], entropy [N] | None)`` float32; ``PackedBatch.unpack`` gives ``[B, T]``.
     """
-    logits = logits.reshape(-1, logits.shape[-1])
-    ids = input_ids.reshape(-1)
-    shifted = logits[:-1].float() / temperature
-    lp = shifted.gather(-1, ids[1:, None]).squeeze(-1) - torch.logsumexp(shifted, -1)
-    out = torch.cat([lp.new_zeros(1), lp]) if ids.numel() else lp.new_zeros(0)
-    starts = cu_seqlens[:-1].to(torch.long)
-    starts = starts[starts < ids.numel()]
-    out = out.index_fill(0, starts, 0.0)
-    return out.unsqueeze(0)
+    targets = torch.roll(input_ids.reshape(-1), -1)  # position j predicts token j + 1
+    log_probs, entropy = token_log_probs_and_entropy(logits, targets, temperature, calculate_entropy)
+    log_probs = shift_to_targets(log_probs, cu_seqlens)
+    return log_probs, None if entropy is None else shift_to_targets(entropy, cu_seqlens)
 
 
 def make_batch(

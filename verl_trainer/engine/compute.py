@@ -167,13 +167,17 @@ class MicroBatchComputeMixin:
                 f"in {type(self).__name__}; set ulysses_sequence_parallel_size=1"
             )
         packed = pack_batch(micro_batch, keys=())
-        hf_output = self._forward_packed(packed)
-        outputs = self.compute_packed_outputs(  # type: ignore[attr-defined]  (model-type part)
-            hf_output,
-            packed,
-            calculate_entropy=calculate_entropy,
-            temperature=self.config.temperature if temperature is None else temperature,
-        )
+        temperature = self.config.temperature if temperature is None else temperature
+        if self.topology.sp_size > 1:
+            # Ulysses: every SP rank of the DP group holds this micro-batch and runs 1/sp of the row;
+            # the [N] outputs are gathered (their gradient scaled by sp: FSDP averages over dp x sp).
+            outputs = self.compute_sp_outputs(  # type: ignore[attr-defined]  (model-type part)
+                packed, self.topology.sp_group, calculate_entropy, temperature
+            )
+        else:
+            outputs = self.compute_packed_outputs(  # type: ignore[attr-defined]  (model-type part)
+                self._forward_packed(packed), packed, calculate_entropy, temperature
+            )
         return {k: packed.unpack(v) for k, v in outputs.items()}
 
     def forward_backward_batch(

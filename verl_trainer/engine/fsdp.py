@@ -51,6 +51,8 @@ class FSDPEngine(
 
     """
 
+    SUPPORTS_SEQUENCE_PARALLEL = True  # Ulysses: gathered outputs' grads x sp, FSDP averages over dp x sp
+
     def __init__(
         self,
         config: EngineConfig,

@@ -16,66 +16,35 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
-from verl_trainer.data.packing import PackedBatch
+from verl_trainer.data.packing import PackedBatch, next_token_log_probs_and_entropy, shift_to_targets
 from verl_trainer.engine.config import EngineConfig, to_dtype
 from verl_trainer.models.attention import VARLEN_ATTENTION
+from verl_trainer.models.ulysses_attention import ULYSSES_ATTENTION, check_ulysses_compatible
+from verl_trainer.models.ulysses_forward import ulysses_packed_log_probs, ulysses_packed_values
+
+__all__ = [
+    "LanguageModelMixin",
+    "ValueModelMixin",
+    "attention_for",
+    "next_token_log_probs_and_entropy",
+    "shift_to_targets",
+]
 
 
-def shift_to_targets(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Move per-position values of a packed row one step right, zeroing each sample's first position.
-
-    Args:
-        values: ``[N]`` (value at position ``j`` describes the prediction made at ``j``).
-        cu_seqlens: ``[B + 1]`` offsets.
-
-    Returns:
-        ``[N]`` with ``out[j] = values[j - 1]`` inside a sample and ``0`` at sample starts.
-
-    """
-    if values.numel() == 0:
-        return values
-    out = torch.cat([values.new_zeros(1), values[:-1]])
-    starts = cu_seqlens[:-1].to(device=values.device, dtype=torch.long)
-    starts = starts[starts < values.numel()]
-    return out.index_fill(0, starts, 0.0)
+def attention_for(config: EngineConfig) -> str:
+    """The attention implementation an engine loads its model with: Ulysses when ``sp > 1``."""
+    return ULYSSES_ATTENTION if config.ulysses_sequence_parallel_size > 1 else VARLEN_ATTENTION
 
 
-def next_token_log_probs_and_entropy(
-    logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    temperature: float = 1.0,
-    calculate_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropy) of a packed row, from one float32 copy of its logits.
-
-    Args:
-        logits: ``[1, N, V]`` in any dtype; converted to float32 once.
-        input_ids: ``[1, N]``.
-        cu_seqlens: ``[B + 1]`` offsets.
-        temperature: Logits are divided by it.
-        calculate_entropy: Also return the entropy of each next-token distribution.
-
-    Returns:
-        ``(log_probs [N], entropy [N] | None)`` float32, aligned with ``input_ids`` (next-token
-        convention; 0 at sample starts).
-
-    """
-    logits32 = logits.reshape(-1, logits.shape[-1]).float()
-    if temperature != 1.0:
-        logits32 = logits32 / temperature
-    ids = input_ids.reshape(-1)
-    lse = torch.logsumexp(logits32, -1)  # [N]
-    targets = torch.roll(ids, -1)  # position j predicts token j + 1
-    lp = logits32.gather(-1, targets[:, None]).squeeze(-1) - lse
-    log_probs = shift_to_targets(lp, cu_seqlens)
-    entropy = None
-    if calculate_entropy:
-        probs = torch.softmax(logits32, -1)
-        ent = lse - (probs * logits32).sum(-1)
-        entropy = shift_to_targets(ent, cu_seqlens)
-    return log_probs, entropy
+def _checked(model: torch.nn.Module, config: EngineConfig) -> torch.nn.Module:
+    """Refuse a model whose heads cannot be split over the SP group (same error on every rank)."""
+    sp = config.ulysses_sequence_parallel_size
+    if sp > 1:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+        check_ulysses_compatible(model.config, sp, world)
+    return model
 
 
 class LanguageModelMixin:
@@ -83,16 +52,18 @@ class LanguageModelMixin:
 
     MODEL_TYPE: ClassVar[str] = "language_model"
     config: EngineConfig
+    module: torch.nn.Module | None
 
     def load_hf_model(self) -> torch.nn.Module:
         """Load the HF causal LM from ``config.model_path`` with padding-free attention."""
         from verl_trainer.models.tiny import load_causal_lm
 
-        return load_causal_lm(
+        model = load_causal_lm(
             self.config.model_path,
-            attn_implementation=VARLEN_ATTENTION,
+            attn_implementation=attention_for(self.config),
             torch_dtype=to_dtype(self.config.model_dtype),
         )
+        return _checked(model, self.config)
 
     def compute_packed_outputs(
         self,
@@ -110,23 +81,35 @@ class LanguageModelMixin:
             out["entropy"] = entropy
         return out
 
+    def compute_sp_outputs(
+        self,
+        packed: PackedBatch,
+        sp_group: dist.ProcessGroup | None,
+        calculate_entropy: bool = False,
+        temperature: float = 1.0,
+    ) -> dict[str, torch.Tensor]:
+        """The same outputs under Ulysses SP: each SP rank runs 1/sp of the row; ``[N]`` are gathered."""
+        return ulysses_packed_log_probs(self.module, packed, sp_group, temperature, calculate_entropy)
+
 
 class ValueModelMixin:
     """Value model part: loads a token-classification model with one label; outputs ``values``."""
 
     MODEL_TYPE: ClassVar[str] = "value_model"
     config: EngineConfig
+    module: torch.nn.Module | None
 
     def load_hf_model(self) -> torch.nn.Module:
         """Load the value model from ``config.model_path``; a new head is seeded with ``config.seed``."""
         from verl_trainer.models.tiny import load_value_model
 
-        return load_value_model(
+        model = load_value_model(
             self.config.model_path,
-            attn_implementation=VARLEN_ATTENTION,
+            attn_implementation=attention_for(self.config),
             torch_dtype=to_dtype(self.config.model_dtype),
             seed=self.config.seed,
         )
+        return _checked(model, self.config)
 
     def compute_packed_outputs(
         self,
@@ -138,3 +121,13 @@ class ValueModelMixin:
         """``{"values": [N]}`` float32 for one packed row (``calculate_entropy``/``temperature`` unused)."""
         values = hf_output.logits.reshape(-1).float()  # [1, N, 1] -> [N]
         return {"values": shift_to_targets(values, packed.cu_seqlens)}
+
+    def compute_sp_outputs(
+        self,
+        packed: PackedBatch,
+        sp_group: dist.ProcessGroup | None,
+        calculate_entropy: bool = False,
+        temperature: float = 1.0,
+    ) -> dict[str, torch.Tensor]:
+        """``{"values": [N]}`` under Ulysses SP (``calculate_entropy``/``temperature`` unused)."""
+        return ulysses_packed_values(self.module, packed, sp_group)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from verl_trainer.data.packing import PackedBatch
+from verl_trainer.data.packing import PackedBatch, shift_to_targets, token_log_probs_and_entropy
 from verl_trainer.models.attention import _config_of, varlen_model_kwargs
 from verl_trainer.models.ulysses_attention import SP_GROUP_KWARG, ULYSSES_ATTENTION
 from verl_trainer.ulysses import (
@@ -204,14 +204,10 @@ def next_token_output_fn(temperature: float = 1.0, calculate_entropy: bool = Fal
     """
 
     def fn(hf_output: Any, local: UlyssesSlice) -> dict[str, torch.Tensor]:
-        logits = hf_output.logits.reshape(-1, hf_output.logits.shape[-1]).float()  # [n, V]
-        if temperature != 1.0:
-            logits = logits / temperature
-        lse = torch.logsumexp(logits, -1)
-        out = {"log_probs": logits.gather(-1, local.targets.reshape(-1, 1)).squeeze(-1) - lse}
-        if calculate_entropy:
-            out["entropy"] = lse - (torch.softmax(logits, -1) * logits).sum(-1)
-        return out
+        log_probs, entropy = token_log_probs_and_entropy(
+            hf_output.logits, local.targets, temperature, calculate_entropy
+        )
+        return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
 
     return fn
 
@@ -219,15 +215,6 @@ def next_token_output_fn(temperature: float = 1.0, calculate_entropy: bool = Fal
 def value_output_fn(hf_output: Any, local: UlyssesSlice) -> dict[str, torch.Tensor]:
     """Per-position scalar of a value model (``logits [1, n, 1]``), float32."""
     return {"values": hf_output.logits.reshape(-1).float()}
-
-
-def shift_to_targets(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``out[j] = values[j - 1]`` inside each sample, 0 at each sample's first position (``[N] -> [N]``)."""
-    if values.numel() == 0:
-        return values
-    out = torch.cat([values.new_zeros(1), values[:-1]])
-    starts = cu_seqlens[:-1].to(device=values.device, dtype=torch.long)
-    return out.index_fill(0, starts[starts < values.numel()], 0.0)
 
 
 def ulysses_packed_log_probs(
@@ -241,7 +228,7 @@ def ulysses_packed_log_probs(
     """``{"log_probs": [N], "entropy": [N]}`` of a causal LM under SP, in the schema's convention.
 
     ``log_probs[t] = log p(input_ids[t] | the sample's tokens before t)``, 0 at each sample's first
-    token — the same values as the plain packed forward (``engine.heads.next_token_log_probs_and_entropy``).
+    token — the same values as the plain packed forward (``data.packing.next_token_log_probs_and_entropy``).
     Only ``[N/sp]`` floats per output are gathered per rank.
     """
     raw = ulysses_packed_outputs(
