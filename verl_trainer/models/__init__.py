@@ -1,6 +1,7 @@
 """Models: tiny local models and tokenizer, and padding-free attention for HF models.
 
-Importing this package registers the ``"verl_varlen"`` attention implementation with transformers.
+Importing this package registers the ``"verl_varlen"`` and ``"verl_ulysses"`` attention implementations
+with transformers.
 """
 
 from verl_trainer.models.attention import (
@@ -22,8 +23,11 @@ from verl_trainer.models.tiny import (
     load_value_model,
     make_tiny_model,
 )
+from verl_trainer.models.ulysses_attention import ULYSSES_ATTENTION, check_ulysses_compatible
 
 __all__ = [
+    "ULYSSES_ATTENTION",
+    "check_ulysses_compatible",
     "VARLEN_ATTENTION",
     "block_diagonal_causal_mask",
     "build_tokenizer",
