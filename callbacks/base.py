@@ -92,3 +92,9 @@ class Callback:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the state returned by :meth:`state_dict`."""
+
+
+HOOK_NAMES: frozenset[str] = frozenset(
+    name for name in vars(Callback) if name.startswith("on_") or name in ("setup", "teardown")
+)
+"""Every hook the Trainer dispatches (``Trainer.call_hook`` rejects other names)."""

@@ -24,10 +24,15 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from verl_trainer.balancing import calculate_workload, get_seqlen_balanced_partitions, log_seqlen_unbalance
+from verl_trainer.balancing import (
+    calculate_workload,
+    get_seqlen_balanced_partitions,
+    log_seqlen_unbalance,
+    make_padding_samples,
+)
 from verl_trainer.callbacks.base import Callback
 from verl_trainer.data import schema
-from verl_trainer.data.exchange import exchange_samples, is_token_key, sample_lengths
+from verl_trainer.data.exchange import exchange_samples, sample_lengths
 
 
 def _all_gather_lengths(lengths: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
@@ -42,53 +47,6 @@ def _all_gather_lengths(lengths: torch.Tensor, group: dist.ProcessGroup | None) 
     gathered = [torch.zeros_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded, group=group)
     return [g[: int(c)] for g, c in zip(gathered, counts)]
-
-
-def padding_samples(like: TensorDict, count: int, uids: torch.Tensor) -> TensorDict:
-    """``count`` synthetic samples shaped like ``like``: one pad token, zero loss mask, ``is_padding``.
-
-    Args:
-        like: A batch whose keys and dtypes the samples copy (may have zero rows).
-        count: Number of samples.
-        uids: ``[count]`` fresh uids.
-
-    Returns:
-        ``TensorDict`` with ``batch_size=[count]``: token fields ``[count, 1, ...]`` zero except
-        ``attention_mask`` (1: the sample has one real token, so every code path sees a valid
-        sequence); ``seq_len = prompt_len = 1``; ``is_padding = True``.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for key in like.keys():
-        value = like[key]
-        if is_token_key(like, key):
-            out[key] = torch.zeros((count, 1, *value.shape[2:]), dtype=value.dtype)
-        else:
-            out[key] = torch.zeros((count, *value.shape[1:]), dtype=value.dtype)
-    if schema.ATTENTION_MASK in out:
-        out[schema.ATTENTION_MASK][:, 0] = 1
-    for key in (schema.SEQ_LEN, schema.PROMPT_LEN):
-        if key in out:
-            out[key][:] = 1
-    out[schema.UID] = uids.to(out[schema.UID].dtype if schema.UID in out else torch.long)
-    out[schema.IS_PADDING] = torch.ones(count, dtype=torch.bool)
-    out.setdefault(schema.SEQ_LEN, torch.ones(count, dtype=torch.long))
-    return TensorDict(out, batch_size=[count])
-
-
-def _cat_padded(a: TensorDict, b: TensorDict) -> TensorDict:
-    """Concatenate two padded batches whose token widths may differ (pads the narrower with 0)."""
-    width = max(a[schema.INPUT_IDS].shape[1], b[schema.INPUT_IDS].shape[1])
-    out = {}
-    for key in a.keys():
-        parts = []
-        for td in (a, b):
-            value = td[key]
-            if is_token_key(td, key) and value.shape[1] < width:
-                pad = value.new_zeros((value.shape[0], width - value.shape[1], *value.shape[2:]))
-                value = torch.cat([value, pad], 1)
-            parts.append(value)
-        out[key] = torch.cat(parts, 0)
-    return TensorDict(out, batch_size=[a.batch_size[0] + b.batch_size[0]])
 
 
 def balance_batch(
@@ -140,9 +98,13 @@ def balance_batch(
         dist.all_reduce(uid_max, op=dist.ReduceOp.MAX, group=dp_group)
         my_pads = torch.as_tensor([i for i in parts[rank] if i >= n_real], dtype=torch.long)
         if my_pads.numel():
-            uids = int(uid_max) + 1 + my_pads - n_real
-            mine = _cat_padded(mine, padding_samples(mine, my_pads.numel(), uids))
-    metrics = log_seqlen_unbalance(all_lengths.tolist(), parts, prefix)
+            if schema.IS_PADDING not in mine.keys():
+                mine.set(schema.IS_PADDING, torch.zeros(mine.batch_size[0], dtype=torch.bool))
+            extra = make_padding_samples(mine, my_pads.numel())
+            if schema.UID in mine.keys():  # unique across ranks, not only on this one
+                extra.set(schema.UID, (int(uid_max) + 1 + my_pads - n_real).to(mine[schema.UID].dtype))
+            mine = torch.cat([mine, extra])
+    metrics = log_seqlen_unbalance(all_lengths.tolist(), parts, prefix, hidden_size=hidden_size)
     metrics[f"{prefix}/num_padding_samples"] = float(n_pad)
     return mine, metrics
 
@@ -193,7 +155,7 @@ class SequenceBalancing(Callback):
         new_batch, self.last_metrics = balance_batch(
             batch, group, self._hidden_size(module), multiple, self.equal_size, self.prefix
         )
-        log = getattr(trainer, "callback_metrics", None)
-        if isinstance(log, dict):
-            log.update(self.last_metrics)
+        log_metrics = getattr(trainer, "log_metrics", None)
+        if callable(log_metrics):
+            log_metrics(self.last_metrics)
         return new_batch

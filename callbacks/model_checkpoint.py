@@ -1,0 +1,96 @@
+"""ModelCheckpoint: atomic checkpoints every N steps, keeping the last k, resumable with ``"last"``.
+
+Each save writes ``<dirpath>/step_000003/`` through :meth:`Trainer.save_checkpoint` (engines, trainer
+state, data position, module and callback states, every rank's RNG; see
+``verl_trainer.training.checkpoint``). The directory appears only once complete, so
+``fit(ckpt_path="last")`` never picks a save that was interrupted. ``dirpath`` defaults to
+``<default_root_dir>/checkpoints``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from verl_trainer.callbacks.base import Callback
+from verl_trainer.training.checkpoint import checkpoint_dir_name, prune_checkpoints
+
+
+class ModelCheckpoint(Callback):
+    """Save the run every ``every_n_train_steps`` steps and at the end of fit.
+
+    Args:
+        dirpath: Where the ``step_*`` directories go (default ``<default_root_dir>/checkpoints``).
+        every_n_train_steps: Save after every N-th trainer step (``None``: only at the end). When
+            validation runs after that step, the save follows it (``on_validation_end``).
+        keep_last_k: Keep the newest k checkpoints (``None``: keep all); older ones are deleted after a
+            new one is complete.
+        save_on_train_end: Also save when training ends (unless that step was just saved).
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike | None = None,
+        every_n_train_steps: int | None = None,
+        keep_last_k: int | None = 1,
+        save_on_train_end: bool = True,
+    ) -> None:
+        if every_n_train_steps is not None and every_n_train_steps < 1:
+            raise ValueError(f"every_n_train_steps must be None or >= 1, got {every_n_train_steps}")
+        if keep_last_k is not None and keep_last_k < 1:
+            raise ValueError(f"keep_last_k must be None or >= 1, got {keep_last_k}")
+        self.dirpath: Path | None = Path(dirpath).absolute() if dirpath is not None else None
+        self.every_n_train_steps = every_n_train_steps
+        self.keep_last_k = keep_last_k
+        self.save_on_train_end = save_on_train_end
+        self.last_saved_step: int | None = None
+        self.last_path: Path | None = None
+
+    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+        """Resolve the default directory."""
+        if self.dirpath is None:
+            self.dirpath = Path(trainer.default_root_dir) / "checkpoints"
+
+    def _due(self, trainer: Any) -> bool:
+        n = self.every_n_train_steps
+        return n is not None and trainer.global_step % n == 0 and trainer.global_step != self.last_saved_step
+
+    def save(self, trainer: Any) -> Path:
+        """Save now (a collective: every rank calls it); returns the checkpoint directory."""
+        assert self.dirpath is not None
+        path = self.dirpath / checkpoint_dir_name(trainer.global_step)
+        self.last_saved_step, self.last_path = trainer.global_step, path
+        trainer.save_checkpoint(path)
+        if trainer.is_global_zero and self.keep_last_k is not None:
+            prune_checkpoints(self.dirpath, self.keep_last_k, trainer.global_step)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        return path
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Save when due and no validation follows this step."""
+        from verl_trainer.training.loops import validation_due
+
+        if self._due(trainer) and not validation_due(trainer):
+            self.save(trainer)
+
+    def on_validation_end(self, trainer: Any, module: Any) -> None:
+        """Save when due, after the step's validation."""
+        if trainer.state == "fit" and self._due(trainer):
+            self.save(trainer)
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        """Save the final state (unless this step is saved already)."""
+        if self.save_on_train_end and trainer.global_step > 0 and trainer.global_step != self.last_saved_step:
+            self.save(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The last saved step (plain data)."""
+        return {"last_saved_step": self.last_saved_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.last_saved_step = state_dict.get("last_saved_step")

@@ -1,0 +1,120 @@
+"""SFT: supervised fine-tuning as a :class:`~verl_trainer.module.TrainingModule`.
+
+One engine (``"actor"``, a language model) trained with :func:`~verl_trainer.losses.sft_loss` on the
+response tokens (``loss_mask``) of (prompt, response) pairs::
+
+    data = DataLoader(SFTDataset.from_texts(tokenizer, pairs), batch_size=4, shuffle=True,
+                      collate_fn=collate_sft)
+    Trainer(strategy="fsdp2", devices=2, max_steps=100).fit(SFT(SFTConfig(model_path)), data)
+
+Logged per step: ``sft/loss`` (reduced from the per-micro-batch partial losses), ``train/grad_norm``,
+``train/lr``; per validation: ``val/loss`` (mean over validation batches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensordict import TensorDict
+from torch.utils.data import Dataset
+
+from verl_trainer.data.packing import make_batch
+from verl_trainer.engine.config import EngineConfig, OptimConfig
+from verl_trainer.losses import SFTLossConfig, sft_loss
+from verl_trainer.module import EngineSpec, StepOutput, TrainingModule
+
+__all__ = ["SFT", "SFTConfig", "SFTDataset", "collate_sft"]
+
+
+@dataclass
+class SFTConfig:
+    """What SFT trains and how.
+
+    Attributes:
+        model_path: Directory of the HF model to fine-tune.
+        engine: Engine settings (micro-batching, offload, ...); ``model_path`` is filled in and the
+            dtypes come from the Trainer's precision.
+        optim: Optimizer and LR schedule.
+        loss: Loss aggregation.
+    """
+
+    model_path: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: SFTLossConfig = field(default_factory=SFTLossConfig)
+
+
+class SFTDataset(Dataset):
+    """(prompt token ids, response token ids) pairs.
+
+    Args:
+        pairs: One ``(prompt_ids, response_ids)`` per sample; the response is what is trained.
+    """
+
+    def __init__(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
+        self.pairs = [(list(p), list(r)) for p, r in pairs]
+
+    @classmethod
+    def from_texts(cls, tokenizer: Any, pairs: Sequence[tuple[str, str]], add_eos: bool = True) -> SFTDataset:
+        """Tokenise ``(prompt, response)`` texts (the response gets EOS appended when ``add_eos``)."""
+        out = []
+        for prompt, response in pairs:
+            p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            r = tokenizer(response, add_special_tokens=False)["input_ids"]
+            if add_eos and tokenizer.eos_token_id is not None:
+                r = [*r, tokenizer.eos_token_id]
+            out.append((p, r))
+        return cls(out)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int) -> tuple[list[int], list[int]]:
+        return self.pairs[index]
+
+
+def collate_sft(samples: Sequence[tuple[Sequence[int], Sequence[int]]]) -> TensorDict:
+    """Batch pairs into a schema ``TensorDict`` ``[B, T]`` (``loss_mask`` on the response tokens)."""
+    return make_batch([p for p, _ in samples], [r for _, r in samples])
+
+
+class SFT(TrainingModule):
+    """Supervised fine-tuning of one causal LM.
+
+    Args:
+        config: See :class:`SFTConfig`.
+    """
+
+    def __init__(self, config: SFTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.loss_fn = sft_loss(config.loss)
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        """The config as plain data."""
+        return dataclasses.asdict(self.config)
+
+    def configure_engines(self) -> dict[str, EngineSpec]:
+        """One trainable language-model engine, ``"actor"``."""
+        engine = self.config.engine.replace(model_path=self.config.model_path)
+        return {"actor": EngineSpec("language_model", engine, self.config.optim)}
+
+    def training_step(self, batch: TensorDict, batch_idx: int) -> StepOutput:
+        """One optimizer step on this rank's batch ``[B, T]``."""
+        if self.trainer is not None:
+            batch = self.trainer.call_before_update(batch)
+        actor = self.engines["actor"]
+        with actor.train_mode():
+            out = self.engine_step(actor, batch, self.loss_fn)
+        return {"micro_batches": out["metrics"], "train/grad_norm": out["grad_norm"], "train/lr": out["lr"]}
+
+    def validation_step(self, batch: TensorDict, batch_idx: int) -> StepOutput:
+        """The loss of one validation batch (global over the DP ranks)."""
+        actor = self.engines["actor"]
+        with actor.eval_mode():
+            out = actor.infer_batch(batch, self.loss_fn)
+        return {"val/loss": out["loss"]}

@@ -1,0 +1,133 @@
+"""Loggers of the Trainer: Lightning's ``WandbLogger`` and ``CSVLogger``, on global rank 0 only.
+
+``Trainer(logger=...)`` accepts:
+
+* ``True`` (default): a ``CSVLogger`` (Lightning's fallback when TensorBoard is absent);
+* ``False`` / ``None``: no logging;
+* ``"csv"``: ``CSVLogger(save_dir=default_root_dir, name="lightning_logs")`` — metrics in
+  ``<default_root_dir>/lightning_logs/version_N/metrics.csv``, hyperparameters in ``hparams.yaml``;
+* ``"wandb"``: ``WandbLogger(save_dir=default_root_dir, project="verl-trainer")`` — the run directory is
+  ``<default_root_dir>/wandb/``; it runs **offline automatically** when no API key is configured
+  (``WANDB_API_KEY`` or a ``api.wandb.ai`` entry in ``~/.netrc``) and ``WANDB_MODE`` is not set;
+* a Lightning ``Logger`` instance, or a list mixing any of these.
+
+String specs are built at ``fit`` time on global rank 0 only (other ranks log nothing); hyperparameters
+(``module.hparams``) are logged once per run.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LOGGER_NAMES", "build_loggers", "validate_logger_spec", "wandb_api_key_available"]
+
+LOGGER_NAMES = ("csv", "wandb")
+WANDB_PROJECT = "verl-trainer"
+
+
+def _is_logger(obj: Any) -> bool:
+    from lightning.fabric.loggers import Logger as FabricLogger
+    from lightning.pytorch.loggers import Logger
+
+    return isinstance(obj, (Logger, FabricLogger))
+
+
+def _as_list(spec: Any) -> list[Any]:
+    if spec is None or spec is False:
+        return []
+    if spec is True:
+        return ["csv"]
+    if isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence):
+        return [spec]
+    return list(spec)
+
+
+def validate_logger_spec(spec: Any) -> None:
+    """Check a ``Trainer(logger=...)`` value without building anything.
+
+    Raises:
+        ValueError: For an unknown logger name.
+        TypeError: For a value that is neither a name, a bool, a Logger nor a list of those.
+    """
+    for item in _as_list(spec):
+        if isinstance(item, str):
+            if item not in LOGGER_NAMES:
+                raise ValueError(
+                    f"unknown logger {item!r}; choose one of {LOGGER_NAMES}, True (CSV), False, a Lightning "
+                    f"Logger instance or a list of these"
+                )
+        elif item is True or item is False or item is None:
+            raise TypeError("a logger list may hold names and Logger instances, not booleans or None")
+        elif not _is_logger(item):
+            raise TypeError(
+                f"logger must be 'wandb', 'csv', True, False, a Lightning Logger or a list of these, got "
+                f"{type(item).__name__}"
+            )
+
+
+def wandb_api_key_available() -> bool:
+    """Whether wandb could log online: ``WANDB_API_KEY`` is set or ``~/.netrc`` has ``api.wandb.ai``."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        path = os.environ.get("NETRC") or str(Path.home() / ".netrc")
+        return bool(Path(path).is_file() and netrc.netrc(path).authenticators("api.wandb.ai"))
+    except (netrc.NetrcParseError, OSError):
+        return False
+
+
+def make_wandb_logger(root_dir: str, **kwargs: Any) -> Any:
+    """``WandbLogger`` writing under ``root_dir``; offline when no API key is configured."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    offline = kwargs.pop("offline", None)
+    if offline is None:
+        offline = "WANDB_MODE" not in os.environ and not wandb_api_key_available()
+    kwargs.setdefault("project", WANDB_PROJECT)
+    Path(root_dir).mkdir(parents=True, exist_ok=True)
+    return WandbLogger(save_dir=root_dir, offline=offline, **kwargs)
+
+
+def make_csv_logger(root_dir: str) -> Any:
+    """``CSVLogger`` under ``root_dir/lightning_logs/version_N``."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    return CSVLogger(save_dir=root_dir, name="lightning_logs")
+
+
+def build_loggers(spec: Any, root_dir: str) -> list[Any]:
+    """Build the loggers of ``spec`` (call on global rank 0 only)."""
+    loggers = []
+    for item in _as_list(spec):
+        if item == "csv":
+            loggers.append(make_csv_logger(root_dir))
+        elif item == "wandb":
+            loggers.append(make_wandb_logger(root_dir))
+        else:
+            loggers.append(item)
+    return loggers
+
+
+def plain_hparams(hparams: Any) -> dict[str, Any]:
+    """``hparams`` as a flat-enough dict of plain values for ``log_hyperparams``."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(hparams) and not isinstance(hparams, type):
+        hparams = dataclasses.asdict(hparams)
+    if not isinstance(hparams, dict):
+        raise TypeError(f"module.hparams must be a dict or a dataclass, got {type(hparams).__name__}")
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            return value
+        return str(value)
+
+    return plain(hparams)

@@ -1,0 +1,180 @@
+"""The Trainer's strategy: which engine backend builds the module's engines, and how ranks talk.
+
+``Trainer(strategy="fsdp2")`` is shorthand for ``Trainer(strategy=Strategy("fsdp2"))``. A strategy name
+is an engine backend registered with :class:`~verl_trainer.engine.EngineRegistry` (``fsdp``, ``fsdp2``,
+``deepspeed``, ``deepspeed_stage_1/2/3``, and whatever plug-ins register); :meth:`Strategy.build_engine`
+turns a module's :class:`~verl_trainer.module.EngineSpec` into an engine of that backend, with the
+Trainer's precision and seed applied to its :class:`~verl_trainer.engine.EngineConfig`.
+
+Precision (Lightning's names) maps onto the engine's dtypes:
+
+==============  ===========  ============  ===========
+precision       param_dtype  reduce_dtype  model_dtype
+==============  ===========  ============  ===========
+``32-true``     float32      float32       float32
+``bf16-mixed``  bfloat16     float32       float32
+``bf16-true``   bfloat16     bfloat16      bfloat16
+==============  ===========  ============  ===========
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from verl_trainer.engine.config import EngineConfig, to_dtype
+from verl_trainer.engine.registry import BACKEND_PACKAGES, EngineRegistry
+
+__all__ = ["PRECISIONS", "Strategy", "available_strategies", "normalize_precision", "resolve_strategy"]
+
+PRECISIONS: dict[str, dict[str, str]] = {
+    "32-true": {"param_dtype": "float32", "reduce_dtype": "float32", "model_dtype": "float32"},
+    "bf16-mixed": {"param_dtype": "bfloat16", "reduce_dtype": "float32", "model_dtype": "float32"},
+    "bf16-true": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "model_dtype": "bfloat16"},
+}
+_PRECISION_ALIASES: dict[Any, str] = {32: "32-true", "32": "32-true", "bf16": "bf16-mixed"}
+
+
+def normalize_precision(precision: str | int) -> str:
+    """Lightning's precision name for ``precision`` (``32`` → ``"32-true"``, ``"bf16"`` → ``"bf16-mixed"``).
+
+    Raises:
+        ValueError: For a precision outside :data:`PRECISIONS`.
+    """
+    name = _PRECISION_ALIASES.get(precision, precision)
+    if name not in PRECISIONS:
+        raise ValueError(
+            f"precision={precision!r} is not supported; choose one of {sorted(PRECISIONS)} "
+            f"(fp16 is not supported: use bf16-mixed)"
+        )
+    return str(name)
+
+
+def bf16_supported(device_type: str) -> bool:
+    """Whether ``device_type`` computes in bfloat16 natively (CUDA: Ampere+; x86 CPU: AVX512-BF16/AMX)."""
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True  # ARM/others: torch picks a bf16 kernel or upcasts; no reliable probe, do not block
+    cpu = torch.cpu
+    probes = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if all(p is None for p in probes):
+        return True
+    return any(p() for p in probes if p is not None)
+
+
+def _registered_backends() -> list[str]:
+    EngineRegistry._ensure_builtin_engines()
+    return sorted({key[1] for key in EngineRegistry.registered()})
+
+
+def _missing_package(backend: str) -> tuple[str, str] | None:
+    for prefix, (package, extra) in BACKEND_PACKAGES.items():
+        if backend == prefix or backend.startswith(prefix + "_"):
+            try:
+                found = importlib.util.find_spec(package) is not None
+            except (ImportError, ValueError):
+                found = False
+            return None if found else (package, extra)
+    return None
+
+
+def available_strategies() -> list[str]:
+    """The strategy names this installation can build (the registered engine backends)."""
+    return _registered_backends()
+
+
+@dataclass
+class Strategy:
+    """An engine backend and the process-group settings of a run.
+
+    Attributes:
+        backend: Engine backend name registered with ``EngineRegistry`` (e.g. ``"fsdp2"``).
+        engine_overrides: ``EngineConfig`` fields applied to every engine this strategy builds (e.g.
+            ``{"zero_stage": 3}`` or ``{"ulysses_sequence_parallel_size": 2}``).
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default: nccl on CUDA, gloo on CPU.
+        timeout: Collective timeout of the process group (the last resort against hangs).
+    """
+
+    backend: str = "fsdp2"
+    engine_overrides: dict[str, Any] = field(default_factory=dict)
+    process_group_backend: str | None = None
+    timeout: timedelta = field(default_factory=lambda: timedelta(minutes=30))
+
+    def validate(self) -> None:
+        """Check the backend exists here and its package is installed.
+
+        Raises:
+            ValueError: Unknown backend (the message lists the registered ones), a missing package
+                (the message names the extra), or an unknown ``engine_overrides`` key.
+        """
+        missing = _missing_package(self.backend)
+        if missing is not None:
+            package, extra = missing
+            raise ValueError(
+                f"strategy {self.backend!r} needs the package {package!r}, which is not installed; install "
+                f"it with `pip install 'verl-trainer[{extra}]'` or choose another strategy"
+            )
+        known = _registered_backends()
+        if self.backend not in known:
+            raise ValueError(
+                f"unknown strategy {self.backend!r}; registered strategies (engine backends): "
+                f"{', '.join(known)}. Register an engine with EngineRegistry.register to add one."
+            )
+        EngineConfig().replace(**self.engine_overrides)  # unknown keys raise with the valid fields
+        if self.process_group_backend not in (None, "gloo", "nccl"):
+            raise ValueError(
+                f"process_group_backend={self.process_group_backend!r}; choose 'gloo', 'nccl' or None (auto)"
+            )
+
+    def dist_backend(self, device_type: str) -> str:
+        """The process-group backend for ``device_type`` (explicit setting first)."""
+        return self.process_group_backend or ("nccl" if device_type == "cuda" else "gloo")
+
+    def engine_config(self, config: EngineConfig, precision: str, seed: int | None) -> EngineConfig:
+        """``config`` with this strategy's overrides, the precision's dtypes and the seed applied.
+
+        Raises:
+            ValueError: If ``config`` sets a dtype that contradicts ``precision``.
+        """
+        default = EngineConfig()
+        dtypes = PRECISIONS[precision]
+        for name, value in dtypes.items():
+            own = getattr(config, name)
+            if to_dtype(own) != to_dtype(getattr(default, name)) and to_dtype(own) != to_dtype(value):
+                raise ValueError(
+                    f"EngineConfig.{name}={own!r} contradicts Trainer(precision={precision!r}), which sets "
+                    f"{name}={value!r}; set the precision on the Trainer only"
+                )
+        overrides: dict[str, Any] = {**dtypes, **self.engine_overrides}
+        if seed is not None:
+            overrides["seed"] = seed
+        return config.replace(**overrides)
+
+    def build_engine(self, spec: Any, precision: str, seed: int | None) -> Any:
+        """Build (not initialise) the engine described by an :class:`~verl_trainer.module.EngineSpec`."""
+        config = self.engine_config(spec.config, precision, seed)
+        return EngineRegistry.new(spec.model_type, self.backend, config, spec.optim)
+
+
+def resolve_strategy(strategy: str | Strategy) -> Strategy:
+    """A validated :class:`Strategy` from a registry name or a strategy object.
+
+    Raises:
+        TypeError: For anything else.
+        ValueError: See :meth:`Strategy.validate`.
+    """
+    if isinstance(strategy, str):
+        strategy = Strategy(backend=strategy)
+    if not isinstance(strategy, Strategy):
+        raise TypeError(
+            f"strategy must be a registered name (e.g. 'fsdp2') or a verl_trainer.strategy.Strategy, got "
+            f"{type(strategy).__name__}"
+        )
+    strategy.validate()
+    return strategy

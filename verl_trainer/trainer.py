@@ -1,0 +1,396 @@
+"""The Trainer: Lightning's arguments and loop shape, verl's engines underneath, SPMD on every rank.
+
+::
+
+    trainer = Trainer(strategy="fsdp2", devices=2, max_steps=50, logger="wandb",
+                      callbacks=[ModelCheckpoint(every_n_train_steps=10)])
+    trainer.fit(SFT(config), datamodule=data, ckpt_path="last")
+
+Every rank runs the Trainer. ``fit`` starts or joins the process world (``verl_trainer.launch``), builds
+the module's engines with the strategy, shards the data by data-parallel rank
+(``verl_trainer.training.data``), restores a checkpoint, and runs the loop (``verl_trainer.training.loops``)
+with hooks dispatched by :meth:`Trainer.call_hook`. Invalid arguments fail here, at construction.
+
+Callback order is fixed: ``MetricReduction`` first (it turns the module's step outputs into logged
+values), then the user's callbacks in the given order (the default ``ProgressBar`` after them), and
+``ModelCheckpoint`` callbacks last, as in Lightning. Metrics of a step are logged on rank 0 after
+``on_train_batch_end`` (every ``log_every_n_steps``), or earlier when a checkpoint is saved, so a
+checkpoint never precedes its own step in the logs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl_trainer import launch
+from verl_trainer.callbacks import Callback, MetricReduction, ModelCheckpoint, ProgressBar
+from verl_trainer.callbacks.base import HOOK_NAMES
+from verl_trainer.loggers import validate_logger_spec
+from verl_trainer.strategy import Strategy, bf16_supported, normalize_precision, resolve_strategy
+from verl_trainer.training import failure, loops
+from verl_trainer.training.data import ShardedLoader
+
+__all__ = ["Trainer"]
+
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+_CHAINED_HOOKS = frozenset({"on_before_update"})
+
+
+def _resolve_accelerator(accelerator: str) -> str:
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"accelerator={accelerator!r}; choose one of {ACCELERATORS}")
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator in ("gpu", "cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"accelerator={accelerator!r} but no CUDA device is available; use 'cpu' or 'auto'"
+            )
+        return "cuda"
+    return "cpu"
+
+
+def _resolve_devices(devices: int | str, accelerator: str) -> int:
+    if devices == "auto":
+        return max(1, torch.cuda.device_count()) if accelerator == "cuda" else 1
+    if isinstance(devices, bool) or not isinstance(devices, int):
+        raise ValueError(f"devices must be a positive int or 'auto', got {devices!r}")
+    if devices < 1:
+        raise ValueError(f"devices must be >= 1 (processes per node), got {devices}")
+    if accelerator == "cuda" and devices > torch.cuda.device_count():
+        raise ValueError(f"devices={devices} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return devices
+
+
+def _is_interactive() -> bool:
+    import __main__
+
+    return not hasattr(__main__, "__file__") and __main__.__spec__ is None
+
+
+class Trainer:
+    """Fits a :class:`~verl_trainer.module.TrainingModule` with a strategy's engines.
+
+    Args:
+        strategy: An engine backend registered with ``EngineRegistry`` (``"fsdp2"``, ``"fsdp"``,
+            ``"deepspeed"``, ``"deepspeed_stage_3"``, ...) or a :class:`~verl_trainer.strategy.Strategy`.
+        accelerator: ``"auto"``, ``"cpu"``, ``"gpu"`` / ``"cuda"``.
+        devices: Processes per node (an int or ``"auto"``).
+        num_nodes: Number of nodes.
+        precision: ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"`` (``32`` / ``"bf16"`` accepted).
+        max_steps: Trainer steps to run (``-1``: limited by ``max_epochs``).
+        max_epochs: Passes over the training data (``None``: limited by ``max_steps``).
+        callbacks: Callbacks (see the module docstring for their order).
+        logger: ``True`` (CSV), ``False``, ``"csv"``, ``"wandb"``, a Lightning ``Logger`` or a list.
+        log_every_n_steps: Log the step metrics every N steps (and on the last step).
+        default_root_dir: Where logs and checkpoints go (default: the working directory).
+        val_check_interval: Validate every N trainer steps (``None``: only through ``validate``).
+        enable_progress_bar: Add a :class:`~verl_trainer.callbacks.ProgressBar` unless one is given.
+        enable_checkpointing: Add a :class:`~verl_trainer.callbacks.ModelCheckpoint` (saves at the end of
+            fit) unless one is given.
+        seed: Seeds Python, numpy and torch on every rank, the engines' initialisation and the data order.
+
+    Raises:
+        ValueError: For an invalid argument or combination; the message says what to change.
+    """
+
+    def __init__(
+        self,
+        strategy: str | Strategy = "fsdp2",
+        accelerator: str = "auto",
+        devices: int | str = 1,
+        num_nodes: int = 1,
+        precision: str | int = "32-true",
+        max_steps: int = -1,
+        max_epochs: int | None = None,
+        callbacks: Sequence[Callback] | Callback | None = None,
+        logger: Any = True,
+        log_every_n_steps: int = 1,
+        default_root_dir: str | os.PathLike | None = None,
+        val_check_interval: int | None = None,
+        enable_progress_bar: bool = True,
+        enable_checkpointing: bool = True,
+        seed: int = 42,
+    ) -> None:
+        self.strategy = resolve_strategy(strategy)
+        self.accelerator = _resolve_accelerator(accelerator)
+        self.devices = _resolve_devices(devices, self.accelerator)
+        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+            raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
+        self.num_nodes = num_nodes
+        self.precision = normalize_precision(precision)
+        if self.precision.startswith("bf16") and not bf16_supported(self.accelerator):
+            raise ValueError(
+                f"precision={self.precision!r} needs bfloat16 support, which this {self.accelerator} lacks "
+                f"(CPU: AVX512-BF16 or AMX; GPU: Ampere or newer); use precision='32-true'"
+            )
+        if not isinstance(max_steps, int) or (max_steps < 1 and max_steps != -1):
+            raise ValueError(f"max_steps must be -1 (unlimited) or >= 1, got {max_steps!r}")
+        if max_epochs is not None and (not isinstance(max_epochs, int) or max_epochs < 1):
+            raise ValueError(f"max_epochs must be None or >= 1, got {max_epochs!r}")
+        self.max_steps, self.max_epochs = max_steps, max_epochs
+        if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps must be an int >= 1, got {log_every_n_steps!r}")
+        self.log_every_n_steps = log_every_n_steps
+        interval_ok = isinstance(val_check_interval, int) and not isinstance(val_check_interval, bool)
+        if val_check_interval is not None and not (interval_ok and val_check_interval >= 1):
+            raise ValueError(
+                f"val_check_interval must be None or an int >= 1 (trainer steps), got {val_check_interval!r}"
+            )
+        self.val_check_interval = val_check_interval
+        if not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self.seed = seed
+        validate_logger_spec(logger)
+        self._logger_spec = logger
+        self.default_root_dir = os.fspath(Path(default_root_dir or os.getcwd()).absolute())
+        self.callbacks = self._order_callbacks(callbacks, enable_progress_bar, enable_checkpointing)
+        self._env = launch.select_cluster_environment()
+        self._env.validate_settings(num_devices=self.devices, num_nodes=self.num_nodes)
+        self._check_launchable()
+        # run state
+        self.world: launch.World | None = None
+        self.module: Any = None
+        self.state: str | None = None
+        self.global_step = 0
+        self.should_stop = False
+        self.callback_metrics: dict[str, float] = {}
+        self.logged_metrics: dict[str, float] = {}
+        self._pending_metrics: dict[str, float] = {}
+        self._loggers: list[Any] | None = None
+        self.train_loader: ShardedLoader | None = None
+        self.val_loader: ShardedLoader | None = None
+
+    # ----------------------------------------------------------------------------------- validation
+    @staticmethod
+    def _order_callbacks(
+        callbacks: Sequence[Callback] | Callback | None, progress_bar: bool, checkpointing: bool
+    ) -> list[Callback]:
+        given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
+        for cb in given:
+            if not isinstance(cb, Callback):
+                raise TypeError(
+                    f"callbacks must be verl_trainer.callbacks.Callback instances, got {type(cb).__name__}"
+                )
+        if any(isinstance(cb, ProgressBar) for cb in given) and not progress_bar:
+            raise ValueError("a ProgressBar is in callbacks but enable_progress_bar=False; drop one of them")
+        if any(isinstance(cb, ModelCheckpoint) for cb in given) and not checkpointing:
+            raise ValueError(
+                "a ModelCheckpoint is in callbacks but enable_checkpointing=False; drop one of them"
+            )
+        reduction = [cb for cb in given if isinstance(cb, MetricReduction)] or [MetricReduction()]
+        checkpoints = [cb for cb in given if isinstance(cb, ModelCheckpoint)]
+        if checkpointing and not checkpoints:
+            checkpoints = [ModelCheckpoint()]
+        middle = [cb for cb in given if not isinstance(cb, (MetricReduction, ModelCheckpoint))]
+        if progress_bar and not any(isinstance(cb, ProgressBar) for cb in middle):
+            middle.append(ProgressBar())
+        ordered = reduction[:1] + middle + checkpoints
+        keys = [cb.state_key for cb in ordered]
+        dupes = sorted({k for k in keys if keys.count(k) > 1})
+        if dupes:
+            raise ValueError(f"callbacks share the state key(s) {dupes}; give each a distinct `state_key`")
+        return ordered
+
+    def _check_launchable(self) -> None:
+        world = self.devices * self.num_nodes
+        if world > 1 and not self._env.creates_processes_externally and not dist.is_initialized():
+            if _is_interactive():
+                raise ValueError(
+                    f"devices={self.devices} x num_nodes={self.num_nodes} needs several processes, which are "
+                    f"started by re-running the script: run it as `python script.py` (or torchrun), not "
+                    f"from an interactive session"
+                )
+            if self.num_nodes > 1:
+                raise ValueError(
+                    "num_nodes > 1 needs a cluster launcher (torchrun, SLURM's srun, ...) that starts the "
+                    "processes on every node; with a plain `python script.py` use num_nodes=1"
+                )
+
+    # ------------------------------------------------------------------------------------ topology
+    @property
+    def global_rank(self) -> int:
+        """This process's global rank (0 before fit)."""
+        return self.world.rank if self.world else 0
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node."""
+        return self.world.local_rank if self.world else 0
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes."""
+        return self.world.world_size if self.world else self.devices * self.num_nodes
+
+    @property
+    def is_global_zero(self) -> bool:
+        """True on global rank 0 (it logs and shows the progress bar)."""
+        return self.global_rank == 0
+
+    def _actor(self) -> Any:
+        engines = getattr(self.module, "engines", None) or {}
+        return next(iter(engines.values()), None)
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel group of the module's first engine (the actor); ``None``: the whole world.
+
+        Callbacks that move samples between ranks (``SequenceBalancing``) all-gather and exchange over it.
+        """
+        actor = self._actor()
+        return actor.get_data_parallel_group() if actor is not None else None
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank (the actor's; the global rank without engines)."""
+        actor = self._actor()
+        return actor.get_data_parallel_rank() if actor is not None else self.global_rank
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel size (the actor's; the world size without engines)."""
+        actor = self._actor()
+        return actor.get_data_parallel_size() if actor is not None else self.world_size
+
+    # ------------------------------------------------------------------------------------ callbacks
+    @property
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
+        """The first ModelCheckpoint callback, if any."""
+        return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
+
+    @property
+    def progress_bar_callback(self) -> ProgressBar | None:
+        """The ProgressBar callback, if any."""
+        return next((cb for cb in self.callbacks if isinstance(cb, ProgressBar)), None)
+
+    def call_hook(self, hook: str, *args: Any) -> Any:
+        """Call ``hook(trainer, module, *args)`` on every callback in order (the one dispatch function).
+
+        ``on_before_update`` is chained: a callback that returns a batch replaces it for the callbacks
+        after it, and the final batch is returned. Other hooks return ``None``.
+
+        Raises:
+            ValueError: For a name that is not a callback hook.
+        """
+        if hook not in HOOK_NAMES:
+            raise ValueError(f"unknown hook {hook!r}; hooks: {', '.join(sorted(HOOK_NAMES))}")
+        chained = hook in _CHAINED_HOOKS
+        for cb in self.callbacks:
+            out = getattr(cb, hook)(self, self.module, *args)
+            if chained and out is not None:
+                args = (out, *args[1:])
+        return args[0] if chained else None
+
+    def call_before_update(self, batch: Any) -> Any:
+        """Dispatch ``on_before_update`` and return the (possibly replaced) batch."""
+        return self.call_hook("on_before_update", batch)
+
+    def wrap_loss_fn(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``loss_fn`` that dispatches ``on_before_backward(loss)`` for each micro-batch when training."""
+
+        def loss_with_hook(model_output: Any, micro_batch: Any, info: Any) -> Any:
+            loss, metrics = loss_fn(model_output, micro_batch, info)
+            if torch.is_grad_enabled():
+                self.call_hook("on_before_backward", loss)
+            return loss, metrics
+
+        return loss_with_hook
+
+    # -------------------------------------------------------------------------------------- logging
+    @property
+    def loggers(self) -> list[Any]:
+        """The loggers (built on rank 0 at fit; empty on the other ranks)."""
+        return self._loggers or []
+
+    @property
+    def logger(self) -> Any:
+        """The first logger, or ``None``."""
+        return self.loggers[0] if self.loggers else None
+
+    def log_metrics(self, metrics: Mapping[str, float]) -> None:
+        """Record reduced values (the same on every rank) for the current step; logged on rank 0."""
+        values = {k: float(v) for k, v in metrics.items()}
+        self.callback_metrics.update(values)
+        self._pending_metrics.update(values)
+
+    def flush_metrics(self, force: bool = False) -> None:
+        """Log the pending values at ``global_step`` on rank 0 when due.
+
+        Due: every ``log_every_n_steps``, the last step, or ``force``; values of a step that is not due
+        are dropped, as in Lightning.
+        """
+        if not self._pending_metrics:
+            return
+        due = force or self.global_step % self.log_every_n_steps == 0 or self.global_step == self.max_steps
+        if due:
+            self.logged_metrics = dict(self._pending_metrics)
+            for lg in self.loggers:
+                lg.log_metrics(self.logged_metrics, step=self.global_step)
+        self._pending_metrics.clear()
+
+    # ------------------------------------------------------------------------------------- entry points
+    def fit(self, module: Any, datamodule: Any = None, ckpt_path: str | os.PathLike | None = None) -> None:
+        """Train ``module`` until ``max_steps`` / ``max_epochs``.
+
+        Args:
+            module: A :class:`~verl_trainer.module.TrainingModule`.
+            datamodule: An object with ``train_dataloader()`` (and optionally ``val_dataloader()``), a
+                DataLoader, or a map-style Dataset of ready batches; ``None``: the module's own loaders.
+            ckpt_path: ``None`` (fresh), ``"last"`` (the newest complete checkpoint; fresh with a warning
+                when there is none) or a checkpoint directory.
+        """
+        if self.max_steps == -1 and self.max_epochs is None:
+            raise ValueError("set max_steps or max_epochs to say when fit should stop")
+        self._check_module(module)
+        self._launch("fit", module, datamodule, ckpt_path)
+
+    def validate(
+        self, module: Any, datamodule: Any = None, ckpt_path: str | os.PathLike | None = None
+    ) -> list[dict[str, float]]:
+        """Run the validation data once; returns ``[metrics]`` (reduced over batches and ranks)."""
+        self._check_module(module)
+        return self._launch("validate", module, datamodule, ckpt_path)
+
+    @staticmethod
+    def _check_module(module: Any) -> None:
+        for name in ("configure_engines", "training_step"):
+            if not callable(getattr(module, name, None)):
+                raise TypeError(
+                    f"{type(module).__name__} is not a training module: it has no {name}(); subclass "
+                    f"verl_trainer.module.TrainingModule"
+                )
+
+    def _launch(self, stage: str, module: Any, datamodule: Any, ckpt_path: Any) -> Any:
+        launcher = launch.launcher_for(self._env, self.devices, self.num_nodes)
+        return launcher.launch(self._run_guarded, stage, module, datamodule, ckpt_path)
+
+    def _run_guarded(self, stage: str, module: Any, datamodule: Any, ckpt_path: Any) -> Any:
+        with failure.guard():
+            self.world = launch.connect(
+                self._env, self.devices, self.num_nodes,
+                self.strategy.dist_backend(self.accelerator), self.strategy.timeout,
+            )
+            if self.accelerator == "cpu":
+                os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
+            return loops.run_stage(self, stage, module, datamodule, ckpt_path)
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where checkpoints are written and ``"last"`` is looked up."""
+        cb = self.checkpoint_callback
+        if cb is not None and cb.dirpath is not None:
+            return Path(cb.dirpath)
+        return Path(self.default_root_dir) / "checkpoints"
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Save everything needed to continue exactly (a collective: call it on every rank)."""
+        loops.save_checkpoint(self, Path(path))
+

@@ -1,0 +1,180 @@
+"""Deterministic, resumable data sharding over data-parallel ranks.
+
+The Trainer takes a ``DataLoader`` (from a datamodule's ``train_dataloader()`` / ``val_dataloader()``,
+the module's own, or passed directly) or a map-style ``Dataset`` (each item is one ready batch) and
+re-creates it with a :class:`ResumableDistributedSampler`: every epoch is one seeded permutation of the
+whole dataset (``seed + epoch``, like ``DistributedSampler``), padded to a multiple of the DP size, and
+DP rank ``r`` reads positions ``r, r + dp, r + 2 dp, ...``. Ranks of one sequence-parallel group read
+the same samples.
+
+The position in the data is ``(epoch, batches consumed this epoch)`` (:class:`ShardedLoader`). It is
+saved in every checkpoint; on resume the sampler skips the samples already consumed *globally*
+(``batches * batch_size * dp``), so a resumed run reads exactly the batches the uninterrupted run would
+have read, also when the DP size changed (as long as it divides the consumed sample count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
+
+__all__ = ["ResumableDistributedSampler", "ShardedLoader", "as_dataloader"]
+
+
+class ResumableDistributedSampler(Sampler[int]):
+    """Indices of one DP rank, per epoch, starting after ``start`` globally consumed samples.
+
+    Args:
+        num_samples: Dataset length.
+        num_replicas: DP size.
+        rank: DP rank.
+        shuffle: Permute each epoch (``torch.randperm`` seeded with ``seed + epoch``).
+        seed: Base seed, the same on every rank.
+    """
+
+    def __init__(self, num_samples: int, num_replicas: int, rank: int, shuffle: bool, seed: int) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank={rank} must be in [0, num_replicas={num_replicas})")
+        self.num_samples = num_samples
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.start = 0
+        self.total = -(-num_samples // num_replicas) * num_replicas  # padded to a multiple of dp
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation of ``epoch``."""
+        self.epoch = epoch
+
+    def set_start(self, consumed: int) -> None:
+        """Skip the first ``consumed`` samples of the epoch's global order (a multiple of the DP size)."""
+        if consumed % self.num_replicas:
+            raise ValueError(
+                f"cannot resume: {consumed} samples were consumed this epoch, which is not a multiple of "
+                f"the data-parallel size {self.num_replicas}; resume with the DP size of the checkpoint"
+            )
+        self.start = consumed
+
+    def global_order(self) -> torch.Tensor:
+        """``[total]`` dataset indices of this epoch, padded by repeating from the start."""
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=g)
+        else:
+            order = torch.arange(self.num_samples)
+        if self.total > self.num_samples and self.num_samples > 0:
+            reps = -(-self.total // self.num_samples)
+            order = order.repeat(reps)[: self.total]
+        return order
+
+    def __iter__(self) -> Iterator[int]:
+        rest = self.global_order()[self.start:]
+        return iter(rest[self.rank::self.num_replicas].tolist())
+
+    def __len__(self) -> int:
+        return max(0, self.total - self.start) // self.num_replicas
+
+
+def as_dataloader(source: Any, what: str) -> DataLoader:
+    """``source`` as a DataLoader: a DataLoader as is, a map-style Dataset of ready batches unbatched.
+
+    Raises:
+        TypeError: For an iterable-style dataset or anything else (they cannot be sharded reproducibly).
+    """
+    if isinstance(source, DataLoader):
+        return source
+    if isinstance(source, Dataset) and not isinstance(source, IterableDataset) and hasattr(source, "__len__"):
+        return DataLoader(source, batch_size=None, shuffle=False)
+    raise TypeError(
+        f"the {what} must be a torch DataLoader over a map-style dataset (or a map-style Dataset whose items "
+        f"are batches), got {type(source).__name__}; iterable datasets cannot be sharded and resumed exactly"
+    )
+
+
+class ShardedLoader:
+    """A DataLoader re-created with a :class:`ResumableDistributedSampler`, plus its position.
+
+    Args:
+        loader: The user's DataLoader; its dataset, batch size, collate function, ``drop_last`` and worker
+            settings are kept; ``shuffle`` is read from its sampler (a ``RandomSampler`` shuffles).
+        dp_rank: This rank's DP rank.
+        dp_size: DP size.
+        seed: Shuffle seed.
+
+    Raises:
+        TypeError: For an iterable dataset or a custom batch sampler.
+    """
+
+    def __init__(self, loader: DataLoader, dp_rank: int, dp_size: int, seed: int) -> None:
+        dataset = loader.dataset
+        if isinstance(dataset, IterableDataset):
+            raise TypeError(
+                "an IterableDataset cannot be sharded and resumed exactly; use a map-style dataset"
+            )
+        if loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler:
+            raise TypeError(
+                f"a DataLoader with a custom batch_sampler ({type(loader.batch_sampler).__name__}) cannot be "
+                f"re-sharded; give a batch_size (and collate_fn) instead"
+            )
+        self.batch_size = loader.batch_size
+        self.dp_size = dp_size
+        self.sampler = ResumableDistributedSampler(
+            len(dataset), dp_size, dp_rank, shuffle=isinstance(loader.sampler, RandomSampler), seed=seed
+        )
+        self.loader = DataLoader(
+            dataset,
+            batch_size=loader.batch_size,
+            sampler=self.sampler,
+            collate_fn=loader.collate_fn if loader.batch_size is not None else None,
+            drop_last=loader.drop_last,
+            num_workers=loader.num_workers,
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
+        )
+        self.epoch = 0
+        self.batches = 0  # consumed this epoch, on this rank
+
+    @property
+    def samples_per_batch(self) -> int:
+        """Samples one rank consumes per batch (1 for a dataset of ready batches)."""
+        return self.batch_size or 1
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def epoch_batches(self) -> Iterator[Any]:
+        """The batches left in the current epoch, from the current position."""
+        self.sampler.set_epoch(self.epoch)
+        self.sampler.set_start(self.batches * self.samples_per_batch * self.dp_size)
+        yield from self.loader
+
+    def advance(self) -> None:
+        """Count one consumed batch."""
+        self.batches += 1
+
+    def next_epoch(self) -> None:
+        """Move to the start of the next epoch."""
+        self.epoch += 1
+        self.batches = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """The position, as globally consumed samples so another DP size can resume it."""
+        return {"epoch": self.epoch, "samples": self.batches * self.samples_per_batch * self.dp_size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore the position of :meth:`state_dict`."""
+        per_step = self.samples_per_batch * self.dp_size
+        if state["samples"] % per_step:
+            raise ValueError(
+                f"cannot resume the data position: {state['samples']} samples consumed is not a multiple of "
+                f"{per_step} (batch size x DP size); resume with the settings the checkpoint was written with"
+            )
+        self.epoch = int(state["epoch"])
+        self.batches = int(state["samples"]) // per_step
