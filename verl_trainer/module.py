@@ -37,7 +37,8 @@ it over micro-batches and ranks before anything is logged):
 **Hooks a step may dispatch** (``self.trainer``): ``call_hook("on_rollout_end", batch)`` after rollout
 and rewards; ``batch = call_before_update(batch)`` before the engine update (callbacks such as
 ``SequenceBalancing`` may return a re-partitioned batch); :meth:`TrainingModule.engine_step` dispatches
-``on_before_backward`` (per micro-batch), ``on_after_backward`` and ``on_before_optimizer_step``. The
+``on_micro_batches`` (the planned micro-batches), ``on_before_backward`` (per micro-batch),
+``on_after_backward`` and ``on_before_optimizer_step``. The
 Trainer steps every engine's LR scheduler once after each ``training_step``.
 
 **Data parallelism**: ``self.trainer.dp_group`` / ``dp_rank`` / ``dp_size`` are those of the first
@@ -141,8 +142,8 @@ class TrainingModule:
         """One optimizer step of ``engine`` on ``batch`` with the Trainer's backward/optimizer hooks.
 
         The same as ``engine.train_batch(batch, loss_fn)`` (zero grads, forward/backward of every
-        micro-batch, clip and step), plus ``on_before_backward`` per micro-batch, ``on_after_backward``
-        and ``on_before_optimizer_step``. Call it inside ``engine.train_mode()``.
+        micro-batch, clip and step), plus ``on_micro_batches``, ``on_before_backward`` per micro-batch,
+        ``on_after_backward`` and ``on_before_optimizer_step``. Call it inside ``engine.train_mode()``.
 
         Args:
             engine: A trainable engine of this module.
@@ -161,7 +162,13 @@ class TrainingModule:
             raise RuntimeError("engine_step needs an engine built with an OptimConfig")
         engine.optimizer_zero_grad()
         loss_with_hooks = trainer.wrap_loss_fn(loss_fn)
-        out = engine.forward_backward_batch(batch, loss_with_hooks, forward_only=False, **kwargs)
+        out = engine.forward_backward_batch(
+            batch,
+            loss_with_hooks,
+            forward_only=False,
+            micro_batch_hook=lambda micro_batches: trainer.call_hook("on_micro_batches", micro_batches),
+            **kwargs,
+        )
         trainer.call_hook("on_after_backward")
         trainer.call_hook("on_before_optimizer_step", engine.optimizer)
         lr = engine.get_lr()

@@ -17,6 +17,7 @@ from verl_trainer.testing.distributed import run_distributed
 STEP = [
     "on_train_batch_start",
     "on_before_update",
+    "on_micro_batches",
     "on_before_backward",  # one per micro-batch (2 samples after Halve, micro-batch size 1)
     "on_before_backward",
     "on_after_backward",

@@ -17,6 +17,7 @@ The backend supplies three hooks: :meth:`_forward_packed` (module call), :meth:`
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -187,6 +188,7 @@ class MicroBatchComputeMixin:
         forward_only: bool = False,
         calculate_entropy: bool = False,
         temperature: float | None = None,
+        micro_batch_hook: Callable[[list[TensorDict]], None] | None = None,
     ) -> dict[str, Any]:
         """Run every micro-batch of this rank's share of one step (see ``BaseEngine``).
 
@@ -197,6 +199,8 @@ class MicroBatchComputeMixin:
             forward_only: No backward; outputs are collected and returned in the original order.
             calculate_entropy: Language model: also compute ``entropy``.
             temperature: Overrides ``config.temperature``.
+            micro_batch_hook: Called with the planned micro-batches before the first forward (the
+                Trainer dispatches ``on_micro_batches`` through it).
 
         Returns:
             ``{"loss": float, "local_loss": float, "metrics": list[dict], "num_micro_batches": int,
@@ -210,6 +214,8 @@ class MicroBatchComputeMixin:
             raise ValueError("forward_backward_batch needs a loss_function unless forward_only=True")
         info = self.compute_global_batch_info(data)
         micro_batches, batch_idx = self.make_micro_batches(data)
+        if micro_batch_hook is not None:
+            micro_batch_hook(micro_batches)
         losses: list[torch.Tensor] = []  # summed once at the end: no device sync per micro-batch
         metrics: list[dict[str, Any]] = []
         collected: dict[str, list[torch.Tensor]] = {}

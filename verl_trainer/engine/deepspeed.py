@@ -1,0 +1,335 @@
+"""DeepSpeed engines: ZeRO stage 1, 2 or 3 (``deepspeed``, ``deepspeed_stage_{1,2,3}``).
+
+:class:`DeepSpeedEngine` composes the shared engine parts (topology, the packed micro-batch loop, the LR
+schedule, atomic checkpoint directories) and adds only what is DeepSpeed-specific:
+
+* ``deepspeed.initialize`` with a generated config dict (``engine/deepspeed_config.py``) and the torch
+  ``AdamW`` built from ``OptimConfig``; ``gradient_accumulation_steps`` stays 1 and the engine marks the
+  last micro-batch with ``set_gradient_accumulation_boundary``, so no loss is divided by the micro-batch
+  count. Gradients are reduced once per step, after the last micro-batch: ZeRO-1 at that boundary;
+  ZeRO-2/3 (which reduce inside every backward, and whose ``no_sync`` refuses) inside one DeepSpeed
+  ``coalesce_grad_reduction`` block spanning the step's micro-batches (see ``_grad_sync_context``).
+* Every forward goes through the DeepSpeed engine (``DeepSpeedEngine.forward``): ZeRO-3 gives wrong
+  gradients from the second micro-batch on when the HF module is called directly.
+* ``optimizer_step`` is DeepSpeed's ``step``: global grad norm, clipping, and a non-finite norm zeroes the
+  gradients and skips the step (fp32 and bf16; fp16 also adjusts its loss scale). The LR schedule is a
+  torch ``LambdaLR`` on the same AdamW, stepped by ``lr_scheduler_step`` only.
+* ``get_per_tensor_param`` gathers one ZeRO-3 parameter at a time (``GatheredParameters``).
+* Checkpoints: DeepSpeed's own format under ``path/deepspeed/`` (model + ZeRO optimizer partitions),
+  plus the shared ``extra_state_rank{r}.pt`` (scheduler, RNG), ``meta.json`` and the HF config; written
+  atomically and read with ``torch.load(weights_only=True)`` (``engine/deepspeed_checkpoint.py``).
+
+Ulysses sequence parallelism (``ulysses_sequence_parallel_size > 1``) runs the shared Ulysses forwards
+(``models/ulysses_forward.py``) through ``DeepSpeedEngine.forward``. ``import deepspeed`` happens in
+:meth:`DeepSpeedEngine.initialize`, so importing ``verl_trainer.engine`` stays cheap; this module raises
+``ImportError`` when deepspeed is not installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl_trainer.engine.base import BaseEngine
+from verl_trainer.engine.compute import MicroBatchComputeMixin
+from verl_trainer.engine.config import EngineConfig, OptimConfig
+from verl_trainer.engine.deepspeed_checkpoint import DeepSpeedCheckpointMixin
+from verl_trainer.engine.deepspeed_config import build_deepspeed_config
+from verl_trainer.engine.heads import LanguageModelMixin, ValueModelMixin
+from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler, build_optimizer
+from verl_trainer.engine.registry import EngineRegistry
+from verl_trainer.engine.topology import TopologyMixin, build_topology
+from verl_trainer.models.attention import packed_forward
+from verl_trainer.models.ulysses_forward import ulysses_packed_log_probs, ulysses_packed_values
+
+if importlib.util.find_spec("deepspeed") is None:
+    raise ImportError("the deepspeed engine needs deepspeed: pip install 'verl-trainer[deepspeed]'")
+
+DEEPSPEED_BACKENDS = ("deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
+DEVICES = ["cpu", "cuda"]
+
+
+def _import_deepspeed(device_type: str) -> Any:
+    """Import deepspeed, pinning its accelerator to our device on first import (``DS_ACCELERATOR``).
+
+    Raises:
+        RuntimeError: If deepspeed was already imported with an accelerator for another device.
+    """
+    os.environ.setdefault("DS_ACCELERATOR", device_type)
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()
+    if name != device_type:
+        raise RuntimeError(
+            f"deepspeed's accelerator is {name!r} but this engine runs on {device_type!r}; set "
+            f"DS_ACCELERATOR={device_type} (or VERL_ENGINE_DEVICE) before deepspeed is first imported"
+        )
+    return deepspeed
+
+
+class DeepSpeedForward:
+    """The model the shared forwards (``packed_forward``, the Ulysses forwards) call.
+
+    Calls go through ``DeepSpeedEngine.forward``; ``config`` is the HF model's (the DeepSpeed engine's own
+    ``config`` attribute is its DeepSpeed config, which those functions would read instead).
+
+    Args:
+        ds_engine: The ``deepspeed.DeepSpeedEngine``.
+    """
+
+    def __init__(self, ds_engine: Any) -> None:
+        self.ds_engine = ds_engine
+        self.config = ds_engine.module.config
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``DeepSpeedEngine.forward(*args, **kwargs)`` (the HF output)."""
+        return self.ds_engine(*args, **kwargs)
+
+
+class DeepSpeedEngine(
+    TopologyMixin, MicroBatchComputeMixin, OptimizerMixin, DeepSpeedCheckpointMixin, BaseEngine
+):
+    """DeepSpeed ZeRO-1/2/3 engine; the model type comes from a mixin (see the registered subclasses).
+
+    Args:
+        config: Engine config; ``zero_stage`` picks the ZeRO stage, ``deepspeed_config`` is merged over
+            the generated DeepSpeed config.
+        optim_config: Optimizer config; ``None`` builds an inference-only engine.
+        backend: ``"deepspeed"`` or an alias ``"deepspeed_stage_N"`` (the registry presets
+            ``zero_stage=N`` for those).
+        **config_overrides: ``EngineConfig`` fields to override.
+
+    Raises:
+        ValueError: For an unknown backend name.
+    """
+
+    # Ulysses: the gathered outputs' gradients are scaled by sp and DeepSpeed (no mpu) averages
+    # gradients over all dp x sp ranks, as FSDP does.
+    SUPPORTS_SEQUENCE_PARALLEL = True
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        optim_config: OptimConfig | None = None,
+        *,
+        backend: str = "deepspeed",
+        **config_overrides: Any,
+    ) -> None:
+        super().__init__(config, optim_config, backend=backend, **config_overrides)
+        if backend not in DEEPSPEED_BACKENDS:
+            raise ValueError(f"DeepSpeedEngine backend must be one of {DEEPSPEED_BACKENDS}, got {backend!r}")
+        self.ds_engine: Any = None
+        self._warned_to = False
+        self._coalesce = False
+        self._coalescing: contextlib.AbstractContextManager | None = None
+
+    # ----------------------------------------------------------------------------------- lifecycle
+    def initialize(self) -> None:
+        """Load the HF model and hand it with AdamW to ``deepspeed.initialize``; a collective, idempotent.
+
+        Raises:
+            RuntimeError: If no process group is initialised.
+        """
+        if self.initialized:
+            return
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"{type(self).__name__} ({self.backend}) needs an initialised process group; "
+                f"call torch.distributed.init_process_group (or use Trainer / torchrun) first"
+            )
+        deepspeed = _import_deepspeed(self.device.type)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(self.config.seed)
+        self.topology = build_topology(self.config, self.device.type)
+        model = self.load_hf_model()  # type: ignore[attr-defined]  (model-type part)
+        if self.config.enable_gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        optimizer = None
+        if self.optim_config is not None:
+            optimizer = build_optimizer(model.parameters(), self.optim_config)
+        ds_config = build_deepspeed_config(
+            self.config, self.optim_config, self.topology.world_size, self.device.type
+        )
+        self.ds_engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config, dist_init_required=False
+        )
+        self.module = self.ds_engine.module
+        self._coalesce = (
+            self.config.zero_stage in (2, 3)
+            and optimizer is not None
+            and bool(self.config.strategy_kwargs.get("coalesce_grad_reduction", True))
+            and hasattr(self.ds_engine, "coalesce_grad_reduction")
+            and hasattr(self.ds_engine.optimizer, "_coalesce_grad_reduction")
+        )
+        # ZeRO steps this same AdamW (its param groups now hold the flat fp32 partitions), so the
+        # LambdaLR on it sets the lr DeepSpeed uses, and get_lr / lr_scheduler_step read it there.
+        self.optimizer = optimizer
+        if optimizer is not None:
+            self.lr_scheduler = build_lr_scheduler(optimizer, self.optim_config)  # type: ignore[arg-type]
+        self.initialized = True
+
+    def to(
+        self, device: str | torch.device, model: bool = True, optimizer: bool = True, grad: bool = True
+    ) -> None:
+        """No-op: DeepSpeed places parameters and optimizer state itself.
+
+        ``param_offload`` / ``optimizer_offload`` map to DeepSpeed's own offload (``offload_param``,
+        ZeRO-3 only, and ``offload_optimizer``), which keeps them on the host all the time and streams
+        them in; the mode contexts therefore have nothing to move. Asking for another device without
+        that offload configured warns once and leaves everything where it is (DeepSpeed's flat ZeRO
+        buffers cannot be moved from outside).
+        """
+        target = torch.device(device).type
+        if target == self.device.type or self._warned_to:
+            return
+        offloaded = (not model or self.config.param_offload) and (
+            not optimizer or self.config.optimizer_offload
+        )
+        if not offloaded:
+            self._warned_to = True
+            warnings.warn(
+                f"the deepspeed engine does not move its state to {target!r} on demand (ignored); "
+                f"enable param_offload (ZeRO-3) / optimizer_offload for DeepSpeed's own CPU offload",
+                stacklevel=2,
+            )
+
+    # ------------------------------------------------------------------------------------- compute
+    @property
+    def forward_model(self) -> DeepSpeedForward:
+        """What the shared packed / Ulysses forwards call (through ``DeepSpeedEngine.forward``)."""
+        return DeepSpeedForward(self.ds_engine)
+
+    def _forward_packed(self, packed: Any) -> Any:
+        """Run one packed row through ``DeepSpeedEngine.forward`` (varlen attention, no padding)."""
+        return packed_forward(self.forward_model, packed)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """``DeepSpeedEngine.backward`` of the loss as is (accumulation steps = 1: never rescaled)."""
+        self.ds_engine.backward(loss, scale_wrt_gas=False)
+
+    def _grad_sync_context(self, is_last: bool) -> contextlib.AbstractContextManager:
+        """Reduce gradients once per step, after the last micro-batch's backward.
+
+        ZeRO-1 reduces at the gradient-accumulation boundary, which only the last micro-batch sets.
+        ZeRO-2/3 reduce inside every backward; where DeepSpeed has ``coalesce_grad_reduction`` (0.19+),
+        one such block spans all micro-batches of the step (opened by the first, closed after the last),
+        so gradients stay local and are reduced in one pass. That keeps full-size gradients on each rank
+        between micro-batches (as FSDP's deferred sync does); ``strategy_kwargs={"coalesce_grad_reduction":
+        False}`` trades that memory back for one reduction per micro-batch.
+        """
+        self.ds_engine.set_gradient_accumulation_boundary(is_last)
+        if not self._coalesce:
+            return contextlib.nullcontext()
+        if self._coalescing is None:  # first micro-batch of the step
+            self._coalescing = self.ds_engine.coalesce_grad_reduction()
+            self._coalescing.__enter__()
+        return self._end_coalescing() if is_last else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _end_coalescing(self) -> Iterator[None]:
+        """Around the last micro-batch: on exit, leave the coalescing block (its single reduction)."""
+        try:
+            yield
+        finally:
+            self._close_coalescing()
+
+    def _close_coalescing(self) -> None:
+        if self._coalescing is not None:
+            block, self._coalescing = self._coalescing, None
+            block.__exit__(None, None, None)
+
+    # ----------------------------------------------------------------------------------- optimizer
+    def optimizer_zero_grad(self) -> None:
+        """Clear the gradients (the ZeRO optimizer's and the module's)."""
+        self._require_optimizer()
+        self._close_coalescing()  # a step that raised between micro-batches left it open
+        self.ds_engine.optimizer.zero_grad(set_to_none=True)
+        self.ds_engine.zero_grad()
+
+    def optimizer_step(self) -> float:
+        """DeepSpeed's step: grad norm, clip, step; a non-finite norm zeroes the grads and skips.
+
+        Returns:
+            The global grad norm before clipping (``inf`` when the step was skipped for a non-finite
+            norm; DeepSpeed reports NaN norms as ``inf`` too).
+        """
+        self._require_optimizer()
+        ds = self.ds_engine
+        ds.set_gradient_accumulation_boundary(True)
+        ds.step()
+        norm = ds.get_global_grad_norm()
+        norm = float("nan") if norm is None else float(norm)
+        if not ds.was_step_applied():
+            self.skipped_steps += 1
+            if math.isfinite(norm):  # DeepSpeed skipped for another reason (fp16 overflow): say so
+                norm = float("inf")
+        return norm
+
+    # ------------------------------------------------------------------------------- weight export
+    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, full_tensor)`` one at a time, in ``state_dict`` order; a collective.
+
+        ZeRO-3 parameters are gathered one by one (every rank must iterate to the end); ZeRO-1/2 keep
+        full parameters on every rank. The names are the HF model's ``state_dict`` keys (tied weights
+        included), so the tensors load into a plain transformers model with ``load_state_dict``.
+        """
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        assert self.module is not None
+        partitioned = self.config.zero_stage == 3
+        tensors = dict(self.module.named_parameters(remove_duplicate=False))
+        tensors.update(self.module.named_buffers(remove_duplicate=False))
+        for name in self.module.state_dict(keep_vars=True):
+            tensor = tensors[name]
+            if partitioned and hasattr(tensor, "ds_id"):
+                with GatheredParameters([tensor], modifier_rank=None):
+                    full = tensor.detach().clone()
+            else:
+                full = tensor.detach()
+            yield name, full
+
+
+def _register(engine_cls: type, model_type: str) -> None:
+    """Register ``engine_cls`` as ``deepspeed`` and the ``deepspeed_stage_N`` aliases (preset stage)."""
+    EngineRegistry.register(model_type=model_type, backend="deepspeed", device=DEVICES)(engine_cls)
+    for stage in (1, 2, 3):
+        EngineRegistry.register(
+            model_type=model_type,
+            backend=f"deepspeed_stage_{stage}",
+            device=DEVICES,
+            preset={"zero_stage": stage},
+        )(engine_cls)
+
+
+class DeepSpeedLanguageModelEngine(LanguageModelMixin, DeepSpeedEngine):
+    """DeepSpeed engine for a causal LM: outputs ``log_probs`` (+ ``entropy``)."""
+
+    def compute_sp_outputs(
+        self, packed: Any, sp_group: Any, calculate_entropy: bool = False, temperature: float = 1.0
+    ) -> dict[str, torch.Tensor]:
+        """``LanguageModelMixin.compute_sp_outputs`` through ``DeepSpeedEngine.forward``."""
+        return ulysses_packed_log_probs(self.forward_model, packed, sp_group, temperature, calculate_entropy)
+
+
+class DeepSpeedValueModelEngine(ValueModelMixin, DeepSpeedEngine):
+    """DeepSpeed engine for a value model: outputs ``values``."""
+
+    def compute_sp_outputs(
+        self, packed: Any, sp_group: Any, calculate_entropy: bool = False, temperature: float = 1.0
+    ) -> dict[str, torch.Tensor]:
+        """``ValueModelMixin.compute_sp_outputs`` through ``DeepSpeedEngine.forward``."""
+        return ulysses_packed_values(self.forward_model, packed, sp_group)
+
+
+_register(DeepSpeedLanguageModelEngine, "language_model")
+_register(DeepSpeedValueModelEngine, "value_model")
