@@ -25,7 +25,7 @@ Writing a backend (``fsdp.py`` and ``deepspeed.py`` are the examples)::
         def initialize(self): ...      # self.topology = build_topology(...); self.module = wrap(
                                        #     self.load_hf_model()); optimizer / lr_scheduler from optim.py
         def to(self, device, model=True, optimizer=True, grad=True): ...   # offload.py helpers
-        def _forward_packed(self, packed): ...          # optional: module call on the packed row
+        forward_model = ...                             # optional: what is called (default: module)
         def _backward(self, loss): ...                  # optional: default loss.backward()
         def _grad_sync_context(self, is_last): ...      # sync grads on the last micro-batch only
         def get_per_tensor_param(self): ...

@@ -10,8 +10,9 @@
    micro-batches); gradient sync only on the last micro-batch;
 4. forward-only outputs are restored to the original sample order.
 
-The backend supplies three hooks: :meth:`_forward_packed` (module call), :meth:`_backward` and
-:meth:`_grad_sync_context`; the model type supplies ``compute_packed_outputs`` (``engine/heads.py``).
+The backend supplies :attr:`forward_model` (what is called: the module, or a wrapper such as DeepSpeed's
+engine), :meth:`_backward` and :meth:`_grad_sync_context`; the model type supplies
+``compute_packed_outputs`` and, under Ulysses SP, ``compute_sp_outputs`` (``engine/heads.py``).
 """
 
 from __future__ import annotations
@@ -100,11 +101,11 @@ def _pad_width(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class MicroBatchComputeMixin:
-    """``forward_backward_batch`` over packed micro-batches; backends override the three hooks.
+    """``forward_backward_batch`` over packed micro-batches; backends override the hooks.
 
-    ``SUPPORTS_SEQUENCE_PARALLEL``: a sequence-parallel part (Ulysses) that overrides
-    :meth:`_forward_packed` sets it; without one, ``ulysses_sequence_parallel_size > 1`` is refused at
-    the first forward rather than silently computing every sequence on every SP rank.
+    ``SUPPORTS_SEQUENCE_PARALLEL``: a backend whose gradient reduction makes Ulysses exact (the SP ranks'
+    gradients averaged over dp x sp, as FSDP and DeepSpeed do) sets it; without it,
+    ``ulysses_sequence_parallel_size > 1`` is refused at the first forward.
     """
 
     SUPPORTS_SEQUENCE_PARALLEL: bool = False
@@ -114,9 +115,14 @@ class MicroBatchComputeMixin:
     device: torch.device
 
     # ------------------------------------------------------------------------------ backend hooks
+    @property
+    def forward_model(self) -> Any:
+        """What the packed and Ulysses forwards call: the module, or a backend's forward wrapper."""
+        return self.module
+
     def _forward_packed(self, packed: PackedBatch) -> Any:
         """Run the module on one packed row (HF output with ``logits [1, N, ...]``)."""
-        return packed_forward(self.module, packed)
+        return packed_forward(self.forward_model, packed)
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss, as is."""

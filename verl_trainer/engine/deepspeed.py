@@ -47,8 +47,6 @@ from verl_trainer.engine.heads import LanguageModelMixin, ValueModelMixin
 from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler, build_optimizer
 from verl_trainer.engine.registry import EngineRegistry
 from verl_trainer.engine.topology import TopologyMixin, build_topology
-from verl_trainer.models.attention import packed_forward
-from verl_trainer.models.ulysses_forward import ulysses_packed_log_probs, ulysses_packed_values
 
 if importlib.util.find_spec("deepspeed") is None:
     raise ImportError("the deepspeed engine needs deepspeed: pip install 'verl-trainer[deepspeed]'")
@@ -209,10 +207,6 @@ class DeepSpeedEngine(
         """What the shared packed / Ulysses forwards call (through ``DeepSpeedEngine.forward``)."""
         return DeepSpeedForward(self.ds_engine)
 
-    def _forward_packed(self, packed: Any) -> Any:
-        """Run one packed row through ``DeepSpeedEngine.forward`` (varlen attention, no padding)."""
-        return packed_forward(self.forward_model, packed)
-
     def _backward(self, loss: torch.Tensor) -> None:
         """``DeepSpeedEngine.backward`` of the loss as is (accumulation steps = 1: never rescaled)."""
         self.ds_engine.backward(loss, scale_wrt_gas=False)
@@ -314,21 +308,9 @@ def _register(engine_cls: type, model_type: str) -> None:
 class DeepSpeedLanguageModelEngine(LanguageModelMixin, DeepSpeedEngine):
     """DeepSpeed engine for a causal LM: outputs ``log_probs`` (+ ``entropy``)."""
 
-    def compute_sp_outputs(
-        self, packed: Any, sp_group: Any, calculate_entropy: bool = False, temperature: float = 1.0
-    ) -> dict[str, torch.Tensor]:
-        """``LanguageModelMixin.compute_sp_outputs`` through ``DeepSpeedEngine.forward``."""
-        return ulysses_packed_log_probs(self.forward_model, packed, sp_group, temperature, calculate_entropy)
-
 
 class DeepSpeedValueModelEngine(ValueModelMixin, DeepSpeedEngine):
     """DeepSpeed engine for a value model: outputs ``values``."""
-
-    def compute_sp_outputs(
-        self, packed: Any, sp_group: Any, calculate_entropy: bool = False, temperature: float = 1.0
-    ) -> dict[str, torch.Tensor]:
-        """``ValueModelMixin.compute_sp_outputs`` through ``DeepSpeedEngine.forward``."""
-        return ulysses_packed_values(self.forward_model, packed, sp_group)
 
 
 _register(DeepSpeedLanguageModelEngine, "language_model")

@@ -52,7 +52,7 @@ class LanguageModelMixin:
 
     MODEL_TYPE: ClassVar[str] = "language_model"
     config: EngineConfig
-    module: torch.nn.Module | None
+    forward_model: Any
 
     def load_hf_model(self) -> torch.nn.Module:
         """Load the HF causal LM from ``config.model_path`` with padding-free attention."""
@@ -89,7 +89,7 @@ class LanguageModelMixin:
         temperature: float = 1.0,
     ) -> dict[str, torch.Tensor]:
         """The same outputs under Ulysses SP: each SP rank runs 1/sp of the row; ``[N]`` are gathered."""
-        return ulysses_packed_log_probs(self.module, packed, sp_group, temperature, calculate_entropy)
+        return ulysses_packed_log_probs(self.forward_model, packed, sp_group, temperature, calculate_entropy)
 
 
 class ValueModelMixin:
@@ -97,7 +97,7 @@ class ValueModelMixin:
 
     MODEL_TYPE: ClassVar[str] = "value_model"
     config: EngineConfig
-    module: torch.nn.Module | None
+    forward_model: Any
 
     def load_hf_model(self) -> torch.nn.Module:
         """Load the value model from ``config.model_path``; a new head is seeded with ``config.seed``."""
@@ -130,4 +130,4 @@ class ValueModelMixin:
         temperature: float = 1.0,
     ) -> dict[str, torch.Tensor]:
         """``{"values": [N]}`` under Ulysses SP (``calculate_entropy``/``temperature`` unused)."""
-        return ulysses_packed_values(self.module, packed, sp_group)
+        return ulysses_packed_values(self.forward_model, packed, sp_group)
