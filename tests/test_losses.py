@@ -260,3 +260,21 @@ def test_entropy_bonus_gradient_and_kl_straight_through_in_loss():
     torch.testing.assert_close(with_kl - base, k3)
     (g,) = torch.autograd.grad(with_kl - base, [out["log_probs"]])
     torch.testing.assert_close(g, (out["log_probs"] - data["ref_log_prob"]).detach() * mask / mask.sum())
+
+
+def test_no_info_uses_the_engine_definition_of_the_denominators():
+    """A real sample with an all-zero loss mask counts in global_batch_size, with or without info."""
+    from verl_trainer.engine.batch_info import GlobalBatchInfo
+    from verl_trainer.losses import SFTLossConfig, sft_loss
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(4, 6)
+    mask[1] = 0  # a real sample that trains nothing
+    data = {"loss_mask": mask, "is_padding": torch.tensor([False, False, False, True])}
+    data["loss_mask"][3] = 0
+    out = {"log_probs": -torch.rand(4, 6, generator=g)}
+    for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "token-mean"):
+        fn = sft_loss(SFTLossConfig(loss_agg_mode=mode))
+        info = GlobalBatchInfo(dp_size=1, batch_num_tokens=12, global_batch_size=3)
+        assert GlobalBatchInfo.from_batch(data) == info
+        torch.testing.assert_close(fn(out, data, None)[0], fn(out, data, info)[0])

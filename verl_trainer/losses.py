@@ -11,7 +11,8 @@ contract (:mod:`verl_trainer.engine.batch_info`)::
 * ``micro_batch``: a ``TensorDict`` (or mapping) with ``loss_mask`` and the keys each loss names below,
   all ``[b, t]``. Padding samples have an all-zero ``loss_mask`` and contribute nothing.
 * ``global_batch_info``: the step's :class:`~verl_trainer.engine.batch_info.GlobalBatchInfo`; ``None``
-  means one process and one micro-batch (the denominators of the batch at hand).
+  means one process and one micro-batch: :meth:`GlobalBatchInfo.from_batch` of the batch at hand, the
+  engine's own definitions (a real sample with an all-zero loss mask counts in ``global_batch_size``).
 * ``loss``: this micro-batch's partial loss (global denominators, ``x dp_size``); back-propagate as is.
 * ``metrics``: ``{name: Metric}``; losses are ``SUM`` (partial values), ratios are token-weighted
   ``MEAN`` (see :mod:`verl_trainer.metrics`), so :func:`~verl_trainer.metrics.reduce_metrics` gives the
@@ -204,6 +205,7 @@ class PPOLoss:
     ) -> LossOutput:
         """Partial loss and metrics of one micro-batch (see the module docstring)."""
         cfg = self.config
+        info = GlobalBatchInfo.from_batch(data) if info is None else info
         mask = _get(data, LOSS_MASK, "ppo_loss").bool()
         log_prob = _get(model_output, "log_probs", "ppo_loss (model_output)", mask.shape)
         agg_kwargs = global_batch_kwargs(info, cfg.loss_scale_factor)
@@ -258,6 +260,7 @@ class ValueLoss:
     ) -> LossOutput:
         """Partial loss and metrics of one micro-batch (see the module docstring)."""
         cfg = self.config
+        info = GlobalBatchInfo.from_batch(data) if info is None else info
         mask = _get(data, LOSS_MASK, "value_loss").bool()
         vpreds = _get(model_output, "values", "value_loss (model_output)", mask.shape)
         vf_loss, vf_clipfrac = compute_value_loss(
@@ -291,6 +294,7 @@ class SFTLoss:
     ) -> LossOutput:
         """Partial loss and metrics of one micro-batch (see the module docstring)."""
         cfg = self.config
+        info = GlobalBatchInfo.from_batch(data) if info is None else info
         mask = _get(data, LOSS_MASK, "sft_loss").bool()
         log_prob = _get(model_output, "log_probs", "sft_loss (model_output)", mask.shape)
         agg_kwargs = global_batch_kwargs(info, cfg.loss_scale_factor)

@@ -18,7 +18,13 @@ The engine calls ``loss_fn(model_output, micro_batch, info)`` once per micro-bat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verl_trainer.data import schema
 
 
 @dataclass(frozen=True)
@@ -37,3 +43,42 @@ class GlobalBatchInfo:
     batch_num_tokens: int
     global_batch_size: int
     dp_rank: int = 0
+
+    @classmethod
+    def from_batch(cls, data: Mapping[str, Any] | Any) -> GlobalBatchInfo:
+        """The denominators of ``data`` alone: one process, one micro-batch (``dp_size = 1``).
+
+        The same definitions the engine all-reduces (:func:`local_counts`), so a loss function called
+        without info agrees with the engine on a single-process, single-micro-batch step.
+        """
+        counts = local_counts(data)
+        return cls(dp_size=1, batch_num_tokens=int(round(float(counts[0]))),
+                   global_batch_size=int(round(float(counts[1]))))
+
+
+def loss_mask_of(data: Mapping[str, Any] | Any) -> torch.Tensor:
+    """Return the ``[B, T]`` mask whose sum is ``batch_num_tokens``.
+
+    ``loss_mask``, else ``response_mask``, else ``attention_mask``.
+    """
+    for key in (schema.LOSS_MASK, schema.RESPONSE_MASK, schema.ATTENTION_MASK):
+        if key in data.keys():
+            return data[key]
+    raise KeyError(f"the batch has none of {schema.LOSS_MASK!r}, {schema.RESPONSE_MASK!r}, "
+                   f"{schema.ATTENTION_MASK!r}; cannot count its loss tokens")
+
+
+def local_counts(data: Mapping[str, Any] | Any) -> torch.Tensor:
+    """``[2]`` float64 CPU: (loss-mask tokens, real samples) of this rank's batch.
+
+    Real samples are those with ``is_padding == False`` — every row when the tag is absent. A real
+    sample whose loss mask is all zero counts: ``seq-mean-*`` modes average over the step's samples
+    (DESIGN §6: rows with no token contribute 0 to the numerator, 1 to the denominator).
+    """
+    mask = loss_mask_of(data)
+    num_tokens = mask.to(torch.float64).sum().cpu()
+    if schema.IS_PADDING in data.keys():
+        num_samples = (~data[schema.IS_PADDING].to(torch.bool)).sum().to(torch.float64).cpu()
+    else:
+        num_samples = torch.tensor(float(mask.shape[0]), dtype=torch.float64)
+    return torch.stack([num_tokens, num_samples])

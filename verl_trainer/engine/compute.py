@@ -27,23 +27,11 @@ from tensordict import TensorDict
 
 from verl_trainer.data import schema
 from verl_trainer.data.packing import PackedBatch, pack_batch
-from verl_trainer.engine.batch_info import GlobalBatchInfo
+from verl_trainer.engine.batch_info import GlobalBatchInfo, local_counts
 from verl_trainer.engine.config import EngineConfig
 from verl_trainer.engine.topology import Topology
 from verl_trainer.micro_batch import prepare_micro_batches, restore_dynamic_batch
 from verl_trainer.models.attention import packed_forward
-
-
-def loss_mask_of(data: TensorDict) -> torch.Tensor:
-    """Return the ``[B, T]`` mask whose sum is ``batch_num_tokens``.
-
-    ``loss_mask``, else ``response_mask``, else ``attention_mask``.
-    """
-    for key in (schema.LOSS_MASK, schema.RESPONSE_MASK, schema.ATTENTION_MASK):
-        if key in data.keys():
-            return data[key]
-    raise KeyError(f"the batch has none of {schema.LOSS_MASK!r}, {schema.RESPONSE_MASK!r}, "
-                   f"{schema.ATTENTION_MASK!r}; cannot count its loss tokens")
 
 
 def compute_global_batch_info(
@@ -61,12 +49,7 @@ def compute_global_batch_info(
         ``GlobalBatchInfo(dp_size, batch_num_tokens, global_batch_size, dp_rank)``.
 
     """
-    num_tokens = loss_mask_of(data).to(torch.float64).sum()
-    if schema.IS_PADDING in data.keys():
-        num_samples = (~data[schema.IS_PADDING].to(torch.bool)).sum().to(torch.float64)
-    else:
-        num_samples = torch.tensor(float(data.batch_size[0]), dtype=torch.float64)
-    counts = torch.stack([num_tokens.cpu(), num_samples.cpu()])
+    counts = local_counts(data)
     if dp_group is not None and dp_size > 1:
         counts = _all_reduce(counts, dp_group, dist.ReduceOp.SUM)
     return GlobalBatchInfo(

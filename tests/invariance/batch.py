@@ -1,0 +1,77 @@
+"""The fixed global batch of the invariance matrix, and how each case splits it over ranks.
+
+12 samples with a long-tailed length mix (3 .. 60 tokens), shuffled so contiguous shards mix short and
+long; sample 5 has an all-zero loss mask (a real sample that trains nothing). The RL fields are
+deterministic and keep every discrete decision far from its threshold, so round-off cannot flip one
+(a flipped clip decision would be a real difference, not noise):
+
+* ``old_log_probs = log_probs_0 + d`` with ``d`` in {-1.5, -0.5, -0.05, 0.05, 0.5}, where ``log_probs_0``
+  are the initial policy's log-probs: ratios ``exp(-d)`` lie well inside or well outside the clip range
+  [0.8, 1.2] and the dual-clip bound 3 (e^1.5 = 4.5), so ``pg_clipfrac`` and ``pg_clipfrac_lower`` are
+  non-trivial and stable;
+* ``values = values_0 + e`` with ``e`` in {-1, -0.1, 0.1, 1} around the initial critic's values:
+  ``|e|`` is far from ``cliprange_value = 0.5``, so ``vf_clipfrac`` is stable;
+* ``ref_log_prob``, ``advantages`` and ``returns`` are seeded noise.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from tests.engine.common import VOCAB_HIGH, VOCAB_LOW, padded_log_probs, padded_values
+from verl_trainer.data.packing import make_batch
+from verl_trainer.models.tiny import load_causal_lm, load_value_model
+
+SEQ_LENS = (14, 3, 38, 6, 9, 25, 4, 60, 7, 11, 5, 18)
+PROMPT_LENS = (4, 1, 6, 2, 3, 5, 2, 6, 3, 4, 2, 5)
+ZERO_MASK_SAMPLE = 5
+VALUE_SEED = 42  # EngineConfig.seed: the value head is initialised from it on every rank
+UNEVEN_SIZES = {1: [12], 2: [9, 3], 4: [6, 3, 2, 1]}
+"""Starting split when SequenceBalancing is on: deliberately uneven, so balancing must move samples."""
+BATCH_MULTIPLE = 8
+"""Balancing pads the 12 samples to 16: four ``is_padding`` samples that must change nothing."""
+
+
+def _choice(options: tuple[float, ...], shape: torch.Size, g: torch.Generator) -> torch.Tensor:
+    idx = torch.randint(0, len(options), shape, generator=g)
+    return torch.tensor(options)[idx]
+
+
+@torch.no_grad()
+def initial_outputs(model_path: str, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_probs [B, T], values [B, T])`` of the initial actor and critic (plain HF, padded, sdpa)."""
+    actor = load_causal_lm(model_path, attn_implementation="sdpa")
+    logits = actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    critic = load_value_model(model_path, attn_implementation="sdpa", seed=VALUE_SEED)
+    values = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return padded_log_probs(logits, batch["input_ids"]), padded_values(values)
+
+
+def make_invariance_batch(model_path: str, seed: int = 0) -> TensorDict:
+    """The fixed batch ``[12, 60]`` with every field the three losses read."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses = [], []
+    for total, prompt in zip(SEQ_LENS, PROMPT_LENS):
+        ids = torch.randint(VOCAB_LOW, VOCAB_HIGH, (total,), generator=g).tolist()
+        prompts.append(ids[:prompt])
+        responses.append(ids[prompt:])
+    batch = make_batch(prompts, responses)
+    batch["loss_mask"][ZERO_MASK_SAMPLE] = 0.0
+    mask = batch["response_mask"]
+    shape = mask.shape
+    log_probs_0, values_0 = initial_outputs(model_path, batch)
+    batch["old_log_probs"] = (log_probs_0 + _choice((-1.5, -0.5, -0.05, 0.05, 0.5), shape, g)) * mask
+    batch["ref_log_prob"] = (log_probs_0 + 0.3 * torch.randn(shape, generator=g)) * mask
+    adv = torch.randn(len(SEQ_LENS), 1, generator=g) + 0.3 * torch.randn(shape, generator=g)
+    batch["advantages"] = adv * mask
+    batch["values"] = (values_0 + _choice((-1.0, -0.1, 0.1, 1.0), shape, g)) * mask
+    batch["returns"] = torch.randn(shape, generator=g) * mask
+    return batch
+
+
+def shard_for(batch: TensorDict, rank: int, dp: int, balance: bool) -> TensorDict:
+    """This rank's starting samples: equal contiguous shards, or the uneven split when balancing."""
+    sizes = UNEVEN_SIZES[dp] if balance else [batch.batch_size[0] // dp] * dp
+    start = sum(sizes[:rank])
+    return batch[start : start + sizes[rank]]
