@@ -1,0 +1,41 @@
+"""SFT of a (tiny) causal LM on the arithmetic task's answers (configs/sft.yaml).
+
+    python recipes/sft.py
+    python recipes/sft.py trainer.devices=2 trainer.max_steps=100 export_dir=outputs/models/sft
+"""
+
+import dataclasses
+import time
+from pathlib import Path
+
+import common
+
+from verl_trainer.algorithms import SFT, SFTDataModule
+from verl_trainer.callbacks import ProgressBar
+from verl_trainer.configs import SFTRecipeConfig, parse_recipe_args
+from verl_trainer.models.tiny import load_tokenizer
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sft.yaml"
+
+
+def main() -> None:
+    started = time.monotonic()
+    cfg = parse_recipe_args(SFTRecipeConfig, CONFIG, description=__doc__)
+    common.prepare_task(cfg.task)
+    model_path = cfg.algorithm.model_path or common.prepare_model(cfg.model)
+    algorithm = dataclasses.replace(cfg.algorithm, model_path=model_path)
+
+    module = SFT(algorithm)
+    data = SFTDataModule(cfg.data, load_tokenizer(model_path))
+    trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=("sft/loss", "val/loss"))])
+    has_val = bool(cfg.data.val_files)
+    before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit and has_val else None
+    trainer.fit(module, datamodule=data)
+    after = common.validate(trainer, module, data) if has_val else {}
+    if cfg.export_dir:
+        common.export_hf_model(module.engines["actor"], model_path, cfg.export_dir)
+    common.report(trainer, before, after, ("val/loss",), plot=False, started=started)
+
+
+if __name__ == "__main__":
+    main()

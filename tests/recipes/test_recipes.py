@@ -1,0 +1,84 @@
+"""Each recipe runs 2 steps at 2 ranks (fsdp2; PPO also with DeepSpeed), as `python recipes/<name>.py`."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.common import read_csv_metrics
+from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
+from verl_trainer.models.tiny import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    base = tmp_path_factory.mktemp("recipe_assets")
+    make_tiny_model(base / "model", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, seed=1)
+    write_arithmetic_task(base / "data", ArithmeticTaskConfig(num_train=64, num_val=4, holdout_fraction=0.2))
+    return base
+
+
+def run_recipe(name: str, assets: Path, root: Path, *overrides: str) -> dict[int, dict[str, float]]:
+    args = [
+        sys.executable, str(ROOT / "recipes" / f"{name}.py"),
+        "trainer.devices=2", "trainer.max_steps=2", "trainer.val_check_interval=null", "trainer.logger=[csv]",
+        f"trainer.default_root_dir={root}", f"model.path={assets / 'model'}",
+        "model.make_tiny_if_missing=false",
+        f"task.dir={assets / 'data'}", "task.write_if_missing=false", "data.train_batch_size=4",
+        *overrides,
+    ]
+    env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    assert "before training" in proc.stdout and "after training" in proc.stdout
+    metrics = read_csv_metrics(root)
+    assert {1, 2} <= set(metrics), f"steps logged: {sorted(metrics)}"
+    return metrics
+
+
+RL_OVERRIDES = ("warm_start.enable=false", "algorithm.rollout.max_new_tokens=3",
+                "algorithm.actor.engine.micro_batch_size_per_gpu=2", "algorithm.actor.ppo_mini_batch_size=2")
+
+
+def test_sft_recipe(assets, tmp_path):
+    metrics = run_recipe("sft", assets, tmp_path, "algorithm.engine.micro_batch_size_per_gpu=2",
+                         f"export_dir={tmp_path / 'exported'}")
+    assert all("sft/loss" in metrics[s] for s in (1, 2))
+    assert (tmp_path / "exported" / "config.json").exists()
+
+
+def test_grpo_recipe_with_kl_dapo_and_balancing(assets, tmp_path):
+    metrics = run_recipe(
+        "grpo", assets, tmp_path, *RL_OVERRIDES, "algorithm.rollout.n=2", "trainer.sequence_balancing=true",
+        "algorithm.actor.loss.use_kl_loss=true", "algorithm.dynamic_sampling=true",
+        "algorithm.reward.overlong_buffer.enable=true", "algorithm.reward.overlong_buffer.len=2",
+        "algorithm.actor.loss.clip_ratio_high=0.28",
+    )
+    step = metrics[2]
+    for key in ("reward/mean", "response_length/mean", "dapo/kept_samples", "reward/overlong_penalty"):
+        assert key in step, sorted(step)
+    assert "val/reward/mean" in metrics[max(metrics)]
+    assert list(tmp_path.glob("lightning_logs/version_*/metrics.png"))
+
+
+def test_dr_grpo_recipe(assets, tmp_path):
+    metrics = run_recipe("dr_grpo", assets, tmp_path, *RL_OVERRIDES, "algorithm.rollout.n=2",
+                         "algorithm.actor.loss.loss_scale_factor=3")
+    assert all("actor/pg_loss" in metrics[s] for s in (1, 2))
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])
+def test_ppo_recipe(assets, tmp_path, strategy):
+    if strategy == "deepspeed":
+        pytest.importorskip("deepspeed")
+    kl = ["algorithm.use_kl_in_reward=true"] if strategy == "fsdp2" else []  # the reference engine too
+    metrics = run_recipe("ppo", assets, tmp_path, *RL_OVERRIDES, f"trainer.strategy={strategy}",
+                         "algorithm.rollout.n=2", "algorithm.critic.warmup_steps=1",
+                         "algorithm.critic.engine.micro_batch_size_per_gpu=2", *kl)
+    assert "critic/vf_loss" in metrics[1] and "actor/pg_loss" not in metrics[1]  # critic warm-up
+    assert "critic/vf_loss" in metrics[2] and "actor/pg_loss" in metrics[2]
+    assert ("actor/reward_kl_penalty" in metrics[2]) == bool(kl)

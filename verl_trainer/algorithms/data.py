@@ -1,0 +1,138 @@
+"""Datamodules for ``Trainer.fit``: RL prompts and SFT pairs from verl-style files.
+
+Batch sizes in :class:`DataConfig` are **global** (verl's ``data.train_batch_size``: prompts per step over
+all data-parallel ranks); the DataLoader each rank gets holds ``train_batch_size / dp_size`` of them
+(the Trainer shards the dataset by DP rank). The DP size is read when ``train_dataloader()`` is called —
+inside ``fit``, once the process group exists — as ``world_size // sp_size``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from verl_trainer.data.prompts import PromptDataset
+from verl_trainer.data.tasks import SFTDataset
+
+__all__ = ["DataConfig", "PromptDataModule", "SFTDataModule", "dp_size_now"]
+
+
+@dataclass
+class DataConfig:
+    """Where the data is and how it is batched.
+
+    Attributes:
+        train_files: Training file (``.jsonl`` / ``.parquet``; RL: verl's prompt columns, SFT: ``prompt``
+            and ``response``).
+        val_files: Validation file, or ``None``.
+        train_batch_size: Prompts (RL) or examples (SFT) per step, over all DP ranks.
+        val_batch_size: Validation prompts per batch over all DP ranks; ``None``: the whole file at once.
+        max_prompt_length: Longest prompt in tokens (RL; longer ones raise).
+        max_length: Longest prompt + response in tokens (SFT).
+        shuffle: Shuffle the training data every epoch.
+        chat_template: ``None``: chat-list prompts use the tokenizer's template, strings are used as is.
+    """
+
+    train_files: str = ""
+    val_files: str | None = None
+    train_batch_size: int = 32
+    val_batch_size: int | None = None
+    max_prompt_length: int = 256
+    max_length: int = 512
+    shuffle: bool = True
+    chat_template: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.train_batch_size < 1:
+            raise ValueError(f"data.train_batch_size={self.train_batch_size} must be >= 1")
+        if self.val_batch_size is not None and self.val_batch_size < 1:
+            raise ValueError(f"data.val_batch_size={self.val_batch_size} must be >= 1 or null (all at once)")
+
+
+def dp_size_now(sp_size: int = 1) -> int:
+    """The data-parallel size of the current process group (``world_size // sp_size``; 1 without one)."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world % sp_size:
+        raise ValueError(f"world size {world} is not divisible by the sequence-parallel size {sp_size}")
+    return world // sp_size
+
+
+def per_rank(global_size: int, dp: int, what: str) -> int:
+    """``global_size / dp``; an error when it does not divide."""
+    if global_size % dp:
+        raise ValueError(
+            f"{what}={global_size} is not divisible by the data-parallel size {dp}; choose a multiple of {dp}"
+        )
+    return global_size // dp
+
+
+class _DataModule:
+    def __init__(self, config: DataConfig, tokenizer: Any, sp_size: int = 1) -> None:
+        if not config.train_files:
+            raise ValueError("data.train_files is empty; point it at a .jsonl or .parquet file")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.sp_size = sp_size
+        self._train: Any = None
+        self._val: Any = None
+
+    def _dataset(self, path: str) -> Any:
+        raise NotImplementedError
+
+    def _loader(self, dataset: Any, batch_size: int, shuffle: bool, drop_last: bool) -> DataLoader:
+        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+                          collate_fn=dataset.collate)
+
+    def train_dataloader(self) -> DataLoader:
+        """This rank's share of each step: ``train_batch_size / dp`` items per batch."""
+        if self._train is None:
+            self._train = self._dataset(self.config.train_files)
+        size = per_rank(self.config.train_batch_size, dp_size_now(self.sp_size), "data.train_batch_size")
+        if len(self._train) < size:
+            raise ValueError(f"{self.config.train_files} has {len(self._train)} rows, fewer than one batch")
+        return self._loader(self._train, size, self.config.shuffle, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader | None:
+        """Validation batches (``None`` without ``val_files``)."""
+        if not self.config.val_files:
+            return None
+        if self._val is None:
+            self._val = self._dataset(self.config.val_files)
+        dp = dp_size_now(self.sp_size)
+        if self.config.val_batch_size is None:
+            size = max(1, math.ceil(len(self._val) / dp))
+        else:
+            size = per_rank(self.config.val_batch_size, dp, "data.val_batch_size")
+        return self._loader(self._val, size, shuffle=False, drop_last=False)
+
+
+class PromptDataModule(_DataModule):
+    """RL prompts (:class:`~verl_trainer.data.prompts.PromptDataset`) batched for the rollout.
+
+    Args:
+        config: Files and global batch sizes.
+        tokenizer: The policy's tokenizer.
+        sp_size: Ulysses sequence-parallel size of the actor (ranks of one SP group share a batch).
+    """
+
+    def _dataset(self, path: str) -> PromptDataset:
+        return PromptDataset(path, self.tokenizer, self.config.max_prompt_length,
+                             chat_template=self.config.chat_template)
+
+
+class SFTDataModule(_DataModule):
+    """SFT pairs (:class:`~verl_trainer.data.tasks.SFTDataset`): ``loss_mask`` on the response + eos.
+
+    Args:
+        config: Files and global batch sizes.
+        tokenizer: The model's tokenizer.
+        sp_size: Ulysses sequence-parallel size.
+    """
+
+    def _dataset(self, path: str) -> SFTDataset:
+        return SFTDataset(path, self.tokenizer, self.config.max_length,
+                          chat_template=self.config.chat_template)

@@ -1,0 +1,130 @@
+"""Batch operations of an RL step that must agree over the data-parallel ranks (SPMD).
+
+Every function here is collective over the DP group when one is given (call it on every rank, in the
+same order) and reduces only a few numbers; no samples move.
+
+* :func:`global_masked_whiten`: whitening with the mean and variance of the **whole** step batch (all
+  DP ranks), so PPO's GAE advantages do not depend on the dp size. verl whitens on its driver, which
+  holds the whole batch; here each rank contributes masked sums.
+* :func:`split_mini_batches`: the PPO mini-batches of one step; every rank gets the same number of
+  non-empty mini-batches (a rank short of samples gets ``is_padding`` samples that train nothing), so no
+  rank runs an engine step the others do not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from verl_trainer.balancing import make_padding_samples
+from verl_trainer.data import schema
+
+__all__ = ["all_reduce", "global_masked_whiten", "num_real_samples", "split_mini_batches"]
+
+
+def _distributed(group: dist.ProcessGroup | None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def all_reduce(values: torch.Tensor, group: dist.ProcessGroup | None = None,
+               op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce a small tensor over ``group`` and return it on its original device.
+
+    A no-op without an initialised process group (or a group of one). On NCCL the tensor travels
+    through the current CUDA device.
+
+    Args:
+        values: Any small tensor (e.g. ``[k]`` float64 counts).
+        group: The process group (``None``: the default group).
+        op: Reduction.
+
+    Returns:
+        The reduced tensor (a new one; ``values`` is unchanged).
+    """
+    out = values.detach().clone()
+    if not _distributed(group):
+        return out
+    device = out.device
+    if dist.get_backend(group) == "nccl":
+        out = out.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(out, op=op, group=group)
+    return out.to(device)
+
+
+def global_masked_whiten(values: torch.Tensor, mask: torch.Tensor,
+                         group: dist.ProcessGroup | None = None, shift_mean: bool = True) -> torch.Tensor:
+    """Whiten ``values`` with the masked mean and unbiased variance of the whole DP batch.
+
+    Equals :func:`verl_trainer.core_algos.masked_whiten` of the concatenation of every rank's batch
+    (to float round-off: the statistics are accumulated in float64): ``(x - mean) / sqrt(var + 1e-8)``.
+    Two all-reduces of two numbers each.
+
+    Args:
+        values: ``[B, T]`` on this rank.
+        mask: ``[B, T]`` bool or 0/1.
+        group: The DP group (``None``: the default group, if any).
+        shift_mean: If False, the mean is added back (only the scale is normalised).
+
+    Returns:
+        ``[B, T]`` in the dtype of ``values`` (every position, as ``masked_whiten``; multiply by the mask
+        to zero the rest).
+
+    Raises:
+        ValueError: Fewer than two masked positions over all ranks.
+    """
+    m = mask.bool()
+    x = values.detach().to(torch.float64)
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    local = torch.stack([torch.where(m, x, zero).sum(), m.sum().to(torch.float64)]).cpu()
+    total, count = all_reduce(local, group).tolist()
+    if count < 2:
+        raise ValueError(
+            f"whitening needs at least 2 masked-in positions over all DP ranks, got {int(count)}; use a "
+            "larger batch"
+        )
+    mean = total / count
+    sq_dev = torch.where(m, (x - mean) ** 2, zero).sum().reshape(1).cpu()
+    var = float(all_reduce(sq_dev, group)[0]) / (count - 1)
+    whitened = (x - mean) / math.sqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened.to(values.dtype)
+
+
+def num_real_samples(batch: TensorDict) -> int:
+    """Samples of ``batch`` that are not ``is_padding``."""
+    if schema.IS_PADDING in batch.keys():
+        return int((~batch[schema.IS_PADDING].bool()).sum())
+    return int(batch.batch_size[0])
+
+
+def split_mini_batches(batch: TensorDict, mini_batch_size: int | None,
+                       group: dist.ProcessGroup | None = None) -> list[TensorDict]:
+    """Split this rank's step batch into the step's mini-batches, the same count on every rank.
+
+    The count is ``ceil(global real samples / mini_batch_size)`` (one all-reduce); each rank splits its
+    own rows into that many contiguous, nearly equal parts. A rank with fewer rows than parts first gets
+    ``is_padding`` samples (one token, zero loss mask), so every part is non-empty and every rank runs
+    the same number of engine steps.
+
+    Args:
+        batch: This rank's tensor-only batch ``[B_r, T]``.
+        mini_batch_size: Samples per mini-batch over all DP ranks (prompts × n); ``None``: one.
+        group: The DP group.
+
+    Returns:
+        The mini-batches of this rank, in order.
+    """
+    if mini_batch_size is not None and mini_batch_size < 1:
+        raise ValueError(f"mini_batch_size must be >= 1 or None, got {mini_batch_size}")
+    local = torch.tensor([float(num_real_samples(batch))], dtype=torch.float64)
+    global_real = int(all_reduce(local, group)[0])
+    count = 1 if mini_batch_size is None else max(1, math.ceil(global_real / mini_batch_size))
+    rows = batch.batch_size[0]
+    if rows < count:
+        batch = torch.cat([batch, make_padding_samples(batch, count - rows)], 0)
+        rows = count
+    return [batch[idx] for idx in torch.tensor_split(torch.arange(rows), count)]

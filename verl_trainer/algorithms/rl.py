@@ -1,0 +1,287 @@
+"""The RL step shared by PPO and GRPO, as a :class:`~verl_trainer.module.TrainingModule`.
+
+One ``training_step`` on each rank's prompt batch (SPMD; DESIGN.md §2)::
+
+    rollout (n samples per prompt, groups whole on this rank) → rewards (+ overlong shaping)
+      → advantages                                  [subclass: GRPO per group; PPO critic values + GAE]
+      → on_rollout_end → tensor_only → select_samples [GRPO: DAPO dynamic sampling]
+      → old log-probs recomputed by the actor engine (+ reference log-probs for the KL loss)
+      → on_before_update (SequenceBalancing may re-partition; padding samples train nothing)
+      → ppo_epochs × mini-batches: critic updates, then actor updates (engine_step)
+      → weight sync to the rollout copy (on every rank: it is a collective)
+
+Logged (reductions declared, so the values are those of the whole step on one process):
+``reward/{mean,min,max,accuracy,zero_std_group_frac}``, ``response_length/{mean,min,max,clip_ratio}``,
+``critic/advantages/{mean,min,max}``, the loss metrics (``actor/pg_loss``, ``actor/pg_clipfrac``,
+``actor/ppo_kl``, ``actor/kl_loss``, ``critic/vf_loss``, ... averaged over the step's updates),
+``actor/grad_norm``, ``actor/lr``, ``timing/*``; validation: ``val/reward/*``, ``val/response_length/*``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from verl_trainer.algorithms.config import RLConfig
+from verl_trainer.algorithms.dapo import overlong_penalty
+from verl_trainer.algorithms.distributed import split_mini_batches
+from verl_trainer.data import schema
+from verl_trainer.engine.config import EngineConfig
+from verl_trainer.losses import ppo_loss
+from verl_trainer.metrics import Metric, Reduction
+from verl_trainer.module import EngineSpec, StepOutput, TrainingModule
+from verl_trainer.rewards import get_reward_fn, score_batch, token_level_scores
+from verl_trainer.rollout import BaseRollout, build_rollout, tensor_only
+
+__all__ = ["RLModule", "response_length_metrics", "token_stats"]
+
+
+def response_length_metrics(batch: TensorDict, max_len: int,
+                            prefix: str = "response_length") -> dict[str, Metric]:
+    """Mean/min/max response length and the fraction cut at ``max_len`` (real samples only)."""
+    lens = batch[schema.RESPONSE_LEN].to(torch.float32)
+    if schema.IS_PADDING in batch.keys():
+        lens = lens[~batch[schema.IS_PADDING].bool()]
+    count = lens.numel()
+    mean = lens.mean() if count else torch.zeros(())
+    clipped = (lens >= max_len).float().mean() if count else torch.zeros(())
+    return {
+        f"{prefix}/mean": Metric.mean(mean, weight=count),
+        f"{prefix}/min": Metric.min(lens),
+        f"{prefix}/max": Metric.max(lens),
+        f"{prefix}/clip_ratio": Metric.mean(clipped, weight=count),
+    }
+
+
+def token_stats(values: torch.Tensor, mask: torch.Tensor, prefix: str) -> dict[str, Metric]:
+    """Token mean, min and max of ``values`` ``[B, T]`` over ``mask`` ``[B, T]``."""
+    m = mask.bool()
+    return {
+        f"{prefix}/mean": Metric.token_mean(values, m),
+        f"{prefix}/min": Metric.min(values[m]),
+        f"{prefix}/max": Metric.max(values[m]),
+    }
+
+
+def _mean_over_updates(metrics: list[dict[str, Any]], num_updates: int) -> list[dict[str, Any]]:
+    """Divide SUM metrics (partial losses) by the number of updates: the step logs their mean."""
+    if num_updates <= 1:
+        return metrics
+    return [
+        {k: Metric.sum(v.value / num_updates) if isinstance(v, Metric) and v.reduction is Reduction.SUM else v
+         for k, v in mb.items()}
+        for mb in metrics
+    ]
+
+
+class RLModule(TrainingModule):
+    """Base of :class:`~verl_trainer.algorithms.PPO` and :class:`~verl_trainer.algorithms.GRPO`.
+
+    Subclasses implement :meth:`compute_advantages` and may override :meth:`extra_engines`,
+    :meth:`select_samples`, :meth:`update_critic` and :meth:`actor_update_due`.
+
+    Args:
+        config: See :class:`~verl_trainer.algorithms.config.RLConfig`.
+    """
+
+    config: RLConfig
+
+    def __init__(self, config: RLConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.actor_loss = ppo_loss(config.actor.loss)
+        self.reward_fn = get_reward_fn(config.reward.name)  # fails here for an unknown reward
+        self.rollout: BaseRollout | None = None
+        self._rollout_stale = False
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        """The config as plain data."""
+        return dataclasses.asdict(self.config)
+
+    # ---------------------------------------------------------------------------------------- engines
+    @property
+    def uses_reference(self) -> bool:
+        """Whether a reference engine is built (the KL loss is on)."""
+        return self.config.actor.loss.use_kl_loss
+
+    def _policy_engine(self, engine: EngineConfig) -> EngineConfig:
+        """Model path defaulted to the policy's; log-probs at the rollout's sampling temperature."""
+        return engine.replace(model_path=engine.model_path or self.config.model_path,
+                              temperature=self.config.rollout.temperature)
+
+    def extra_engines(self) -> dict[str, EngineSpec]:
+        """Engines besides the actor and the reference (PPO: the critic)."""
+        return {}
+
+    def configure_engines(self) -> dict[str, EngineSpec]:
+        """``actor`` (trained), the subclass's engines, ``ref`` (inference only) with the KL loss."""
+        if not self.config.model_path:
+            raise ValueError(
+                f"{type(self).__name__}: config.model_path is empty; set algorithm.model_path to the initial "
+                "policy's checkpoint directory"
+            )
+        actor = self.config.actor
+        specs = {"actor": EngineSpec("language_model", self._policy_engine(actor.engine), actor.optim)}
+        specs.update(self.extra_engines())
+        if self.uses_reference:
+            specs["ref"] = EngineSpec("language_model", self._policy_engine(self.config.ref.engine), None)
+        return specs
+
+    def setup(self, stage: str) -> None:
+        """Build the rollout copy of the policy (once; it lives as long as the module)."""
+        if self.rollout is None:
+            self.rollout = build_rollout(self.config.rollout, self.config.model_path)
+
+    # ------------------------------------------------------------------------------------- the step
+    def compute_advantages(self, batch: TensorDict, scores: torch.Tensor, metrics: dict[str, Any]) -> None:
+        """Write ``advantages`` (and ``returns``, ``values``) ``[B, T]`` into ``batch``; add metrics."""
+        raise NotImplementedError
+
+    def select_samples(self, batch: TensorDict, scores: torch.Tensor,
+                       metrics: dict[str, Any]) -> tuple[TensorDict, bool]:
+        """Choose the samples to train on; ``False`` skips the update (on every rank alike)."""
+        return batch, True
+
+    def actor_update_due(self) -> bool:
+        """Whether the actor trains this step (PPO: not during the critic warm-up)."""
+        return True
+
+    def update_critic(self, mini_batches: list[TensorDict]) -> dict[str, Any]:
+        """Critic updates of the step (PPO); returns step outputs."""
+        return {}
+
+    def _unique_uids(self, prompt_batch: TensorDict) -> TensorDict:
+        """Give this step's prompts uids unique over the DP ranks (a repeated prompt is a new group)."""
+        b = prompt_batch.batch_size[0]
+        rank = self.trainer.dp_rank if self.trainer is not None else 0
+        prompt_batch[schema.UID] = rank * b + torch.arange(b, dtype=torch.long)
+        return prompt_batch
+
+    def score(self, batch: TensorDict, metrics: dict[str, Any]) -> torch.Tensor:
+        """Rewards of a rollout batch: writes ``token_level_scores``/``token_level_rewards``; adds metrics.
+
+        Returns:
+            ``[B]`` the (shaped) rewards the advantages are computed from.
+        """
+        scores, reward_metrics = score_batch(batch, self.reward_fn)
+        metrics.update(reward_metrics)
+        max_len = self.config.rollout.max_new_tokens
+        metrics.update(response_length_metrics(batch, max_len))
+        buffer = self.config.reward.overlong_buffer
+        if buffer.enable:
+            penalty = overlong_penalty(batch[schema.RESPONSE_LEN], max_len, buffer.len, buffer.penalty_factor)
+            scores = scores + penalty
+            metrics["reward/overlong_penalty"] = Metric.mean(penalty.mean(), weight=penalty.numel())
+        rewards = token_level_scores(scores, batch[schema.RESPONSE_MASK])
+        batch[schema.TOKEN_LEVEL_SCORES] = rewards
+        batch[schema.TOKEN_LEVEL_REWARDS] = rewards.clone()
+        return scores
+
+    def compute_log_probs(self, batch: TensorDict) -> None:
+        """``old_log_probs`` from the actor engine (and ``ref_log_prob`` from the reference), ``[B, T]``."""
+        actor = self.engines["actor"]
+        with actor.eval_mode():
+            batch[schema.OLD_LOG_PROBS] = actor.infer_batch(batch)["model_output"]["log_probs"]
+        if self.uses_reference:
+            ref = self.engines["ref"]
+            with ref.eval_mode():
+                batch[schema.REF_LOG_PROB] = ref.infer_batch(batch)["model_output"]["log_probs"]
+
+    def run_updates(self, name: str, loss_fn: Callable[..., Any], mini_batches: list[TensorDict],
+                    epochs: int, **kwargs: Any) -> dict[str, Any]:
+        """``epochs`` passes of ``engine_step`` over the mini-batches of engine ``name``.
+
+        Returns:
+            Step outputs: ``{name}_micro_batches`` (loss metrics, SUMs averaged over the updates),
+            ``{name}/grad_norm`` (mean over the updates), ``{name}/lr``.
+        """
+        engine = self.engines[name]
+        metrics: list[dict[str, Any]] = []
+        grad_norms: list[float] = []
+        lr = 0.0
+        with engine.train_mode():
+            for _ in range(epochs):
+                for mini_batch in mini_batches:
+                    out = self.engine_step(engine, mini_batch, loss_fn, **kwargs)
+                    metrics.extend(out["metrics"])
+                    grad_norms.append(float(out["grad_norm"]))
+                    lr = float(out["lr"])
+        num_updates = epochs * len(mini_batches)
+        return {
+            f"{name}_micro_batches": _mean_over_updates(metrics, num_updates),
+            f"{name}/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            f"{name}/lr": lr,
+        }
+
+    def sync_rollout(self) -> None:
+        """Stream the actor's weights into the rollout copy (a collective: call on every rank)."""
+        actor = self.engines["actor"]
+        with actor.eval_mode():
+            self.rollout.update_weights(actor.get_per_tensor_param())
+        self._rollout_stale = False
+
+    def training_step(self, batch: TensorDict, batch_idx: int) -> StepOutput:
+        """One RL step on this rank's prompt batch (see the module docstring)."""
+        if self._rollout_stale:
+            self.sync_rollout()
+        trainer = self.trainer
+        t0 = time.perf_counter()
+        metrics: dict[str, Any] = {}
+        rollout_batch = self.rollout.generate(self._unique_uids(batch))
+        t_rollout = time.perf_counter() - t0
+        scores = self.score(rollout_batch, metrics)
+        self.compute_advantages(rollout_batch, scores, metrics)
+        trainer.call_hook("on_rollout_end", rollout_batch)
+        data, do_update = self.select_samples(tensor_only(rollout_batch), scores, metrics)
+        t1 = time.perf_counter()
+        if do_update:
+            if schema.OLD_LOG_PROBS not in data.keys():  # PPO with KL in the reward computed them already
+                self.compute_log_probs(data)
+            data = trainer.call_before_update(data)
+            actor_cfg = self.config.actor
+            mini_size = actor_cfg.ppo_mini_batch_size
+            mini_batches = split_mini_batches(
+                data, None if mini_size is None else mini_size * self.config.rollout.n, trainer.dp_group
+            )
+            metrics.update(self.update_critic(mini_batches))
+            if self.actor_update_due():
+                metrics.update(self.run_updates("actor", self.actor_loss, mini_batches, actor_cfg.ppo_epochs,
+                                                calculate_entropy=actor_cfg.calculate_entropy))
+                self.sync_rollout()
+        metrics["actor/update_skipped"] = 0.0 if do_update else 1.0
+        metrics["timing/rollout_s"] = t_rollout
+        metrics["timing/update_s"] = time.perf_counter() - t1
+        metrics["timing/step_s"] = time.perf_counter() - t0
+        return metrics
+
+    # ------------------------------------------------------------------------------------ validation
+    def validation_step(self, batch: TensorDict, batch_idx: int) -> StepOutput:
+        """Rollout on validation prompts (greedy by default) and their rewards: ``val/reward/*``."""
+        if self._rollout_stale:
+            self.sync_rollout()
+        v = self.config.val_rollout
+        rollout_batch = self.rollout.generate(batch, n=v.n, do_sample=v.do_sample, temperature=v.temperature,
+                                              top_p=v.top_p)
+        _, metrics = score_batch(rollout_batch, self.reward_fn, prefix="val/reward")
+        if v.n == 1:
+            metrics.pop("val/reward/zero_std_group_frac", None)
+        metrics.update(response_length_metrics(rollout_batch, self.config.rollout.max_new_tokens,
+                                               prefix="val/response_length"))
+        return metrics
+
+    # ----------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The rollout's call counter (it seeds the sampling), so a resumed run samples as the original."""
+        return {"rollout_generate_calls": self.rollout.num_generate_calls if self.rollout else 0}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore the counter; the rollout copy is re-synced from the restored actor before its next use."""
+        if self.rollout is not None:
+            self.rollout._calls = int(state_dict.get("rollout_generate_calls", 0))
+        self._rollout_stale = True

@@ -1,0 +1,32 @@
+"""Structured configs: YAML files in ``configs/`` mapped onto typed dataclasses (OmegaConf).
+
+:func:`load_config` builds a schema from its defaults, a YAML file and ``key=value`` overrides (unknown
+keys are errors); :func:`parse_recipe_args` does the same from a recipe's command line. The recipe
+schemas are in :mod:`verl_trainer.configs.recipes`.
+"""
+
+from verl_trainer.configs.loading import config_to_yaml, load_config, parse_recipe_args
+from verl_trainer.configs.recipes import (
+    GRPORecipeConfig,
+    ModelConfig,
+    PPORecipeConfig,
+    SFTRecipeConfig,
+    TaskConfig,
+    TinyModelConfig,
+    TrainerConfig,
+    WarmStartConfig,
+)
+
+__all__ = [
+    "GRPORecipeConfig",
+    "ModelConfig",
+    "PPORecipeConfig",
+    "SFTRecipeConfig",
+    "TaskConfig",
+    "TinyModelConfig",
+    "TrainerConfig",
+    "WarmStartConfig",
+    "config_to_yaml",
+    "load_config",
+    "parse_recipe_args",
+]

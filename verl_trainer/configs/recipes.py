@@ -1,0 +1,201 @@
+"""The config schemas of the recipes (``recipes/*.py``), which ``configs/*.yaml`` map onto.
+
+Top-level sections, the same in every recipe::
+
+    trainer:     TrainerConfig    the Trainer's arguments (Lightning's names) + recipe switches
+    model:       ModelConfig      the initial checkpoint; a tiny model is made there when missing
+    task:        TaskConfig       the synthetic arithmetic task, written when its files are missing
+    data:        DataConfig       files and global batch sizes
+    warm_start:  WarmStartConfig  RL recipes: a short SFT before RL (optional)
+    algorithm:   the module's own config (SFTConfig, GRPOConfig, PPOConfig)
+
+Load one with :func:`verl_trainer.configs.load_config` (YAML + ``key=value`` overrides; unknown keys are
+errors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl_trainer.algorithms.config import GRPOConfig, PPOConfig
+from verl_trainer.algorithms.data import DataConfig
+from verl_trainer.algorithms.sft import SFTConfig
+from verl_trainer.data.tasks import ArithmeticTaskConfig
+from verl_trainer.engine.config import EngineConfig, OptimConfig
+
+__all__ = [
+    "GRPORecipeConfig",
+    "ModelConfig",
+    "PPORecipeConfig",
+    "SFTRecipeConfig",
+    "TaskConfig",
+    "TinyModelConfig",
+    "TrainerConfig",
+    "WarmStartConfig",
+]
+
+
+@dataclass
+class TrainerConfig:
+    """``Trainer(...)`` arguments (see :class:`verl_trainer.Trainer`), plus what the recipe adds.
+
+    Attributes:
+        strategy: Engine backend (``fsdp2``, ``fsdp``, ``deepspeed``, ...).
+        accelerator: ``auto``, ``cpu``, ``gpu``.
+        devices: Processes per node.
+        num_nodes: Nodes.
+        precision: ``32-true``, ``bf16-mixed``, ``bf16-true``.
+        max_steps: Trainer steps.
+        max_epochs: Passes over the data (``None``: limited by ``max_steps``).
+        logger: Loggers by name (``csv``, ``wandb``); ``[]`` logs nothing.
+        log_every_n_steps: Logging interval.
+        default_root_dir: Where logs, plots and checkpoints go.
+        val_check_interval: Validate every N steps during fit (``None``: only before and after).
+        enable_progress_bar: Show the progress bar.
+        enable_checkpointing: Save a checkpoint at the end of fit.
+        seed: Seed of everything.
+        sequence_balancing: Add the ``SequenceBalancing`` callback (re-partitions each update batch over
+            the DP ranks by workload).
+        validate_before_fit: Validate once before training (the "before" number).
+    """
+
+    strategy: str = "fsdp2"
+    accelerator: str = "auto"
+    devices: int = 1
+    num_nodes: int = 1
+    precision: str = "32-true"
+    max_steps: int = 100
+    max_epochs: int | None = None
+    logger: list[str] = field(default_factory=lambda: ["csv", "wandb"])
+    log_every_n_steps: int = 1
+    default_root_dir: str = "outputs/run"
+    val_check_interval: int | None = None
+    enable_progress_bar: bool = True
+    enable_checkpointing: bool = False
+    seed: int = 42
+    sequence_balancing: bool = False
+    validate_before_fit: bool = True
+
+    def build(self, callbacks: Sequence[Any] = (), **overrides: Any) -> Any:
+        """The :class:`~verl_trainer.Trainer` these settings describe (``overrides`` win)."""
+        from verl_trainer import Trainer
+        from verl_trainer.callbacks.sequence_balancing import SequenceBalancing
+
+        callbacks = list(callbacks)
+        if self.sequence_balancing:
+            callbacks.append(SequenceBalancing())
+        kwargs: dict[str, Any] = dict(
+            strategy=self.strategy, accelerator=self.accelerator, devices=self.devices,
+            num_nodes=self.num_nodes, precision=self.precision, max_steps=self.max_steps,
+            max_epochs=self.max_epochs, logger=list(self.logger) or False,
+            log_every_n_steps=self.log_every_n_steps, default_root_dir=self.default_root_dir,
+            val_check_interval=self.val_check_interval, enable_progress_bar=self.enable_progress_bar,
+            enable_checkpointing=self.enable_checkpointing, seed=self.seed, callbacks=callbacks,
+        )
+        kwargs.update(overrides)
+        return Trainer(**kwargs)
+
+
+@dataclass
+class TinyModelConfig:
+    """The tiny model made when ``model.path`` holds no checkpoint (``make_tiny_model`` arguments)."""
+
+    arch: str = "qwen2"
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    """The initial checkpoint.
+
+    Attributes:
+        path: HF checkpoint directory.
+        make_tiny_if_missing: Write a randomly initialised tiny model (and the character tokenizer) there
+            when it has no ``config.json``.
+        tiny: Its shape.
+    """
+
+    path: str = "outputs/models/tiny"
+    make_tiny_if_missing: bool = True
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class TaskConfig:
+    """The synthetic arithmetic task (``verl_trainer.data.tasks``).
+
+    Attributes:
+        write_if_missing: Write ``train``/``val``/``sft_train``/``sft_val`` ``.jsonl`` files into ``dir``
+            when ``dir/train.jsonl`` is missing.
+        dir: Their directory.
+        arithmetic: What problems (operands, operations, held-out fraction, sizes, seed).
+    """
+
+    write_if_missing: bool = True
+    dir: str = "outputs/data/arithmetic"
+    arithmetic: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
+
+
+@dataclass
+class WarmStartConfig:
+    """A short SFT of the initial model before RL, so that the reward has signal from step one.
+
+    Attributes:
+        enable: Run it (skipped when ``output`` already holds a checkpoint).
+        output: Where the warm-started checkpoint is written; the RL policy starts from it.
+        train_files: SFT file (``prompt``, ``response``).
+        batch_size: Examples per step over all DP ranks.
+        max_steps: SFT steps (keep it short: the point is the answer format, not the answers).
+        optim: Optimizer.
+        engine: Engine settings.
+    """
+
+    enable: bool = False
+    output: str = "outputs/models/warm_start"
+    train_files: str = ""
+    batch_size: int = 64
+    max_steps: int = 40
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, weight_decay=0.0))
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(micro_batch_size_per_gpu=64))
+
+
+@dataclass
+class SFTRecipeConfig:
+    """``recipes/sft.py``; ``export_dir`` (if set) receives the fine-tuned HF checkpoint."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: SFTConfig = field(default_factory=lambda: SFTConfig(model_path=""))
+    export_dir: str | None = None
+
+
+@dataclass
+class GRPORecipeConfig:
+    """``recipes/grpo.py`` and ``recipes/dr_grpo.py``."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    algorithm: GRPOConfig = field(default_factory=GRPOConfig)
+
+
+@dataclass
+class PPORecipeConfig:
+    """``recipes/ppo.py``."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    algorithm: PPOConfig = field(default_factory=PPOConfig)
