@@ -1,5 +1,8 @@
 """Relative differences between a case's step and its reference step.
 
+* outputs (the forward of the initial parameters, before the step): per key (``log_probs`` and
+  ``entropy``, or ``values``), norm-wise over every real sample's positions 1 .. L - 1, matched by uid;
+  a sample missing on one side is ``inf``;
 * scalars (loss, grad norm, each reduced metric): ``|got - want| / max(|got|, |want|)`` (0 when both are
   0);
 * parameters: per tensor, norm-wise ``||got - want|| / ||want||``, the max over tensors; and the same for
@@ -43,6 +46,22 @@ def metric_diffs(got: dict[str, float], want: dict[str, float]) -> dict[str, flo
             for name in sorted(set(got) | set(want))}
 
 
+def output_diffs(got: dict[int, dict[str, torch.Tensor]],
+                 want: dict[int, dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Per output key, ``||got - want|| / ||want||`` over all samples (matched by uid)."""
+    if set(got) != set(want):
+        return {"samples": float("inf")}
+    keys = sorted({k for outs in (*got.values(), *want.values()) for k in outs})
+    out = {}
+    for key in keys:
+        if any(key not in got[u] or key not in want[u] for u in want):
+            out[key] = float("inf")
+            continue
+        uids = sorted(want)
+        out[key] = tensor_rel(torch.cat([got[u][key] for u in uids]), torch.cat([want[u][key] for u in uids]))
+    return out
+
+
 def param_diffs(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
                 before: dict[str, torch.Tensor] | None = None) -> dict[str, dict[str, float]]:
     """``{"params": {name: rel}, "update": {name: rel}}`` (``update`` only with ``before``)."""
@@ -67,32 +86,37 @@ def compare(result: dict[str, Any], reference: dict[str, Any],
     """Every relative difference of ``result`` against ``reference``, with the max of each group.
 
     Returns:
-        ``{"loss", "grad_norm", "metrics", "params", "update": max rel diff (float),
-        "detail": {"metrics": {name: rel}, "params": {name: rel}, "update": {name: rel}},
-        "rank_loss_spread": max rel diff between ranks' logged losses}``.
+        ``{"outputs", "loss", "grad_norm", "metrics", "params", "update": max rel diff (float),
+        "detail": {"outputs": {key: rel}, "metrics": {name: rel}, "params": {name: rel},
+        "update": {name: rel}}, "rank_loss_spread": max rel diff between ranks' logged losses,
+        "sp_output_spread": max rel diff between the SP ranks of a DP group for the same sample}``.
 
     """
+    outputs = output_diffs(result["outputs"], reference["outputs"])
     metrics = metric_diffs(result["metrics"], reference["metrics"])
     params = param_diffs(result["params"], reference["params"], before)
     losses = result.get("rank_losses", [result["loss"]])
     return {
+        "outputs": _max(outputs),
         "loss": scalar_rel(result["loss"], reference["loss"]),
         "grad_norm": scalar_rel(result["grad_norm"], reference["grad_norm"]),
         "metrics": _max(metrics),
         "params": _max(params["params"]),
         "update": _max(params["update"]),
         "rank_loss_spread": max(scalar_rel(x, losses[0]) for x in losses),
-        "detail": {"metrics": metrics, **params},
+        "sp_output_spread": result.get("sp_output_spread", 0.0),
+        "detail": {"outputs": outputs, "metrics": metrics, **params},
     }
 
 
-COMPARED = ("loss", "grad_norm", "metrics", "params", "update")
+COMPARED = ("outputs", "loss", "grad_norm", "metrics", "params", "update")
+CHECKED = (*COMPARED, "rank_loss_spread", "sp_output_spread")
 
 
 def failures(diffs: dict[str, Any], rtol: float = RTOL) -> dict[str, Any]:
     """What exceeds ``rtol``: ``{group: max}`` plus the offending names per group."""
     bad: dict[str, Any] = {}
-    for key in (*COMPARED, "rank_loss_spread"):
+    for key in CHECKED:
         if not diffs[key] <= rtol:  # NaN fails too
             bad[key] = diffs[key]
             detail = diffs["detail"].get(key)

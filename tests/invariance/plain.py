@@ -1,5 +1,8 @@
 """A plain single-process PyTorch step: the HF model (sdpa, padded batch, no packing) on the whole batch.
 
+Its outputs (log-probs and entropy, or values, of the initial parameters) are what every case's forward
+must reproduce.
+
 The same loss function with the whole batch's denominators, ``loss.backward()``, ``clip_grad_norm_`` and
 ``torch.optim.AdamW`` — the step the engine's dp=1, one-micro-batch reference must equal.
 """
@@ -14,7 +17,7 @@ from tensordict import TensorDict
 from tests.engine.common import padded_log_probs, padded_values
 from tests.invariance.batch import VALUE_SEED
 from tests.invariance.cases import Case
-from tests.invariance.runner import OPTIM, make_loss_fn
+from tests.invariance.runner import OPTIM, make_loss_fn, outputs_by_uid
 from verl_trainer.engine import GlobalBatchInfo
 from verl_trainer.metrics import reduce_metrics
 from verl_trainer.models.tiny import load_causal_lm, load_value_model
@@ -36,8 +39,11 @@ def plain_step(case: Case, model_path: str, batch: TensorDict) -> dict[str, Any]
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
     if case.model_type == "value_model":
         model_output = {"values": padded_values(out.logits)}
+        outputs = outputs_by_uid(model_output, batch)
     else:
         model_output = {"log_probs": padded_log_probs(out.logits, batch["input_ids"])}
+        with torch.no_grad():
+            outputs = outputs_by_uid({**model_output, "entropy": padded_entropy(out.logits)}, batch)
         if case.loss == "ppo":
             model_output["entropy"] = padded_entropy(out.logits)
     # global_batch_size counts every real sample, the all-zero-mask one included (the engine's definition)
@@ -48,5 +54,6 @@ def plain_step(case: Case, model_path: str, batch: TensorDict) -> dict[str, Any]
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad)
     torch.optim.AdamW(model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps,
                       weight_decay=OPTIM.weight_decay).step()
-    return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "metrics": reduce_metrics([metrics]),
+    return {"outputs": outputs, "loss": float(loss.detach()), "grad_norm": float(grad_norm),
+            "metrics": reduce_metrics([metrics]),
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}

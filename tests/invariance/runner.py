@@ -1,12 +1,17 @@
 """Run cases of the invariance matrix: one process spawn per (world size, chunk), one engine per case.
 
 Process spawns are the expensive part here (imports on a loaded 2-core machine), so a spawn loops over
-many cases, building a fresh engine for each from the same model directory. Every rank returns the
-scalars (loss, grad norm, reduced metrics); rank 0 also returns the updated parameters.
+many cases, building a fresh engine for each from the same model directory. Per case and rank: build the
+engine (its ``(dp, sp)`` mesh), take the starting shard of this rank's **DP** rank (every SP rank of a DP
+group holds the same samples), balance over the engine's DP group when the case balances, run a forward
+(the model outputs of the initial parameters) and one training step. Every rank returns the scalars
+(loss, grad norm, reduced metrics), its mesh coordinates, the uids it trained on and its outputs per
+sample; rank 0 also returns the updated parameters.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import time
 from collections.abc import Callable, Iterable
@@ -17,7 +22,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from tests.invariance.batch import BATCH_MULTIPLE, shard_for
-from tests.invariance.cases import Case
+from tests.invariance.cases import XFAIL, Case
 from verl_trainer.callbacks.sequence_balancing import balance_batch
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
 from verl_trainer.losses import (
@@ -34,7 +39,10 @@ from verl_trainer.testing.distributed import run_distributed
 HIDDEN_SIZE = 32
 DYNAMIC_BUDGET = 64
 """Tokens per dynamic micro-batch: just above the longest sample (60), so most micro-batches hold 1-3
-samples and dp=1 runs about five of them."""
+samples and dp=1 runs about five of them. Under SP the engine's budget is ``max_token_len_per_gpu x sp``
+per micro-batch, so an SP case sets ``max_token_len_per_gpu = DYNAMIC_BUDGET // sp``: the same 64-token
+micro-batches, each SP rank running 1/sp of them (with 64 per rank, dp=2 x sp=2 would run one micro-batch
+per rank and "dynamic" would test nothing)."""
 LOSS_SCALE_FACTOR = 64.0
 """The constant of ``seq-mean-token-sum-norm`` (Dr.GRPO's max response length)."""
 OPTIM = OptimConfig(lr=1e4, eps=1.0, weight_decay=0.0, clip_grad=1.0)
@@ -78,27 +86,59 @@ def make_loss_fn(case: Case) -> Callable[..., Any]:
 
 
 def engine_config(case: Case, model_path: str) -> EngineConfig:
-    """The engine config of ``case``'s micro-batching (fp32 everywhere)."""
+    """The engine config of ``case``'s micro-batching and SP size (fp32 everywhere)."""
     micro: dict[str, Any] = {
         "one": {"micro_batch_size_per_gpu": 64},
         "fixed1": {"micro_batch_size_per_gpu": 1},
         "fixed2": {"micro_batch_size_per_gpu": 2},
-        "dynamic": {"use_dynamic_bsz": True, "max_token_len_per_gpu": DYNAMIC_BUDGET},
+        "dynamic": {"use_dynamic_bsz": True, "max_token_len_per_gpu": DYNAMIC_BUDGET // case.sp},
     }[case.micro]
-    return EngineConfig(model_path=model_path, **micro)
+    return EngineConfig(model_path=model_path, ulysses_sequence_parallel_size=case.sp, **micro)
+
+
+def outputs_by_uid(output: dict[str, torch.Tensor], batch: TensorDict) -> dict[int, dict[str, torch.Tensor]]:
+    """Per real sample: ``{uid: {key: [L - 1] values at positions 1 .. L - 1}}`` (padding samples dropped).
+
+    Position 0 has no next-token output (it is 0 by convention), so the compared positions are the real
+    tokens after the first — the log-probs / entropy / values every loss reads, and more.
+    """
+    lengths = batch["attention_mask"].sum(-1).long().tolist()
+    rows = zip(batch["uid"].tolist(), lengths, batch["is_padding"].tolist())
+    return {int(uid): {k: v[i, 1:n].detach().cpu().clone() for k, v in output.items()}
+            for i, (uid, n, pad) in enumerate(rows) if not pad}
+
+
+def digest(batch: TensorDict) -> str:
+    """A hash of every entry of ``batch`` (names, dtypes, shapes, values): equal iff the batches are."""
+    h = hashlib.sha1()
+    for key in sorted(batch.keys()):
+        value = batch[key].detach().cpu().contiguous()
+        h.update(f"{key}:{value.dtype}:{tuple(value.shape)}".encode())
+        h.update(value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return h.hexdigest()
 
 
 def run_case_on_rank(case: Case, model_path: str, batch: TensorDict) -> dict[str, Any]:
     """One step of ``case`` on this rank; a collective (every rank of the world runs it)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != case.dp:
-        raise ValueError(f"case {case.id} needs {case.dp} ranks, this world has {world}")
+    if world != case.world:
+        raise ValueError(f"case {case.id} needs {case.world} ranks, this world has {world}")
     start = time.perf_counter()
-    shard = shard_for(batch, rank, case.dp, case.balance)
-    if case.balance:
-        shard, _ = balance_batch(shard, None, hidden_size=HIDDEN_SIZE, batch_multiple=BATCH_MULTIPLE)
     engine = EngineRegistry.new(case.model_type, case.strategy, engine_config(case, model_path), OPTIM)
     engine.initialize()
+    topo = engine.topology
+    if (topo.dp_size, topo.sp_size) != (case.dp, case.sp):
+        raise ValueError(f"case {case.id}: the engine's mesh is dp={topo.dp_size} x sp={topo.sp_size}")
+    # every SP rank of a DP group starts from (and, balanced, ends with) that DP rank's samples: the
+    # starting shard is chosen by dp_rank and the exchange runs within the DP group
+    shard = shard_for(batch, topo.dp_rank, case.dp, case.balance)
+    balance_metrics: dict[str, float] = {}
+    if case.balance:
+        shard, balance_metrics = balance_batch(shard, engine.get_data_parallel_group(),
+                                               hidden_size=HIDDEN_SIZE, batch_multiple=BATCH_MULTIPLE)
+    entropy = {"calculate_entropy": True} if case.model_type == "language_model" else {}
+    with engine.eval_mode():
+        infer = engine.infer_batch(shard, **entropy)
     kwargs = {"calculate_entropy": True} if case.loss == "ppo" else {}
     with engine.train_mode():
         out = engine.train_batch(shard, make_loss_fn(case), **kwargs)
@@ -110,9 +150,15 @@ def run_case_on_rank(case: Case, model_path: str, batch: TensorDict) -> dict[str
         "grad_norm": out["grad_norm"],
         "step_skipped": out["step_skipped"],
         "num_micro_batches": out["num_micro_batches"],
+        "infer_micro_batches": infer["num_micro_batches"],
+        "mesh": (topo.dp_rank, topo.sp_rank),
+        "uids": shard["uid"].tolist(),
+        "digest": digest(shard),
+        "balance_metrics": balance_metrics,
         "samples": shard.batch_size[0],
         "padding": int(shard["is_padding"].sum()),
         "metrics": metrics,
+        "outputs": outputs_by_uid(infer["model_output"], shard),
         "params": params if rank == 0 else None,
         "seconds": time.perf_counter() - start,
     }
@@ -123,28 +169,50 @@ def run_cases_on_rank(cases: list[Case], model_path: str, batch: TensorDict) -> 
     return {case: run_case_on_rank(case, model_path, batch) for case in cases}
 
 
+def merge_outputs(per_rank: list[dict[str, Any]]) -> tuple[dict[int, dict[str, torch.Tensor]], float]:
+    """Every real sample's outputs (from the rank with sp_rank 0 of the DP rank holding it), and the max
+    relative difference between SP ranks of one DP group for the same sample (they must agree)."""
+    merged: dict[int, dict[str, torch.Tensor]] = {}
+    spread = 0.0
+    for r in sorted(per_rank, key=lambda r: r["mesh"][1]):  # sp_rank 0 first
+        for uid, outs in r["outputs"].items():
+            if uid not in merged:
+                merged[uid] = outs
+                continue
+            for k, v in outs.items():
+                want = merged[uid][k].double()
+                diff = float((v.double() - want).norm())
+                scale = float(want.norm())
+                spread = max(spread, diff / scale if scale else (0.0 if diff == 0 else float("inf")))
+    return merged, spread
+
+
 def merge_ranks(per_rank: list[dict[Case, Any]]) -> dict[Case, dict[str, Any]]:
-    """Rank 0's result per case, plus the loss / grad norm / micro-batch count of every rank."""
+    """Rank 0's result per case, plus the per-rank loss / grad norm / micro-batch count / mesh / uids, and
+    the outputs of every sample merged over ranks."""
     merged = {}
     for case, result in per_rank[0].items():
         result = dict(result)
-        result["rank_losses"] = [r[case]["loss"] for r in per_rank]
-        result["rank_grad_norms"] = [r[case]["grad_norm"] for r in per_rank]
-        result["rank_micro_batches"] = [r[case]["num_micro_batches"] for r in per_rank]
-        result["rank_metrics"] = [r[case]["metrics"] for r in per_rank]
-        result["rank_samples"] = [r[case]["samples"] for r in per_rank]
-        result["rank_padding"] = [r[case]["padding"] for r in per_rank]
+        ranks = [r[case] for r in per_rank]
+        for key in ("loss", "grad_norm", "num_micro_batches", "infer_micro_batches", "metrics", "samples",
+                    "padding", "mesh", "uids", "digest", "balance_metrics"):
+            result[f"rank_{key}"] = [r[key] for r in ranks]
+        result["rank_losses"] = result.pop("rank_loss")  # the name compare.py reads
+        result["outputs"], result["sp_output_spread"] = merge_outputs(ranks)
         merged[case] = result
     return merged
 
 
-def chunk_key(case: Case) -> tuple[int, str]:
-    """Cases run together in one spawn: same world size and loss kind (at most ~60 cases).
+def chunk_key(case: Case) -> tuple:
+    """Cases run together in one spawn: same world size, SP size and loss kind (at most ~70 cases).
 
     Small enough chunks keep every spawn well inside pytest's per-test timeout; the default slice needs
-    just two spawns (the 1-rank references and the 2-rank cases).
+    three spawns (the 1-rank references, the 2-rank cases and one 4-rank dp=2 x sp=2 case). A case in
+    ``XFAIL`` runs in a spawn of its own (a failing rank ends the spawn it is in).
     """
-    return case.dp, case.loss
+    if case in XFAIL:
+        return case.world, case.sp, case.loss, case.id
+    return case.world, case.sp, case.loss
 
 
 def run_order(case: Case) -> tuple[bool, Case]:
@@ -156,7 +224,7 @@ def run_chunk(cases: Iterable[Case], model_path: str, batch: TensorDict,
               timeout: float = 1800.0) -> dict[Case, dict[str, Any]]:
     """Run ``cases`` (one world size) in one spawn; returns the merged results."""
     cases = sorted(cases, key=run_order)
-    worlds = {c.dp for c in cases}
+    worlds = {c.world for c in cases}
     if len(worlds) != 1:
         raise ValueError(f"one spawn runs one world size, got {sorted(worlds)}")
     per_rank = run_distributed(run_cases_on_rank, worlds.pop(), cases, model_path, batch,
