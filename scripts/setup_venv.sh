@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip "setuptools>=70" wheel
+"$VENV/bin/python" -m pip install -q --upgrade pip "setuptools>=77" wheel
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 "$VENV/bin/python" -m pip install -q --no-build-isolation -e ".[test,deepspeed,plot,data]"
 "$VENV/bin/python" -c "import torch, verl_trainer; print('verl-trainer', verl_trainer.__version__, '| torch', torch.__version__)"
