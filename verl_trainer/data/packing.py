@@ -284,9 +284,10 @@ def token_log_probs_and_entropy(
     logits32 = logits.reshape(-1, logits.shape[-1]).float()
     if temperature != 1.0:
         logits32 = logits32 / temperature
-    lse = torch.logsumexp(logits32, -1)
-    log_probs = logits32.gather(-1, targets.reshape(-1, 1)).squeeze(-1) - lse
-    entropy = lse - (torch.softmax(logits32, -1) * logits32).sum(-1) if calculate_entropy else None
+    # log_softmax + gather: one fused kernel each way (logsumexp's backward is three [n, V] passes)
+    all_log_probs = torch.log_softmax(logits32, -1)
+    log_probs = all_log_probs.gather(-1, targets.reshape(-1, 1)).squeeze(-1)
+    entropy = -(all_log_probs.exp() * all_log_probs).sum(-1) if calculate_entropy else None
     return log_probs, entropy
 
 
