@@ -74,3 +74,14 @@ def write_model(path: str, hidden: int, layers: int, vocab: int) -> LlamaConfig:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     return config
+
+
+def save_json(path: str | None, results: dict) -> None:
+    """Write ``results`` to ``path`` (when given) for ``bench/plot_results.py``."""
+    if path:
+        import json
+        from pathlib import Path
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(results, indent=2))
+        print(f"results written to {path}")

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import init_single_process, random_pairs, sample_lengths, write_model  # noqa: E402
+from _common import init_single_process, random_pairs, sample_lengths, save_json, write_model  # noqa: E402
 
 from verl_trainer import Trainer  # noqa: E402
 from verl_trainer.algorithms.sft import SFT, SFTConfig, SFTDataset, collate_sft  # noqa: E402
@@ -123,6 +123,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--json", type=str, default=None, help="also write the results here (for plot_results.py)")
     return p.parse_args()
 
 
@@ -154,6 +155,8 @@ def main() -> None:
     overhead = statistics.median(times["Trainer"]) / statistics.median(times["hand loop"]) - 1
     verdict = "met" if overhead <= 0.05 else "NOT met"
     print(f"Trainer overhead: {overhead:+.1%}  (target <= 5%: {verdict})")
+    save_json(args.json, {"benchmark": "overhead", "overhead": overhead, "loss_max_rel_diff": diff,
+                          "median_s": {k: statistics.median(v) for k, v in times.items()}, "steps": times})
 
 
 if __name__ == "__main__":

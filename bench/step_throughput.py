@@ -46,6 +46,7 @@ from _common import (  # noqa: E402
     build_batch,
     init_single_process,
     sample_lengths,
+    save_json,
     sync,
     write_model,
 )
@@ -164,6 +165,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=str, default=None, help="also write the results here (for plot_results.py)")
     return p.parse_args()
 
 
@@ -233,6 +235,15 @@ def report(args, config, n_params, lens, sides, first, times, device) -> None:
     print(f"tokens/s ours / {safe_name} (same peak memory): {ratio:.2f}x  (target >= 2x: {verdict})")
     runs = "; ".join(f"{k}: {', '.join(f'{x:.2f}' for x in v)}" for k, v in times.items())
     print(f"step times (s): {runs}")
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    save_json(args.json, {
+        "benchmark": "step_throughput", "device": str(device), "dtype": args.dtype, "tokens": tokens,
+        "peak_flops": peaks, "step_flops": flops, "ratio_vs_safe": ratio, "safe_baseline": safe_name,
+        "sides": {name: {"median_s": med[name], "tokens_per_s": tokens / med[name],
+                         "mfu_fp32": flops / med[name] / peaks["fp32"],
+                         "mfu_bf16": flops / med[name] / peaks["bf16"],
+                         "micro_batches": side.num_micro_batches} for name, side in sides.items()},
+    })
 
 
 if __name__ == "__main__":
