@@ -82,3 +82,19 @@ def test_ppo_recipe(assets, tmp_path, strategy):
     assert "critic/vf_loss" in metrics[1] and "actor/pg_loss" not in metrics[1]  # critic warm-up
     assert "critic/vf_loss" in metrics[2] and "actor/pg_loss" in metrics[2]
     assert ("actor/reward_kl_penalty" in metrics[2]) == bool(kl)
+
+
+def test_grpo_single_update_reuses_its_log_probs_exactly(assets, tmp_path):
+    """One actor update per step: skipping the old-log-prob forward gives the recomputed run's step."""
+    single = (*RL_OVERRIDES[:3], "algorithm.actor.ppo_mini_batch_size=4", "algorithm.rollout.n=2",
+              "algorithm.actor.loss.use_kl_loss=true", "trainer.sequence_balancing=true")
+    runs = {reuse: run_recipe("grpo", assets, tmp_path / str(reuse), *single,
+                              f"algorithm.actor.reuse_log_probs_on_policy={str(reuse).lower()}")
+            for reuse in (False, True)}
+    for step in (1, 2):
+        recomputed, reused = runs[False][step], runs[True][step]
+        assert reused["reward/mean"] == recomputed["reward/mean"]  # same samples at step 2: same update
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):
+            assert reused[key] == pytest.approx(recomputed[key], rel=1e-4, abs=1e-7), key
+        assert reused["actor/ppo_kl"] == 0.0 and abs(recomputed["actor/ppo_kl"]) < 1e-6
+        assert reused["actor/old_log_probs_reused"] == 1.0 and recomputed["actor/old_log_probs_reused"] == 0.0

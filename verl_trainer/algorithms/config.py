@@ -54,6 +54,12 @@ class ActorConfig:
         ppo_epochs: Passes over the step batch.
         calculate_entropy: Compute the policy entropy during the update (logged as ``actor/entropy``;
             needed when ``loss.entropy_coeff != 0``).
+        reuse_log_probs_on_policy: When the step makes exactly one actor update (``ppo_epochs=1`` and one
+            mini-batch), skip the separate forward that recomputes the old log-probs and use the
+            update's own log-probs, detached: the weights are the same, so the ratio is exactly 1 and
+            the loss and gradient are those of the recomputed version (to round-off; ``actor/ppo_kl``
+            and ``actor/pg_clipfrac`` are 0). Saves one forward over the step batch. ``false``: always
+            recompute (verl's behaviour).
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -62,6 +68,7 @@ class ActorConfig:
     ppo_mini_batch_size: int | None = None
     ppo_epochs: int = 1
     calculate_entropy: bool = False
+    reuse_log_probs_on_policy: bool = True
 
     def __post_init__(self) -> None:
         if self.ppo_mini_batch_size is not None and self.ppo_mini_batch_size < 1:

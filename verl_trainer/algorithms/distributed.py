@@ -22,7 +22,13 @@ from tensordict import TensorDict
 from verl_trainer.balancing import make_padding_samples
 from verl_trainer.data import schema
 
-__all__ = ["all_reduce", "global_masked_whiten", "num_real_samples", "split_mini_batches"]
+__all__ = [
+    "all_reduce",
+    "count_mini_batches",
+    "global_masked_whiten",
+    "num_real_samples",
+    "split_mini_batches",
+]
 
 
 def _distributed(group: dist.ProcessGroup | None) -> bool:
@@ -101,6 +107,25 @@ def num_real_samples(batch: TensorDict) -> int:
     return int(batch.batch_size[0])
 
 
+def count_mini_batches(batch: TensorDict, mini_batch_size: int | None,
+                       group: dist.ProcessGroup | None = None) -> int:
+    """Number of mini-batches of the step: ``ceil(global real samples / mini_batch_size)`` (a collective).
+
+    Args:
+        batch: This rank's tensor-only batch ``[B_r, T]``.
+        mini_batch_size: Samples per mini-batch over all DP ranks; ``None``: one mini-batch.
+        group: The DP group.
+
+    Raises:
+        ValueError: ``mini_batch_size < 1``.
+    """
+    if mini_batch_size is not None and mini_batch_size < 1:
+        raise ValueError(f"mini_batch_size must be >= 1 or None, got {mini_batch_size}")
+    local = torch.tensor([float(num_real_samples(batch))], dtype=torch.float64)
+    global_real = int(all_reduce(local, group)[0])
+    return 1 if mini_batch_size is None else max(1, math.ceil(global_real / mini_batch_size))
+
+
 def split_mini_batches(batch: TensorDict, mini_batch_size: int | None,
                        group: dist.ProcessGroup | None = None) -> list[TensorDict]:
     """Split this rank's step batch into the step's mini-batches, the same count on every rank.
@@ -118,11 +143,7 @@ def split_mini_batches(batch: TensorDict, mini_batch_size: int | None,
     Returns:
         The mini-batches of this rank, in order.
     """
-    if mini_batch_size is not None and mini_batch_size < 1:
-        raise ValueError(f"mini_batch_size must be >= 1 or None, got {mini_batch_size}")
-    local = torch.tensor([float(num_real_samples(batch))], dtype=torch.float64)
-    global_real = int(all_reduce(local, group)[0])
-    count = 1 if mini_batch_size is None else max(1, math.ceil(global_real / mini_batch_size))
+    count = count_mini_batches(batch, mini_batch_size, group)
     rows = batch.batch_size[0]
     if rows < count:
         batch = torch.cat([batch, make_padding_samples(batch, count - rows)], 0)

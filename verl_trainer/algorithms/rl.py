@@ -5,7 +5,9 @@ One ``training_step`` on each rank's prompt batch (SPMD; DESIGN.md §2)::
     rollout (n samples per prompt, groups whole on this rank) → rewards (+ overlong shaping)
       → advantages                                  [subclass: GRPO per group; PPO critic values + GAE]
       → on_rollout_end → tensor_only → select_samples [GRPO: DAPO dynamic sampling]
-      → old log-probs recomputed by the actor engine (+ reference log-probs for the KL loss)
+      → old log-probs recomputed by the actor engine (+ reference log-probs for the KL loss); skipped
+        when the step makes one actor update: the update's own detached log-probs are the old ones
+        (``actor.reuse_log_probs_on_policy``)
       → on_before_update (SequenceBalancing may re-partition; padding samples train nothing)
       → ppo_epochs × mini-batches: critic updates, then actor updates (engine_step)
       → weight sync to the rollout copy (on every rank: it is a collective)
@@ -14,7 +16,8 @@ Logged (reductions declared, so the values are those of the whole step on one pr
 ``reward/{mean,min,max,accuracy,zero_std_group_frac}``, ``response_length/{mean,min,max,clip_ratio}``,
 ``critic/advantages/{mean,min,max}``, the loss metrics (``actor/pg_loss``, ``actor/pg_clipfrac``,
 ``actor/ppo_kl``, ``actor/kl_loss``, ``critic/vf_loss``, ... averaged over the step's updates),
-``actor/grad_norm``, ``actor/lr``, ``timing/*``; validation: ``val/reward/*``, ``val/response_length/*``.
+``actor/grad_norm``, ``actor/lr``, ``actor/old_log_probs_reused`` (1: no separate old-log-prob forward),
+``timing/*``; validation: ``val/reward/*``, ``val/response_length/*``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from tensordict import TensorDict
 
 from verl_trainer.algorithms.config import RLConfig
 from verl_trainer.algorithms.dapo import overlong_penalty
-from verl_trainer.algorithms.distributed import split_mini_batches
+from verl_trainer.algorithms.distributed import count_mini_batches, split_mini_batches
 from verl_trainer.data import schema
 from verl_trainer.engine.config import EngineConfig
 from verl_trainer.losses import ppo_loss
@@ -77,6 +80,27 @@ def _mean_over_updates(metrics: list[dict[str, Any]], num_updates: int) -> list[
          for k, v in mb.items()}
         for mb in metrics
     ]
+
+
+def with_on_policy_old_log_probs(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap an actor loss so each micro-batch's ``old_log_probs`` are its own log-probs, detached.
+
+    Exact only when the weights that produce ``model_output`` are those the samples' old log-probs would
+    be recomputed with: one optimizer update per step (see ``ActorConfig.reuse_log_probs_on_policy``).
+
+    Args:
+        loss_fn: ``loss_fn(model_output, micro_batch, info)``; ``model_output["log_probs"]`` is ``[b, t]``.
+
+    Returns:
+        The wrapped loss function.
+    """
+
+    def loss(model_output: Mapping[str, torch.Tensor], micro_batch: TensorDict, info: Any) -> Any:
+        micro_batch = micro_batch.clone(recurse=False)
+        micro_batch[schema.OLD_LOG_PROBS] = model_output["log_probs"].detach()
+        return loss_fn(model_output, micro_batch, info)
+
+    return loss
 
 
 class RLModule(TrainingModule):
@@ -183,11 +207,12 @@ class RLModule(TrainingModule):
         batch[schema.TOKEN_LEVEL_REWARDS] = rewards.clone()
         return scores
 
-    def compute_log_probs(self, batch: TensorDict) -> None:
-        """``old_log_probs`` from the actor engine (and ``ref_log_prob`` from the reference), ``[B, T]``."""
-        actor = self.engines["actor"]
-        with actor.eval_mode():
-            batch[schema.OLD_LOG_PROBS] = actor.infer_batch(batch)["model_output"]["log_probs"]
+    def compute_log_probs(self, batch: TensorDict, actor: bool = True) -> None:
+        """``old_log_probs`` (unless ``actor=False``) and the reference's ``ref_log_prob``, ``[B, T]``."""
+        if actor:
+            engine = self.engines["actor"]
+            with engine.eval_mode():
+                batch[schema.OLD_LOG_PROBS] = engine.infer_batch(batch)["model_output"]["log_probs"]
         if self.uses_reference:
             ref = self.engines["ref"]
             with ref.eval_mode():
@@ -219,6 +244,17 @@ class RLModule(TrainingModule):
             f"{name}/lr": lr,
         }
 
+    def single_actor_update(self, data: TensorDict, mini_batch_size: int | None) -> bool:
+        """Whether this step's actor update may reuse its own log-probs as the old ones (a collective).
+
+        True when ``actor.reuse_log_probs_on_policy`` is set, the actor trains this step, and the step is
+        one optimizer update (``ppo_epochs == 1`` and one mini-batch over the DP group).
+        """
+        cfg = self.config.actor
+        if not (cfg.reuse_log_probs_on_policy and cfg.ppo_epochs == 1 and self.actor_update_due()):
+            return False
+        return count_mini_batches(data, mini_batch_size, self.trainer.dp_group) == 1
+
     def sync_rollout(self) -> None:
         """Stream the actor's weights into the rollout copy (a collective: call on every rank)."""
         actor = self.engines["actor"]
@@ -241,17 +277,20 @@ class RLModule(TrainingModule):
         data, do_update = self.select_samples(tensor_only(rollout_batch), scores, metrics)
         t1 = time.perf_counter()
         if do_update:
-            if schema.OLD_LOG_PROBS not in data.keys():  # PPO with KL in the reward computed them already
-                self.compute_log_probs(data)
-            data = trainer.call_before_update(data)
             actor_cfg = self.config.actor
             mini_size = actor_cfg.ppo_mini_batch_size
-            mini_batches = split_mini_batches(
-                data, None if mini_size is None else mini_size * self.config.rollout.n, trainer.dp_group
-            )
+            mini_size = None if mini_size is None else mini_size * self.config.rollout.n
+            actor_loss = self.actor_loss
+            if schema.OLD_LOG_PROBS not in data.keys():  # PPO with KL in the reward computed them already
+                reuse = self.single_actor_update(data, mini_size)
+                self.compute_log_probs(data, actor=not reuse)
+                metrics["actor/old_log_probs_reused"] = float(reuse)
+                actor_loss = with_on_policy_old_log_probs(actor_loss) if reuse else actor_loss
+            data = trainer.call_before_update(data)
+            mini_batches = split_mini_batches(data, mini_size, trainer.dp_group)
             metrics.update(self.update_critic(mini_batches))
             if self.actor_update_due():
-                metrics.update(self.run_updates("actor", self.actor_loss, mini_batches, actor_cfg.ppo_epochs,
+                metrics.update(self.run_updates("actor", actor_loss, mini_batches, actor_cfg.ppo_epochs,
                                                 calculate_entropy=actor_cfg.calculate_entropy))
                 self.sync_rollout()
         metrics["actor/update_skipped"] = 0.0 if do_update else 1.0

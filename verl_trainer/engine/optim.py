@@ -18,7 +18,10 @@ from verl_trainer.engine.config import OptimConfig
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over ``params`` (weight decay on every parameter, as verl does).
+    """AdamW over ``params`` (weight decay on every parameter, as verl does), multi-tensor (``foreach``).
+
+    ``foreach=True`` runs each update op once over all tensors instead of once per tensor (torch's default
+    on CPU is the per-tensor loop); the result is the same update.
 
     Args:
         params: Trainable parameters (plain or DTensor).
@@ -31,6 +34,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -
         betas=tuple(config.betas),
         eps=config.eps,
         weight_decay=config.weight_decay,
+        foreach=True,
     )
 
 
@@ -89,7 +93,7 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float | 
     if not params:
         return torch.zeros(())
     clip = float("inf") if max_norm is None else float(max_norm)
-    norm = torch.nn.utils.clip_grad_norm_(params, clip, error_if_nonfinite=False, foreach=None)
+    norm = torch.nn.utils.clip_grad_norm_(params, clip, error_if_nonfinite=False, foreach=True)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return norm
