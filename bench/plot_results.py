@@ -61,7 +61,7 @@ def panel_trl(ax, r: dict) -> None:
     ax.bar([i + w / 2 for i in x], trl, w, color=BASE, label="TRL GRPOTrainer")
     for i, p in enumerate(phases):
         ratio = r["phases"][p]["trl"] / r["phases"][p]["ours"]
-        ax.annotate(f"{ratio:.1f}x", (i, max(ours[i], trl[i])), ha="center", va="bottom", fontsize=8)
+        ax.annotate(f"{ratio:.2f}x", (i, max(ours[i], trl[i])), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), phases)
     ax.set_title("GRPO step vs TRL (same model, prompts, reward, batch)\ntrl time / our time per phase",
                  fontsize=9)
