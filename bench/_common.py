@@ -3,8 +3,10 @@ token batches, device sync."""
 
 from __future__ import annotations
 
+import json
 import math
 import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -79,9 +81,6 @@ def write_model(path: str, hidden: int, layers: int, vocab: int) -> LlamaConfig:
 def save_json(path: str | None, results: dict) -> None:
     """Write ``results`` to ``path`` (when given) for ``bench/plot_results.py``."""
     if path:
-        import json
-        from pathlib import Path
-
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(results, indent=2))
         print(f"results written to {path}")

@@ -262,7 +262,8 @@ def medians(rows: list[dict[str, float]]) -> dict[str, float]:
     return med
 
 
-def report(args: argparse.Namespace, ours: list[dict[str, float]], trl: list[dict[str, float]]) -> None:
+def report(args: argparse.Namespace, ours: list[dict[str, float]], trl: list[dict[str, float]]) -> dict:
+    """Print the comparison; return the results for ``--json``."""
     import torch
     import trl as trl_pkg
 
@@ -281,6 +282,8 @@ def report(args: argparse.Namespace, ours: list[dict[str, float]], trl: list[dic
     verdict = "met" if ratio >= TARGET else "NOT met"
     print(f"\ntarget: trl step / our step >= {TARGET}x -> {ratio:.2f}x, {verdict}\n")
     print(DIFFERENCES)
+    return {"benchmark": "vs_trl", "ratio": ratio, "target": TARGET,
+            "phases": {p: {"ours": o[p], "trl": t[p]} for p in PHASES}}
 
 
 def parse_args() -> argparse.Namespace:
@@ -332,14 +335,11 @@ def main() -> None:
                 rows.extend(run_side(side, args, Path(tmp)))
                 took = time.perf_counter() - t0
                 print(f"round {i + 1}/{args.rounds}: {side} took {took:.0f} s", flush=True)
-    report(args, runs["ours"], runs["trl"])
-    if args.json:
-        o, t = medians(runs["ours"]), medians(runs["trl"])
-        results = {"benchmark": "vs_trl", "ratio": t["step"] / o["step"], "target": TARGET,
-                   "phases": {p: {"ours": o[p], "trl": t[p]} for p in PHASES}}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2))
-        print(f"results written to {args.json}")
+    results = report(args, runs["ours"], runs["trl"])
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import save_json
+
+    save_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ from verl_trainer.engine.config import OptimConfig
 def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -> torch.optim.AdamW:
     """AdamW over ``params`` (weight decay on every parameter, as verl does), fused where torch has it.
 
-    The fused kernel (CPU and CUDA; it takes FSDP2's DTensor parameters) does the same update as torch's
-    default per-tensor loop in one pass; where it is not available (another device, a non-float
-    parameter) the multi-tensor ``foreach`` implementation is used.
+    The fused kernel (CPU and CUDA; it takes FSDP2's DTensor parameters) does the update of torch's
+    default per-tensor loop (equal to round-off) in one pass; where it is not available (another
+    device, a non-float parameter) the multi-tensor ``foreach`` implementation is used.
 
     Args:
         params: Trainable parameters (plain or DTensor).
