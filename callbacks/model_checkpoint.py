@@ -13,10 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from verl_trainer.callbacks.base import Callback
 from verl_trainer.training.checkpoint import checkpoint_dir_name, prune_checkpoints
+from verl_trainer.utils.distributed import barrier
 
 
 class ModelCheckpoint(Callback):
@@ -66,8 +65,7 @@ class ModelCheckpoint(Callback):
         trainer.save_checkpoint(path)
         if trainer.is_global_zero and self.keep_last_k is not None:
             prune_checkpoints(self.dirpath, self.keep_last_k, trainer.global_step)
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+        barrier()
         return path
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

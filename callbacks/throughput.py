@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from verl_trainer.callbacks.base import Callback
+from verl_trainer.utils.distributed import all_reduce
 
 
 def hf_config_of(engine: Any) -> Any:
@@ -113,12 +113,7 @@ class ThroughputMonitor(Callback):
         if self._t0 is None:
             return
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
-        counts = torch.tensor(_counts(outputs, batch), dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized() and trainer.dp_size > 1:
-            if dist.get_backend() == "nccl":
-                counts = counts.to(torch.device("cuda", torch.cuda.current_device()))
-            dist.all_reduce(counts, group=trainer.dp_group)
-            counts = counts.cpu()
+        counts = all_reduce(torch.tensor(_counts(outputs, batch), dtype=torch.float64), trainer.dp_group)
         tokens, samples, sq = (float(c) for c in counts)
         values = {
             f"{self.prefix}/tokens_per_sec": tokens / elapsed,

@@ -15,14 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from verl_trainer.algorithms.data import DataConfig, SFTDataModule
 from verl_trainer.algorithms.sft import SFT, SFTConfig
 from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import ModelConfig, TaskConfig, TrainerConfig, WarmStartConfig
 from verl_trainer.data.tasks import write_arithmetic_task
 from verl_trainer.models.tiny import load_causal_lm, load_tokenizer, make_tiny_model
+from verl_trainer.utils.distributed import barrier, get_rank
 
 RL_PROGRESS = ("reward/mean", "val/reward/mean", "response_length/mean", "actor/pg_loss")
 WAIT_FOR_FILES_S = 600.0
@@ -84,8 +83,7 @@ def export_hf_model(engine: Any, source_path: str, out_dir: str | os.PathLike) -
     once the directory is complete.
     """
     params = {name: tensor.detach().cpu().clone() for name, tensor in engine.get_per_tensor_param()}
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
+    if get_rank() == 0:
         def write(tmp: Path) -> None:
             model = load_causal_lm(source_path)
             model.load_state_dict(params, strict=True)
@@ -94,8 +92,7 @@ def export_hf_model(engine: Any, source_path: str, out_dir: str | os.PathLike) -
 
         shutil.rmtree(out_dir, ignore_errors=True)
         _write_atomically(Path(out_dir), write)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     return str(out_dir)
 
 

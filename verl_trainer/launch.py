@@ -50,6 +50,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 
 from verl_trainer.training import failure
+from verl_trainer.utils.distributed import is_initialized
 
 __all__ = ["ScriptLauncher", "World", "connect", "select_cluster_environment"]
 
@@ -212,7 +213,7 @@ def connect(
         ValueError: If an existing process group's size is not ``devices * num_nodes``.
     """
     expected = devices * num_nodes
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         world = _current_world()
         if world.world_size != expected:
             raise ValueError(

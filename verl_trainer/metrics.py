@@ -44,6 +44,8 @@ import torch.distributed as dist
 from torchmetrics import Metric as _TMMetric
 from torchmetrics.aggregation import MaxMetric, MeanMetric, MinMetric, SumMetric
 
+from verl_trainer.utils.distributed import is_initialized
+
 __all__ = ["Metric", "MetricAccumulator", "Reduction", "reduce_metrics"]
 
 
@@ -259,7 +261,7 @@ class MetricAccumulator:
             ``MIN``/``MAX`` that saw no element on any rank gives +inf/-inf.
 
         """
-        sync = sync_dist and dist.is_available() and dist.is_initialized()
+        sync = sync_dist and is_initialized()
         num_ranks = 1
         if sync:
             self._agree_on_names(process_group)

@@ -35,7 +35,7 @@ from tensordict import TensorDict
 from verl_trainer._kk import kk_partition, stable_argsort
 from verl_trainer.balancing import calculate_workload, make_padding_samples
 from verl_trainer.data import schema
-from verl_trainer.utils.device import get_torch_device
+from verl_trainer.utils.distributed import all_reduce
 
 __all__ = [
     "get_reverse_idx",
@@ -63,13 +63,7 @@ def _seq_lens(data: TensorDict) -> np.ndarray:
 
 def _all_reduce_max(values: list[int], group: Any) -> list[int]:
     """Element-wise MAX of ``values`` over ``group`` (identity when not distributed)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return values
-    backend = str(dist.get_backend(group))
-    device = torch.device("cpu") if "gloo" in backend else get_torch_device()  # nccl / hccl: accelerator
-    t = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
+    return all_reduce(torch.tensor(values, dtype=torch.int64), group, dist.ReduceOp.MAX).tolist()
 
 
 def micro_batch_lower_bound(seq_lens: Sequence[int] | np.ndarray, budget: int) -> int:

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from verl_trainer.algorithms.distributed import all_reduce
 from verl_trainer.balancing import make_padding_samples
 from verl_trainer.data import schema
 from verl_trainer.metrics import Metric
+from verl_trainer.utils.distributed import all_reduce
 
 __all__ = ["dynamic_sampling_filter", "overlong_penalty", "uniform_groups"]
 

@@ -12,11 +12,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from verl_trainer.data.prompts import PromptDataset
 from verl_trainer.data.tasks import SFTDataset
+from verl_trainer.utils.distributed import get_world_size
 
 __all__ = ["DataConfig", "PromptDataModule", "SFTDataModule", "dp_size_now"]
 
@@ -55,7 +55,7 @@ class DataConfig:
 
 def dp_size_now(sp_size: int = 1) -> int:
     """The data-parallel size of the current process group (``world_size // sp_size``; 1 without one)."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = get_world_size()
     if world % sp_size:
         raise ValueError(f"world size {world} is not divisible by the sequence-parallel size {sp_size}")
     return world // sp_size

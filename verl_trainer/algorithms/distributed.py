@@ -21,43 +21,14 @@ from tensordict import TensorDict
 
 from verl_trainer.balancing import make_padding_samples
 from verl_trainer.data import schema
+from verl_trainer.utils.distributed import all_reduce
 
 __all__ = [
-    "all_reduce",
     "count_mini_batches",
     "global_masked_whiten",
     "num_real_samples",
     "split_mini_batches",
 ]
-
-
-def _distributed(group: dist.ProcessGroup | None) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def all_reduce(values: torch.Tensor, group: dist.ProcessGroup | None = None,
-               op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-    """All-reduce a small tensor over ``group`` and return it on its original device.
-
-    A no-op without an initialised process group (or a group of one). On NCCL the tensor travels
-    through the current CUDA device.
-
-    Args:
-        values: Any small tensor (e.g. ``[k]`` float64 counts).
-        group: The process group (``None``: the default group).
-        op: Reduction.
-
-    Returns:
-        The reduced tensor (a new one; ``values`` is unchanged).
-    """
-    out = values.detach().clone()
-    if not _distributed(group):
-        return out
-    device = out.device
-    if dist.get_backend(group) == "nccl":
-        out = out.to(torch.device("cuda", torch.cuda.current_device()))
-    dist.all_reduce(out, op=op, group=group)
-    return out.to(device)
 
 
 def global_masked_whiten(values: torch.Tensor, mask: torch.Tensor,

@@ -32,6 +32,7 @@ from verl_trainer.engine.config import EngineConfig
 from verl_trainer.engine.topology import Topology
 from verl_trainer.micro_batch import prepare_micro_batches, restore_dynamic_batch
 from verl_trainer.models.attention import packed_forward
+from verl_trainer.utils.distributed import all_reduce
 
 
 def compute_global_batch_info(
@@ -51,24 +52,13 @@ def compute_global_batch_info(
     """
     counts = local_counts(data)
     if dp_group is not None and dp_size > 1:
-        counts = _all_reduce(counts, dp_group, dist.ReduceOp.SUM)
+        counts = all_reduce(counts, dp_group)
     return GlobalBatchInfo(
         dp_size=dp_size,
         batch_num_tokens=int(round(float(counts[0]))),
         global_batch_size=int(round(float(counts[1]))),
         dp_rank=dp_rank,
     )
-
-
-def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp) -> torch.Tensor:
-    """All-reduce a small CPU tensor, through the group's device when the backend needs one (nccl)."""
-    backend = dist.get_backend(group)
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    work = t.to(device)
-    dist.all_reduce(work, op=op, group=group)
-    return work.cpu()
 
 
 def _restore(values: torch.Tensor, batch_idx: list[int] | None) -> torch.Tensor:
@@ -246,4 +236,4 @@ class MicroBatchComputeMixin:
         group, dp = self.topology.dp_group, self.topology.dp_size
         if group is None or dp == 1:
             return float(local_loss)
-        return float(_all_reduce(local_loss.clone(), group, dist.ReduceOp.SUM)) / dp
+        return float(all_reduce(local_loss, group)) / dp

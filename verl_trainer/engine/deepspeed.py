@@ -36,7 +36,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from verl_trainer.engine.base import BaseEngine
 from verl_trainer.engine.compute import MicroBatchComputeMixin
@@ -47,6 +46,7 @@ from verl_trainer.engine.heads import LanguageModelMixin, ValueModelMixin
 from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler, build_optimizer
 from verl_trainer.engine.registry import EngineRegistry
 from verl_trainer.engine.topology import TopologyMixin, build_topology
+from verl_trainer.utils.distributed import is_initialized
 
 if importlib.util.find_spec("deepspeed") is None:
     raise ImportError("the deepspeed engine needs deepspeed: pip install 'verl-trainer[deepspeed]'")
@@ -139,7 +139,7 @@ class DeepSpeedEngine(
         """
         if self.initialized:
             return
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_initialized():
             raise RuntimeError(
                 f"{type(self).__name__} ({self.backend}) needs an initialised process group; "
                 f"call torch.distributed.init_process_group (or use Trainer / torchrun) first"

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from verl_trainer.engine.base import BaseEngine
@@ -27,6 +26,7 @@ from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler, build_
 from verl_trainer.engine.parallelize import apply_fsdp1, apply_fsdp2
 from verl_trainer.engine.registry import EngineRegistry
 from verl_trainer.engine.topology import TopologyMixin, build_topology
+from verl_trainer.utils.distributed import is_initialized
 
 FSDP_BACKENDS = ("fsdp", "fsdp2")
 
@@ -80,7 +80,7 @@ class FSDPEngine(
         """Load the HF model, shard it, build AdamW + LR schedule; a collective, idempotent."""
         if self.initialized:
             return
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_initialized():
             raise RuntimeError(
                 f"{type(self).__name__} ({self.backend}) needs an initialised process group; "
                 f"call torch.distributed.init_process_group (or use Trainer / torchrun) first"

@@ -23,6 +23,7 @@ from verl_trainer.engine.config import EngineConfig, to_dtype
 from verl_trainer.models.attention import VARLEN_ATTENTION
 from verl_trainer.models.ulysses_attention import ULYSSES_ATTENTION, check_ulysses_compatible
 from verl_trainer.models.ulysses_forward import ulysses_packed_log_probs, ulysses_packed_values
+from verl_trainer.utils.distributed import get_world_size, is_initialized
 
 __all__ = [
     "LanguageModelMixin",
@@ -42,7 +43,7 @@ def _checked(model: torch.nn.Module, config: EngineConfig) -> torch.nn.Module:
     """Refuse a model whose heads cannot be split over the SP group (same error on every rank)."""
     sp = config.ulysses_sequence_parallel_size
     if sp > 1:
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+        world = get_world_size() if is_initialized() else None
         check_ulysses_compatible(model.config, sp, world)
     return model
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from verl_trainer.engine.config import EngineConfig
+from verl_trainer.utils.distributed import is_initialized
 
 
 @dataclass
@@ -69,7 +70,7 @@ def build_topology(config: EngineConfig, device_type: str) -> Topology:
 
     """
     sp = config.ulysses_sequence_parallel_size
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_initialized():
         if sp != 1:
             raise ValueError(
                 f"ulysses_sequence_parallel_size={sp} needs an initialised process group with a "

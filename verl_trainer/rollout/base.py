@@ -31,13 +31,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from tensordict import NonTensorStack, TensorDict
 
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.data.prompts import NON_TENSOR_KEYS, collate_prompts, non_tensor_lists, prompt_token_lists
 from verl_trainer.rollout.config import RolloutConfig
+from verl_trainer.utils.distributed import get_rank
 
 RESPONSE_TEXT = "response_text"
 ROLLOUT_NON_TENSOR_KEYS = (*NON_TENSOR_KEYS, RESPONSE_TEXT)
@@ -72,10 +72,6 @@ def truncate_at_eos(tokens: Sequence[int], eos_token_ids: Iterable[int]) -> list
 def tensor_only(batch: TensorDict) -> TensorDict:
     """``batch`` without its non-tensor entries (before sample exchange / balancing / the engine)."""
     return batch.exclude(*[k for k in ROLLOUT_NON_TENSOR_KEYS if k in batch.keys()])
-
-
-def _dist_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class BaseRollout(ABC):
@@ -150,7 +146,7 @@ class BaseRollout(ABC):
         if not isinstance(prompt_batch, TensorDict):
             prompt_batch = collate_prompts(list(prompt_batch), self.pad_token_id)
         config = dataclasses.replace(self.config, **overrides) if overrides else self.config
-        seed = derive_seed(config.seed, _dist_rank(), self._calls)
+        seed = derive_seed(config.seed, get_rank(), self._calls)
         self._calls += 1
 
         n = config.n

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from verl_trainer.loggers import build_loggers, plain_hparams
 from verl_trainer.module import EngineSpec
 from verl_trainer.training import checkpoint as ckpt
 from verl_trainer.training.data import ShardedLoader, as_dataloader
+from verl_trainer.utils.distributed import barrier, broadcast_object
 
 if TYPE_CHECKING:
     from verl_trainer.trainer import Trainer
@@ -42,11 +42,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def configure_engines(trainer: Trainer, module: Any) -> None:
@@ -118,7 +113,7 @@ def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_p
             lg.save()
             lg.finalize(status)
         if status == "success":
-            _barrier()
+            barrier()
         trainer.state = None
 
 
@@ -235,10 +230,8 @@ def _resolve(trainer: Trainer, ckpt_path: Any) -> Path | None:
         if not (path / ckpt.STATE_FILE).is_file():
             raise FileNotFoundError(f"ckpt_path={str(ckpt_path)!r} is not a complete checkpoint directory")
         return path
-    found = [str(ckpt.find_last_checkpoint(trainer.checkpoint_dir) or "")]
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(found, src=0)  # every rank resumes from rank 0's choice
-    return Path(found[0]) if found[0] else None
+    found = broadcast_object(str(ckpt.find_last_checkpoint(trainer.checkpoint_dir) or ""))  # rank 0's choice
+    return Path(found) if found else None
 
 
 def restore(trainer: Trainer, ckpt_path: Any) -> None:
