@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from verl_trainer.callbacks.base import Callback
+from verl_trainer.metrics import Metric
 
 
 class LearningRateMonitor(Callback):
@@ -31,4 +32,4 @@ class LearningRateMonitor(Callback):
                 values[f"{self.prefix}/{name}"] = float(groups[0]["lr"])
             else:
                 values.update({f"{self.prefix}/{name}/pg{i}": float(g["lr"]) for i, g in enumerate(groups)})
-        trainer.log_metrics(values)
+        trainer.log_metrics({k: Metric.mean(v) for k, v in values.items()})  # the same on every rank

@@ -70,9 +70,7 @@ class ModelCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Save when due and no validation follows this step."""
-        from verl_trainer.training.loops import validation_due
-
-        if self._due(trainer) and not validation_due(trainer):
+        if self._due(trainer) and not trainer.validation_due():
             self.save(trainer)
 
     def on_validation_end(self, trainer: Any, module: Any) -> None:

@@ -7,7 +7,8 @@ already computed). The callback
 2. pads the global batch to the required multiple with synthetic ``is_padding=True`` samples (one
    token each, zero loss mask, a fresh uid each, unique across ranks);
 3. computes, identically on every rank, a Karmarkar-Karp partition of the FLOPs workloads
-   (``calculate_workload``, h from the model config) into ``dp_size`` equal-count parts;
+   (``calculate_workload``, h = the module's declared ``hidden_size``:
+   the actor model's) into ``dp_size`` equal-count parts;
 4. moves samples (a variable-size all-to-all of their real tokens) so that DP rank r holds part r, in
    global (rank-major) order; the synthetic samples are created on the rank they are assigned to.
 
@@ -18,7 +19,7 @@ GRPO groups may be split across ranks here: advantages are computed before ``on_
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,11 +29,16 @@ from verl_trainer.balancing import (
     calculate_workload,
     get_seqlen_balanced_partitions,
     log_seqlen_unbalance,
-    make_padding_samples,
 )
 from verl_trainer.callbacks.base import Callback
 from verl_trainer.data import schema
-from verl_trainer.data.exchange import exchange_samples, sample_lengths
+from verl_trainer.data.exchange import exchange_samples
+from verl_trainer.metrics import Metric
+from verl_trainer.utils.distributed import all_reduce, is_initialized
+
+if TYPE_CHECKING:
+    from verl_trainer.module import TrainingModule
+    from verl_trainer.trainer import Trainer
 
 
 def _all_gather_lengths(lengths: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
@@ -74,7 +80,7 @@ def balance_batch(
         the balance metrics (identical on every rank).
     """
     world, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-    per_rank = _all_gather_lengths(sample_lengths(batch).long(), dp_group)
+    per_rank = _all_gather_lengths(schema.sequence_lengths(batch), dp_group)
     lengths = torch.cat(per_rank)
     n_real = lengths.numel()
     multiple = math.lcm(world, max(int(batch_multiple), 1))
@@ -94,16 +100,13 @@ def balance_batch(
 
     if n_pad:  # n_pad is the same on every rank: the all_reduce below is collective
         uid_max = batch[schema.UID].max() if batch.batch_size[0] else torch.tensor(-1)
-        uid_max = uid_max.to(torch.long).reshape(1).clone()
-        dist.all_reduce(uid_max, op=dist.ReduceOp.MAX, group=dp_group)
+        uid_max = int(all_reduce(uid_max.to(torch.long).reshape(1), dp_group, dist.ReduceOp.MAX)[0])
         my_pads = torch.as_tensor([i for i in parts[rank] if i >= n_real], dtype=torch.long)
         if my_pads.numel():
-            if schema.IS_PADDING not in mine.keys():
-                mine.set(schema.IS_PADDING, torch.zeros(mine.batch_size[0], dtype=torch.bool))
-            extra = make_padding_samples(mine, my_pads.numel())
+            extra = schema.padding_samples(mine, my_pads.numel())
             if schema.UID in mine.keys():  # unique across ranks, not only on this one
-                extra.set(schema.UID, (int(uid_max) + 1 + my_pads - n_real).to(mine[schema.UID].dtype))
-            mine = torch.cat([mine, extra])
+                extra.set(schema.UID, (uid_max + 1 + my_pads - n_real).to(mine[schema.UID].dtype))
+            mine = torch.cat([schema.with_padding_tag(mine), extra])
     metrics = log_seqlen_unbalance(all_lengths.tolist(), parts, prefix, hidden_size=hidden_size)
     metrics[f"{prefix}/num_padding_samples"] = float(n_pad)
     return mine, metrics
@@ -113,11 +116,11 @@ class SequenceBalancing(Callback):
     """Balance per-rank workload before each update (see the module docstring).
 
     Args:
-        hidden_size: Hidden size for the workload model; ``None`` reads it from the actor's model config
-            (``module.hidden_size`` or ``module.config.hidden_size``), else 4096 (verl's constant).
-        batch_multiple: Extra multiple for the global batch size, e.g.
-            ``required_batch_multiple(dp, actor_mini_batch_size, critic_mini_batch_size, n)``; ``None``
-            asks ``module.required_batch_multiple`` when it exists.
+        hidden_size: Hidden size for the workload model; ``None``: the module's declared
+            :attr:`~verl_trainer.module.TrainingModule.hidden_size` (the actor model's).
+        batch_multiple: Extra multiple for the global batch size; ``None``: the module's declared
+            :attr:`~verl_trainer.module.TrainingModule.required_batch_multiple` (RL: ``lcm(dp,
+            actor_mini × n, critic_mini × n)``).
         equal_size: Equal sample counts per rank.
         prefix: Metric-name prefix.
     """
@@ -135,27 +138,16 @@ class SequenceBalancing(Callback):
         self.prefix = prefix
         self.last_metrics: dict[str, float] = {}
 
-    def _hidden_size(self, module: Any) -> int:
-        if self.hidden_size is not None:
-            return self.hidden_size
-        for obj in (module, getattr(module, "config", None)):
-            value = getattr(obj, "hidden_size", None)
-            if isinstance(value, int):
-                return value
-        return 4096
-
-    def on_before_update(self, trainer: Any, module: Any, batch: TensorDict) -> TensorDict | None:
-        """Return this rank's balanced part of the step's global batch."""
-        if not (dist.is_available() and dist.is_initialized()):
+    def on_before_update(
+        self, trainer: Trainer, module: TrainingModule, batch: TensorDict
+    ) -> TensorDict | None:
+        """Return this rank's balanced part of the step's global batch; log the balance metrics."""
+        if not is_initialized():
             return None
-        group = getattr(trainer, "dp_group", None)
-        multiple = self.batch_multiple
-        if multiple is None:
-            multiple = int(getattr(module, "required_batch_multiple", 1) or 1)
+        hidden = self.hidden_size if self.hidden_size is not None else module.hidden_size
+        multiple = self.batch_multiple if self.batch_multiple is not None else module.required_batch_multiple
         new_batch, self.last_metrics = balance_batch(
-            batch, group, self._hidden_size(module), multiple, self.equal_size, self.prefix
+            batch, trainer.dp_group, hidden, multiple, self.equal_size, self.prefix
         )
-        log_metrics = getattr(trainer, "log_metrics", None)
-        if callable(log_metrics):
-            log_metrics(self.last_metrics)
+        trainer.log_metrics({k: Metric.mean(v) for k, v in self.last_metrics.items()})  # same on every rank
         return new_batch

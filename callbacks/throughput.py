@@ -19,20 +19,8 @@ from typing import Any
 import torch
 
 from verl_trainer.callbacks.base import Callback
+from verl_trainer.metrics import Metric
 from verl_trainer.utils.distributed import all_reduce
-
-
-def hf_config_of(engine: Any) -> Any:
-    """The Hugging Face config of an engine's model (through FSDP/DeepSpeed wrappers), or ``None``."""
-    module = getattr(engine, "module", None)
-    for _ in range(4):
-        if module is None:
-            return None
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "hidden_size"):
-            return config
-        module = getattr(module, "module", None) or getattr(module, "_fsdp_wrapped_module", None)
-    return None
 
 
 def num_parameters(config: Any) -> int:
@@ -101,8 +89,8 @@ class ThroughputMonitor(Callback):
         if self.flops_per_token is not None:
             return self.flops_per_token * tokens
         if self._model is None:
-            config = hf_config_of(trainer._actor())
-            if config is None:
+            config = trainer.module.actor.model_config
+            if config is None or not hasattr(config, "num_hidden_layers"):
                 return None
             self._model = (num_parameters(config), config.num_hidden_layers, config.hidden_size)
         params, layers, hidden = self._model
@@ -126,4 +114,4 @@ class ThroughputMonitor(Callback):
             if self.peak_flops_per_device:
                 peak = self.peak_flops_per_device * trainer.world_size
                 values[f"{self.prefix}/mfu"] = flops / elapsed / peak
-        trainer.log_metrics(values)
+        trainer.log_metrics({k: Metric.mean(v) for k, v in values.items()})  # global rates, every rank

@@ -16,10 +16,10 @@ from verl_trainer.balancing import (
     greedy_partition,
     karmarkar_karp,
     log_seqlen_unbalance,
-    make_padding_samples,
     required_batch_multiple,
     upsample_batch_to_multiple,
 )
+from verl_trainer.data.schema import padding_samples
 
 _spec = importlib.util.spec_from_file_location(
     "_verl_baseline", Path(__file__).resolve().parents[1] / "bench" / "_verl_baseline.py"
@@ -212,7 +212,7 @@ def test_upsample_batch_to_multiple():
 
 def test_make_padding_samples_from_empty_batch():
     empty = _batch([5])[:0]
-    pad = make_padding_samples(empty, 2)
+    pad = padding_samples(empty, 2)
     assert pad.batch_size == torch.Size([2]) and pad["input_ids"].shape == (2, 8)
     assert pad["attention_mask"][:, 0].tolist() == [1, 1] and pad["loss_mask"].sum() == 0
 

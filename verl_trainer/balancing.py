@@ -36,7 +36,6 @@ __all__ = [
     "greedy_partition",
     "karmarkar_karp",
     "log_seqlen_unbalance",
-    "make_padding_samples",
     "required_batch_multiple",
     "upsample_batch_to_multiple",
 ]
@@ -283,61 +282,4 @@ def upsample_batch_to_multiple(batch: TensorDict, multiple: int) -> TensorDict:
     pad = -size % multiple
     if pad == 0:
         return batch
-    if schema.IS_PADDING not in batch.keys():
-        batch = batch.clone(recurse=False)
-        batch.set(schema.IS_PADDING, torch.zeros(size, dtype=torch.bool, device=batch.device))
-    return torch.cat([batch, make_padding_samples(batch, pad)])
-
-
-def make_padding_samples(batch: TensorDict, count: int) -> TensorDict:
-    """``count`` synthetic samples shaped like ``batch``'s, that train nothing.
-
-    Each is a one-token sequence: every tensor field is 0 except ``input_ids[:, 0]`` (the first token of
-    the shortest real sample, 0 if there is none) and ``attention_mask[:, 0] = 1``; so ``loss_mask`` and
-    ``response_mask`` are all zero and the sample adds nothing to a loss or to ``batch_num_tokens``.
-    Tags, where ``batch`` has them: ``is_padding = True``, ``seq_len = prompt_len = 1``,
-    ``response_len = 0`` and a fresh ``uid`` each (``max(uid) + 1``, ``+ 2``, ...), so no padding sample
-    joins a real prompt group. Non-tensor fields are copied from the shortest real sample.
-
-    Args:
-        batch: A batch ``[B]``; may be empty if it has only tensor fields (their shapes are used).
-        count: Number of samples to make.
-
-    Returns:
-        A ``TensorDict`` ``[count]`` with the keys of ``batch``.
-    """
-    size = batch.batch_size[0]
-    if size:
-        template = _shortest_real_sample(batch)
-        extra = batch[[template] * count].clone().zero_()
-    else:
-        template = None
-        extra = batch.apply(lambda t: t.new_zeros((count, *t.shape[1:])), batch_size=[count])
-    if schema.INPUT_IDS in batch.keys() and batch[schema.INPUT_IDS].shape[-1] > 0:
-        if template is not None:
-            extra[schema.INPUT_IDS][:, 0] = batch[schema.INPUT_IDS][template, 0]
-        if schema.ATTENTION_MASK in batch.keys():
-            extra[schema.ATTENTION_MASK][:, 0] = 1
-    for key, value in ((schema.SEQ_LEN, 1), (schema.PROMPT_LEN, 1), (schema.IS_PADDING, True)):
-        if key in batch.keys():
-            extra[key].fill_(value)
-    if schema.UID in batch.keys():
-        uid = batch[schema.UID]
-        first = int(uid.max()) + 1 if size else 0
-        extra.set(schema.UID, first + torch.arange(count, dtype=uid.dtype, device=uid.device))
-    return extra
-
-
-def _shortest_real_sample(batch: TensorDict) -> int:
-    """Index of the shortest non-padding sample (any sample if all are padding)."""
-    if schema.SEQ_LEN in batch.keys():
-        lens = batch[schema.SEQ_LEN].long()
-    elif schema.ATTENTION_MASK in batch.keys():
-        lens = batch[schema.ATTENTION_MASK].long().sum(-1)
-    else:
-        return 0
-    if schema.IS_PADDING in batch.keys():
-        real = ~batch[schema.IS_PADDING].bool()
-        if real.any():
-            lens = torch.where(real, lens, lens.max() + 1)
-    return int(lens.argmin())
+    return schema.append_padding(batch, pad)

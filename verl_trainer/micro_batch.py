@@ -33,7 +33,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer._kk import kk_partition, stable_argsort
-from verl_trainer.balancing import calculate_workload, make_padding_samples
+from verl_trainer.balancing import calculate_workload
 from verl_trainer.data import schema
 from verl_trainer.utils.distributed import all_reduce
 
@@ -46,19 +46,6 @@ __all__ = [
     "rearrange_micro_batches",
     "restore_dynamic_batch",
 ]
-
-
-def _seq_lens(data: TensorDict) -> np.ndarray:
-    """Real-token count per sample ``[B]`` as ``int64`` numpy."""
-    if schema.SEQ_LEN in data.keys():
-        lens = data[schema.SEQ_LEN]
-    elif schema.ATTENTION_MASK in data.keys():
-        lens = data[schema.ATTENTION_MASK].long().sum(-1)
-    elif schema.INPUT_IDS in data.keys() and data[schema.INPUT_IDS].is_nested:
-        lens = data[schema.INPUT_IDS].offsets().diff()
-    else:
-        raise ValueError("micro-batching needs data['seq_len'] or data['attention_mask'] for sample lengths")
-    return lens.detach().cpu().long().numpy()
 
 
 def _all_reduce_max(values: list[int], group: Any) -> list[int]:
@@ -239,7 +226,7 @@ def rearrange_micro_batches(
     """
     if not isinstance(max_token_len, (int, np.integer)) or max_token_len < 1:
         raise ValueError(f"max_token_len must be a positive integer, got {max_token_len!r}")
-    lens = _seq_lens(batch)
+    lens = schema.sequence_lengths(batch).detach().cpu().numpy()
     n = lens.size
     local_max = int(lens.max()) if n else 0
     packing = min_micro_batches(lens, max_token_len) if local_max <= max_token_len else []
@@ -260,7 +247,7 @@ def rearrange_micro_batches(
     flat = torch.as_tensor([i for p in parts for i in p], dtype=torch.long)
     micro = list(batch[flat].split([len(p) for p in parts])) if parts else []
     if num > n:
-        pad = make_padding_samples(batch, 1)
+        pad = schema.padding_samples(batch, 1)
         micro += [pad] * (num - n)
         parts += [[-1]] * (num - n)
     return micro, parts
@@ -280,7 +267,7 @@ def _fixed_micro_batches(
     if n >= num:  # more micro-batches than needed: split evenly, order unchanged
         bounds = np.linspace(0, n, num + 1).round().astype(int).tolist()
         return [data[bounds[i] : bounds[i + 1]] for i in range(num)], None
-    pad = make_padding_samples(data, 1)
+    pad = schema.padding_samples(data, 1)
     micro = [data[i : i + 1] for i in range(n)] + [pad] * (num - n)
     return micro, list(range(n)) + [-1] * (num - n)
 

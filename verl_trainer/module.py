@@ -14,7 +14,7 @@ What to implement::
             batch = self.trainer.call_before_update(batch)  # RL: after rollout/rewards/advantages
             actor = self.engines["actor"]
             with actor.train_mode():
-                out = self.engine_step(actor, batch, self.loss_fn)
+                out = actor.train_batch(batch, self.loss_fn, hooks=self.step_hooks)
             return {"train/loss": out["loss"], "train/grad_norm": out["grad_norm"],
                     "micro_batches": out["metrics"]}
 
@@ -36,23 +36,27 @@ it over micro-batches and ranks before anything is logged):
 
 **Hooks a step may dispatch** (``self.trainer``): ``call_hook("on_rollout_end", batch)`` after rollout
 and rewards; ``batch = call_before_update(batch)`` before the engine update (callbacks such as
-``SequenceBalancing`` may return a re-partitioned batch); :meth:`TrainingModule.engine_step` dispatches
-``on_micro_batches`` (the planned micro-batches), ``on_before_backward`` (per micro-batch),
-``on_after_backward`` and ``on_before_optimizer_step``. The
-Trainer steps every engine's LR scheduler once after each ``training_step``.
+``SequenceBalancing`` may return a re-partitioned batch); ``engine.train_batch(batch, loss_fn,
+hooks=self.step_hooks)`` — the one optimizer step — dispatches ``on_micro_batches`` (the planned
+micro-batches), ``on_before_backward`` (per micro-batch), ``on_after_backward`` and
+``on_before_optimizer_step``. The Trainer steps every engine's LR scheduler once after each
+``training_step``.
 
-**Data parallelism**: ``self.trainer.dp_group`` / ``dp_rank`` / ``dp_size`` are those of the first
-engine (the actor); the Trainer shards the data by them.
+**Declared contract** (what callbacks may ask a module): :attr:`TrainingModule.actor`,
+:attr:`TrainingModule.hidden_size` (the actor model's), :attr:`TrainingModule.required_batch_multiple`.
+
+**Data parallelism**: ``self.trainer.dp_group`` / ``dp_rank`` / ``dp_size`` are those of the run's
+topology, which the Trainer's strategy builds once and hands to every engine; the Trainer shards the data
+by them.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from verl_trainer.engine.config import EngineConfig, OptimConfig
+from verl_trainer.engine.config import EngineSpec
+from verl_trainer.engine.hooks import StepHooks
 
 if TYPE_CHECKING:
     from verl_trainer.engine.base import BaseEngine
@@ -62,30 +66,6 @@ __all__ = ["EngineSpec", "StepOutput", "TrainingModule"]
 
 StepOutput = Mapping[str, Any]
 """What ``training_step`` / ``validation_step`` return (see the module docstring)."""
-
-MODEL_TYPES = ("language_model", "value_model")
-
-
-@dataclass
-class EngineSpec:
-    """An engine the Trainer builds with its strategy (backend, precision, seed) and initialises.
-
-    Attributes:
-        model_type: ``"language_model"`` or ``"value_model"``.
-        config: The engine config (model path, micro-batching, ...); dtypes come from the Trainer's
-            precision.
-        optim: Optimizer config; ``None`` builds an inference-only engine (e.g. a reference policy).
-    """
-
-    model_type: str
-    config: EngineConfig
-    optim: OptimConfig | None = None
-
-    def __post_init__(self) -> None:
-        if self.model_type not in MODEL_TYPES:
-            raise ValueError(f"EngineSpec.model_type={self.model_type!r}; choose one of {MODEL_TYPES}")
-        if not isinstance(self.config, EngineConfig):
-            raise TypeError(f"EngineSpec.config must be an EngineConfig, got {type(self.config).__name__}")
 
 
 class TrainingModule:
@@ -135,49 +115,36 @@ class TrainingModule:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
 
-    # ------------------------------------------------------------------------------------ helpers
-    def engine_step(
-        self, engine: BaseEngine, batch: Any, loss_fn: Callable[..., Any], **kwargs: Any
-    ) -> dict[str, Any]:
-        """One optimizer step of ``engine`` on ``batch`` with the Trainer's backward/optimizer hooks.
+    # -------------------------------------------------------------------------- declared contract
+    @property
+    def actor(self) -> BaseEngine:
+        """The first engine (the actor): its model and data-parallel layout describe the run.
 
-        The same as ``engine.train_batch(batch, loss_fn)`` (zero grads, forward/backward of every
-        micro-batch, clip and step), plus ``on_micro_batches``, ``on_before_backward`` per micro-batch,
-        ``on_after_backward`` and ``on_before_optimizer_step``. Call it inside ``engine.train_mode()``.
-
-        Args:
-            engine: A trainable engine of this module.
-            batch: This rank's ``[B, T]`` schema batch (a TensorDict).
-            loss_fn: ``loss_fn(model_output, micro_batch, info) -> (loss, metrics)``.
-            **kwargs: Passed to ``forward_backward_batch`` (e.g. ``calculate_entropy``).
-
-        Returns:
-            ``{"loss", "grad_norm", "lr", "step_skipped", "metrics", "num_micro_batches"}`` as
-            ``train_batch`` returns them.
+        Raises:
+            RuntimeError: The engines are not built yet (before ``fit`` configured them).
         """
-        trainer = self.trainer
-        if trainer is None:
-            return engine.train_batch(batch, loss_fn, **kwargs)
-        if engine.optimizer is None:
-            raise RuntimeError("engine_step needs an engine built with an OptimConfig")
-        engine.optimizer_zero_grad()
-        loss_with_hooks = trainer.wrap_loss_fn(loss_fn)
-        out = engine.forward_backward_batch(
-            batch,
-            loss_with_hooks,
-            forward_only=False,
-            micro_batch_hook=lambda micro_batches: trainer.call_hook("on_micro_batches", micro_batches),
-            **kwargs,
-        )
-        trainer.call_hook("on_after_backward")
-        trainer.call_hook("on_before_optimizer_step", engine.optimizer)
-        lr = engine.get_lr()
-        grad_norm = engine.optimizer_step()
-        return {
-            "loss": out["loss"],
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "step_skipped": not math.isfinite(grad_norm),
-            "metrics": out["metrics"],
-            "num_micro_batches": out["num_micro_batches"],
-        }
+        if not self.engines:
+            raise RuntimeError(f"{type(self).__name__} has no engines yet; they are built at fit/validate")
+        return next(iter(self.engines.values()))
+
+    @property
+    def hidden_size(self) -> int:
+        """The actor model's hidden size (from its HF config), e.g. for the balancing workload model."""
+        config = self.actor.model_config
+        size = getattr(config, "hidden_size", None)
+        if not isinstance(size, int):
+            raise RuntimeError(
+                f"the actor's model config has no integer hidden_size ({type(config).__name__}); pass "
+                "hidden_size to the callback that asked for it"
+            )
+        return size
+
+    @property
+    def required_batch_multiple(self) -> int:
+        """The multiple (in samples) the global update batch must have; RL modules: lcm(dp, mini × n)."""
+        return 1
+
+    @property
+    def step_hooks(self) -> StepHooks | None:
+        """The hooks to pass to ``engine.train_batch(..., hooks=)``: the Trainer's callback dispatch."""
+        return self.trainer.step_hooks if self.trainer is not None else None

@@ -2,9 +2,12 @@
 
 ``Trainer(strategy="fsdp2")`` is shorthand for ``Trainer(strategy=Strategy("fsdp2"))``. A strategy name
 is an engine backend registered with :class:`~verl_trainer.engine.EngineRegistry` (``fsdp``, ``fsdp2``,
-``deepspeed``, ``deepspeed_stage_1/2/3``, and whatever plug-ins register); :meth:`Strategy.build_engine`
-turns a module's :class:`~verl_trainer.module.EngineSpec` into an engine of that backend, with the
-Trainer's precision and seed applied to its :class:`~verl_trainer.engine.EngineConfig`.
+``deepspeed``, ``deepspeed_stage_1/2/3``, and whatever plug-ins register). The strategy owns the run's
+process topology: :meth:`Strategy.build_engines` builds the ``(dp, sp)`` meshes once, after launch, and
+turns a module's :class:`~verl_trainer.engine.config.EngineSpec` values into initialised engines of its
+backend on that topology, with the Trainer's precision and seed applied to each
+:class:`~verl_trainer.engine.EngineConfig`. ``Strategy.topology`` is what the Trainer reports as the
+data-parallel group (``trainer.dp_group``).
 
 Precision (Lightning's names) maps onto the engine's dtypes:
 
@@ -21,14 +24,18 @@ from __future__ import annotations
 
 import importlib.util
 import platform
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-from verl_trainer.engine.config import EngineConfig, to_dtype
+from verl_trainer.engine.base import BaseEngine
+from verl_trainer.engine.config import EngineConfig, EngineSpec, to_dtype
 from verl_trainer.engine.registry import BACKEND_PACKAGES, EngineRegistry
+from verl_trainer.engine.topology import Topology, build_topology
+from verl_trainer.utils.distributed import is_initialized
 
 __all__ = ["PRECISIONS", "Strategy", "available_strategies", "normalize_precision", "resolve_strategy"]
 
@@ -105,6 +112,7 @@ class Strategy:
     engine_overrides: dict[str, Any] = field(default_factory=dict)
     process_group_backend: str | None = None
     timeout: timedelta = field(default_factory=lambda: timedelta(minutes=30))
+    topology: Topology | None = field(default=None, init=False, repr=False, compare=False)
 
     def validate(self) -> None:
         """Check the backend exists here and its package is installed.
@@ -156,10 +164,55 @@ class Strategy:
             overrides["seed"] = seed
         return config.replace(**overrides)
 
-    def build_engine(self, spec: Any, precision: str, seed: int | None) -> Any:
-        """Build (not initialise) the engine described by an :class:`~verl_trainer.module.EngineSpec`."""
+    def build_engine(self, spec: EngineSpec, precision: str, seed: int | None) -> BaseEngine:
+        """Build (not initialise) the engine ``spec`` describes, on the run's topology once it exists."""
         config = self.engine_config(spec.config, precision, seed)
-        return EngineRegistry.new(spec.model_type, self.backend, config, spec.optim)
+        return EngineRegistry.new(spec.model_type, self.backend, config, spec.optim, topology=self.topology)
+
+    def setup_topology(self, sp_size: int, device_type: str) -> Topology:
+        """The run's ``(dp, sp)`` meshes, built once per process group (a collective the first time).
+
+        Raises:
+            ValueError: ``sp_size`` differs from the topology already built, or does not divide the world.
+        """
+        topo = self.topology
+        if topo is not None and topo.mesh is not None and not is_initialized():
+            topo = None  # the process group it was built on is gone
+        if topo is None or (topo.mesh is None and is_initialized()):
+            topo = self.topology = build_topology(sp_size, device_type)
+        if topo.sp_size != sp_size:
+            raise ValueError(
+                f"the run's topology has sp={topo.sp_size} but an engine asks for "
+                f"ulysses_sequence_parallel_size={sp_size}; every engine of a run shares one (dp, sp) mesh"
+            )
+        return topo
+
+    def build_engines(
+        self, specs: Mapping[str, EngineSpec | BaseEngine], precision: str, seed: int | None, device_type: str
+    ) -> dict[str, BaseEngine]:
+        """Build and initialise a module's engines, in order, on one topology (collective).
+
+        The first spec's SP size fixes the topology (the actor's); an engine the module built itself is
+        initialised as it is.
+
+        Raises:
+            ValueError: No engines, or engines that disagree on the SP size.
+        """
+        if not specs:
+            raise ValueError("configure_engines() returned no engines; return at least the actor")
+        engines: dict[str, BaseEngine] = {}
+        for name, spec in specs.items():
+            if isinstance(spec, EngineSpec):
+                config = self.engine_config(spec.config, precision, seed)
+                self.setup_topology(config.ulysses_sequence_parallel_size, device_type)
+                engine = self.build_engine(spec, precision, seed)
+            else:
+                engine = spec
+            engine.initialize()
+            if self.topology is None:
+                self.topology = engine.topology
+            engines[name] = engine
+        return engines
 
 
 def resolve_strategy(strategy: str | Strategy) -> Strategy:

@@ -21,7 +21,7 @@ checkpoint never precedes its own step in the logs.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +31,14 @@ import torch.distributed as dist
 from verl_trainer import launch
 from verl_trainer.callbacks import Callback, MetricReduction, ModelCheckpoint, ProgressBar
 from verl_trainer.callbacks.base import HOOK_NAMES
+from verl_trainer.engine.hooks import StepHooks
 from verl_trainer.loggers import validate_logger_spec
+from verl_trainer.metrics import Metric
+from verl_trainer.module import TrainingModule
 from verl_trainer.strategy import Strategy, bf16_supported, normalize_precision, resolve_strategy
 from verl_trainer.training import failure, loops
 from verl_trainer.training.data import ShardedLoader
+from verl_trainer.training.logging import MetricLogging
 
 __all__ = ["Trainer"]
 
@@ -72,6 +76,29 @@ def _is_interactive() -> bool:
     import __main__
 
     return not hasattr(__main__, "__file__") and __main__.__spec__ is None
+
+
+class CallbackStepHooks(StepHooks):
+    """The engine's optimizer-step hooks, dispatched to the Trainer's callbacks (``trainer.step_hooks``)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def on_micro_batches(self, micro_batches: list[Any]) -> None:
+        """``on_micro_batches`` with the planned micro-batches."""
+        self.trainer.call_hook("on_micro_batches", micro_batches)
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        """``on_before_backward`` with one micro-batch's loss."""
+        self.trainer.call_hook("on_before_backward", loss)
+
+    def on_after_backward(self) -> None:
+        """``on_after_backward``."""
+        self.trainer.call_hook("on_after_backward")
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """``on_before_optimizer_step`` with the engine's optimizer."""
+        self.trainer.call_hook("on_before_optimizer_step", optimizer)
 
 
 class Trainer:
@@ -148,24 +175,21 @@ class Trainer:
             raise ValueError(f"seed must be an int, got {seed!r}")
         self.seed = seed
         validate_logger_spec(logger)
-        self._logger_spec = logger
         self.default_root_dir = os.fspath(Path(default_root_dir or os.getcwd()).absolute())
+        self.logging = MetricLogging(logger, self.default_root_dir, log_every_n_steps)
         self.callbacks = self._order_callbacks(callbacks, enable_progress_bar, enable_checkpointing)
         self._env = launch.select_cluster_environment()
         self._env.validate_settings(num_devices=self.devices, num_nodes=self.num_nodes)
         self._check_launchable()
         # run state
         self.world: launch.World | None = None
-        self.module: Any = None
+        self.module: TrainingModule | None = None
         self.state: str | None = None
         self.global_step = 0
         self.should_stop = False
-        self.callback_metrics: dict[str, float] = {}
-        self.logged_metrics: dict[str, float] = {}
-        self._pending_metrics: dict[str, float] = {}
-        self._loggers: list[Any] | None = None
         self.train_loader: ShardedLoader | None = None
         self.val_loader: ShardedLoader | None = None
+        self.step_hooks = CallbackStepHooks(self)
 
     # ----------------------------------------------------------------------------------- validation
     @staticmethod
@@ -234,30 +258,26 @@ class Trainer:
         """True on global rank 0 (it logs and shows the progress bar)."""
         return self.global_rank == 0
 
-    def _actor(self) -> Any:
-        engines = getattr(self.module, "engines", None) or {}
-        return next(iter(engines.values()), None)
-
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
-        """The data-parallel group of the module's first engine (the actor); ``None``: the whole world.
+        """The run's data-parallel group (the strategy's topology); ``None``: the whole world.
 
         Callbacks that move samples between ranks (``SequenceBalancing``) all-gather and exchange over it.
         """
-        actor = self._actor()
-        return actor.get_data_parallel_group() if actor is not None else None
+        topo = self.strategy.topology
+        return topo.dp_group if topo is not None else None
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel rank (the actor's; the global rank without engines)."""
-        actor = self._actor()
-        return actor.get_data_parallel_rank() if actor is not None else self.global_rank
+        """This rank's data-parallel rank (the global rank before the topology exists)."""
+        topo = self.strategy.topology
+        return topo.dp_rank if topo is not None else self.global_rank
 
     @property
     def dp_size(self) -> int:
-        """The data-parallel size (the actor's; the world size without engines)."""
-        actor = self._actor()
-        return actor.get_data_parallel_size() if actor is not None else self.world_size
+        """The data-parallel size (the world size before the topology exists)."""
+        topo = self.strategy.topology
+        return topo.dp_size if topo is not None else self.world_size
 
     # ------------------------------------------------------------------------------------ callbacks
     @property
@@ -292,48 +312,48 @@ class Trainer:
         """Dispatch ``on_before_update`` and return the (possibly replaced) batch."""
         return self.call_hook("on_before_update", batch)
 
-    def wrap_loss_fn(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``loss_fn`` that dispatches ``on_before_backward(loss)`` for each micro-batch when training."""
-
-        def loss_with_hook(model_output: Any, micro_batch: Any, info: Any) -> Any:
-            loss, metrics = loss_fn(model_output, micro_batch, info)
-            if torch.is_grad_enabled():
-                self.call_hook("on_before_backward", loss)
-            return loss, metrics
-
-        return loss_with_hook
-
     # -------------------------------------------------------------------------------------- logging
     @property
     def loggers(self) -> list[Any]:
         """The loggers (built on rank 0 at fit; empty on the other ranks)."""
-        return self._loggers or []
+        return self.logging.loggers
 
     @property
     def logger(self) -> Any:
         """The first logger, or ``None``."""
         return self.loggers[0] if self.loggers else None
 
-    def log_metrics(self, metrics: Mapping[str, float]) -> None:
-        """Record reduced values (the same on every rank) for the current step; logged on rank 0."""
-        values = {k: float(v) for k, v in metrics.items()}
-        self.callback_metrics.update(values)
-        self._pending_metrics.update(values)
+    @property
+    def callback_metrics(self) -> dict[str, float]:
+        """Every reduced value of the run so far (the same on every rank)."""
+        return self.logging.callback_metrics
+
+    @property
+    def logged_metrics(self) -> dict[str, float]:
+        """The values handed to the loggers last."""
+        return self.logging.logged_metrics
+
+    def log_metrics(self, metrics: Mapping[str, Metric | float]) -> None:
+        """Add values to the current step's metrics, each with its reduction (call it on every rank).
+
+        A :class:`~verl_trainer.metrics.Metric` is reduced as it declares over micro-batches and ranks; a
+        plain number is a MEAN over ranks (the value itself when it is the same on every rank). Values are
+        reduced with the module's step outputs (``MetricReduction``) or at the next flush, and logged on
+        rank 0.
+        """
+        self.logging.add(metrics)
+
+    def reduce_metrics(self, process_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        """Reduce the values added so far over micro-batches and ranks (a collective); returns them."""
+        return self.logging.reduce(process_group)
 
     def flush_metrics(self, force: bool = False) -> None:
-        """Log the pending values at ``global_step`` on rank 0 when due.
+        """Log the pending values at ``global_step`` on rank 0 when due (a collective when values wait).
 
         Due: every ``log_every_n_steps``, the last step, or ``force``; values of a step that is not due
         are dropped, as in Lightning.
         """
-        if not self._pending_metrics:
-            return
-        due = force or self.global_step % self.log_every_n_steps == 0 or self.global_step == self.max_steps
-        if due:
-            self.logged_metrics = dict(self._pending_metrics)
-            for lg in self.loggers:
-                lg.log_metrics(self.logged_metrics, step=self.global_step)
-        self._pending_metrics.clear()
+        self.logging.flush(self.global_step, force, last_step=self.global_step == self.max_steps)
 
     # ------------------------------------------------------------------------------------- entry points
     def fit(self, module: Any, datamodule: Any = None, ckpt_path: str | os.PathLike | None = None) -> None:
@@ -350,6 +370,14 @@ class Trainer:
             raise ValueError("set max_steps or max_epochs to say when fit should stop")
         self._check_module(module)
         self._launch("fit", module, datamodule, ckpt_path)
+
+    def validation_due(self) -> bool:
+        """Whether ``fit`` validates after the current step (``val_check_interval``)."""
+        interval = self.val_check_interval
+        return (
+            self.state == "fit" and self.val_loader is not None and interval is not None
+            and self.global_step % interval == 0
+        )
 
     def validate(
         self, module: Any, datamodule: Any = None, ckpt_path: str | os.PathLike | None = None

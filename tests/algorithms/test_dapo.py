@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from verl_trainer.algorithms.dapo import dynamic_sampling_filter, overlong_penalty, uniform_groups
-from verl_trainer.algorithms.distributed import split_mini_batches
+from verl_trainer.algorithms.distributed import count_mini_batches, split_mini_batches
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.metrics import reduce_metrics
@@ -41,7 +41,7 @@ def _dynamic_sampling_worker(case: str) -> dict:
         rewards = [1.0, 1.0, 0.0, 0.0] if rank == 0 else [0.1, 0.1, 0.0, 0.0, 1.0, 1.0]
     batch, scores = _rank_batch(rank, len(rewards) // n, n, rewards)
     kept, any_left, metrics = dynamic_sampling_filter(batch, scores, None, dp_size=2)
-    minis = split_mini_batches(kept, mini_batch_size=1, group=None)
+    minis = split_mini_batches(kept, count_mini_batches(kept, 1, None))
     # a collective per mini-batch, as an engine step would run: a rank with a different count hangs here
     for mb in minis:
         dist.all_reduce(mb[schema.LOSS_MASK].sum().reshape(1))

@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from verl_trainer.algorithms.distributed import global_masked_whiten, split_mini_batches
+from verl_trainer.algorithms.distributed import count_mini_batches, global_masked_whiten, split_mini_batches
 from verl_trainer.algorithms.ppo import compute_gae_advantages
 from verl_trainer.core_algos import compute_gae_advantage_return, masked_whiten
 from verl_trainer.data.packing import make_batch
@@ -56,7 +56,7 @@ def _split_worker() -> list[int]:
     rank = dist.get_rank()
     count = 5 if rank == 0 else 1  # uneven: rank 1 is short of samples
     batch = make_batch([[4, 5]] * count, [[6, 7]] * count)
-    return [mb.batch_size[0] for mb in split_mini_batches(batch, mini_batch_size=2, group=None)]
+    return [mb.batch_size[0] for mb in split_mini_batches(batch, count_mini_batches(batch, 2, None))]
 
 
 def test_split_mini_batches_same_count_on_every_rank():

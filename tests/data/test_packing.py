@@ -5,7 +5,6 @@ from tensordict import TensorDict
 from verl_trainer.data import schema
 from verl_trainer.data.packing import (
     PackedBatch,
-    get_seq_lens,
     jagged_to_padded,
     make_batch,
     next_token_log_probs_and_entropy,
@@ -15,6 +14,7 @@ from verl_trainer.data.packing import (
     seq_lens_to_cu_seqlens,
     unpack_to_padded,
 )
+from verl_trainer.data.schema import sequence_lengths
 
 # prompt + response pairs covering: an empty response, a length-1 sequence, a long one.
 PROMPTS = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14]]
@@ -79,7 +79,7 @@ def test_pack_batch(batch):
 
 def test_seq_lens_from_attention_mask_when_no_seq_len(batch):
     del batch[schema.SEQ_LEN]
-    assert get_seq_lens(batch).tolist() == [5, 1, 7, 5]
+    assert sequence_lengths(batch).tolist() == [5, 1, 7, 5]
     assert pack_batch(batch).cu_seqlens.tolist() == [0, 5, 6, 13, 18]
 
 

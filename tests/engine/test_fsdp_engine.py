@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verl_trainer.engine import EngineConfig, OptimConfig
+from verl_trainer.engine import OptimConfig
 from verl_trainer.engine.topology import build_topology
 from verl_trainer.models.tiny import load_causal_lm, load_value_model
 from verl_trainer.testing.distributed import run_distributed
@@ -205,7 +205,7 @@ def _skip_rank(model_path, batch, optim):
     after = collect_params(engine)
     grads_cleared = all(p.grad is None for p in engine.module.parameters())
     good = engine.train_batch(shard, nll_loss)  # the next finite step still works
-    sp = build_topology(EngineConfig(ulysses_sequence_parallel_size=2), "cpu")  # the (dp, sp) mesh
+    sp = build_topology(2, "cpu")  # the (dp, sp) mesh
     # offload paths run end to end (on CPU the moves are no-ops): FSDP1 + param/optimizer offload
     off = build_engine("fsdp", "language_model", model_path, optim, micro_batch_size_per_gpu=4,
                        param_offload=True, optimizer_offload=True)

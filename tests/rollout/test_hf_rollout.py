@@ -7,13 +7,13 @@ from torch import nn
 
 from verl_trainer.data import schema
 from verl_trainer.data.prompts import collate_prompts
+from verl_trainer.data.schema import tensor_only
 from verl_trainer.models import load_causal_lm
 from verl_trainer.rollout import (
     RESPONSE_TEXT,
     HFRollout,
     RolloutConfig,
     build_rollout,
-    tensor_only,
     truncate_at_eos,
     vllm_available,
 )

@@ -3,10 +3,11 @@ import torch
 from verl_trainer.data import schema
 from verl_trainer.data.packing import pack_batch
 from verl_trainer.data.prompts import PromptDataset, make_prompt_dataloader
+from verl_trainer.data.schema import tensor_only
 from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
 from verl_trainer.metrics import reduce_metrics
 from verl_trainer.rewards import score_batch
-from verl_trainer.rollout import RolloutConfig, build_rollout, tensor_only
+from verl_trainer.rollout import RolloutConfig, build_rollout
 
 
 def test_task_file_to_scored_batch(tmp_path, rollout_model_path, tokenizer):

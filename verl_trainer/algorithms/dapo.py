@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from verl_trainer.balancing import make_padding_samples
 from verl_trainer.data import schema
 from verl_trainer.metrics import Metric
 from verl_trainer.utils.distributed import all_reduce
@@ -89,17 +88,15 @@ def dynamic_sampling_filter(
         skip the update when ``False``), and ``dapo/kept_group_frac`` (MEAN over groups) and
         ``dapo/kept_samples`` (the global count).
     """
-    real = ~batch[schema.IS_PADDING].bool() if schema.IS_PADDING in batch.keys() else None
+    real = schema.real_mask(batch)
     drop = uniform_groups(scores, batch[schema.UID])
-    keep = ~drop if real is None else (~drop & real)
-    uids = batch[schema.UID] if real is None else batch[schema.UID][real]
+    keep = ~drop & real
+    uids = batch[schema.UID][real]
     num_groups = int(torch.unique(uids).numel())
     kept_groups = int(torch.unique(batch[schema.UID][keep]).numel())
     kept = batch[keep.nonzero().squeeze(1)]
     if kept.batch_size[0] == 0:
-        kept = make_padding_samples(batch, 1)
-        if schema.IS_PADDING not in kept.keys():
-            kept.set(schema.IS_PADDING, torch.ones(1, dtype=torch.bool))
+        kept = schema.padding_samples(batch, 1)
     local = torch.tensor([float(keep.sum())], dtype=torch.float64)
     any_left = float(all_reduce(local, group)[0]) > 0
     metrics = {

@@ -19,14 +19,12 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from verl_trainer.balancing import make_padding_samples
 from verl_trainer.data import schema
 from verl_trainer.utils.distributed import all_reduce
 
 __all__ = [
     "count_mini_batches",
     "global_masked_whiten",
-    "num_real_samples",
     "split_mini_batches",
 ]
 
@@ -71,13 +69,6 @@ def global_masked_whiten(values: torch.Tensor, mask: torch.Tensor,
     return whitened.to(values.dtype)
 
 
-def num_real_samples(batch: TensorDict) -> int:
-    """Samples of ``batch`` that are not ``is_padding``."""
-    if schema.IS_PADDING in batch.keys():
-        return int((~batch[schema.IS_PADDING].bool()).sum())
-    return int(batch.batch_size[0])
-
-
 def count_mini_batches(batch: TensorDict, mini_batch_size: int | None,
                        group: dist.ProcessGroup | None = None) -> int:
     """Number of mini-batches of the step: ``ceil(global real samples / mini_batch_size)`` (a collective).
@@ -92,31 +83,28 @@ def count_mini_batches(batch: TensorDict, mini_batch_size: int | None,
     """
     if mini_batch_size is not None and mini_batch_size < 1:
         raise ValueError(f"mini_batch_size must be >= 1 or None, got {mini_batch_size}")
-    local = torch.tensor([float(num_real_samples(batch))], dtype=torch.float64)
+    local = torch.tensor([float(schema.num_real(batch))], dtype=torch.float64)
     global_real = int(all_reduce(local, group)[0])
     return 1 if mini_batch_size is None else max(1, math.ceil(global_real / mini_batch_size))
 
 
-def split_mini_batches(batch: TensorDict, mini_batch_size: int | None,
-                       group: dist.ProcessGroup | None = None) -> list[TensorDict]:
-    """Split this rank's step batch into the step's mini-batches, the same count on every rank.
+def split_mini_batches(batch: TensorDict, count: int) -> list[TensorDict]:
+    """Split this rank's step batch into the step's ``count`` mini-batches (no communication).
 
-    The count is ``ceil(global real samples / mini_batch_size)`` (one all-reduce); each rank splits its
-    own rows into that many contiguous, nearly equal parts. A rank with fewer rows than parts first gets
+    ``count`` is the step's :func:`count_mini_batches` (the same on every rank); each rank splits its own
+    rows into that many contiguous, nearly equal parts. A rank with fewer rows than parts first gets
     ``is_padding`` samples (one token, zero loss mask), so every part is non-empty and every rank runs
     the same number of engine steps.
 
     Args:
         batch: This rank's tensor-only batch ``[B_r, T]``.
-        mini_batch_size: Samples per mini-batch over all DP ranks (prompts × n); ``None``: one.
-        group: The DP group.
+        count: Mini-batches of the step (>= 1).
 
     Returns:
         The mini-batches of this rank, in order.
     """
-    count = count_mini_batches(batch, mini_batch_size, group)
     rows = batch.batch_size[0]
     if rows < count:
-        batch = torch.cat([batch, make_padding_samples(batch, count - rows)], 0)
+        batch = schema.append_padding(batch, count - rows)
         rows = count
     return [batch[idx] for idx in torch.tensor_split(torch.arange(rows), count)]

@@ -28,7 +28,6 @@ from verl_trainer.data import schema
 from verl_trainer.losses import value_loss
 from verl_trainer.metrics import Metric
 from verl_trainer.module import EngineSpec
-from verl_trainer.rollout import tensor_only
 
 __all__ = ["PPO", "compute_gae_advantages"]
 
@@ -104,7 +103,7 @@ class PPO(RLModule):
         if self.config.use_kl_in_reward:
             self.apply_kl_in_reward(batch, metrics)
         with critic.eval_mode():
-            values = critic.infer_batch(tensor_only(batch))["model_output"]["values"]
+            values = critic.infer_batch(schema.tensor_only(batch))["model_output"]["values"]
         values = values * mask.to(values.dtype)
         advantages, returns = compute_gae_advantages(
             batch[schema.TOKEN_LEVEL_REWARDS], values, mask, self.config.gamma, self.config.lam,
@@ -122,7 +121,7 @@ class PPO(RLModule):
 
         Computes ``old_log_probs`` and ``ref_log_prob`` here (the step then reuses them).
         """
-        data = tensor_only(batch)
+        data = schema.tensor_only(batch)
         self.compute_log_probs(data)
         batch[schema.OLD_LOG_PROBS] = data[schema.OLD_LOG_PROBS]
         batch[schema.REF_LOG_PROB] = data[schema.REF_LOG_PROB]

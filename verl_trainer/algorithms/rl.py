@@ -9,7 +9,7 @@ One ``training_step`` on each rank's prompt batch (SPMD; DESIGN.md §2)::
         when the step makes one actor update: the update's own detached log-probs are the old ones
         (``actor.reuse_log_probs_on_policy``)
       → on_before_update (SequenceBalancing may re-partition; padding samples train nothing)
-      → ppo_epochs × mini-batches: critic updates, then actor updates (engine_step)
+      → ppo_epochs × mini-batches: critic updates, then actor updates (``engine.train_batch``)
       → weight sync to the rollout copy (on every rank: it is a collective)
 
 Logged (reductions declared, so the values are those of the whole step on one process):
@@ -33,13 +33,14 @@ from tensordict import TensorDict
 from verl_trainer.algorithms.config import RLConfig
 from verl_trainer.algorithms.dapo import overlong_penalty
 from verl_trainer.algorithms.distributed import count_mini_batches, split_mini_batches
+from verl_trainer.balancing import required_batch_multiple
 from verl_trainer.data import schema
 from verl_trainer.engine.config import EngineConfig
 from verl_trainer.losses import ppo_loss
 from verl_trainer.metrics import Metric, Reduction
 from verl_trainer.module import EngineSpec, StepOutput, TrainingModule
 from verl_trainer.rewards import get_reward_fn, score_batch, token_level_scores
-from verl_trainer.rollout import BaseRollout, build_rollout, tensor_only
+from verl_trainer.rollout import BaseRollout, build_rollout
 
 __all__ = ["RLModule", "response_length_metrics", "token_stats"]
 
@@ -47,9 +48,7 @@ __all__ = ["RLModule", "response_length_metrics", "token_stats"]
 def response_length_metrics(batch: TensorDict, max_len: int,
                             prefix: str = "response_length") -> dict[str, Metric]:
     """Mean/min/max response length and the fraction cut at ``max_len`` (real samples only)."""
-    lens = batch[schema.RESPONSE_LEN].to(torch.float32)
-    if schema.IS_PADDING in batch.keys():
-        lens = lens[~batch[schema.IS_PADDING].bool()]
+    lens = batch[schema.RESPONSE_LEN].to(torch.float32)[schema.real_mask(batch)]
     count = lens.numel()
     mean = lens.mean() if count else torch.zeros(())
     clipped = (lens >= max_len).float().mean() if count else torch.zeros(())
@@ -220,7 +219,7 @@ class RLModule(TrainingModule):
 
     def run_updates(self, name: str, loss_fn: Callable[..., Any], mini_batches: list[TensorDict],
                     epochs: int, **kwargs: Any) -> dict[str, Any]:
-        """``epochs`` passes of ``engine_step`` over the mini-batches of engine ``name``.
+        """``epochs`` passes of ``engine.train_batch`` (one optimizer step each) over the mini-batches.
 
         Returns:
             Step outputs: ``{name}_micro_batches`` (loss metrics, SUMs averaged over the updates),
@@ -233,7 +232,7 @@ class RLModule(TrainingModule):
         with engine.train_mode():
             for _ in range(epochs):
                 for mini_batch in mini_batches:
-                    out = self.engine_step(engine, mini_batch, loss_fn, **kwargs)
+                    out = engine.train_batch(mini_batch, loss_fn, hooks=self.step_hooks, **kwargs)
                     metrics.extend(out["metrics"])
                     grad_norms.append(float(out["grad_norm"]))
                     lr = float(out["lr"])
@@ -244,16 +243,27 @@ class RLModule(TrainingModule):
             f"{name}/lr": lr,
         }
 
-    def single_actor_update(self, data: TensorDict, mini_batch_size: int | None) -> bool:
-        """Whether this step's actor update may reuse its own log-probs as the old ones (a collective).
+    @property
+    def mini_batch_samples(self) -> int | None:
+        """Samples per mini-batch over all DP ranks: ``ppo_mini_batch_size × rollout.n`` (``None``: one)."""
+        size = self.config.actor.ppo_mini_batch_size
+        return None if size is None else size * self.config.rollout.n
+
+    @property
+    def required_batch_multiple(self) -> int:
+        """``lcm(dp, actor mini-batch × n)`` samples (the critic shares the actor's mini-batches)."""
+        dp = self.trainer.dp_size if self.trainer is not None else 1
+        return required_batch_multiple(dp, self.config.actor.ppo_mini_batch_size, None, self.config.rollout.n)
+
+    def single_actor_update(self, num_mini_batches: int) -> bool:
+        """Whether this step's actor update may reuse its own log-probs as the old ones.
 
         True when ``actor.reuse_log_probs_on_policy`` is set, the actor trains this step, and the step is
         one optimizer update (``ppo_epochs == 1`` and one mini-batch over the DP group).
         """
         cfg = self.config.actor
-        if not (cfg.reuse_log_probs_on_policy and cfg.ppo_epochs == 1 and self.actor_update_due()):
-            return False
-        return count_mini_batches(data, mini_batch_size, self.trainer.dp_group) == 1
+        on_policy = cfg.reuse_log_probs_on_policy and cfg.ppo_epochs == 1 and self.actor_update_due()
+        return on_policy and num_mini_batches == 1
 
     def sync_rollout(self) -> None:
         """Stream the actor's weights into the rollout copy (a collective: call on every rank)."""
@@ -274,20 +284,19 @@ class RLModule(TrainingModule):
         scores = self.score(rollout_batch, metrics)
         self.compute_advantages(rollout_batch, scores, metrics)
         trainer.call_hook("on_rollout_end", rollout_batch)
-        data, do_update = self.select_samples(tensor_only(rollout_batch), scores, metrics)
+        data, do_update = self.select_samples(schema.tensor_only(rollout_batch), scores, metrics)
         t1 = time.perf_counter()
         if do_update:
             actor_cfg = self.config.actor
-            mini_size = actor_cfg.ppo_mini_batch_size
-            mini_size = None if mini_size is None else mini_size * self.config.rollout.n
+            num_mini = count_mini_batches(data, self.mini_batch_samples, trainer.dp_group)  # once per step
             actor_loss = self.actor_loss
             if schema.OLD_LOG_PROBS not in data.keys():  # PPO with KL in the reward computed them already
-                reuse = self.single_actor_update(data, mini_size)
+                reuse = self.single_actor_update(num_mini)
                 self.compute_log_probs(data, actor=not reuse)
                 metrics["actor/old_log_probs_reused"] = float(reuse)
                 actor_loss = with_on_policy_old_log_probs(actor_loss) if reuse else actor_loss
             data = trainer.call_before_update(data)
-            mini_batches = split_mini_batches(data, mini_size, trainer.dp_group)
+            mini_batches = split_mini_batches(data, num_mini)
             metrics.update(self.update_critic(mini_batches))
             if self.actor_update_due():
                 metrics.update(self.run_updates("actor", actor_loss, mini_batches, actor_cfg.ppo_epochs,

@@ -109,7 +109,7 @@ class SFT(TrainingModule):
             batch = self.trainer.call_before_update(batch)
         actor = self.engines["actor"]
         with actor.train_mode():
-            out = self.engine_step(actor, batch, self.loss_fn)
+            out = actor.train_batch(batch, self.loss_fn, hooks=self.step_hooks)
         return {"micro_batches": out["metrics"], "train/grad_norm": out["grad_norm"], "train/lr": out["lr"]}
 
     def validation_step(self, batch: TensorDict, batch_idx: int) -> StepOutput:

@@ -16,18 +16,6 @@ from tensordict import TensorDict
 from verl_trainer.data import schema
 
 
-def sample_lengths(batch: TensorDict) -> torch.Tensor:
-    """Real token count per sample, ``[B]`` long: ``seq_len`` if present, else ``attention_mask.sum(-1)``."""
-    if schema.SEQ_LEN in batch.keys():
-        return batch[schema.SEQ_LEN].long()
-    if schema.ATTENTION_MASK in batch.keys():
-        return batch[schema.ATTENTION_MASK].long().sum(-1)
-    raise ValueError(
-        f"batch has neither '{schema.SEQ_LEN}' nor '{schema.ATTENTION_MASK}'; keys: {sorted(batch.keys())}. "
-        "Build batches with verl_trainer.data.packing helpers so per-sample lengths are known."
-    )
-
-
 def token_width(batch: TensorDict) -> int | None:
     """The padded width T of the token fields, or None if the batch has no ``input_ids``."""
     return batch[schema.INPUT_IDS].shape[1] if schema.INPUT_IDS in batch.keys() else None
@@ -77,7 +65,7 @@ def exchange_samples(
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     send, recv = send_counts.tolist(), recv_counts.tolist()
 
-    lengths = sample_lengths(batch)[order]
+    lengths = schema.sequence_lengths(batch)[order]
     recv_lengths = _all_to_all(lengths, send, recv, group)
     send_tok = torch.zeros(world, dtype=torch.long).index_add_(0, dest[order], lengths).tolist()
     recv_tok = torch.empty(world, dtype=torch.long)

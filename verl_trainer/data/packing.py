@@ -151,15 +151,6 @@ def jagged_to_padded(nt: torch.Tensor, width: int | None = None, pad_value: floa
     return unpack_to_padded(nt.values(), offsets, width, pad_value)
 
 
-def get_seq_lens(batch: TensorDict) -> torch.Tensor:
-    """``[B]`` long: ``batch["seq_len"]`` if present, else ``attention_mask.sum(-1)``."""
-    if schema.SEQ_LEN in batch.keys():
-        return batch[schema.SEQ_LEN].to(torch.long)
-    if schema.ATTENTION_MASK in batch.keys():
-        return batch[schema.ATTENTION_MASK].to(torch.long).sum(-1)
-    raise KeyError(f"the batch has neither {schema.SEQ_LEN!r} nor {schema.ATTENTION_MASK!r}")
-
-
 @dataclass
 class PackedBatch:
     """A micro-batch packed into one row without padding.
@@ -224,7 +215,7 @@ def pack_batch(batch: TensorDict, keys: Sequence[str] | None = None) -> PackedBa
     """
     input_ids = batch[schema.INPUT_IDS]
     width = input_ids.shape[1]
-    seq_lens = get_seq_lens(batch).to(input_ids.device)
+    seq_lens = schema.sequence_lengths(batch).to(input_ids.device)
     valid = _valid_mask(seq_lens, width)
     cu_seqlens = seq_lens_to_cu_seqlens(seq_lens)
     if keys is None:

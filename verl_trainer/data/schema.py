@@ -22,9 +22,16 @@ Per-sample tags, ``[B]``:
     uid (long; samples of one prompt group share it), seq_len (long, real tokens),
     prompt_len (long), response_len (long), is_padding (bool; synthetic samples added by
     ``upsample_batch_to_multiple``, their loss_mask is all zero).
+
+The batch's behaviour lives here too, one definition each: :func:`sequence_lengths`, :func:`real_mask`,
+:func:`num_real`, :func:`padding_samples` / :func:`append_padding` (synthetic samples that train
+nothing) and :func:`tensor_only`; a batch that lacks what they need raises :class:`BatchSchemaError`.
 """
 
 from __future__ import annotations
+
+import torch
+from tensordict import TensorDict, is_non_tensor
 
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
@@ -65,3 +72,117 @@ TOKEN_KEYS = (
 
 SAMPLE_KEYS = (UID, SEQ_LEN, PROMPT_LEN, RESPONSE_LEN, IS_PADDING)
 """Per-sample tags, ``[B]``."""
+
+
+class BatchSchemaError(ValueError):
+    """A batch lacks a field (or has a malformed one) that an operation on it needs."""
+
+
+def sequence_lengths(batch: TensorDict) -> torch.Tensor:
+    """Real tokens per sample, ``[B]`` long.
+
+    From ``seq_len`` when present, else ``attention_mask.sum(-1)``, else the offsets of a jagged
+    (nested) ``input_ids``.
+
+    Raises:
+        BatchSchemaError: None of them is in ``batch``.
+    """
+    keys = batch.keys()
+    if SEQ_LEN in keys:
+        return batch[SEQ_LEN].to(torch.long)
+    if ATTENTION_MASK in keys:
+        return batch[ATTENTION_MASK].to(torch.long).sum(-1)
+    if INPUT_IDS in keys and batch[INPUT_IDS].is_nested:
+        return batch[INPUT_IDS].offsets().diff().to(torch.long)
+    raise BatchSchemaError(
+        f"the batch has neither {SEQ_LEN!r} nor {ATTENTION_MASK!r} (keys: {sorted(keys)}); build batches "
+        "with verl_trainer.data.packing.make_batch so per-sample lengths are known"
+    )
+
+
+def real_mask(batch: TensorDict) -> torch.Tensor:
+    """``[B]`` bool: True for real samples, False for synthetic ``is_padding`` ones (all True untagged)."""
+    if IS_PADDING in batch.keys():
+        return ~batch[IS_PADDING].to(torch.bool)
+    return torch.ones(batch.batch_size[0], dtype=torch.bool, device=batch.device)
+
+
+def num_real(batch: TensorDict) -> int:
+    """The number of real (not ``is_padding``) samples of ``batch``."""
+    return int(real_mask(batch).sum())
+
+
+def tensor_only(batch: TensorDict) -> TensorDict:
+    """``batch`` without its non-tensor entries (before sample exchange, balancing or an engine)."""
+    return batch.exclude(*[k for k in batch.keys() if is_non_tensor(batch.get(k))])
+
+
+def _shortest_real_sample(batch: TensorDict) -> int:
+    """Index of the shortest real sample (of any sample when all are padding; 0 without lengths)."""
+    try:
+        lens = sequence_lengths(batch)
+    except BatchSchemaError:
+        return 0
+    real = real_mask(batch)
+    if real.any():
+        lens = torch.where(real, lens, lens.max() + 1)
+    return int(lens.argmin())
+
+
+def padding_samples(batch: TensorDict, count: int, first_uid: int | None = None) -> TensorDict:
+    """``count`` synthetic samples shaped like ``batch``'s, that train nothing.
+
+    Each is a one-token sequence: every tensor field is 0 except ``input_ids[:, 0]`` (the first token of
+    the shortest real sample, 0 if there is none) and ``attention_mask[:, 0] = 1``; so ``loss_mask`` and
+    ``response_mask`` are all zero and the sample adds nothing to a loss or to ``batch_num_tokens``.
+    ``is_padding = True`` (always set); where ``batch`` has them: ``seq_len = prompt_len = 1``,
+    ``response_len = 0`` and a fresh ``uid`` each (``first_uid``, ``+ 1``, ...; default ``max(uid) + 1``),
+    so no padding sample joins a real prompt group. Non-tensor fields are copied from the shortest real
+    sample.
+
+    Args:
+        batch: A batch ``[B]``; may be empty if it has only tensor fields (their shapes are used).
+        count: Number of samples to make.
+        first_uid: The first padding uid (to keep uids unique over several ranks).
+
+    Returns:
+        A ``TensorDict`` ``[count]`` with the keys of ``batch`` plus ``is_padding``.
+    """
+    size = batch.batch_size[0]
+    if size:
+        template = _shortest_real_sample(batch)
+        extra = batch[[template] * count].clone().zero_()
+    else:
+        template = None
+        extra = batch.apply(lambda t: t.new_zeros((count, *t.shape[1:])), batch_size=[count])
+    if INPUT_IDS in batch.keys() and batch[INPUT_IDS].shape[-1] > 0:
+        if template is not None:
+            extra[INPUT_IDS][:, 0] = batch[INPUT_IDS][template, 0]
+        if ATTENTION_MASK in batch.keys():
+            extra[ATTENTION_MASK][:, 0] = 1
+    for key in (SEQ_LEN, PROMPT_LEN):
+        if key in batch.keys():
+            extra[key].fill_(1)
+    extra.set(IS_PADDING, torch.ones(count, dtype=torch.bool, device=extra.device))
+    if UID in batch.keys():
+        uid = batch[UID]
+        if first_uid is None:
+            first_uid = int(uid.max()) + 1 if size else 0
+        extra.set(UID, first_uid + torch.arange(count, dtype=uid.dtype, device=uid.device))
+    return extra
+
+
+def with_padding_tag(batch: TensorDict) -> TensorDict:
+    """``batch`` with an ``is_padding`` tag (all False when it had none; a shallow copy then)."""
+    if IS_PADDING in batch.keys():
+        return batch
+    tagged = batch.clone(recurse=False)
+    tagged.set(IS_PADDING, torch.zeros(batch.batch_size[0], dtype=torch.bool, device=batch.device))
+    return tagged
+
+
+def append_padding(batch: TensorDict, count: int, first_uid: int | None = None) -> TensorDict:
+    """``batch`` followed by ``count`` :func:`padding_samples` (tagged ``is_padding``)."""
+    if count <= 0:
+        return batch
+    return torch.cat([with_padding_tag(batch), padding_samples(batch, count, first_uid)])

@@ -22,7 +22,7 @@ The engine owns no loss: the caller hands ``loss_function(model_output, micro_ba
 Writing a backend (``fsdp.py`` and ``deepspeed.py`` are the examples)::
 
     class MyEngine(TopologyMixin, MicroBatchComputeMixin, OptimizerMixin, BaseEngine):
-        def initialize(self): ...      # self.topology = build_topology(...); self.module = wrap(
+        def initialize(self): ...      # self.topology = engine_topology(...); self.module = wrap(
                                        #     self.load_hf_model()); optimizer / lr_scheduler from optim.py
         def to(self, device, model=True, optimizer=True, grad=True): ...   # offload.py helpers
         forward_model = ...                             # optional: what is called (default: module)
@@ -38,6 +38,7 @@ Writing a backend (``fsdp.py`` and ``deepspeed.py`` are the examples)::
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from types import TracebackType
@@ -48,6 +49,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.engine.config import EngineConfig, OptimConfig
+from verl_trainer.engine.hooks import NO_HOOKS, StepHooks
+from verl_trainer.engine.topology import Topology
 from verl_trainer.utils.device import get_torch_device
 
 LossFunction = Callable[..., "tuple[torch.Tensor, dict[str, Any]]"]
@@ -118,6 +121,8 @@ class BaseEngine(ABC):
         optim_config: Optimizer/scheduler config; ``None`` builds an inference-only engine
             (e.g. a reference policy) without optimizer.
         backend: The registry name the engine was built under (``"fsdp"``, ``"fsdp2"``, ...).
+        topology: The run's ``(dp, sp)`` meshes (the Trainer's strategy builds them once and hands them
+            to every engine); ``None``: ``initialize`` builds the engine's own.
         **config_overrides: ``EngineConfig`` fields to override (alias presets such as
             ``zero_stage=3`` arrive here).
 
@@ -131,6 +136,7 @@ class BaseEngine(ABC):
         optim_config: OptimConfig | None = None,
         *,
         backend: str = "",
+        topology: Topology | None = None,
         **config_overrides: Any,
     ) -> None:
         if not isinstance(config, EngineConfig):
@@ -138,6 +144,8 @@ class BaseEngine(ABC):
         self.config: EngineConfig = config.replace(**config_overrides) if config_overrides else config
         self.optim_config: OptimConfig | None = optim_config
         self.backend = backend
+        self.topology: Topology | None = topology  # None: ``initialize`` builds one of its own
+        self.model_config: Any = None  # the HF config of the loaded model (set by ``load_hf_model``)
         self.device: torch.device = get_torch_device()
         self.module: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -180,7 +188,9 @@ class BaseEngine(ABC):
             loss_function: ``loss_fn(model_output, micro_batch, info) -> (loss, metrics)``; ``None``
                 only with ``forward_only``.
             forward_only: No backward (inference / validation).
-            **kwargs: ``calculate_entropy`` (bool), ``temperature`` (float).
+            **kwargs: ``calculate_entropy`` (bool), ``temperature`` (float), ``hooks``
+                (:class:`~verl_trainer.engine.hooks.StepHooks`: ``on_micro_batches``,
+                ``on_before_backward``).
 
         Returns:
             ``{"loss": float (global), "local_loss": float, "metrics": [per-micro-batch dict],
@@ -188,27 +198,42 @@ class BaseEngine(ABC):
 
         """
 
-    def train_batch(self, data: TensorDict, loss_function: LossFunction, **kwargs: Any) -> dict[str, Any]:
-        """One optimizer step: zero grads, forward/backward over all micro-batches, step.
+    def train_batch(
+        self, data: TensorDict, loss_function: LossFunction, hooks: StepHooks | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        """One optimizer step — the only implementation of one in the project.
 
-        The LR scheduler is NOT stepped here (PPO runs several ``train_batch`` per trainer step); call
-        :meth:`lr_scheduler_step` once per trainer step.
+        Zero grads → ``hooks.on_micro_batches`` → per micro-batch forward, ``hooks.on_before_backward``,
+        backward → ``hooks.on_after_backward`` → ``hooks.on_before_optimizer_step`` → clip and step (a
+        non-finite grad norm skips the step). The LR scheduler is NOT stepped here (PPO runs several
+        ``train_batch`` per trainer step); call :meth:`lr_scheduler_step` once per trainer step.
+
+        Args:
+            data: This DP rank's batch ``[B, T]`` of one optimizer step.
+            loss_function: ``loss_fn(model_output, micro_batch, info) -> (loss, metrics)``.
+            hooks: What the caller sees of the step (the Trainer passes its callbacks' dispatch).
+            **kwargs: Passed to :meth:`forward_backward_batch` (``calculate_entropy``, ``temperature``).
 
         Returns:
             ``{"loss", "grad_norm", "lr", "step_skipped", "metrics", "num_micro_batches"}``;
             ``lr`` is the learning rate this step used.
 
+        Raises:
+            RuntimeError: The engine was built without an optimizer.
         """
         if self.optimizer is None:
             raise RuntimeError(
                 f"{type(self).__name__} was built without optim_config, so it cannot train; "
                 f"pass an OptimConfig to build a trainable engine"
             )
+        hooks = hooks or NO_HOOKS
         self.optimizer_zero_grad()
-        out = self.forward_backward_batch(data, loss_function, forward_only=False, **kwargs)
+        out = self.forward_backward_batch(data, loss_function, forward_only=False, hooks=hooks, **kwargs)
+        hooks.on_after_backward()
+        hooks.on_before_optimizer_step(self.optimizer)
         lr = self.get_lr()
         grad_norm = self.optimizer_step()
-        finite = bool(torch.isfinite(torch.tensor(grad_norm)))
+        finite = math.isfinite(grad_norm)
         return {
             "loss": out["loss"],
             "grad_norm": grad_norm,

@@ -77,8 +77,5 @@ def local_counts(data: Mapping[str, Any] | Any) -> torch.Tensor:
     """
     mask = loss_mask_of(data)
     num_tokens = mask.to(torch.float64).sum().cpu()
-    if schema.IS_PADDING in data.keys():
-        num_samples = (~data[schema.IS_PADDING].to(torch.bool)).sum().to(torch.float64).cpu()
-    else:
-        num_samples = torch.tensor(float(mask.shape[0]), dtype=torch.float64)
+    num_samples = torch.tensor(float(schema.num_real(data)), dtype=torch.float64)
     return torch.stack([num_tokens, num_samples])

@@ -18,7 +18,6 @@ engine), :meth:`_backward` and :meth:`_grad_sync_context`; the model type suppli
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from verl_trainer.data import schema
 from verl_trainer.data.packing import PackedBatch, pack_batch
 from verl_trainer.engine.batch_info import GlobalBatchInfo, local_counts
 from verl_trainer.engine.config import EngineConfig
+from verl_trainer.engine.hooks import NO_HOOKS, StepHooks
 from verl_trainer.engine.topology import Topology
 from verl_trainer.micro_batch import prepare_micro_batches, restore_dynamic_batch
 from verl_trainer.models.attention import packed_forward
@@ -167,7 +167,7 @@ class MicroBatchComputeMixin:
         forward_only: bool = False,
         calculate_entropy: bool = False,
         temperature: float | None = None,
-        micro_batch_hook: Callable[[list[TensorDict]], None] | None = None,
+        hooks: StepHooks | None = None,
     ) -> dict[str, Any]:
         """Run every micro-batch of this rank's share of one step (see ``BaseEngine``).
 
@@ -178,8 +178,8 @@ class MicroBatchComputeMixin:
             forward_only: No backward; outputs are collected and returned in the original order.
             calculate_entropy: Language model: also compute ``entropy``.
             temperature: Overrides ``config.temperature``.
-            micro_batch_hook: Called with the planned micro-batches before the first forward (the
-                Trainer dispatches ``on_micro_batches`` through it).
+            hooks: ``on_micro_batches`` sees the planned micro-batches before the first forward;
+                ``on_before_backward`` each micro-batch's loss before its backward.
 
         Returns:
             ``{"loss": float, "local_loss": float, "metrics": list[dict], "num_micro_batches": int,
@@ -193,8 +193,8 @@ class MicroBatchComputeMixin:
             raise ValueError("forward_backward_batch needs a loss_function unless forward_only=True")
         info = self.compute_global_batch_info(data)
         micro_batches, batch_idx = self.make_micro_batches(data)
-        if micro_batch_hook is not None:
-            micro_batch_hook(micro_batches)
+        hooks = hooks or NO_HOOKS
+        hooks.on_micro_batches(micro_batches)
         losses: list[torch.Tensor] = []  # summed once at the end: no device sync per micro-batch
         metrics: list[dict[str, Any]] = []
         collected: dict[str, list[torch.Tensor]] = {}
@@ -209,6 +209,7 @@ class MicroBatchComputeMixin:
                     if loss_function is not None:
                         loss, mb_metrics = loss_function(outputs, micro_batch, info)
                         if not forward_only:
+                            hooks.on_before_backward(loss)
                             self._backward(loss)
                         losses.append(loss.detach().to(torch.float64))
                         metrics.append(dict(mb_metrics or {}))

@@ -1,4 +1,4 @@
-"""Typed configs of the engine layer: :class:`OptimConfig` and :class:`EngineConfig`.
+"""Typed configs of the engine layer: :class:`OptimConfig`, :class:`EngineConfig` and :class:`EngineSpec`.
 
 Every field is validated in ``__post_init__``; a bad value raises ``ValueError`` that shows the value,
 the valid choices and the fix. ``replace(**overrides)`` returns a validated copy (the registry uses it to
@@ -215,3 +215,29 @@ class EngineConfig(_Validated):
                 f"choose an SP size that divides the number of ranks"
             )
         return world_size // sp
+
+
+MODEL_TYPES = ("language_model", "value_model")
+"""The model types every backend registers (``engine/heads.py``)."""
+
+
+@dataclass
+class EngineSpec:
+    """An engine a module asks for; the Trainer's strategy builds it (backend, precision, seed, topology).
+
+    Attributes:
+        model_type: ``"language_model"`` or ``"value_model"``.
+        config: The engine config (model path, micro-batching, ...); dtypes come from the Trainer's
+            precision.
+        optim: Optimizer config; ``None`` builds an inference-only engine (e.g. a reference policy).
+    """
+
+    model_type: str
+    config: EngineConfig
+    optim: OptimConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"EngineSpec.model_type={self.model_type!r}; choose one of {MODEL_TYPES}")
+        if not isinstance(self.config, EngineConfig):
+            raise TypeError(f"EngineSpec.config must be an EngineConfig, got {type(self.config).__name__}")

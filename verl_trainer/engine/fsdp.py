@@ -25,7 +25,7 @@ from verl_trainer.engine.offload import move_grads, move_module, move_optimizer_
 from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler, build_optimizer
 from verl_trainer.engine.parallelize import apply_fsdp1, apply_fsdp2
 from verl_trainer.engine.registry import EngineRegistry
-from verl_trainer.engine.topology import TopologyMixin, build_topology
+from verl_trainer.engine.topology import TopologyMixin, engine_topology
 from verl_trainer.utils.distributed import is_initialized
 
 FSDP_BACKENDS = ("fsdp", "fsdp2")
@@ -88,8 +88,9 @@ class FSDPEngine(
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(self.config.seed)
-        self.topology = build_topology(self.config, self.device.type)
+        self.topology = engine_topology(self.topology, self.config, self.device.type)
         model = self.load_hf_model()  # type: ignore[attr-defined]  (model-type part)
+        self.model_config = model.config
         if self.config.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mesh = self.topology.shard_mesh

@@ -58,18 +58,20 @@ class Topology:
         return 0 if self.mesh is None else self.mesh.get_local_rank("sp")
 
 
-def build_topology(config: EngineConfig, device_type: str) -> Topology:
+def build_topology(sp: int, device_type: str) -> Topology:
     """Build the meshes for the current process group (or a single-process topology).
 
+    The Trainer's strategy builds one per run and hands it to every engine it builds; an engine built
+    on its own builds its own.
+
     Args:
-        config: Supplies ``ulysses_sequence_parallel_size``.
+        sp: The Ulysses sequence-parallel size.
         device_type: ``"cpu"``, ``"cuda"`` or ``"npu"``.
 
     Raises:
         ValueError: If the world size is not divisible by the SP size.
 
     """
-    sp = config.ulysses_sequence_parallel_size
     if not is_initialized():
         if sp != 1:
             raise ValueError(
@@ -78,10 +80,32 @@ def build_topology(config: EngineConfig, device_type: str) -> Topology:
             )
         return Topology(world_size=1, rank=0, dp_size=1, sp_size=1)
     world = dist.get_world_size()
-    dp = config.dp_size(world)
+    if world % sp:
+        raise ValueError(
+            f"world_size={world} is not divisible by ulysses_sequence_parallel_size={sp}; "
+            f"choose an SP size that divides the number of ranks"
+        )
+    dp = world // sp
     mesh = init_device_mesh(device_type, (dp, sp), mesh_dim_names=("dp", "sp"))
     shard_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
     return Topology(world, dist.get_rank(), dp, sp, mesh, shard_mesh)
+
+
+def engine_topology(given: Topology | None, config: EngineConfig, device_type: str) -> Topology:
+    """The topology an engine runs on: the one its builder handed over, else a new one of its own.
+
+    Raises:
+        ValueError: The handed-over topology's SP size is not the engine config's.
+    """
+    sp = config.ulysses_sequence_parallel_size
+    if given is None:
+        return build_topology(sp, device_type)
+    if given.sp_size != sp:
+        raise ValueError(
+            f"the run's topology has sp={given.sp_size} but this engine's ulysses_sequence_parallel_size="
+            f"{sp}; every engine of a run shares one (dp, sp) mesh: set the same SP size on all of them"
+        )
+    return given
 
 
 class TopologyMixin:

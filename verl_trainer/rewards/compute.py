@@ -191,5 +191,4 @@ def score_batch(batch: TensorDict, reward_fn: str | RewardFn, tokenizer: Any = N
     mask = batch[schema.RESPONSE_MASK] if schema.RESPONSE_MASK in batch.keys() else batch[schema.LOSS_MASK]
     batch[schema.TOKEN_LEVEL_SCORES] = token_level_scores(scores, mask)
     uids = batch[schema.UID] if schema.UID in batch.keys() else None
-    padding = batch[schema.IS_PADDING] if schema.IS_PADDING in batch.keys() else None
-    return scores, reward_metrics(scores, info, uids, padding, prefix)
+    return scores, reward_metrics(scores, info, uids, ~schema.real_mask(batch), prefix)

@@ -17,7 +17,6 @@ from verl_trainer.rollout.base import (
     ROLLOUT_NON_TENSOR_KEYS,
     BaseRollout,
     derive_seed,
-    tensor_only,
     truncate_at_eos,
 )
 from verl_trainer.rollout.config import RolloutConfig
@@ -32,7 +31,6 @@ __all__ = [
     "build_rollout",
     "derive_seed",
     "resolve_rollout_name",
-    "tensor_only",
     "truncate_at_eos",
     "vllm_available",
 ]

@@ -20,7 +20,7 @@ A response ends at its first eos token, which is **kept** as the last response t
 to stop; ``response_len`` counts it). A response that hit ``max_new_tokens`` has no eos.
 
 Non-tensor entries cannot travel through tensor collectives (sample exchange, balancing): drop them
-with :func:`tensor_only` once rewards are computed.
+with :func:`verl_trainer.data.schema.tensor_only` once rewards are computed.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from verl_trainer.utils.distributed import get_rank
 
 RESPONSE_TEXT = "response_text"
 ROLLOUT_NON_TENSOR_KEYS = (*NON_TENSOR_KEYS, RESPONSE_TEXT)
-"""Non-tensor keys of a rollout batch (see :func:`tensor_only`)."""
+"""Non-tensor keys of a rollout batch."""
 
 _MIX = 1_000_003
 
@@ -67,11 +67,6 @@ def truncate_at_eos(tokens: Sequence[int], eos_token_ids: Iterable[int]) -> list
         if t in eos:
             return list(tokens[: i + 1])
     return list(tokens)
-
-
-def tensor_only(batch: TensorDict) -> TensorDict:
-    """``batch`` without its non-tensor entries (before sample exchange / balancing / the engine)."""
-    return batch.exclude(*[k for k in ROLLOUT_NON_TENSOR_KEYS if k in batch.keys()])
 
 
 class BaseRollout(ABC):

@@ -25,13 +25,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from verl_trainer.loggers import build_loggers, plain_hparams
-from verl_trainer.module import EngineSpec
 from verl_trainer.training import checkpoint as ckpt
 from verl_trainer.training.data import ShardedLoader, as_dataloader
 from verl_trainer.utils.distributed import barrier, broadcast_object
 
 if TYPE_CHECKING:
+    from verl_trainer.module import TrainingModule
     from verl_trainer.trainer import Trainer
 
 STATE_VERSION = 1
@@ -44,22 +43,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def configure_engines(trainer: Trainer, module: Any) -> None:
-    """Build (with the strategy) and initialise the module's engines, once per module."""
+def configure_engines(trainer: Trainer, module: TrainingModule) -> None:
+    """Build and initialise the module's engines with the strategy (on its one topology), once per module."""
     if module.engines:
         return
-    specs = module.configure_engines()
-    engines = {}
-    for name, spec in specs.items():
-        if isinstance(spec, EngineSpec):
-            engine = trainer.strategy.build_engine(spec, trainer.precision, trainer.seed)
-        else:
-            engine = spec
-        engine.initialize()
-        engines[name] = engine
-    if not engines:
-        raise ValueError(f"{type(module).__name__}.configure_engines() returned no engines")
-    module.engines = engines
+    module.engines = trainer.strategy.build_engines(
+        module.configure_engines(), trainer.precision, trainer.seed, trainer.accelerator
+    )
 
 
 def _loader(trainer: Trainer, kind: str, datamodule: Any, module: Any) -> ShardedLoader | None:
@@ -83,8 +73,7 @@ def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_p
     trainer.module, trainer.state, trainer.should_stop = module, stage, False
     module.trainer = trainer
     seed_everything(trainer.seed)
-    if trainer.is_global_zero and trainer._loggers is None:
-        trainer._loggers = build_loggers(trainer._logger_spec, trainer.default_root_dir)
+    trainer.logging.setup(trainer.is_global_zero)
     status = "failed"
     try:
         trainer.call_hook("setup", stage)
@@ -109,19 +98,10 @@ def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_p
         raise
     finally:
         trainer.call_hook("teardown", stage)
-        for lg in trainer.loggers:
-            lg.save()
-            lg.finalize(status)
+        trainer.logging.finalize(status)
         if status == "success":
             barrier()
         trainer.state = None
-
-
-def _log_hparams(trainer: Trainer) -> None:
-    hparams = plain_hparams(getattr(trainer.module, "hparams", {}) or {})
-    if hparams:
-        for lg in trainer.loggers:
-            lg.log_hyperparams(hparams)
 
 
 def _max_epochs_reached(trainer: Trainer) -> bool:
@@ -140,7 +120,7 @@ def _trainable(trainer: Trainer) -> list[Any]:
 def fit_loop(trainer: Trainer) -> None:
     """Run training steps until ``max_steps`` / ``max_epochs`` / ``trainer.should_stop``."""
     module, loader = trainer.module, trainer.train_loader
-    _log_hparams(trainer)
+    trainer.logging.setup(trainer.is_global_zero, module.hparams)
     trainer.call_hook("on_fit_start")
     trainer.call_hook("on_train_start")
     while not _steps_done(trainer):
@@ -156,7 +136,7 @@ def fit_loop(trainer: Trainer) -> None:
             ran += 1
             trainer.call_hook("on_train_batch_end", outputs, batch, batch_idx)
             trainer.flush_metrics()
-            if validation_due(trainer):
+            if trainer.validation_due():
                 validation_loop(trainer)
             if _steps_done(trainer):
                 break
@@ -167,15 +147,6 @@ def fit_loop(trainer: Trainer) -> None:
     trainer.call_hook("on_train_end")
     trainer.call_hook("on_fit_end")
     trainer.flush_metrics(force=True)
-
-
-def validation_due(trainer: Trainer) -> bool:
-    """Whether ``fit`` validates after the current step."""
-    interval = trainer.val_check_interval
-    return (
-        trainer.state == "fit" and trainer.val_loader is not None and interval is not None
-        and trainer.global_step % interval == 0
-    )
 
 
 def validation_loop(trainer: Trainer) -> dict[str, float]:
@@ -189,9 +160,8 @@ def validation_loop(trainer: Trainer) -> dict[str, float]:
             trainer.call_hook("on_validation_batch_start", batch, batch_idx)
             outputs = module.validation_step(batch, batch_idx)
             trainer.call_hook("on_validation_batch_end", outputs, batch, batch_idx)
-    values = dict(trainer._pending_metrics)
     trainer.call_hook("on_validation_end")
-    values.update(trainer._pending_metrics)
+    values = trainer.logging.pending()
     trainer.flush_metrics(force=True)
     return values
 
@@ -200,8 +170,7 @@ def validation_loop(trainer: Trainer) -> dict[str, float]:
 def save_checkpoint(trainer: Trainer, path: Path) -> None:
     """Write a checkpoint of the whole run to ``path`` (collective; see ``training/checkpoint.py``)."""
     trainer.flush_metrics()
-    for lg in trainer.loggers:
-        lg.save()
+    trainer.logging.save()
 
     def make_state() -> dict[str, Any]:
         state: dict[str, Any] = {
