@@ -44,7 +44,7 @@ from verl_trainer.data.packing import next_token_log_probs_and_entropy, pack_bat
 from verl_trainer.engine import EngineConfig, OptimConfig  # noqa: E402
 from verl_trainer.micro_batch import prepare_micro_batches  # noqa: E402
 from verl_trainer.models.attention import VARLEN_ATTENTION, packed_forward  # noqa: E402
-from verl_trainer.models.tiny import load_causal_lm  # noqa: E402
+from verl_trainer.models.loading import load_causal_lm  # noqa: E402
 
 OPTIM = OptimConfig(lr=1e-4, weight_decay=0.0, clip_grad=1.0)
 

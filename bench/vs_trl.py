@@ -120,7 +120,7 @@ def run_ours(args: argparse.Namespace, model: str, train_file: str) -> list[dict
     from verl_trainer.algorithms import GRPO, PromptDataModule
     from verl_trainer.algorithms.data import DataConfig
     from verl_trainer.callbacks import Callback
-    from verl_trainer.models.tiny import load_tokenizer
+    from verl_trainer.models.loading import load_tokenizer
     from verl_trainer.trainer import Trainer
 
     rows: list[dict[str, float]] = []
@@ -195,7 +195,7 @@ def run_trl(args: argparse.Namespace, model: str, train_file: str) -> list[dict[
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    from verl_trainer.models.tiny import load_causal_lm, load_tokenizer
+    from verl_trainer.models.loading import load_causal_lm, load_tokenizer
 
     spent = {"generation": 0.0, "generate_and_score": 0.0, "response_len": 0.0}
 

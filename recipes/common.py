@@ -20,7 +20,8 @@ from verl_trainer.algorithms.sft import SFT, SFTConfig
 from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import ModelConfig, TaskConfig, TrainerConfig, WarmStartConfig
 from verl_trainer.data.tasks import write_arithmetic_task
-from verl_trainer.models.tiny import load_causal_lm, load_tokenizer, make_tiny_model
+from verl_trainer.models.loading import load_causal_lm, load_tokenizer
+from verl_trainer.models.tiny import make_tiny_model
 from verl_trainer.utils.distributed import barrier, get_rank
 
 RL_PROGRESS = ("reward/mean", "val/reward/mean", "response_length/mean", "actor/pg_loss")

@@ -13,7 +13,7 @@ import common
 from verl_trainer.algorithms import SFT, SFTDataModule
 from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import SFTRecipeConfig, parse_recipe_args
-from verl_trainer.models.tiny import load_tokenizer
+from verl_trainer.models.loading import load_tokenizer
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sft.yaml"
 

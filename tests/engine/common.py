@@ -11,7 +11,8 @@ from tensordict import TensorDict
 
 from verl_trainer.data.packing import make_batch
 from verl_trainer.engine import EngineConfig, EngineRegistry, GlobalBatchInfo, OptimConfig
-from verl_trainer.models.tiny import load_causal_lm, load_value_model, make_tiny_model
+from verl_trainer.models.loading import load_causal_lm, load_value_model
+from verl_trainer.models.tiny import make_tiny_model
 
 VOCAB_LOW, VOCAB_HIGH = 4, 60
 

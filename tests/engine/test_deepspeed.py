@@ -157,7 +157,7 @@ def _rel(a: float, b: float) -> float:
 
 # ------------------------------------------------------------------------------ distributed tests
 def test_forward_matches_plain_model(stage_run, model_path, batches):
-    from verl_trainer.models.tiny import load_causal_lm
+    from verl_trainer.models.loading import load_causal_lm
 
     _, results, _ = stage_run
     shard = rank_shard(batches[0], 0, WORLD)
@@ -198,7 +198,7 @@ def test_gradients_are_reduced_only_after_the_last_micro_batch(stage_run):
 
 @pytest.mark.parametrize("model_type", ["language_model", "value_model"])
 def test_exported_params_load_into_plain_transformers_model(stage_run, model_path, model_type):
-    from verl_trainer.models.tiny import load_causal_lm, load_value_model
+    from verl_trainer.models.loading import load_causal_lm, load_value_model
 
     _, results, _ = stage_run
     key = "lm" if model_type == "language_model" else "value"

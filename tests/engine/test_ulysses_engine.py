@@ -19,7 +19,7 @@ from tests.engine.common import (
     value_loss,
 )
 from verl_trainer.engine import OptimConfig
-from verl_trainer.models.tiny import load_causal_lm, load_value_model
+from verl_trainer.models.loading import load_causal_lm, load_value_model
 from verl_trainer.testing.distributed import run_distributed
 
 # lr 1e-3: the first AdamW step is ~lr*sign(g), so elements whose true gradient is ~0 turn round-off

@@ -21,7 +21,7 @@ from tensordict import TensorDict
 
 from tests.engine.common import VOCAB_HIGH, VOCAB_LOW, padded_log_probs, padded_values
 from verl_trainer.data.packing import make_batch
-from verl_trainer.models.tiny import load_causal_lm, load_value_model
+from verl_trainer.models.loading import load_causal_lm, load_value_model
 
 SEQ_LENS = (14, 3, 38, 6, 9, 25, 4, 60, 7, 11, 5, 18)
 PROMPT_LENS = (4, 1, 6, 2, 3, 5, 2, 6, 3, 4, 2, 5)

@@ -20,7 +20,7 @@ from tests.invariance.cases import Case
 from tests.invariance.runner import OPTIM, make_loss_fn, outputs_by_uid
 from verl_trainer.engine import GlobalBatchInfo
 from verl_trainer.metrics import reduce_metrics
-from verl_trainer.models.tiny import load_causal_lm, load_value_model
+from verl_trainer.models.loading import load_causal_lm, load_value_model
 
 
 def padded_entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -235,7 +235,7 @@ def run_chunk(cases: Iterable[Case], model_path: str, batch: TensorDict,
 def initial_params(model_path: str, model_type: str) -> dict[str, torch.Tensor]:
     """The parameters before the step (to measure the update), named as the engines export them."""
     from tests.invariance.batch import VALUE_SEED
-    from verl_trainer.models.tiny import load_causal_lm, load_value_model
+    from verl_trainer.models.loading import load_causal_lm, load_value_model
 
     if model_type == "value_model":
         model = load_value_model(model_path, seed=VALUE_SEED)

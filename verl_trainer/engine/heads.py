@@ -57,7 +57,7 @@ class LanguageModelMixin:
 
     def load_hf_model(self) -> torch.nn.Module:
         """Load the HF causal LM from ``config.model_path`` with padding-free attention."""
-        from verl_trainer.models.tiny import load_causal_lm
+        from verl_trainer.models.loading import load_causal_lm
 
         model = load_causal_lm(
             self.config.model_path,
@@ -102,7 +102,7 @@ class ValueModelMixin:
 
     def load_hf_model(self) -> torch.nn.Module:
         """Load the value model from ``config.model_path``; a new head is seeded with ``config.seed``."""
-        from verl_trainer.models.tiny import load_value_model
+        from verl_trainer.models.loading import load_value_model
 
         model = load_value_model(
             self.config.model_path,

@@ -1,4 +1,4 @@
-"""Models: tiny local models and tokenizer, and padding-free attention for HF models.
+"""Models: loading HF checkpoints, tiny local models and tokenizer, and padding-free attention.
 
 Importing this package registers the ``"verl_varlen"`` and ``"verl_ulysses"`` attention implementations
 with transformers.
@@ -16,13 +16,8 @@ from verl_trainer.models.attention import (
     varlen_attention_forward,
     varlen_model_kwargs,
 )
-from verl_trainer.models.tiny import (
-    build_tokenizer,
-    load_causal_lm,
-    load_tokenizer,
-    load_value_model,
-    make_tiny_model,
-)
+from verl_trainer.models.loading import load_causal_lm, load_tokenizer, load_value_model
+from verl_trainer.models.tiny import build_tokenizer, make_tiny_model
 from verl_trainer.models.ulysses_attention import ULYSSES_ATTENTION, check_ulysses_compatible
 
 __all__ = [

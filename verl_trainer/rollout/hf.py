@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from verl_trainer.models.tiny import load_causal_lm, load_tokenizer
+from verl_trainer.models.loading import load_causal_lm, load_tokenizer
 from verl_trainer.rollout.base import BaseRollout
 from verl_trainer.rollout.config import RolloutConfig
 from verl_trainer.utils.device import get_torch_device

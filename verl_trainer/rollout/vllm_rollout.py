@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import vllm
 
-from verl_trainer.models.tiny import load_tokenizer
+from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.rollout.base import BaseRollout
 from verl_trainer.rollout.config import RolloutConfig
 
