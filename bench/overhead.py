@@ -38,9 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import init_single_process, random_pairs, sample_lengths, save_json, write_model  # noqa: E402
 
 from verl_trainer import Trainer  # noqa: E402
-from verl_trainer.algorithms.sft import SFT, SFTConfig, SFTDataset, collate_sft  # noqa: E402
+from verl_trainer.algorithms.sft import SFT, SFTConfig
 from verl_trainer.callbacks import Callback  # noqa: E402
 from verl_trainer.data.packing import next_token_log_probs_and_entropy, pack_batch  # noqa: E402
+from verl_trainer.data.sft import SFTDataset, collate_sft  # noqa: E402
 from verl_trainer.engine import EngineConfig, OptimConfig  # noqa: E402
 from verl_trainer.micro_batch import prepare_micro_batches  # noqa: E402
 from verl_trainer.models.attention import VARLEN_ATTENTION, packed_forward  # noqa: E402

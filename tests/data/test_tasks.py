@@ -3,11 +3,10 @@ import torch
 
 from verl_trainer.data import schema
 from verl_trainer.data.prompts import PromptDataset, load_prompts, read_rows
+from verl_trainer.data.sft import SFTDataset, encode_sft_example
 from verl_trainer.data.tasks import (
     ArithmeticTaskConfig,
-    SFTDataset,
     all_problems,
-    encode_sft_example,
     make_arithmetic_rows,
     solve,
     write_arithmetic_task,

@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from verl_trainer.algorithms.sft import SFT, SFTConfig, SFTDataset, collate_sft
+from verl_trainer.algorithms.sft import SFT, SFTConfig
 from verl_trainer.callbacks import HOOK_NAMES, Callback
+from verl_trainer.data.sft import SFTDataset, collate_sft
 from verl_trainer.engine import EngineConfig, OptimConfig
 from verl_trainer.models.tiny import make_tiny_model
 

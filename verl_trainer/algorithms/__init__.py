@@ -22,7 +22,8 @@ from verl_trainer.algorithms.data import DataConfig, PromptDataModule, SFTDataMo
 from verl_trainer.algorithms.grpo import GRPO, DrGRPO
 from verl_trainer.algorithms.ppo import PPO
 from verl_trainer.algorithms.rl import RLModule
-from verl_trainer.algorithms.sft import SFT, SFTConfig, SFTDataset, collate_sft
+from verl_trainer.algorithms.sft import SFT, SFTConfig
+from verl_trainer.data.sft import SFTDataset, collate_sft
 
 __all__ = [
     "GRPO",

@@ -15,7 +15,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from verl_trainer.data.prompts import PromptDataset
-from verl_trainer.data.tasks import SFTDataset
+from verl_trainer.data.sft import SFTDataset
 from verl_trainer.utils.distributed import get_world_size
 
 __all__ = ["DataConfig", "PromptDataModule", "SFTDataModule", "dp_size_now"]
@@ -125,7 +125,7 @@ class PromptDataModule(_DataModule):
 
 
 class SFTDataModule(_DataModule):
-    """SFT pairs (:class:`~verl_trainer.data.tasks.SFTDataset`): ``loss_mask`` on the response + eos.
+    """SFT pairs (:class:`~verl_trainer.data.sft.SFTDataset`): ``loss_mask`` on the response + eos.
 
     Args:
         config: Files and global batch sizes.

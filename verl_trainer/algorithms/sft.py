@@ -3,8 +3,9 @@
 One engine (``"actor"``, a language model) trained with :func:`~verl_trainer.losses.sft_loss` on the
 response tokens (``loss_mask``) of (prompt, response) pairs::
 
-    data = DataLoader(SFTDataset.from_texts(tokenizer, pairs), batch_size=4, shuffle=True,
-                      collate_fn=collate_sft)
+    rows = [{"prompt": "3+4=", "response": "7"}, ...]
+    dataset = SFTDataset(rows, tokenizer)                  # verl_trainer.data.sft
+    data = DataLoader(dataset, batch_size=4, shuffle=True, collate_fn=dataset.collate)
     Trainer(strategy="fsdp2", devices=2, max_steps=100).fit(SFT(SFTConfig(model_path)), data)
 
 Logged per step: ``sft/loss`` (reduced from the per-micro-batch partial losses), ``train/grad_norm``,
@@ -14,19 +15,16 @@ Logged per step: ``sft/loss`` (reduced from the per-micro-batch partial losses),
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tensordict import TensorDict
-from torch.utils.data import Dataset
 
-from verl_trainer.data.packing import make_batch
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.losses import SFTLossConfig, sft_loss
 from verl_trainer.module import EngineSpec, StepOutput, TrainingModule
 
-__all__ = ["SFT", "SFTConfig", "SFTDataset", "collate_sft"]
+__all__ = ["SFT", "SFTConfig"]
 
 
 @dataclass
@@ -45,40 +43,6 @@ class SFTConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: SFTLossConfig = field(default_factory=SFTLossConfig)
-
-
-class SFTDataset(Dataset):
-    """(prompt token ids, response token ids) pairs.
-
-    Args:
-        pairs: One ``(prompt_ids, response_ids)`` per sample; the response is what is trained.
-    """
-
-    def __init__(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
-        self.pairs = [(list(p), list(r)) for p, r in pairs]
-
-    @classmethod
-    def from_texts(cls, tokenizer: Any, pairs: Sequence[tuple[str, str]], add_eos: bool = True) -> SFTDataset:
-        """Tokenise ``(prompt, response)`` texts (the response gets EOS appended when ``add_eos``)."""
-        out = []
-        for prompt, response in pairs:
-            p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            r = tokenizer(response, add_special_tokens=False)["input_ids"]
-            if add_eos and tokenizer.eos_token_id is not None:
-                r = [*r, tokenizer.eos_token_id]
-            out.append((p, r))
-        return cls(out)
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-    def __getitem__(self, index: int) -> tuple[list[int], list[int]]:
-        return self.pairs[index]
-
-
-def collate_sft(samples: Sequence[tuple[Sequence[int], Sequence[int]]]) -> TensorDict:
-    """Batch pairs into a schema ``TensorDict`` ``[B, T]`` (``loss_mask`` on the response tokens)."""
-    return make_batch([p for p, _ in samples], [r for _, r in samples])
 
 
 class SFT(TrainingModule):

@@ -23,12 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from tensordict import TensorDict
-from torch.utils.data import Dataset
-
-from verl_trainer.data.packing import make_batch
-from verl_trainer.data.prompts import encode_prompt, read_rows, save_rows, to_verl_row
+from verl_trainer.data.prompts import save_rows, to_verl_row
 
 OPERATIONS = ("+", "-", "*")
 
@@ -151,58 +146,3 @@ def write_arithmetic_task(out_dir: str | Path, config: ArithmeticTaskConfig | No
         "sft_train": save_rows(sft_rows(train), out / f"sft_train.{fmt}"),
         "sft_val": save_rows(sft_rows(val), out / f"sft_val.{fmt}"),
     }
-
-
-def encode_sft_example(tokenizer: Any, prompt: str | list[dict[str, str]], response: str,
-                       chat_template: bool | None = None) -> tuple[list[int], list[int]]:
-    """Token ids of one SFT example: prompt as the RL prompt dataset encodes it, response + eos.
-
-    Returns:
-        ``(prompt_ids, response_ids)``.
-
-    """
-    prompt_ids = encode_prompt(tokenizer, prompt, chat_template)
-    response_ids = list(tokenizer.encode(response, add_special_tokens=False)) + [int(tokenizer.eos_token_id)]
-    return prompt_ids, response_ids
-
-
-class SFTDataset(Dataset):
-    """Prompt/response pairs tokenised for SFT; :meth:`collate` builds a schema batch.
-
-    Args:
-        source: An SFT file (``.jsonl``/``.parquet`` with ``prompt`` and ``response``) or its rows.
-        tokenizer: A transformers tokenizer (with an eos token).
-        max_length: Longest prompt + response; longer examples raise.
-        chat_template: See :func:`verl_trainer.data.prompts.encode_prompt`.
-
-    """
-
-    def __init__(self, source: str | Path | Sequence[Mapping[str, Any]], tokenizer: Any,
-                 max_length: int = 512, chat_template: bool | None = None) -> None:
-        rows = read_rows(Path(source)) if isinstance(source, (str, Path)) else list(source)
-        self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-        self.examples: list[tuple[list[int], list[int]]] = []
-        for i, row in enumerate(rows):
-            if "prompt" not in row or "response" not in row:
-                raise ValueError(f"SFT row {i} needs 'prompt' and 'response' columns; it has {sorted(row)}")
-            p, r = encode_sft_example(tokenizer, row["prompt"], str(row["response"]), chat_template)
-            if len(p) + len(r) > max_length:
-                raise ValueError(f"SFT row {i} has {len(p) + len(r)} tokens > max_length={max_length}")
-            self.examples.append((p, r))
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
-        return self.examples[i]
-
-    def collate(self, items: Sequence[tuple[list[int], list[int]]]) -> TensorDict:
-        """Schema batch (``make_batch``): ``loss_mask`` = 1 on the response tokens (eos included)."""
-        return collate_sft(items, self.pad_token_id)
-
-
-def collate_sft(items: Sequence[tuple[list[int], list[int]]], pad_token_id: int = 0) -> TensorDict:
-    """Build a schema batch from ``(prompt_ids, response_ids)`` pairs (every sample its own uid)."""
-    prompts = [p for p, _ in items]
-    responses = [r for _, r in items]
-    return make_batch(prompts, responses, uids=torch.arange(len(items)), pad_token_id=pad_token_id)
