@@ -31,15 +31,15 @@ from typing import Any
 
 import torch
 
-from verl_trainer._core_algos.aggregation import (
+from verl_trainer.core_algos.aggregation import (
     AGG_MODES,
     SEQ_MEAN_TOKEN_SUM_NORM,
     TOKEN_MEAN,
     agg_loss,
     global_batch_kwargs,
 )
-from verl_trainer._core_algos.penalties import compute_value_loss, kl_penalty, validate_kl_penalty
-from verl_trainer._core_algos.policy_losses import POLICY_LOSS_REGISTRY, get_policy_loss_fn
+from verl_trainer.core_algos.penalties import compute_value_loss, kl_penalty, validate_kl_penalty
+from verl_trainer.core_algos.policy_losses import POLICY_LOSS_REGISTRY, get_policy_loss_fn
 from verl_trainer.data.schema import ADVANTAGES, LOSS_MASK, OLD_LOG_PROBS, REF_LOG_PROB, RETURNS, VALUES
 from verl_trainer.engine.batch_info import GlobalBatchInfo
 from verl_trainer.metrics import Metric

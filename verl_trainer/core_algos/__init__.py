@@ -3,7 +3,7 @@
 Names, argument order and results follow verl 0.9.1 (``verl.trainer.ppo.core_algos``) so that verl
 code ports over and numbers compare one for one. Where verl depends on how the batch is split (local
 denominators, a padded-width default), the signature is kept and the behaviour fixed; each such place
-says so in its docstring. The implementation lives in ``verl_trainer._core_algos``:
+says so in its docstring. The package's modules:
 
 * ``aggregation``: :func:`agg_loss` (global denominators, ``x dp_size``), masked reductions.
 * ``penalties``: :func:`kl_penalty` (k1/kl, abs, k2/mse, k3/low_var_kl, ``+`` straight-through),
@@ -16,7 +16,7 @@ says so in its docstring. The implementation lives in ``verl_trainer._core_algos
 
 from __future__ import annotations
 
-from verl_trainer._core_algos.advantages import (
+from verl_trainer.core_algos.advantages import (
     ADV_ESTIMATOR_REGISTRY,
     AdvantageEstimator,
     compute_gae_advantage_return,
@@ -27,7 +27,7 @@ from verl_trainer._core_algos.advantages import (
     get_adv_estimator_fn,
     register_adv_est,
 )
-from verl_trainer._core_algos.aggregation import (
+from verl_trainer.core_algos.aggregation import (
     AGG_MODES,
     agg_loss,
     global_batch_kwargs,
@@ -35,13 +35,13 @@ from verl_trainer._core_algos.aggregation import (
     masked_sum,
     masked_whiten,
 )
-from verl_trainer._core_algos.penalties import (
+from verl_trainer.core_algos.penalties import (
     KL_PENALTY_TYPES,
     compute_value_loss,
     kl_penalty,
     validate_kl_penalty,
 )
-from verl_trainer._core_algos.policy_losses import (
+from verl_trainer.core_algos.policy_losses import (
     POLICY_LOSS_REGISTRY,
     PolicyLossFn,
     compute_policy_loss_geo_mean,

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl_trainer._core_algos.aggregation import masked_whiten
-from verl_trainer._core_algos.policy_losses import config_get
+from verl_trainer.core_algos.aggregation import masked_whiten
+from verl_trainer.core_algos.policy_losses import config_get
 from verl_trainer.utils.registry import Registry
 
 ADV_ESTIMATOR_REGISTRY: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = Registry(

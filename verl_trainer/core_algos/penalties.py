@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_trainer._core_algos.aggregation import TOKEN_MEAN, Number, agg_loss, masked_mean
+from verl_trainer.core_algos.aggregation import TOKEN_MEAN, Number, agg_loss, masked_mean
 
 KL_PENALTY_TYPES: tuple[str, ...] = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 """Base estimators; each may carry a trailing ``+`` (straight-through k2 gradient)."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from verl_trainer._core_algos.aggregation import (
+from verl_trainer.core_algos.aggregation import (
     SEQ_MEAN_TOKEN_MEAN,
     TOKEN_MEAN,
     agg_loss,

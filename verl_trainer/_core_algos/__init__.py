@@ -1,1 +1,0 @@
-"""Private implementation modules of :mod:`verl_trainer.core_algos` (import from there)."""
