@@ -37,12 +37,14 @@ from verl_trainer.metrics import Metric
 from verl_trainer.module import TrainingModule
 from verl_trainer.strategy import Strategy, bf16_supported, normalize_precision, resolve_strategy
 from verl_trainer.training import failure, loops
+from verl_trainer.training.args import TrainerArgs
 from verl_trainer.training.data import ShardedLoader
 from verl_trainer.training.logging import MetricLogging
 
 __all__ = ["Trainer"]
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+_DEFAULTS = TrainerArgs()  # the one source of the defaults (the recipes' TrainerConfig extends it)
 _CHAINED_HOOKS = frozenset({"on_before_update"})
 
 
@@ -129,21 +131,21 @@ class Trainer:
 
     def __init__(
         self,
-        strategy: str | Strategy = "fsdp2",
-        accelerator: str = "auto",
-        devices: int | str = 1,
-        num_nodes: int = 1,
-        precision: str | int = "32-true",
-        max_steps: int = -1,
-        max_epochs: int | None = None,
+        strategy: str | Strategy = _DEFAULTS.strategy,
+        accelerator: str = _DEFAULTS.accelerator,
+        devices: int | str = _DEFAULTS.devices,
+        num_nodes: int = _DEFAULTS.num_nodes,
+        precision: str | int = _DEFAULTS.precision,
+        max_steps: int = _DEFAULTS.max_steps,
+        max_epochs: int | None = _DEFAULTS.max_epochs,
         callbacks: Sequence[Callback] | Callback | None = None,
-        logger: Any = True,
-        log_every_n_steps: int = 1,
-        default_root_dir: str | os.PathLike | None = None,
-        val_check_interval: int | None = None,
-        enable_progress_bar: bool = True,
-        enable_checkpointing: bool = True,
-        seed: int = 42,
+        logger: Any = _DEFAULTS.logger,
+        log_every_n_steps: int = _DEFAULTS.log_every_n_steps,
+        default_root_dir: str | os.PathLike | None = _DEFAULTS.default_root_dir,
+        val_check_interval: int | None = _DEFAULTS.val_check_interval,
+        enable_progress_bar: bool = _DEFAULTS.enable_progress_bar,
+        enable_checkpointing: bool = _DEFAULTS.enable_checkpointing,
+        seed: int = _DEFAULTS.seed,
     ) -> None:
         self.strategy = resolve_strategy(strategy)
         self.accelerator = _resolve_accelerator(accelerator)

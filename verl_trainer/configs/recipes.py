@@ -2,7 +2,7 @@
 
 Top-level sections, the same in every recipe::
 
-    trainer:     TrainerConfig    the Trainer's arguments (Lightning's names) + recipe switches
+    trainer:     TrainerConfig    the Trainer's arguments (TrainerArgs: its defaults) + recipe switches
     model:       ModelConfig      the initial checkpoint; a tiny model is made there when missing
     task:        TaskConfig       the synthetic arithmetic task, written when its files are missing
     data:        DataConfig       files and global batch sizes
@@ -24,6 +24,7 @@ from verl_trainer.algorithms.data import DataConfig
 from verl_trainer.algorithms.sft import SFTConfig
 from verl_trainer.data.tasks import ArithmeticTaskConfig
 from verl_trainer.engine.config import EngineConfig, OptimConfig
+from verl_trainer.training.args import TrainerArgs
 
 __all__ = [
     "GRPORecipeConfig",
@@ -38,43 +39,18 @@ __all__ = [
 
 
 @dataclass
-class TrainerConfig:
-    """``Trainer(...)`` arguments (see :class:`verl_trainer.Trainer`), plus what the recipe adds.
+class TrainerConfig(TrainerArgs):
+    """The ``trainer:`` section: the Trainer's own arguments plus what the recipe adds.
+
+    The Trainer's arguments and their defaults are :class:`~verl_trainer.training.args.TrainerArgs`
+    (Lightning's names), written once.
 
     Attributes:
-        strategy: Engine backend (``fsdp2``, ``fsdp``, ``deepspeed``, ...).
-        accelerator: ``auto``, ``cpu``, ``gpu``.
-        devices: Processes per node.
-        num_nodes: Nodes.
-        precision: ``32-true``, ``bf16-mixed``, ``bf16-true``.
-        max_steps: Trainer steps.
-        max_epochs: Passes over the data (``None``: limited by ``max_steps``).
-        logger: Loggers by name (``csv``, ``wandb``); ``[]`` logs nothing.
-        log_every_n_steps: Logging interval.
-        default_root_dir: Where logs, plots and checkpoints go.
-        val_check_interval: Validate every N steps during fit (``None``: only before and after).
-        enable_progress_bar: Show the progress bar.
-        enable_checkpointing: Save a checkpoint at the end of fit.
-        seed: Seed of everything.
         sequence_balancing: Add the ``SequenceBalancing`` callback (re-partitions each update batch over
             the DP ranks by workload).
         validate_before_fit: Validate once before training (the "before" number).
     """
 
-    strategy: str = "fsdp2"
-    accelerator: str = "auto"
-    devices: int = 1
-    num_nodes: int = 1
-    precision: str = "32-true"
-    max_steps: int = 100
-    max_epochs: int | None = None
-    logger: list[str] = field(default_factory=lambda: ["csv", "wandb"])
-    log_every_n_steps: int = 1
-    default_root_dir: str = "outputs/run"
-    val_check_interval: int | None = None
-    enable_progress_bar: bool = True
-    enable_checkpointing: bool = False
-    seed: int = 42
     sequence_balancing: bool = False
     validate_before_fit: bool = True
 
@@ -86,14 +62,9 @@ class TrainerConfig:
         callbacks = list(callbacks)
         if self.sequence_balancing:
             callbacks.append(SequenceBalancing())
-        kwargs: dict[str, Any] = dict(
-            strategy=self.strategy, accelerator=self.accelerator, devices=self.devices,
-            num_nodes=self.num_nodes, precision=self.precision, max_steps=self.max_steps,
-            max_epochs=self.max_epochs, logger=list(self.logger) or False,
-            log_every_n_steps=self.log_every_n_steps, default_root_dir=self.default_root_dir,
-            val_check_interval=self.val_check_interval, enable_progress_bar=self.enable_progress_bar,
-            enable_checkpointing=self.enable_checkpointing, seed=self.seed, callbacks=callbacks,
-        )
+        kwargs: dict[str, Any] = {**self.trainer_kwargs(), "callbacks": callbacks}
+        if isinstance(kwargs["logger"], (list, tuple)):
+            kwargs["logger"] = list(kwargs["logger"]) or False
         kwargs.update(overrides)
         return Trainer(**kwargs)
 

@@ -24,7 +24,9 @@ from verl_trainer.utils.registry import Registry
 RewardFn = Callable[..., float | dict[str, Any]]
 
 REWARD_REGISTRY: Registry[RewardFn] = Registry("reward function")
-"""Built-in and user-registered reward functions, by name."""
+"""Built-in and user-registered reward functions, by name. The built-ins register when
+``verl_trainer.rewards`` is imported (the package imports ``rule_based``, which imports this module —
+never the other way round)."""
 
 
 def register_reward(*names: str) -> Callable[[RewardFn], RewardFn]:
@@ -67,8 +69,6 @@ def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
             f"reward function must be a name, 'module:function' or a callable, got {name_or_path!r}"
         )
     if ":" not in name_or_path:
-        from verl_trainer.rewards import rule_based  # noqa: F401  (registers the built-ins)
-
         return REWARD_REGISTRY.get(name_or_path)
     target, _, attr = name_or_path.rpartition(":")
     if not target or not attr:
@@ -92,6 +92,4 @@ def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
 
 def available_rewards() -> list[str]:
     """The registered reward names."""
-    from verl_trainer.rewards import rule_based  # noqa: F401
-
     return [str(k) for k in REWARD_REGISTRY.keys()]
