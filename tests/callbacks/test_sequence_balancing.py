@@ -1,10 +1,18 @@
+from pathlib import Path
+
+import pytest
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.balancing import calculate_workload
+from verl_trainer.callbacks import Callback
 from verl_trainer.callbacks.sequence_balancing import SequenceBalancing, balance_batch
+from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
+from verl_trainer.models.tiny import make_tiny_model
 from verl_trainer.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rank_batch(rank: int, n: int, lo: int, hi: int, width_cap: int | None = None) -> TensorDict:
@@ -99,3 +107,64 @@ def _callback_without_process_group():
 
 def test_callback_is_a_no_op_without_distributed():
     assert _callback_without_process_group() is None
+
+
+class _AfterBalancing(Callback):
+    """Records the batch each rank holds after SequenceBalancing (it runs after it)."""
+
+    def __init__(self) -> None:
+        self.seq_lens: list[list[int]] = []
+
+    def on_before_update(self, trainer, module, batch):
+        self.seq_lens.append(batch["seq_len"].tolist())
+
+
+def _grpo_step_with_balancing(model_dir: str, data_dir: str, root: str):
+    from verl_trainer import Trainer
+    from verl_trainer.algorithms import GRPO, PromptDataModule
+    from verl_trainer.configs import GRPORecipeConfig, load_config
+    from verl_trainer.models.loading import load_tokenizer
+
+    cfg = load_config(GRPORecipeConfig, ROOT / "configs" / "grpo.yaml", [
+        f"algorithm.model_path={model_dir}", f"data.train_files={data_dir}/train.jsonl",
+        "data.val_files=null",
+        "data.train_batch_size=6", "algorithm.rollout.n=2", "algorithm.rollout.max_new_tokens=3",
+        "algorithm.actor.ppo_mini_batch_size=4", "algorithm.actor.engine.micro_batch_size_per_gpu=4",
+    ])
+    module = GRPO(cfg.algorithm)
+    after = _AfterBalancing()
+    trainer = Trainer(devices=2, max_steps=1, callbacks=[SequenceBalancing(), after], logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root)
+    trainer.fit(module, datamodule=PromptDataModule(cfg.data, load_tokenizer(model_dir)))
+    metrics = dict(trainer.callback_metrics)
+    # the same callback on long, varied lengths (where the workload model matters), with the run's module
+    balancing = SequenceBalancing()
+    new = balancing.on_before_update(trainer, module, _rank_batch(dist.get_rank(), 16, 50, 4000))
+    after_rl, after_long = [None, None], [None, None]
+    dist.all_gather_object(after_rl, after.seq_lens[0])
+    dist.all_gather_object(after_long, new["seq_len"].tolist())
+    return (module.hidden_size, module.required_batch_multiple, metrics, after_rl,
+            balancing.last_metrics["global_seqlen/workload_imbalance"], after_long)
+
+
+def _imbalance(per_rank: list[list[int]], hidden: int) -> float:
+    loads = [float(calculate_workload(torch.tensor(lens), hidden_size=hidden).sum()) for lens in per_rank]
+    mean = sum(loads) / len(loads)
+    return (max(loads) - mean) / mean
+
+
+def test_callback_uses_the_modules_hidden_size_and_batch_multiple(tmp_path):
+    """Contract: the workload uses the actor's h (32, not 4096); the batch is padded to lcm(dp, mini × n)."""
+    make_tiny_model(tmp_path / "model", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, seed=1)
+    task = ArithmeticTaskConfig(num_train=24, num_val=2, holdout_fraction=0.2)
+    write_arithmetic_task(tmp_path / "data", task)
+    results = run_distributed(_grpo_step_with_balancing, 2, str(tmp_path / "model"), str(tmp_path / "data"),
+                              str(tmp_path / "run"), timeout=300)
+    hidden, multiple, metrics, per_rank, imbalance, long_per_rank = results[0]
+    assert hidden == 32 and multiple == 8  # lcm(dp=2, 4 prompts x n=2)
+    assert [len(lens) for lens in per_rank] == [8, 8]  # 12 real samples padded to 16, equal halves
+    assert metrics["global_seqlen/num_padding_samples"] == 4.0
+    assert metrics["global_seqlen/workload_imbalance"] == pytest.approx(_imbalance(per_rank, 32), abs=1e-12)
+    with_h, with_default = _imbalance(long_per_rank, 32), _imbalance(long_per_rank, 4096)
+    assert abs(with_h - with_default) > 1e-6  # the two workload models tell apart on this batch
+    assert imbalance == pytest.approx(with_h, rel=1e-9)
