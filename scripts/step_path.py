@@ -1,0 +1,180 @@
+"""Measure the call path of one GRPO step: which project files it runs through and how it hops between them.
+
+    python scripts/step_path.py [--list]
+
+Builds a tiny Qwen2 and the arithmetic task in a temporary directory, fits GRPO for two steps on one
+process (with ``SequenceBalancing``, as the README's multi-rank runs use it) and traces the second step
+with ``sys.setprofile`` from ``on_train_batch_start`` to ``on_train_batch_end``. It prints two views:
+
+* **full depth**: every project function call; ``files`` = distinct files entered, ``hops`` = distinct
+  (caller function, callee function) pairs in different files, ``back`` = hops into a file that the step
+  had already entered (the ping-pong the top-floor design avoids).
+* **step path** (the orchestration): calls made by the top floor (trainer, training loop, module,
+  strategy, algorithms, callbacks) and calls from lower layers back up into it; calls *inside* a lower
+  layer (the engine's packing and attention, the pure functions, metrics arithmetic) are that layer's
+  own business and are not followed. A step that moves out from the loop and back has few back-hops.
+* **step path, leaf helpers stepped over**: the step path without calls into functions that call
+  nothing in another project file (value constructors such as ``Metric.mean``, masks, rank queries),
+  which a reader steps over like builtins.
+
+``--list`` prints the files and hops of the step path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOP_FLOOR = ("verl_trainer/trainer.py", "verl_trainer/training/", "verl_trainer/module.py",
+             "verl_trainer/strategy.py", "verl_trainer/algorithms/", "callbacks/", "recipes/")
+
+
+def _project_file(filename: str) -> str | None:
+    try:
+        rel = str(Path(filename).resolve().relative_to(ROOT))
+    except ValueError:
+        return None
+    return rel if rel.startswith(("verl_trainer/", "callbacks/", "recipes/")) else None
+
+
+def _is_top(path: str) -> bool:
+    return path.startswith(TOP_FLOOR)
+
+
+class StepTracer:
+    """Records (caller, callee) function pairs of project code while active."""
+
+    def __init__(self) -> None:
+        self.edges: dict[tuple[tuple[str, str], tuple[str, str]], int] = {}
+        self._stack: list[tuple[str, str] | None] = []
+
+    def __call__(self, frame, event, arg):  # noqa: ANN001, D102  (sys.setprofile signature)
+        if event == "call":
+            path = _project_file(frame.f_code.co_filename)
+            if path is None:
+                self._stack.append(None)
+                return
+            callee = (path, frame.f_code.co_qualname)
+            caller = next((c for c in reversed(self._stack) if c is not None), None)
+            if caller is not None:
+                self.edges.setdefault((caller, callee), len(self.edges))
+            self._stack.append(callee)
+        elif event == "return" and self._stack:
+            self._stack.pop()
+
+    def start(self, where: tuple[str, str]) -> None:
+        """Trace from now on, as if called from ``where`` (file, function)."""
+        self._stack = [where]
+        sys.setprofile(self)
+
+    @staticmethod
+    def stop() -> None:
+        """Stop tracing."""
+        sys.setprofile(None)
+
+
+def summarise(edges: list[tuple[tuple[str, str], tuple[str, str]]]) -> dict[str, object]:
+    """Files, hops (cross-file function pairs) and back-hops of ``edges`` in first-call order."""
+    files: list[str] = []
+    seen: set[str] = set()
+    hops, back, entered = [], 0, Counter()
+    for caller, callee in edges:
+        for path in (caller[0], callee[0]):
+            if path not in files:
+                files.append(path)
+        seen.add(caller[0])
+        if caller[0] != callee[0]:
+            hops.append((caller, callee))
+            entered[callee[0]] += 1
+            back += callee[0] in seen
+        seen.add(callee[0])
+    return {"files": files, "hops": hops, "back": back, "entered": entered.most_common(5)}
+
+
+def step_path(edges: list[tuple[tuple[str, str], tuple[str, str]]]) -> list:
+    """The orchestration edges: made by the top floor, or from a lower layer back up into it."""
+    return [(a, b) for a, b in edges if _is_top(a[0]) or _is_top(b[0])]
+
+
+def without_leaf_calls(edges: list[tuple[tuple[str, str], tuple[str, str]]]) -> list:
+    """``edges`` without calls into leaf helpers: functions that call nothing in another project file.
+
+    A reader following the step steps over such a call (a value constructor, a mask, a rank query) as
+    over a builtin; what remains is how control moves between the parts.
+    """
+    crosses = {a for a, b in edges if a[0] != b[0]}
+    return [(a, b) for a, b in edges if b in crosses]
+
+
+def trace_one_grpo_step() -> list:
+    """Fit GRPO for two steps on a tiny model; the project calls of the second step."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    os.environ.setdefault("WANDB_MODE", "offline")
+    from verl_trainer.algorithms import GRPO, PromptDataModule
+    from verl_trainer.callbacks import Callback, SequenceBalancing
+    from verl_trainer.configs import GRPORecipeConfig, load_config
+    from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
+    from verl_trainer.models.loading import load_tokenizer
+    from verl_trainer.models.tiny import make_tiny_model
+
+    tracer = StepTracer()
+
+    class TraceSecondStep(Callback):
+        def __init__(self) -> None:
+            self.steps = 0
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):  # noqa: ANN001, D102
+            self.steps += 1
+            if self.steps == 2:
+                tracer.start(("verl_trainer/training/loops.py", "fit_loop"))
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):  # noqa: ANN001, D102
+            if self.steps == 2:
+                tracer.stop()
+
+    tmp = Path(tempfile.mkdtemp(prefix="step_path_"))
+    make_tiny_model(tmp / "model", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, seed=1)
+    write_arithmetic_task(tmp / "data", ArithmeticTaskConfig(num_train=64, num_val=4, holdout_fraction=0.2))
+    cfg = load_config(GRPORecipeConfig, ROOT / "configs" / "grpo.yaml", [
+        f"algorithm.model_path={tmp / 'model'}", f"data.train_files={tmp / 'data' / 'train.jsonl'}",
+        "data.val_files=null", "data.train_batch_size=4", "algorithm.rollout.max_new_tokens=3",
+        "algorithm.actor.engine.micro_batch_size_per_gpu=2", "algorithm.actor.ppo_mini_batch_size=2",
+    ])
+    from verl_trainer import Trainer
+
+    trainer = Trainer(max_steps=2, callbacks=[TraceSecondStep(), SequenceBalancing()], logger=False,
+                      enable_progress_bar=False, enable_checkpointing=False,
+                      default_root_dir=str(tmp / "run"))
+    trainer.fit(GRPO(cfg.algorithm), datamodule=PromptDataModule(cfg.data, load_tokenizer(tmp / "model")))
+    return list(tracer.edges)
+
+
+def main() -> None:
+    """Trace one step and print both views."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--list", action="store_true", help="print the files and hops of the step path")
+    args = parser.parse_args()
+    edges = trace_one_grpo_step()
+    views = {
+        "full depth": summarise(edges),
+        "step path": summarise(step_path(edges)),
+        "step path, leaf helpers stepped over": summarise(step_path(without_leaf_calls(edges))),
+    }
+    for name, view in views.items():
+        print(f"{name}: {len(view['files'])} files, {len(view['hops'])} hops, {view['back']} back into a file "
+              f"already entered; most entered: {view['entered']}")
+    path = views["step path"]
+    if args.list:
+        print("\nstep path files:\n  " + "\n  ".join(path["files"]))
+        print("\nstep path hops:")
+        for (a, fa), (b, fb) in path["hops"]:
+            print(f"  {a}:{fa} -> {b}:{fb}")
+
+
+if __name__ == "__main__":
+    main()
