@@ -166,8 +166,8 @@ def main() -> None:
         "step path, leaf helpers stepped over": summarise(step_path(without_leaf_calls(edges))),
     }
     for name, view in views.items():
-        print(f"{name}: {len(view['files'])} files, {len(view['hops'])} hops, {view['back']} back into a file "
-              f"already entered; most entered: {view['entered']}")
+        print(f"{name}: {len(view['files'])} files, {len(view['hops'])} hops, {view['back']} back into "
+              f"a file already entered; most entered: {view['entered']}")
     path = views["step path"]
     if args.list:
         print("\nstep path files:\n  " + "\n  ".join(path["files"]))
