@@ -13,7 +13,7 @@ def test_registry_register_get_and_errors():
         return 1
 
     assert reg.get("exact") is exact and reg.get("exact_match") is exact
-    assert reg.keys() == ["exact", "exact_match"] and "exact" in reg
+    assert list(reg.keys()) == ["exact", "exact_match"] and "exact" in reg
     with pytest.raises(ValueError, match=r"reward function 'exact' is already registered"):
         reg.add("exact", lambda: 0)
     with pytest.raises(ValueError, match=r"unknown reward function 'nope'; registered: 'exact', 'exact_m"):
@@ -55,3 +55,21 @@ def test_env_overrides(monkeypatch):
     monkeypatch.setenv(dev.DEVICE_ENV, "tpu")
     with pytest.raises(ValueError, match=r"VERL_ENGINE_DEVICE='tpu' is not a known device; choose one of"):
         dev.detect_device_and_vendor()
+
+
+def test_registry_behaves_as_a_dict():
+    reg = Registry("thing")
+    reg["a"] = 1
+    reg.add("b", 2)
+    assert "a" in reg and [k for k in reg] == ["a", "b"] and len(reg) == 2 and dict(reg) == {"a": 1, "b": 2}
+    assert reg["b"] == 2 and reg.get("zz", None) is None and reg.get("a") == 1
+    with pytest.raises(KeyError, match="unknown thing 'zz'; registered: 'a', 'b'"):
+        reg["zz"]
+    with pytest.raises(ValueError, match="unknown thing 'zz'"):
+        reg.get("zz")
+    with pytest.raises(ValueError, match="already registered"):
+        reg["a"] = 3
+    del reg["a"]
+    assert list(reg) == ["b"]
+    reg.clear()
+    assert len(reg) == 0 and [] not in reg

@@ -1,20 +1,34 @@
 """One registry helper for every swappable part (policy losses, advantage estimators, rewards, ...).
 
-A :class:`Registry` maps a name to an object. Registering a name twice raises with a hint; looking up
-a missing name raises ``ValueError`` listing what exists. The engine registry keys on a tuple
-(model_type, backend, device, vendor) and builds on the same class.
+A :class:`Registry` maps a name to an object and behaves as a dict (verl's registries are dicts, so
+code written against them runs here). Registering a name twice raises with a hint; looking up a missing
+name raises :class:`UnknownKeyError` (both a ``KeyError`` and a ``ValueError``) listing what exists.
+The engine registry keys on a tuple (model_type, backend, device, vendor) and builds on the same class.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator, MutableMapping
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 
-class Registry(Generic[T]):
+class UnknownKeyError(KeyError, ValueError):
+    """A key that is not registered: a ``KeyError`` for mapping code, a ``ValueError`` for config errors."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+_MISSING: Any = object()
+
+
+class Registry(MutableMapping[Hashable, T], Generic[T]):
     """A named mapping from keys to registered objects.
+
+    It behaves as a dict (``in``, ``[]``, iteration, ``len``, ``del``, ``clear``), except that registering
+    a taken key raises.
 
     Args:
         kind: What is registered, used in error messages (e.g. ``"policy loss"``).
@@ -44,26 +58,42 @@ class Registry(Generic[T]):
 
         return deco
 
-    def get(self, key: Hashable) -> T:
-        """Return the object registered under ``key``; a miss raises ``ValueError`` listing the keys."""
+    def __getitem__(self, key: Hashable) -> T:
         try:
             return self._entries[key]
         except (KeyError, TypeError):
-            raise ValueError(
+            raise UnknownKeyError(
                 f"unknown {self.kind} {key!r}; registered: {self.keys_repr()}. "
                 f"Use one of these or register your own."
             ) from None
 
+    def __setitem__(self, key: Hashable, obj: T) -> None:
+        self.add(key, obj)
+
+    def __delitem__(self, key: Hashable) -> None:
+        del self._entries[key]
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        try:
+            return key in self._entries
+        except TypeError:
+            return False
 
-    def keys(self) -> list[Hashable]:
-        """All registered keys, in registration order."""
-        return list(self._entries)
+    def get(self, key: Hashable, default: Any = _MISSING) -> Any:
+        """The object under ``key``.
 
-    def items(self) -> Iterable[tuple[Hashable, T]]:
-        """(key, object) pairs in registration order."""
-        return self._entries.items()
+        A miss returns ``default`` when one is given, else raises :class:`UnknownKeyError` (a
+        ``ValueError``) listing the registered keys.
+        """
+        if default is not _MISSING:
+            return self._entries.get(key, default)
+        return self[key]
 
     def keys_repr(self) -> str:
         """The registered keys as a sorted, comma-separated string."""
