@@ -25,11 +25,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._nested_dict import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
-from verl_trainer.utils.safe_load import RestrictedUnpickler, refusal, safe_torch_load
+from verl_trainer.utils.safe_load import RestrictedUnpickler, UnsafeCheckpointError, refusal, safe_torch_load
 
 __all__ = ["DCP_METADATA_GLOBALS", "SafeFileSystemReader", "SafeLoadPlanner", "safe_dcp_load"]
 
@@ -107,6 +108,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def safe_dcp_load(state: dict[str, Any], directory: str | os.PathLike) -> None:
     """``dcp.load(state, checkpoint_id=directory)`` reading through the safe reader and planner.
 
-    A collective; an error on one rank reaches every rank (DCP gathers them).
+    A collective. Every rank reads ``.metadata`` first (so a refused one fails on every rank with its own
+    message); a refused non-tensor entry fails on every rank too (DCP gathers the errors), re-raised here
+    as the :class:`~verl_trainer.utils.safe_load.UnsafeCheckpointError` itself.
+
+    Raises:
+        UnsafeCheckpointError: Naming the file or entry that was refused.
     """
-    dcp.load(state, storage_reader=SafeFileSystemReader(directory), planner=SafeLoadPlanner(directory))
+    SafeFileSystemReader(directory).read_metadata()
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(directory), planner=SafeLoadPlanner(directory))
+    except CheckpointException as exc:
+        refused = [err for err, _ in exc.failures.values() if isinstance(err, UnsafeCheckpointError)]
+        if refused:
+            raise refused[0] from None
+        raise

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from verl_trainer.engine.checkpoint import atomic_checkpoint_dir, get_rng_state, set_rng_state
-from verl_trainer.utils.fs import clean_stale, read_marker, remove_owned
+from verl_trainer.utils.fs import OWNER_MARKER, clean_stale, is_owned, read_marker, remove_owned
 from verl_trainer.utils.manifest import verify_manifest
 from verl_trainer.utils.safe_load import safe_torch_load
 
@@ -214,6 +215,10 @@ def prune_checkpoints(dirpath: str | Path, keep: int, current_step: int, run_id:
     removed: list[Path] = []
     ours = [(step, path) for step, path in list_checkpoints(dirpath) if checkpoint_run_id(path) == run_id]
     for _, path in ours[:-keep] if keep > 0 else ours:
+        if not is_owned(path):
+            warnings.warn(f"not pruning {str(path)!r}: it has no {OWNER_MARKER} marker, so verl-trainer "
+                          f"did not write it", stacklevel=2)
+            continue
         remove_owned(path, "checkpoint")
         removed.append(path)
     for entry in Path(dirpath).glob(".step_*.tmp"):
