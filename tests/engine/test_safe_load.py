@@ -16,18 +16,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from tests.booby_trap import Trap
 from verl_trainer.engine.safe_dcp import safe_dcp_load
 from verl_trainer.utils.safe_load import UnsafeCheckpointError, safe_torch_load
-
-
-class Trap:
-    """Unpickling it creates the file ``path`` (standing in for any code an attacker would run)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
 
 
 def _model_and_optim() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
