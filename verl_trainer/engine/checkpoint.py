@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from verl_trainer.utils.fs import ensure_replaceable, mark_owned, remove_owned
+from verl_trainer.utils.fs import discard_temporary, ensure_replaceable, mark_owned, remove_owned
 from verl_trainer.utils.manifest import verify_manifest, write_manifest
 from verl_trainer.utils.safe_load import safe_torch_load
 
@@ -76,15 +75,14 @@ def atomic_checkpoint_dir(path: str | Path, **marker: Any) -> Iterator[Path]:
     tmp, old = _sibling(final, "tmp"), _sibling(final, "old")
     ensure_replaceable(final, "checkpoint path")
     if _rank() == 0:
-        if tmp.exists():  # our own temporary name: a save of this path that was interrupted
-            shutil.rmtree(tmp)
+        discard_temporary(tmp)  # left by an interrupted save of this path
         mark_owned(tmp, "checkpoint", **marker)
     _barrier()
     try:
         yield tmp
     except BaseException:
         if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # frees the space a failed save took
+            discard_temporary(tmp)  # frees the space a failed save took
         raise
     _barrier()
     write_manifest(tmp)

@@ -25,6 +25,7 @@ __all__ = [
     "OWNER_MARKER",
     "NotOwnedError",
     "clean_stale",
+    "discard_temporary",
     "ensure_replaceable",
     "is_owned",
     "mark_owned",
@@ -130,6 +131,20 @@ def remove_owned(path: str | os.PathLike, what: str = "directory") -> None:
         target.rename(trash)
         target = trash
     _delete_marker_last(target)
+
+
+def discard_temporary(path: str | os.PathLike) -> None:
+    """Delete a directory at a temporary name the caller derived itself (``.<name>.tmp``), if present.
+
+    For a save's own scratch directory only (a stale one from an interrupted save of the same target, or
+    the one a failed save leaves); never call it with a path the user named. Errors are ignored: what
+    remains is hidden, never taken for a checkpoint, and removed by the next save or :func:`clean_stale`.
+    """
+    target = Path(path)
+    if TMP_TAG not in target.name or not target.name.startswith("."):
+        raise ValueError(f"discard_temporary is for hidden '.<name>{TMP_TAG}' directories, got "
+                         f"{str(target)!r}")
+    shutil.rmtree(target, ignore_errors=True)
 
 
 def clean_stale(root: str | os.PathLike, patterns: tuple[str, ...] = (f".*{TMP_TAG}*", f".*{TRASH_TAG}*")
