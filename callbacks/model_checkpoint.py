@@ -52,6 +52,7 @@ class ModelCheckpoint(Callback):
         self.last_saved_step: int | None = None
         self.last_path: Path | None = None
         self.run_id: str | None = None
+        self._resumed = False
 
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
         """Resolve the default directory."""
@@ -70,7 +71,7 @@ class ModelCheckpoint(Callback):
         decision: list[Any] = [None, None, []]
         if trainer.is_global_zero:
             try:
-                run_id, cleaned = claim_checkpoint_dir(self.dirpath, self.run_id)
+                run_id, cleaned = claim_checkpoint_dir(self.dirpath, self.run_id, self._resumed)
                 decision = [run_id, None, [str(p) for p in cleaned]]
             except FileExistsError as exc:
                 decision = [None, str(exc), []]
@@ -125,3 +126,4 @@ class ModelCheckpoint(Callback):
         """Restore :meth:`state_dict`."""
         self.last_saved_step = state_dict.get("last_saved_step")
         self.run_id = state_dict.get("run_id")
+        self._resumed = True

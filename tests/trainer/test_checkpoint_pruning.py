@@ -55,6 +55,16 @@ def test_claim_gives_a_fresh_run_an_id_and_keeps_a_resumed_runs_id(tmp_path):
     run_id, cleaned = claim_checkpoint_dir(tmp_path / "new", None)
     assert len(run_id) == 12 and cleaned == []
     _checkpoint(tmp_path, 3, "abc")
-    assert claim_checkpoint_dir(tmp_path, "abc")[0] == "abc"
+    assert claim_checkpoint_dir(tmp_path, "abc", resumed=True)[0] == "abc"
     with pytest.raises(FileExistsError, match=r"run abc \(step 3\)\); run xyz would mix"):
-        claim_checkpoint_dir(tmp_path, "xyz")
+        claim_checkpoint_dir(tmp_path, "xyz", resumed=True)
+    with pytest.raises(FileExistsError, match=r"run abc \(step 3\)\); a new run would mix"):
+        claim_checkpoint_dir(tmp_path, None)
+
+
+def test_a_run_resumed_from_a_checkpoint_without_a_run_id_owns_the_ones_without(tmp_path):
+    _checkpoint(tmp_path, 2, None)
+    assert claim_checkpoint_dir(tmp_path, None, resumed=True)[0] is None
+    _checkpoint(tmp_path, 4, "abc")
+    with pytest.raises(FileExistsError, match=r"run abc \(step 4\)"):
+        claim_checkpoint_dir(tmp_path, None, resumed=True)

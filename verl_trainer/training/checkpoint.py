@@ -230,8 +230,13 @@ def prune_checkpoints(dirpath: str | Path, keep: int, current_step: int, run_id:
     return removed
 
 
-def claim_checkpoint_dir(dirpath: str | Path, run_id: str | None) -> tuple[str, list[Path]]:
-    """Prepare ``dirpath`` for run ``run_id`` (``None``: a fresh run); rank 0 only.
+def claim_checkpoint_dir(dirpath: str | Path, run_id: str | None, resumed: bool = False
+                         ) -> tuple[str | None, list[Path]]:
+    """Prepare ``dirpath`` for run ``run_id``; rank 0 only.
+
+    ``resumed=False``: a fresh run (every checkpoint in ``dirpath`` is another run's; it gets a new id).
+    ``resumed=True``: a run restored from a checkpoint recording ``run_id`` (``None`` for one written
+    before run ids existed: it keeps ``None`` and owns the checkpoints without an id).
 
     Removes the half-written (``.step_N.tmp``) and half-deleted (``.step_N.trash-*``) folders an
     interrupted save or pruning left (the project's own only), then checks that every complete checkpoint
@@ -244,13 +249,13 @@ def claim_checkpoint_dir(dirpath: str | Path, run_id: str | None) -> tuple[str, 
         FileExistsError: If ``dirpath`` holds checkpoints of another run, naming them and the fix.
     """
     cleaned = clean_stale(dirpath, (".step_*.tmp", ".step_*.trash-*"))
-    others = {rid: steps for rid, steps in runs_in(dirpath).items() if run_id is None or rid != run_id}
+    others = {rid: steps for rid, steps in runs_in(dirpath).items() if not resumed or rid != run_id}
     if others:
-        action = "a new run" if run_id is None else f"run {run_id}"
+        action = f"run {run_id}" if resumed else "a new run"
         raise FileExistsError(
             f"checkpoint directory {str(dirpath)!r} holds checkpoints of another run "
             f"({describe_runs(others)}); {action} would mix its checkpoints with them. Resume that run with "
             f"ckpt_path='last' (recipes: trainer.ckpt_path=last), or give this run another directory "
             f"(default_root_dir, or ModelCheckpoint(dirpath=...))"
         )
-    return run_id if run_id is not None else uuid.uuid4().hex[:12], cleaned
+    return run_id if resumed else uuid.uuid4().hex[:12], cleaned
