@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["MANIFEST_FILE", "CorruptCheckpointError", "verify_manifest", "write_manifest"]
+__all__ = ["MANIFEST_FILE", "CorruptCheckpointError", "file_digest", "verify_manifest", "write_manifest"]
 
 MANIFEST_FILE = "manifest.json"
 _CHUNK = 1 << 20

@@ -17,7 +17,7 @@ from typing import IO, Any
 
 import torch
 
-__all__ = ["RestrictedUnpickler", "UnsafeCheckpointError", "safe_torch_load"]
+__all__ = ["RestrictedUnpickler", "UnsafeCheckpointError", "refusal", "safe_torch_load"]
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
