@@ -5,6 +5,9 @@ state, data position, module and callback states, every rank's RNG; see
 ``verl_trainer.training.checkpoint``). The directory appears only once complete, so
 ``fit(ckpt_path="last")`` never picks a save that was interrupted. ``dirpath`` defaults to
 ``<default_root_dir>/checkpoints``.
+
+A directory belongs to one run: a fresh run gets a run id (recorded in each checkpoint's ``meta.json``),
+refuses to start where another run's checkpoints are, and prunes only its own checkpoints.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from verl_trainer.callbacks.base import Callback
-from verl_trainer.training.checkpoint import checkpoint_dir_name, prune_checkpoints
-from verl_trainer.utils.distributed import barrier
+from verl_trainer.training.checkpoint import checkpoint_dir_name, claim_checkpoint_dir, prune_checkpoints
+from verl_trainer.utils.distributed import barrier, broadcast_object
 
 
 class ModelCheckpoint(Callback):
@@ -47,11 +50,37 @@ class ModelCheckpoint(Callback):
         self.save_on_train_end = save_on_train_end
         self.last_saved_step: int | None = None
         self.last_path: Path | None = None
+        self.run_id: str | None = None
+        self._resumed = False
 
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
         """Resolve the default directory."""
         if self.dirpath is None:
             self.dirpath = Path(trainer.default_root_dir) / "checkpoints"
+
+    def on_fit_start(self, trainer: Any, module: Any) -> None:
+        """Tie the run to its checkpoints (a collective; after a resume has restored :attr:`run_id`).
+
+        Rank 0 removes the half-written / half-deleted folders an interrupted save or pruning left
+        (saying so) and refuses a directory holding another run's checkpoints
+        (:func:`~verl_trainer.training.checkpoint.claim_checkpoint_dir`); a fresh run gets a new run id,
+        recorded in every checkpoint it writes. Every rank raises the same error together.
+        """
+        assert self.dirpath is not None
+        decision: list[Any] = [None, None, []]
+        if trainer.is_global_zero:
+            try:
+                run_id, cleaned = claim_checkpoint_dir(self.dirpath, self.run_id, self._resumed)
+                decision = [run_id, None, [str(p) for p in cleaned]]
+            except FileExistsError as exc:
+                decision = [None, str(exc), []]
+        run_id, error, cleaned = broadcast_object(decision)
+        if error is not None:
+            raise FileExistsError(error)
+        if cleaned and trainer.is_global_zero:
+            print(f"removed {len(cleaned)} folder(s) left by an interrupted checkpoint save or deletion: "
+                  f"{', '.join(cleaned)}", flush=True)
+        self.run_id = run_id
 
     def _due(self, trainer: Any) -> bool:
         n = self.every_n_train_steps
@@ -64,7 +93,7 @@ class ModelCheckpoint(Callback):
         self.last_saved_step, self.last_path = trainer.global_step, path
         trainer.save_checkpoint(path)
         if trainer.is_global_zero and self.keep_last_k is not None:
-            prune_checkpoints(self.dirpath, self.keep_last_k, trainer.global_step)
+            prune_checkpoints(self.dirpath, self.keep_last_k, trainer.global_step, self.run_id)
         barrier()
         return path
 
@@ -84,9 +113,11 @@ class ModelCheckpoint(Callback):
             self.save(trainer)
 
     def state_dict(self) -> dict[str, Any]:
-        """The last saved step (plain data)."""
-        return {"last_saved_step": self.last_saved_step}
+        """The last saved step and the run id (plain data)."""
+        return {"last_saved_step": self.last_saved_step, "run_id": self.run_id}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.last_saved_step = state_dict.get("last_saved_step")
+        self.run_id = state_dict.get("run_id")
+        self._resumed = True

@@ -2,15 +2,14 @@
 
 Every rank runs the recipe script (SPMD). Files are written by global rank 0 only, before the first
 ``fit`` starts the other ranks (or, under torchrun, while they wait for the files to appear), so every
-rank takes the same decisions. A checkpoint directory is written under a temporary name and renamed
-into place when complete.
+rank takes the same decisions. Every directory is written under a temporary name and renamed into place
+when complete; an existing one is replaced only if verl-trainer wrote it (``verl_trainer.utils.fs``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from verl_trainer.data.tasks import write_arithmetic_task
 from verl_trainer.models.loading import load_causal_lm, load_tokenizer
 from verl_trainer.models.tiny import make_tiny_model
 from verl_trainer.utils.distributed import barrier, get_rank
+from verl_trainer.utils.fs import ensure_replaceable, replace_dir_atomically
 
 RL_PROGRESS = ("reward/mean", "val/reward/mean", "response_length/mean", "actor/pg_loss")
 WAIT_FOR_FILES_S = 600.0
@@ -41,14 +41,6 @@ def _wait_for(path: Path) -> None:
         time.sleep(0.5)
 
 
-def _write_atomically(out_dir: Path, write: Any) -> None:
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, out_dir)
-
-
 def prepare_task(task: TaskConfig) -> None:
     """Write the arithmetic task's files into ``task.dir`` when they are missing (rank 0)."""
     marker = Path(task.dir) / "train.jsonl"
@@ -57,9 +49,9 @@ def prepare_task(task: TaskConfig) -> None:
     if launch_rank() != 0:
         _wait_for(marker)
         return
-    if Path(task.dir).exists():  # an incomplete earlier write
-        shutil.rmtree(task.dir)
-    _write_atomically(Path(task.dir), lambda tmp: write_arithmetic_task(tmp, task.arithmetic))
+    # an incomplete earlier write is replaced; a directory verl-trainer did not write is refused
+    replace_dir_atomically(task.dir, lambda tmp: write_arithmetic_task(tmp, task.arithmetic), "task",
+                           "task.dir")
     print(f"wrote the arithmetic task to {task.dir}", flush=True)
 
 
@@ -72,17 +64,24 @@ def prepare_model(model: ModelConfig) -> str:
         _wait_for(marker)
         return model.path
     tiny = dataclasses.asdict(model.tiny)
-    _write_atomically(Path(model.path), lambda tmp: make_tiny_model(tmp, **tiny))
+    replace_dir_atomically(model.path, lambda tmp: make_tiny_model(tmp, **tiny), "tiny_model", "model.path")
     print(f"made a tiny {model.tiny.arch} model at {model.path}", flush=True)
     return model.path
 
 
-def export_hf_model(engine: Any, source_path: str, out_dir: str | os.PathLike) -> str:
+def export_hf_model(engine: Any, source_path: str, out_dir: str | os.PathLike, what: str = "export_dir"
+                    ) -> str:
     """Write ``engine``'s weights as a HF checkpoint (the architecture and tokenizer of ``source_path``).
 
     A collective (``get_per_tensor_param``): call it on every rank; rank 0 writes, every rank returns
-    once the directory is complete.
+    once the directory is complete. ``out_dir`` is written under a temporary name and replaces an
+    existing directory only if verl-trainer wrote it (:func:`~verl_trainer.utils.fs.replace_dir_atomically`).
+
+    Raises:
+        NotOwnedError: On every rank, before any work, if ``out_dir`` holds files verl-trainer did not
+            write (``what`` names the setting in the message).
     """
+    ensure_replaceable(out_dir, what)
     params = {name: tensor.detach().cpu().clone() for name, tensor in engine.get_per_tensor_param()}
     if get_rank() == 0:
         def write(tmp: Path) -> None:
@@ -91,8 +90,7 @@ def export_hf_model(engine: Any, source_path: str, out_dir: str | os.PathLike) -
             model.save_pretrained(tmp)
             load_tokenizer(source_path).save_pretrained(tmp)
 
-        shutil.rmtree(out_dir, ignore_errors=True)
-        _write_atomically(Path(out_dir), write)
+        replace_dir_atomically(out_dir, write, "hf_export", what)
     barrier()
     return str(out_dir)
 
@@ -103,6 +101,7 @@ def warm_start(cfg: WarmStartConfig, model_path: str, trainer_cfg: TrainerConfig
         return model_path
     if (Path(cfg.output) / "config.json").exists():
         return cfg.output
+    ensure_replaceable(cfg.output, "warm_start.output")  # before training, not after
     module = SFT(SFTConfig(model_path=model_path, engine=cfg.engine, optim=cfg.optim))
     data = SFTDataModule(DataConfig(train_files=cfg.train_files, train_batch_size=cfg.batch_size),
                          load_tokenizer(model_path))
@@ -112,7 +111,7 @@ def warm_start(cfg: WarmStartConfig, model_path: str, trainer_cfg: TrainerConfig
         default_root_dir=str(Path(trainer_cfg.default_root_dir) / "warm_start"),
     )
     trainer.fit(module, datamodule=data)
-    export_hf_model(module.engines["actor"], model_path, cfg.output)
+    export_hf_model(module.engines["actor"], model_path, cfg.output, "warm_start.output")
     if trainer.is_global_zero:
         loss = trainer.callback_metrics.get("sft/loss", float("nan"))
         print(f"SFT warm start: {cfg.max_steps} steps, loss {loss:.3f} -> {cfg.output}", flush=True)

@@ -14,6 +14,7 @@ from verl_trainer.algorithms import SFT, SFTDataModule
 from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import SFTRecipeConfig, parse_recipe_args
 from verl_trainer.models.loading import load_tokenizer
+from verl_trainer.utils.fs import ensure_replaceable
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sft.yaml"
 
@@ -21,6 +22,8 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sft.yaml"
 def main() -> None:
     started = time.monotonic()
     cfg = parse_recipe_args(SFTRecipeConfig, CONFIG, description=__doc__)
+    if cfg.export_dir:
+        ensure_replaceable(cfg.export_dir, "export_dir")  # before training, not after
     common.prepare_task(cfg.task)
     model_path = cfg.algorithm.model_path or common.prepare_model(cfg.model)
     algorithm = dataclasses.replace(cfg.algorithm, model_path=model_path)

@@ -13,6 +13,7 @@ from verl_trainer.training.checkpoint import (
     prune_checkpoints,
 )
 from verl_trainer.training.data import ResumableDistributedSampler, ShardedLoader, as_dataloader
+from verl_trainer.utils.fs import mark_owned
 
 
 def _shards(n: int, dp: int, epoch: int = 0, start: int = 0, shuffle: bool = True) -> list[list[int]]:
@@ -75,7 +76,7 @@ def test_unshardable_sources():
 
 def _fake_checkpoint(root, name: str, complete: bool = True) -> None:
     d = root / name
-    d.mkdir(parents=True)
+    mark_owned(d, "checkpoint")
     if complete:
         (d / STATE_FILE).write_bytes(b"x")
 

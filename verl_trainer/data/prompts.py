@@ -32,6 +32,7 @@ from tensordict import NonTensorStack, TensorDict
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from verl_trainer.data import schema
+from verl_trainer.data.jsonl import read_json_rows
 
 GROUND_TRUTH = "ground_truth"
 DATA_SOURCE = "data_source"
@@ -51,10 +52,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 
         return pq.read_table(path).to_pylist()
     if suffix in (".jsonl", ".json"):
-        text = path.read_text(encoding="utf-8")
-        if suffix == ".json" and text.lstrip().startswith("["):
-            return list(json.loads(text))
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        return read_json_rows(path)  # errors name the file and line
     raise ValueError(f"cannot read prompts from {str(path)!r}: use a .parquet, .jsonl or .json file")
 
 
@@ -73,10 +71,15 @@ def _ground_truth(row: Mapping[str, Any], where: str) -> Any:
 
 def _check_prompt(prompt: Any, where: str) -> str | list[dict[str, str]]:
     if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError(f"{where}: the prompt is empty; remove the row or give it a prompt")
         return prompt
     if isinstance(prompt, Sequence) and all(
         isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt
     ):
+        if not any(str(m["content"]).strip() for m in prompt):
+            raise ValueError(f"{where}: the chat prompt has no content ({prompt!r}); remove the row or fill "
+                             f"it")
         return [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
     raise ValueError(
         f"{where}: prompt must be a string or a chat list of {{'role', 'content'}} dicts, got {prompt!r}"
@@ -124,7 +127,10 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt",
 
     """
     rows = read_rows(Path(path))
-    return [normalize_record(row, i, prompt_key, default_data_source) for i, row in enumerate(rows)]
+    try:
+        return [normalize_record(row, i, prompt_key, default_data_source) for i, row in enumerate(rows)]
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def to_verl_row(prompt: str | list[dict[str, str]], ground_truth: Any, data_source: str,

@@ -9,9 +9,14 @@ Layout of a checkpoint directory ``path``::
     path/meta.json                   global_step, world_size, backend, model_type
     path/huggingface/config.json     the model's HF config
 
+    path/manifest.json               every file's size and sha256, verified before anything is loaded
+    path/.verl_trainer_output        the project's ownership marker (``verl_trainer.utils.fs``)
+
 Writes go to ``.{name}.tmp`` next to ``path`` and are renamed into place only after every rank has
 finished, so an interrupted save never replaces the previous checkpoint (see
-:func:`atomic_checkpoint_dir`). Assumes a file system shared by all ranks.
+:func:`atomic_checkpoint_dir`). Assumes a file system shared by all ranks. Loads are pickle-free: DCP
+through ``engine/safe_dcp.py``, everything else through
+:func:`~verl_trainer.utils.safe_load.safe_torch_load`.
 """
 
 from __future__ import annotations
@@ -19,26 +24,20 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from verl_trainer.utils.distributed import barrier, get_rank, get_world_size
+from verl_trainer.utils.fs import discard_temporary, ensure_replaceable, mark_owned, remove_owned
+from verl_trainer.utils.manifest import verify_manifest, write_manifest
+from verl_trainer.utils.safe_load import safe_torch_load
 
 EXTRA_STATE = "extra_state_rank{rank}.pt"
 META = "meta.json"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def _sibling(path: Path, suffix: str) -> Path:
@@ -46,51 +45,71 @@ def _sibling(path: Path, suffix: str) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_checkpoint_dir(path: str | Path) -> Iterator[Path]:
+def atomic_checkpoint_dir(path: str | Path, **marker: Any) -> Iterator[Path]:
     """Yield a temporary directory every rank writes into; commit it to ``path`` when all are done.
 
-    A collective: every rank must enter it. Rank 0 clears a stale temporary directory first; after the
-    block, rank 0 moves an existing ``path`` aside, renames the temporary directory to ``path`` and
-    deletes the old one. If the block raises, nothing is renamed.
+    A collective: every rank must enter it. Every rank first checks that ``path`` is missing, empty or a
+    directory verl-trainer wrote (:func:`~verl_trainer.utils.fs.ensure_replaceable`). Rank 0 clears a
+    stale temporary directory and marks the new one as the project's
+    (:data:`~verl_trainer.utils.fs.OWNER_MARKER`, with ``marker`` recorded in it). After the block every
+    rank hashes a share of the files and rank 0 writes ``manifest.json``
+    (:func:`~verl_trainer.utils.manifest.write_manifest`); then rank 0 moves an existing ``path`` aside,
+    renames the temporary directory to ``path`` and deletes the old one. If the block raises (e.g. the
+    disk is full), nothing is renamed and rank 0 deletes the temporary directory.
 
     Args:
         path: The final checkpoint directory.
+        **marker: Plain data recorded in the ownership marker (e.g. ``run_id``).
 
     """
     final = Path(path)
     tmp, old = _sibling(final, "tmp"), _sibling(final, "old")
-    if _rank() == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    _barrier()
-    yield tmp
-    _barrier()
-    if _rank() == 0:
+    ensure_replaceable(final, "checkpoint path")
+    if get_rank() == 0:
+        discard_temporary(tmp)  # left by an interrupted save of this path
+        mark_owned(tmp, "checkpoint", **marker)
+    barrier()
+    try:
+        yield tmp
+    except BaseException:
+        if get_rank() == 0:
+            discard_temporary(tmp)  # frees the space a failed save took
+        raise
+    barrier()
+    write_manifest(tmp)
+    if get_rank() == 0:
         if final.exists():
             if old.exists():
-                shutil.rmtree(old)
+                remove_owned(old, "checkpoint path")
             final.rename(old)
         tmp.rename(final)
         if old.exists():
-            shutil.rmtree(old)
-    _barrier()
+            remove_owned(old, "checkpoint path")
+    barrier()
 
 
-def resolve_checkpoint_dir(path: str | Path) -> Path:
+def resolve_checkpoint_dir(path: str | Path, verify: bool = True) -> Path:
     """``path``, or the previous checkpoint moved aside by a save interrupted while committing.
+
+    Args:
+        path: The checkpoint directory.
+        verify: Check its files against its manifest first (a collective when distributed).
 
     Raises:
         FileNotFoundError: If neither exists.
+        CorruptCheckpointError: If a file is missing, truncated or corrupted (naming it).
 
     """
     final = Path(path)
     if final.is_dir():
-        return final
-    old = _sibling(final, "old")
-    if old.is_dir():
-        return old
-    raise FileNotFoundError(f"no checkpoint at {str(final)!r}")
+        found = final
+    elif _sibling(final, "old").is_dir():
+        found = _sibling(final, "old")
+    else:
+        raise FileNotFoundError(f"no checkpoint at {str(final)!r}")
+    if verify:
+        verify_manifest(found)
+    return found
 
 
 def get_rng_state() -> dict[str, Any]:
@@ -140,7 +159,7 @@ def save_extra_state(
         "rng": get_rng_state(),
         "extra": extra or {},
     }
-    torch.save(payload, directory / EXTRA_STATE.format(rank=_rank()))
+    torch.save(payload, directory / EXTRA_STATE.format(rank=get_rank()))
 
 
 def load_extra_state(
@@ -155,9 +174,9 @@ def load_extra_state(
         The loaded payload (``global_step``, ``extra``, ...).
 
     """
-    own = directory / EXTRA_STATE.format(rank=_rank())
+    own = directory / EXTRA_STATE.format(rank=get_rank())
     path = own if own.exists() else directory / EXTRA_STATE.format(rank=0)
-    payload = torch.load(path, weights_only=True, map_location="cpu")
+    payload = safe_torch_load(path)
     if lr_scheduler is not None and payload.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(payload["lr_scheduler"])
         # the scheduler's state does not include the optimizer's current lr: put it back as well
@@ -170,7 +189,7 @@ def load_extra_state(
 
 def write_meta(directory: Path, meta: dict[str, Any], hf_config: Any = None) -> None:
     """Rank 0 writes ``meta.json`` and the HF config (``huggingface/config.json``)."""
-    if _rank() != 0:
+    if get_rank() != 0:
         return
     (directory / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
     if hf_config is not None and hasattr(hf_config, "save_pretrained"):
@@ -207,7 +226,7 @@ class DCPCheckpointMixin:
             save_extra_state(tmp, self.lr_scheduler, global_step)
             meta = {
                 "global_step": int(global_step),
-                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "world_size": get_world_size(),
                 "backend": self.backend,
                 "model_type": self.MODEL_TYPE,
             }
@@ -215,12 +234,13 @@ class DCPCheckpointMixin:
 
     def load_checkpoint(self, path: str, **kwargs: Any) -> dict[str, Any]:
         """Restore model, optimizer, scheduler and RNG from ``path``; returns ``meta.json``'s content."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        from verl_trainer.engine.safe_dcp import safe_dcp_load
 
         directory = resolve_checkpoint_dir(path)
         state = self._state_dicts()
-        dcp.load(state, checkpoint_id=str(directory / "dcp"))
+        safe_dcp_load(state, directory / "dcp")
         if self.optimizer is None:
             set_model_state_dict(self.module, state["model"])
         else:

@@ -15,8 +15,10 @@ Layout of a checkpoint directory ``path`` (shared parts from ``engine/checkpoint
 Everything is written into a temporary sibling directory and renamed into place when every rank is done.
 DeepSpeed itself loads its files with ``torch.load(weights_only=False)``, i.e. it would unpickle whatever
 a file holds; :meth:`DeepSpeedCheckpointMixin.load_checkpoint` runs it under
-:func:`weights_only_torch_load`, so only tensors, plain data and the few DeepSpeed classes its files
-contain (:data:`DEEPSPEED_SAFE_GLOBALS`) are accepted.
+:func:`safe_checkpoint_engine` (DeepSpeed's checkpoint engine reads through :func:`weights_only_load`,
+which names a refused file) and :func:`weights_only_torch_load` (every other ``torch.load`` is forced to
+``weights_only``), so only tensors, plain data and the few DeepSpeed classes its files contain
+(:data:`DEEPSPEED_SAFE_GLOBALS`) are accepted.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import contextlib
 import importlib
 import json
 import os
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,7 @@ from verl_trainer.engine.checkpoint import (
     write_meta,
 )
 from verl_trainer.engine.config import EngineConfig
+from verl_trainer.utils.safe_load import refusal, safe_torch_load
 
 CHECKPOINT_SUBDIR = "deepspeed"
 CHECKPOINT_TAG = "state"
@@ -68,9 +72,43 @@ def _safe_globals() -> list[Any]:
 
 
 def weights_only_load(path: str, map_location: Any = None) -> Any:
-    """``torch.load(path, weights_only=True)`` with DeepSpeed's plain-data classes allowed."""
-    with torch.serialization.safe_globals(_safe_globals()):
-        return torch.load(path, map_location=map_location, weights_only=True)
+    """``torch.load(path, weights_only=True)`` with DeepSpeed's plain-data classes allowed.
+
+    Raises:
+        UnsafeCheckpointError: Naming ``path``, if it holds anything else or is unreadable.
+    """
+    return safe_torch_load(path, _safe_globals(), map_location=map_location or "cpu")
+
+
+class _SafeCheckpointEngine:
+    """DeepSpeed's checkpoint engine with ``load`` replaced by :func:`weights_only_load` (file named)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """Load one of DeepSpeed's files safely."""
+        return weights_only_load(path, map_location)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def safe_checkpoint_engine(ds_engine: Any) -> Iterator[None]:
+    """Within the block, ``ds_engine`` reads its checkpoint files through :func:`weights_only_load`.
+
+    DeepSpeed reads model and optimizer files through ``ds_engine.checkpoint_engine.load``; swapping it
+    makes a refused file an :class:`UnsafeCheckpointError` that names it. Every other ``torch.load`` is
+    still forced to ``weights_only`` by :func:`weights_only_torch_load`.
+    """
+    inner = ds_engine.checkpoint_engine
+    ds_engine.checkpoint_engine = _SafeCheckpointEngine(inner)
+    try:
+        with weights_only_torch_load():
+            yield
+    finally:
+        ds_engine.checkpoint_engine = inner
 
 
 @contextlib.contextmanager
@@ -151,7 +189,7 @@ class DeepSpeedCheckpointMixin:
             payload = load_extra_state(directory, None)
             meta.setdefault("global_step", payload.get("global_step", 0))
             return meta
-        with weights_only_torch_load():
+        with safe_checkpoint_engine(self.ds_engine):
             load_path, _ = self.ds_engine.load_checkpoint(
                 str(directory / CHECKPOINT_SUBDIR),
                 tag=CHECKPOINT_TAG,
@@ -179,8 +217,11 @@ class DeepSpeedCheckpointMixin:
         assert self.module is not None
         if not (ds_dir / CHECKPOINT_TAG).is_dir():
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {str(ds_dir)!r}")
-        with weights_only_torch_load():
-            state = get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=CHECKPOINT_TAG)
+        try:
+            with weights_only_torch_load():
+                state = get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=CHECKPOINT_TAG)
+        except pickle.UnpicklingError as exc:  # DeepSpeed's own torch.load: name the directory at least
+            raise refusal(ds_dir / CHECKPOINT_TAG, f"a file in it failed to load ({exc})") from None
         missing = [name for name, _ in self.module.named_parameters() if name not in state]
         if missing:
             raise ValueError(f"checkpoint {str(ds_dir)!r} has no weights for {missing[:5]} ...")

@@ -189,6 +189,7 @@ def save_checkpoint(trainer: Trainer, path: Path) -> None:
         "strategy": trainer.strategy.backend,
         "precision": trainer.precision,
         "engines": list(trainer.module.engines),
+        "run_id": getattr(trainer.checkpoint_callback, "run_id", None),
     }
     ckpt.write_checkpoint(path, trainer.module.engines, make_state, meta, trainer.global_step)
 
