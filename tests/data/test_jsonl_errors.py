@@ -7,7 +7,7 @@ import json
 import pytest
 
 from verl_trainer.data.prompts import load_prompts, read_rows
-from verl_trainer.data.tasks import SFTDataset
+from verl_trainer.data.sft import SFTDataset
 
 ROW = json.dumps({"prompt": "1+1=", "reward_model": {"ground_truth": "2"}})
 
