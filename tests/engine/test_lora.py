@@ -6,6 +6,7 @@ matrix is in ``test_lora_invariance.py``.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -168,3 +169,51 @@ def test_lora_fsdp2_end_to_end(model_path, tmp_path):
     assert r0["step3_resumed"] == r0["step3"]
     for name, value in r0["after3"].items():
         assert torch.equal(r0["after3_resumed"][name], value), name
+
+
+# ------------------------------------------------------------------------------ a user's model
+def build_user_peft_model(model_path: str) -> PeftModel:
+    """What a user hands the engine: their own PeftModel (rank 2 on q and v only)."""
+    base = load_causal_lm(model_path)
+    config = LoraConfig(r=2, lora_alpha=4.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
+                        init_lora_weights=False)
+    return get_peft_model(base, config, autocast_adapter_dtype=False)
+
+
+def _factory_rank(model_path: str) -> dict:
+    from verl_trainer.engine.config import EngineSpec
+    from verl_trainer.strategy import Strategy
+
+    spec = EngineSpec("language_model", EngineConfig(micro_batch_size_per_gpu=4), OPTIM,
+                      model=functools.partial(build_user_peft_model, model_path))
+    engine = Strategy("fsdp2").build_engines({"actor": spec}, "32-true", 7, "cpu")["actor"]
+    with engine.eval_mode():
+        log_probs = engine.infer_batch(random_batch(4, seed=1))["model_output"]["log_probs"]
+    return {"trainable": engine.num_trainable_parameters(), "merged": collect_params(engine),
+            "log_probs": log_probs, "attn": engine.peft_model.config._attn_implementation}
+
+
+def test_engine_spec_model_factory_returning_a_peft_model(model_path):
+    out = run_distributed(_factory_rank, 1, model_path)[0]
+    torch.manual_seed(7)  # the engine seeds before calling the factory: the same random adapters
+    user = build_user_peft_model(model_path)
+    assert out["trainable"] == 2 * 2 * ((32 + 32) + (32 + 16)) == 448
+    assert out["attn"] == "verl_varlen"  # switched to padding-free attention by the engine
+    want = user.merge_and_unload().state_dict()
+    assert sorted(out["merged"]) == sorted(want)
+    for name, value in want.items():
+        torch.testing.assert_close(out["merged"][name], value, rtol=1e-6, atol=1e-6)
+    batch = random_batch(4, seed=1)
+    with torch.no_grad():
+        logits = user(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    mask = batch["attention_mask"].bool().clone()
+    mask[:, 0] = False
+    torch.testing.assert_close(out["log_probs"], padded_log_probs(logits, batch["input_ids"]) * mask,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_engine_spec_model_must_be_callable():
+    from verl_trainer.engine.config import EngineSpec
+
+    with pytest.raises(TypeError, match="EngineSpec.model must be a callable"):
+        EngineSpec("language_model", EngineConfig(), model="not a function")
