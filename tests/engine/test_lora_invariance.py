@@ -1,5 +1,6 @@
 """LoRA training is the same step whatever runs it: dp=1 ≡ dp=2 ≡ dynamic micro-batches ≡ Ulysses sp=2 ≡
-FSDP1 ≡ DeepSpeed ZeRO-1/2/3, for the policy and for the value model (adapters + a trained ``score`` head).
+activation checkpointing ≡ FSDP1 ≡ DeepSpeed ZeRO-1/2/3, for the policy and for the value model (adapters
++ a trained ``score`` head).
 
 Each case runs two optimizer steps on the same global batch of 8 samples and is compared with fsdp2 at
 dp=1: the global loss and grad norm of each step, and the merged export (``get_per_tensor_param``) after it.
@@ -38,6 +39,7 @@ CASES = {  # name: (world size, backend, engine config overrides)
     "dp2": (2, "fsdp2", {}),
     "dp2_dynamic": (2, "fsdp2", {"use_dynamic_bsz": True, "max_token_len_per_gpu": 24}),
     "sp2": (2, "fsdp2", {"ulysses_sequence_parallel_size": 2}),
+    "checkpointing": (2, "fsdp2", {"enable_gradient_checkpointing": True}),
     "fsdp1": (2, "fsdp", {}),
     "zero1": (2, "deepspeed", {"zero_stage": 1}),
     "zero2": (2, "deepspeed", {"zero_stage": 2}),
