@@ -17,6 +17,7 @@ from peft.utils import get_peft_model_state_dict
 from torch.distributed.checkpoint import FileSystemReader
 
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
+from verl_trainer.engine.lora import apply_lora
 from verl_trainer.engine.lora_export import lora_targets, merged_hf_tensors
 from verl_trainer.models.loading import load_causal_lm
 from verl_trainer.testing.distributed import run_distributed
@@ -59,6 +60,18 @@ def test_config_lora_switch_and_list_targets():
     assert EngineConfig(lora_adapter_path="some/dir").lora_enabled
     config = EngineConfig(lora_rank=8, target_modules=("q_proj", "v_proj"))
     assert config.lora_enabled and config.target_modules == ["q_proj", "v_proj"]
+
+
+# ------------------------------------------------------------------------------ building, no processes
+def test_apply_lora_refuses_what_it_cannot_do(model_path, tmp_path):
+    base = load_causal_lm(model_path)
+    with pytest.raises(ValueError, match="not a peft adapter directory"):
+        apply_lora(base, EngineConfig(lora_adapter_path=str(tmp_path)), "language_model")
+    with pytest.raises(ValueError, match="only on linear layers"):
+        apply_lora(base, EngineConfig(lora_rank=2, target_modules=["embed_tokens"]), "language_model")
+    with pytest.raises(ValueError, match="it has adapters"):
+        apply_lora(_peft(model_path), EngineConfig(lora_rank=2), "language_model")
+    assert apply_lora(base, EngineConfig(), "language_model") is base
 
 
 # ------------------------------------------------------------------------------ merge, no processes
@@ -107,6 +120,12 @@ def _lora_rank(model_path: str, tmp: str) -> dict:
     out["merged"] = collect_params(engine)
     out["adapters"] = collect_params_adapters(engine)
     engine.save_adapter(os.path.join(tmp, "adapter"))
+    from_adapter = EngineRegistry.new(
+        "language_model", "fsdp2",
+        EngineConfig(model_path=model_path, lora_adapter_path=os.path.join(tmp, "adapter")), OPTIM,
+    )
+    from_adapter.initialize()
+    out["merged_from_adapter"] = collect_params(from_adapter)
     out.update(_save_step_resume(engine, "fsdp2", config, shard, os.path.join(tmp, "ckpt")))
     return out
 
@@ -170,6 +189,8 @@ def test_lora_fsdp2_end_to_end(model_path, tmp_path):
     for name, value in merged_want.items():
         torch.testing.assert_close(r0["merged"][name], value, rtol=1e-6, atol=1e-6)
     assert set(out[1]["merged"]) == set(r0["merged"])
+    for name, value in r0["merged"].items():  # an engine started from the saved adapter (lora_adapter_path)
+        assert torch.equal(r0["merged_from_adapter"][name], value), name
 
     # checkpoint: adapters + optimizer only, and the resumed step is bitwise the original
     saved = FileSystemReader(str(tmp_path / "ckpt" / "dcp")).read_metadata().state_dict_metadata
