@@ -90,7 +90,8 @@ def test_lora_policy_step_is_invariant(case, model_path, baselines):
     world, backend, config = CASES[case]
     if backend == "deepspeed" and not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed")
-    out = run_distributed(_train_rank, world, backend, "language_model", model_path, config)
+    out = run_distributed(_train_rank, world, backend, "language_model", model_path, config, timeout=600,
+                          env={"DS_ACCELERATOR": "cpu"})
     for rank_out in out:
         _assert_same_training(rank_out, baselines["language_model"])
 
@@ -100,7 +101,8 @@ def test_lora_value_model_step_is_invariant(case, model_path, baselines):
     world, backend, config = CASES[case]
     if backend == "deepspeed" and not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed")
-    out = run_distributed(_train_rank, world, backend, "value_model", model_path, config)
+    out = run_distributed(_train_rank, world, backend, "value_model", model_path, config, timeout=600,
+                          env={"DS_ACCELERATOR": "cpu"})
     base = baselines["value_model"]
     assert base["trainable"] == 4096 + 32 + 1  # the adapters + the score head (weight [1, 32], bias)
     for rank_out in out:
