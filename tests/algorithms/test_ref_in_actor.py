@@ -38,3 +38,16 @@ def test_ppo_kl_in_reward_uses_the_actor_as_reference():
 def test_ref_in_actor_without_lora_is_an_error():
     with pytest.raises(ValueError, match=r"ref.in_actor=true .* set actor.engine.lora_rank > 0"):
         GRPOConfig(model_path="m", actor=_actor(0), ref=RefConfig(in_actor=True))
+
+
+def test_grpo_lora_yaml_loads_with_the_reference_in_the_actor():
+    from pathlib import Path
+
+    from verl_trainer.configs import GRPORecipeConfig, load_config
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "grpo_lora.yaml"
+    cfg = load_config(GRPORecipeConfig, path, ["algorithm.actor.engine.target_modules=[q_proj,v_proj]"])
+    engine = cfg.algorithm.actor.engine
+    assert (engine.lora_rank, engine.lora_alpha, engine.target_modules) == (16, 32, ["q_proj", "v_proj"])
+    assert cfg.algorithm.actor.loss.use_kl_loss and cfg.algorithm.ref_in_actor
+    assert load_config(GRPORecipeConfig, path).algorithm.actor.engine.target_modules == "all-linear"
