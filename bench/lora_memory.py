@@ -98,8 +98,9 @@ def main() -> None:
         write_model(model, args.hidden, args.layers, args.vocab)
         results = {}
         for mode in ("full", "lora"):
-            child = [a for a in sys.argv[1:] if not a.startswith("--json")]
-            cmd = [sys.executable, __file__, *child, "--mode", mode, "--model", model]
+            names = ("hidden", "layers", "vocab", "batch", "len", "steps", "rank", "threads")
+            sizes = [f"--{k}={getattr(args, k)}" for k in names]
+            cmd = [sys.executable, __file__, *sizes, "--mode", mode, "--model", model]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
     full, lora = results["full"], results["lora"]
