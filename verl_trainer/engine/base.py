@@ -28,7 +28,8 @@ Writing a backend (``fsdp.py`` and ``deepspeed.py`` are the examples)::
         forward_model = ...                             # optional: what is called (default: module)
         def _backward(self, loss): ...                  # optional: default loss.backward()
         def _grad_sync_context(self, is_last): ...      # sync grads on the last micro-batch only
-        def get_per_tensor_param(self): ...
+        def named_full_tensors(self, keep=None): ...    # with LoRAMixin (lora.py), which adds LoRA and
+                                                        # get_per_tensor_param; or get_per_tensor_param
         def save_checkpoint(self, path, global_step=0): ...  # inside checkpoint.atomic_checkpoint_dir
         def load_checkpoint(self, path): ...
 
