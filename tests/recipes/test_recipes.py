@@ -98,3 +98,21 @@ def test_grpo_single_update_reuses_its_log_probs_exactly(assets, tmp_path):
             assert reused[key] == pytest.approx(recomputed[key], rel=1e-4, abs=1e-7), key
         assert reused["actor/ppo_kl"] == 0.0 and abs(recomputed["actor/ppo_kl"]) < 1e-6
         assert reused["actor/old_log_probs_reused"] == 1.0 and recomputed["actor/old_log_probs_reused"] == 0.0
+
+
+@pytest.mark.slow
+def test_grpo_lora_reference_in_the_actor_equals_a_separate_reference(assets, tmp_path):
+    """LoRA GRPO (2 ranks): the KL to the adapter-free actor equals the KL to a separately loaded base."""
+    lora = (*RL_OVERRIDES, "algorithm.rollout.n=2", "algorithm.actor.engine.lora_rank=4",
+            "algorithm.actor.engine.lora_alpha=8", "algorithm.actor.loss.use_kl_loss=true",
+            "algorithm.actor.optim.lr=0.05")
+    runs = {in_actor: run_recipe("grpo", assets, tmp_path / str(in_actor), *lora,
+                                 f"algorithm.ref.in_actor={str(in_actor).lower()}")
+            for in_actor in (True, False)}
+    for step in (1, 2):
+        in_actor, separate = runs[True][step], runs[False][step]
+        assert in_actor["reward/mean"] == separate["reward/mean"]
+        for key in ("actor/kl_loss", "actor/pg_loss", "actor/grad_norm"):
+            assert in_actor[key] == pytest.approx(separate[key], rel=1e-5, abs=1e-8), key
+    assert runs[True][2]["actor/kl_loss"] > 0  # the adapters moved the policy away from the base
+    assert (tmp_path / "True" / "adapter" / "adapter_config.json").is_file()
