@@ -85,25 +85,23 @@ def _assert_same_training(got: dict, want: dict) -> None:
     assert_close_params(got["params"], want["params"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_lora_policy_step_is_invariant(case, model_path, baselines):
+def _run_case(case: str, model_type: str, model_path: str) -> list[dict]:
     world, backend, config = CASES[case]
     if backend == "deepspeed" and not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed")
-    out = run_distributed(_train_rank, world, backend, "language_model", model_path, config, timeout=600,
-                          env={"DS_ACCELERATOR": "cpu"})
-    for rank_out in out:
+    return run_distributed(_train_rank, world, backend, model_type, model_path, config, timeout=600,
+                           env={"DS_ACCELERATOR": "cpu"})
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_lora_policy_step_is_invariant(case, model_path, baselines):
+    for rank_out in _run_case(case, "language_model", model_path):
         _assert_same_training(rank_out, baselines["language_model"])
 
 
 @pytest.mark.parametrize("case", ["dp2", "zero2"])
 def test_lora_value_model_step_is_invariant(case, model_path, baselines):
-    world, backend, config = CASES[case]
-    if backend == "deepspeed" and not HAS_DEEPSPEED:
-        pytest.skip("deepspeed is not installed")
-    out = run_distributed(_train_rank, world, backend, "value_model", model_path, config, timeout=600,
-                          env={"DS_ACCELERATOR": "cpu"})
     base = baselines["value_model"]
     assert base["trainable"] == 4096 + 32 + 1  # the adapters + the score head (weight [1, 32], bias)
-    for rank_out in out:
+    for rank_out in _run_case(case, "value_model", model_path):
         _assert_same_training(rank_out, base)
