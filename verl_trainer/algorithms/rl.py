@@ -165,6 +165,7 @@ class RLModule(TrainingModule):
         """Build the rollout copy of the policy (once; it lives as long as the module)."""
         if self.rollout is None:
             self.rollout = build_rollout(self.config.rollout, self.config.model_path)
+            self._rollout_stale = True  # the actor may not be model_path's weights (e.g. saved LoRA adapters)
 
     # ------------------------------------------------------------------------------------- the step
     def compute_advantages(self, batch: TensorDict, scores: torch.Tensor, metrics: dict[str, Any]) -> None:
