@@ -36,6 +36,9 @@ def main(algorithm_cls: type = GRPO, default_config: Path = CONFIG) -> None:
     before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit else None
     trainer.fit(module, datamodule=data)
     after = common.validate(trainer, module, data)
+    actor = module.engines["actor"]
+    if actor.has_adapters:  # LoRA: the adapters as a peft directory (PeftModel.from_pretrained loads it)
+        actor.save_adapter(Path(cfg.trainer.default_root_dir) / "adapter")
     common.report(trainer, before, after, ("val/reward/mean", "val/reward/accuracy"), started=started)
 
 

@@ -167,7 +167,8 @@ class Strategy:
     def build_engine(self, spec: EngineSpec, precision: str, seed: int | None) -> BaseEngine:
         """Build (not initialise) the engine ``spec`` describes, on the run's topology once it exists."""
         config = self.engine_config(spec.config, precision, seed)
-        return EngineRegistry.new(spec.model_type, self.backend, config, spec.optim, topology=self.topology)
+        return EngineRegistry.new(spec.model_type, self.backend, config, spec.optim, topology=self.topology,
+                                  model_factory=spec.model)
 
     def setup_topology(self, sp_size: int, device_type: str) -> Topology:
         """The run's ``(dp, sp)`` meshes, built once per process group (a collective the first time).

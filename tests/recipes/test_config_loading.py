@@ -16,7 +16,7 @@ from verl_trainer.configs import (
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPES = {"sft": SFTRecipeConfig, "grpo": GRPORecipeConfig, "dr_grpo": GRPORecipeConfig,
-           "dapo": GRPORecipeConfig, "ppo": PPORecipeConfig}
+           "dapo": GRPORecipeConfig, "ppo": PPORecipeConfig, "grpo_lora": GRPORecipeConfig}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

@@ -98,3 +98,32 @@ def test_grpo_single_update_reuses_its_log_probs_exactly(assets, tmp_path):
             assert reused[key] == pytest.approx(recomputed[key], rel=1e-4, abs=1e-7), key
         assert reused["actor/ppo_kl"] == 0.0 and abs(recomputed["actor/ppo_kl"]) < 1e-6
         assert reused["actor/old_log_probs_reused"] == 1.0 and recomputed["actor/old_log_probs_reused"] == 0.0
+
+
+@pytest.mark.slow
+def test_grpo_lora_reference_in_the_actor_equals_a_separate_reference(assets, tmp_path):
+    """LoRA GRPO (2 ranks): the KL to the adapter-free actor equals the KL to a separately loaded base.
+
+    The actor starts from a saved random adapter (``lora_adapter_path``), so it differs from the base
+    from the first step on, and the rollout must be sent its merged weights before the first generate.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    from verl_trainer.models.loading import load_causal_lm
+
+    adapter = tmp_path / "random_adapter"
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                        task_type="CAUSAL_LM")
+    get_peft_model(load_causal_lm(assets / "model"), config).save_pretrained(str(adapter))
+    lora = (*RL_OVERRIDES, "algorithm.rollout.n=2", f"algorithm.actor.engine.lora_adapter_path={adapter}",
+            "algorithm.actor.loss.use_kl_loss=true")
+    runs = {in_actor: run_recipe("grpo", assets, tmp_path / str(in_actor), *lora,
+                                 f"algorithm.ref.in_actor={str(in_actor).lower()}")
+            for in_actor in (True, False)}
+    for step in (1, 2):
+        in_actor, separate = runs[True][step], runs[False][step]
+        assert in_actor["reward/mean"] == separate["reward/mean"]
+        for key in ("actor/kl_loss", "actor/pg_loss", "actor/grad_norm"):
+            assert in_actor[key] == pytest.approx(separate[key], rel=1e-5, abs=1e-8), key
+    assert all(runs[True][step]["actor/kl_loss"] > 1e-4 for step in (1, 2))  # the adapters are in use
+    assert (tmp_path / "True" / "adapter" / "adapter_config.json").is_file()

@@ -109,14 +109,19 @@ class CriticConfig:
 
 @dataclass
 class RefConfig:
-    """The frozen reference policy, built only when ``actor.loss.use_kl_loss`` is on.
+    """The frozen reference policy, used only with a KL term (``actor.loss.use_kl_loss``, PPO's KL in reward).
 
     Attributes:
         engine: Engine settings of the inference-only reference engine; ``model_path`` is the actor's
             initial checkpoint unless set here.
+        in_actor: The reference is the actor's engine with its LoRA adapters disabled (the base model; no
+            second engine, no second copy of the weights) — verl's "ref in actor". ``null`` (default): on
+            when the actor trains LoRA adapters (``actor.engine.lora_rank > 0`` or ``lora_adapter_path``).
+            ``true`` needs LoRA on the actor.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
+    in_actor: bool | None = None
 
 
 @dataclass
@@ -196,7 +201,18 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     val_rollout: ValidationRolloutConfig = field(default_factory=ValidationRolloutConfig)
 
+    @property
+    def ref_in_actor(self) -> bool:
+        """Whether the reference is the actor with its adapters disabled (see ``RefConfig.in_actor``)."""
+        return self.actor.engine.lora_enabled if self.ref.in_actor is None else self.ref.in_actor
+
     def __post_init__(self) -> None:
+        if self.ref.in_actor and not self.actor.engine.lora_enabled:
+            raise ValueError(
+                "ref.in_actor=true makes the reference the actor with its LoRA adapters disabled, but the "
+                "actor has no adapters; set actor.engine.lora_rank > 0, or ref.in_actor=false (a separate "
+                "reference engine)"
+            )
         buffer = self.reward.overlong_buffer
         if buffer.enable and buffer.len > self.rollout.max_new_tokens:
             raise ValueError(

@@ -22,6 +22,7 @@ Logged (reductions declared, so the values are those of the whole step on one pr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
@@ -143,7 +144,11 @@ class RLModule(TrainingModule):
         return {}
 
     def configure_engines(self) -> dict[str, EngineSpec]:
-        """``actor`` (trained), the subclass's engines, ``ref`` (inference only) with the KL loss."""
+        """``actor`` (trained), the subclass's engines, ``ref`` (inference only) with a KL term.
+
+        No ``ref`` engine when the reference is the LoRA actor with its adapters disabled
+        (``config.ref_in_actor``).
+        """
         if not self.config.model_path:
             raise ValueError(
                 f"{type(self).__name__}: config.model_path is empty; set algorithm.model_path to the initial "
@@ -152,7 +157,7 @@ class RLModule(TrainingModule):
         actor = self.config.actor
         specs = {"actor": EngineSpec("language_model", self._policy_engine(actor.engine), actor.optim)}
         specs.update(self.extra_engines())
-        if self.uses_reference:
+        if self.uses_reference and not self.config.ref_in_actor:
             specs["ref"] = EngineSpec("language_model", self._policy_engine(self.config.ref.engine), None)
         return specs
 
@@ -160,6 +165,7 @@ class RLModule(TrainingModule):
         """Build the rollout copy of the policy (once; it lives as long as the module)."""
         if self.rollout is None:
             self.rollout = build_rollout(self.config.rollout, self.config.model_path)
+            self._rollout_stale = True  # the actor may not be model_path's weights (e.g. saved LoRA adapters)
 
     # ------------------------------------------------------------------------------------- the step
     def compute_advantages(self, batch: TensorDict, scores: torch.Tensor, metrics: dict[str, Any]) -> None:
@@ -213,8 +219,9 @@ class RLModule(TrainingModule):
             with engine.eval_mode():
                 batch[schema.OLD_LOG_PROBS] = engine.infer_batch(batch)["model_output"]["log_probs"]
         if self.uses_reference:
-            ref = self.engines["ref"]
-            with ref.eval_mode():
+            in_actor = self.config.ref_in_actor  # the actor with its LoRA adapters disabled
+            ref = self.engines["actor" if in_actor else "ref"]
+            with ref.eval_mode(), ref.disable_adapters() if in_actor else contextlib.nullcontext():
                 batch[schema.REF_LOG_PROB] = ref.infer_batch(batch)["model_output"]["log_probs"]
 
     def run_updates(self, name: str, loss_fn: Callable[..., Any], mini_batches: list[TensorDict],

@@ -28,7 +28,8 @@ Writing a backend (``fsdp.py`` and ``deepspeed.py`` are the examples)::
         forward_model = ...                             # optional: what is called (default: module)
         def _backward(self, loss): ...                  # optional: default loss.backward()
         def _grad_sync_context(self, is_last): ...      # sync grads on the last micro-batch only
-        def get_per_tensor_param(self): ...
+        def named_full_tensors(self, keep=None): ...    # with LoRAMixin (lora.py), which adds LoRA and
+                                                        # get_per_tensor_param; or get_per_tensor_param
         def save_checkpoint(self, path, global_step=0): ...  # inside checkpoint.atomic_checkpoint_dir
         def load_checkpoint(self, path): ...
 
@@ -123,6 +124,8 @@ class BaseEngine(ABC):
         backend: The registry name the engine was built under (``"fsdp"``, ``"fsdp2"``, ...).
         topology: The run's ``(dp, sp)`` meshes (the Trainer's strategy builds them once and hands them
             to every engine); ``None``: ``initialize`` builds the engine's own.
+        model_factory: A zero-argument callable that builds the model (a transformers model or a
+            ``PeftModel``) in place of loading ``config.model_path`` (see ``EngineSpec.model``).
         **config_overrides: ``EngineConfig`` fields to override (alias presets such as
             ``zero_stage=3`` arrive here).
 
@@ -137,6 +140,7 @@ class BaseEngine(ABC):
         *,
         backend: str = "",
         topology: Topology | None = None,
+        model_factory: Callable[[], torch.nn.Module] | None = None,
         **config_overrides: Any,
     ) -> None:
         if not isinstance(config, EngineConfig):
@@ -145,6 +149,7 @@ class BaseEngine(ABC):
         self.optim_config: OptimConfig | None = optim_config
         self.backend = backend
         self.topology: Topology | None = topology  # None: ``initialize`` builds one of its own
+        self.model_factory = model_factory
         self.model_config: Any = None  # the HF config of the loaded model (set by ``load_hf_model``)
         self.device: torch.device = get_torch_device()
         self.module: torch.nn.Module | None = None
@@ -293,8 +298,12 @@ class BaseEngine(ABC):
 
     # ------------------------------------------------------------------------------- weight export
     @abstractmethod
-    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, full_tensor)`` one at a time; a collective, call it on every rank."""
+    def get_per_tensor_param(self, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, full_tensor)`` one at a time; a collective, call it on every rank.
+
+        With LoRA the tensors are the base model's, adapters merged; ``adapters_only=True`` yields the
+        adapter tensors under peft's names instead (``engine/lora.py``).
+        """
 
     # --------------------------------------------------------------------------------- checkpoints
     @abstractmethod

@@ -199,21 +199,29 @@ def write_meta(directory: Path, meta: dict[str, Any], hf_config: Any = None) -> 
 class DCPCheckpointMixin:
     """``save_checkpoint`` / ``load_checkpoint`` with torch.distributed.checkpoint (FSDP1 and FSDP2).
 
-    Attributes read: ``module``, ``optimizer``, ``lr_scheduler``, ``backend``, ``MODEL_TYPE``.
+    Attributes read: ``module``, ``optimizer``, ``lr_scheduler``, ``backend``, ``MODEL_TYPE``,
+    ``has_adapters`` (LoRA: frozen base weights are not saved; they come from the model path again).
     """
 
+    has_adapters: bool
     module: torch.nn.Module | None
     optimizer: torch.optim.Optimizer | None
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
     backend: str
     MODEL_TYPE: str
 
+    def _state_dict_options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.has_adapters, strict=not self.has_adapters)
+
     def _state_dicts(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+        options = self._state_dict_options()
         if self.optimizer is None:
-            return {"model": get_model_state_dict(self.module)}
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+            return {"model": get_model_state_dict(self.module, options=options)}
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=options)
         return {"model": model_sd, "optimizer": optim_sd}
 
     def save_checkpoint(self, path: str, global_step: int = 0, **kwargs: Any) -> None:
@@ -242,11 +250,12 @@ class DCPCheckpointMixin:
         state = self._state_dicts()
         safe_dcp_load(state, directory / "dcp")
         if self.optimizer is None:
-            set_model_state_dict(self.module, state["model"])
+            set_model_state_dict(self.module, state["model"], options=self._state_dict_options())
         else:
             set_state_dict(
                 self.module, self.optimizer,
                 model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                options=self._state_dict_options(),
             )
         payload = load_extra_state(directory, self.lr_scheduler)
         meta = json.loads((directory / META).read_text()) if (directory / META).exists() else {}

@@ -8,6 +8,7 @@ apply the preset arguments of aliases such as ``deepspeed_stage_3``); an unknown
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -151,6 +152,15 @@ class EngineConfig(_Validated):
         deepspeed_config: Extra raw DeepSpeed config merged over the generated one.
         temperature: Logits are divided by it before log-probs / entropy (the rollout temperature).
         strategy_kwargs: Extra backend-specific options (free-form, for plug-in backends).
+        lora_rank: LoRA rank; ``0`` trains the full model. With ``> 0`` the model gets peft LoRA
+            adapters before sharding and only they (and a value model's head) are trained
+            (``engine/lora.py``).
+        lora_alpha: LoRA scaling numerator (the update is ``lora_alpha / lora_rank · B·A``).
+        target_modules: ``"all-linear"`` (every linear layer but the output head) or a list of module
+            names, e.g. ``["q_proj", "v_proj"]``.
+        lora_dropout: Dropout on the adapters' input.
+        lora_adapter_path: A saved peft adapter directory (``adapter_config.json`` +
+            ``adapter_model.safetensors``) to start from; its own rank, alpha and targets apply.
 
     """
 
@@ -173,8 +183,14 @@ class EngineConfig(_Validated):
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
     temperature: float = 1.0
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
+    lora_rank: int = 0
+    lora_alpha: float = 16
+    target_modules: Any = "all-linear"  # "all-linear" or list[str] (OmegaConf has no str | list union)
+    lora_dropout: float = 0.0
+    lora_adapter_path: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_lora()
         _check(
             self.micro_batch_size_per_gpu >= 1,
             f"EngineConfig.micro_batch_size_per_gpu must be >= 1, got {self.micro_batch_size_per_gpu}",
@@ -200,6 +216,39 @@ class EngineConfig(_Validated):
             f"EngineConfig.zero_stage must be 1, 2 or 3, got {self.zero_stage}",
         )
         _check(self.temperature > 0, f"EngineConfig.temperature must be > 0, got {self.temperature}")
+
+    def _check_lora(self) -> None:
+        _check(
+            isinstance(self.lora_rank, int) and self.lora_rank >= 0,
+            f"EngineConfig.lora_rank must be an int >= 0 (0 = no LoRA), got {self.lora_rank!r}",
+        )
+        _check(self.lora_alpha > 0, f"EngineConfig.lora_alpha must be > 0, got {self.lora_alpha}")
+        _check(
+            0.0 <= self.lora_dropout < 1.0,
+            f"EngineConfig.lora_dropout must be in [0, 1), got {self.lora_dropout}",
+        )
+        targets = self.target_modules
+        if not isinstance(targets, str) and hasattr(targets, "__iter__"):  # a list, tuple or ListConfig
+            targets = list(targets)
+        _check(
+            targets == "all-linear"
+            or (isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)),
+            f"EngineConfig.target_modules={self.target_modules!r}; use 'all-linear' or a non-empty list of "
+            f"module names, e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj']",
+        )
+        self.target_modules = targets
+        _check(
+            self.lora_adapter_path is None or isinstance(self.lora_adapter_path, str),
+            f"EngineConfig.lora_adapter_path must be a directory path or null, got "
+            f"{self.lora_adapter_path!r}",
+        )
+        if self.lora_adapter_path == "":
+            self.lora_adapter_path = None
+
+    @property
+    def lora_enabled(self) -> bool:
+        """True when the engine trains LoRA adapters (``lora_rank > 0`` or a saved adapter to load)."""
+        return self.lora_rank > 0 or self.lora_adapter_path is not None
 
     def dp_size(self, world_size: int) -> int:
         """Data-parallel size for ``world_size`` ranks.
@@ -230,14 +279,38 @@ class EngineSpec:
         config: The engine config (model path, micro-batching, ...); dtypes come from the Trainer's
             precision.
         optim: Optimizer config; ``None`` builds an inference-only engine (e.g. a reference policy).
+        model: A zero-argument callable that builds the model in place of loading ``config.model_path``:
+            a transformers model (a token-classification model with ``num_labels=1`` for
+            ``"value_model"``) or a ``PeftModel``. It runs on every rank, after the seed is set and
+            before sharding; the engine switches it to padding-free attention. Its adapters are trained
+            as they are (keep ``config.lora_rank=0``); a plain model gets adapters from
+            ``config.lora_rank`` as a loaded one would.
+
+    Example::
+
+        from peft import LoraConfig, get_peft_model
+
+        def build_policy():
+            base = AutoModelForCausalLM.from_pretrained("path/to/model")
+            return get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
+                                                   task_type="CAUSAL_LM"))
+
+        spec = EngineSpec("language_model", EngineConfig(model_path="path/to/model"), OptimConfig(lr=1e-4),
+                          model=build_policy)
     """
 
     model_type: str
     config: EngineConfig
     optim: OptimConfig | None = None
+    model: Callable[[], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"EngineSpec.model_type={self.model_type!r}; choose one of {MODEL_TYPES}")
         if not isinstance(self.config, EngineConfig):
             raise TypeError(f"EngineSpec.config must be an EngineConfig, got {type(self.config).__name__}")
+        if self.model is not None and not callable(self.model):
+            raise TypeError(
+                f"EngineSpec.model must be a callable returning the model (e.g. a function calling "
+                f"get_peft_model), got {type(self.model).__name__}"
+            )

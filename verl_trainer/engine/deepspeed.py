@@ -32,7 +32,7 @@ import importlib.util
 import math
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.deepspeed_checkpoint import DeepSpeedCheckpointMixin
 from verl_trainer.engine.deepspeed_config import build_deepspeed_config
 from verl_trainer.engine.heads import LanguageModelMixin, ValueModelMixin
+from verl_trainer.engine.lora import LoRAMixin
 from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler, build_optimizer
 from verl_trainer.engine.registry import EngineRegistry
 from verl_trainer.engine.topology import TopologyMixin, engine_topology
@@ -94,7 +95,7 @@ class DeepSpeedForward:
 
 
 class DeepSpeedEngine(
-    TopologyMixin, MicroBatchComputeMixin, OptimizerMixin, DeepSpeedCheckpointMixin, BaseEngine
+    TopologyMixin, MicroBatchComputeMixin, OptimizerMixin, DeepSpeedCheckpointMixin, LoRAMixin, BaseEngine
 ):
     """DeepSpeed ZeRO-1/2/3 engine; the model type comes from a mixin (see the registered subclasses).
 
@@ -149,7 +150,7 @@ class DeepSpeedEngine(
             torch.cuda.set_device(self.device)
         torch.manual_seed(self.config.seed)
         self.topology = engine_topology(self.topology, self.config, self.device.type)
-        model = self.load_hf_model()  # type: ignore[attr-defined]  (model-type part)
+        model = self.build_model()  # checkpoint or factory, + LoRA adapters (engine/lora.py)
         self.model_config = model.config
         if self.config.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -271,12 +272,17 @@ class DeepSpeedEngine(
         return norm
 
     # ------------------------------------------------------------------------------- weight export
-    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, full_tensor)`` one at a time, in ``state_dict`` order; a collective.
+    def named_full_tensors(
+        self, keep: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, full_tensor)`` one at a time, in ``state_dict`` order; a collective.
 
         ZeRO-3 parameters are gathered one by one (every rank must iterate to the end); ZeRO-1/2 keep
-        full parameters on every rank. The names are the HF model's ``state_dict`` keys (tied weights
-        included), so the tensors load into a plain transformers model with ``load_state_dict``.
+        full parameters on every rank. The names are the model's ``state_dict`` keys (tied weights
+        included; ``get_per_tensor_param`` maps a LoRA model's to the base model's HF names).
+
+        Args:
+            keep: Only names it accepts are gathered and yielded (the same on every rank).
         """
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
@@ -285,6 +291,8 @@ class DeepSpeedEngine(
         tensors = dict(self.module.named_parameters(remove_duplicate=False))
         tensors.update(self.module.named_buffers(remove_duplicate=False))
         for name in self.module.state_dict(keep_vars=True):
+            if keep is not None and not keep(name):
+                continue
             tensor = tensors[name]
             if partitioned and hasattr(tensor, "ds_id"):
                 with GatheredParameters([tensor], modifier_rank=None):

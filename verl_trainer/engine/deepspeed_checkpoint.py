@@ -136,9 +136,10 @@ class DeepSpeedCheckpointMixin:
     """``save_checkpoint`` / ``load_checkpoint`` for the DeepSpeed engine.
 
     Attributes read: ``ds_engine``, ``module``, ``optimizer``, ``lr_scheduler``, ``config``, ``backend``,
-    ``MODEL_TYPE``.
+    ``MODEL_TYPE``, ``has_adapters`` (LoRA: frozen base weights are not saved; the model path has them).
     """
 
+    has_adapters: bool
     ds_engine: Any
     module: torch.nn.Module | None
     optimizer: torch.optim.Optimizer | None
@@ -151,7 +152,8 @@ class DeepSpeedCheckpointMixin:
         """Save model, ZeRO optimizer partitions, scheduler and RNG atomically to ``path``; a collective."""
         with atomic_checkpoint_dir(path) as tmp:
             self.ds_engine.save_checkpoint(
-                str(tmp / CHECKPOINT_SUBDIR), tag=CHECKPOINT_TAG, client_state={}, save_latest=True
+                str(tmp / CHECKPOINT_SUBDIR), tag=CHECKPOINT_TAG, client_state={}, save_latest=True,
+                exclude_frozen_parameters=self.has_adapters,
             )  # ``latest``: DeepSpeed's ZeRO-3 module-only load ignores the tag and reads it
             save_extra_state(tmp, self.lr_scheduler, global_step)
             meta = {
@@ -196,6 +198,7 @@ class DeepSpeedCheckpointMixin:
                 load_optimizer_states=train,
                 load_lr_scheduler_states=False,
                 load_module_only=not train,
+                load_module_strict=not self.has_adapters,
             )
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {str(directory / CHECKPOINT_SUBDIR)!r}")

@@ -10,7 +10,7 @@ type and are registered for cpu, cuda and npu.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from verl_trainer.engine.checkpoint import DCPCheckpointMixin
 from verl_trainer.engine.compute import MicroBatchComputeMixin
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.heads import LanguageModelMixin, ValueModelMixin
+from verl_trainer.engine.lora import LoRAMixin
 from verl_trainer.engine.offload import move_grads, move_module, move_optimizer_state
 from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler, build_optimizer
 from verl_trainer.engine.parallelize import apply_fsdp1, apply_fsdp2
@@ -39,7 +40,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 class FSDPEngine(
-    TopologyMixin, MicroBatchComputeMixin, OptimizerMixin, DCPCheckpointMixin, BaseEngine
+    TopologyMixin, MicroBatchComputeMixin, OptimizerMixin, DCPCheckpointMixin, LoRAMixin, BaseEngine
 ):
     """FSDP1 / FSDP2 engine; the model type comes from a mixin (see the registered subclasses).
 
@@ -89,7 +90,7 @@ class FSDPEngine(
             torch.cuda.set_device(self.device)
         torch.manual_seed(self.config.seed)
         self.topology = engine_topology(self.topology, self.config, self.device.type)
-        model = self.load_hf_model()  # type: ignore[attr-defined]  (model-type part)
+        model = self.build_model()  # checkpoint or factory, + LoRA adapters (engine/lora.py)
         self.model_config = model.config
         if self.config.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -136,11 +137,17 @@ class FSDPEngine(
         return super()._clip_grad_norm(max_norm)
 
     # ------------------------------------------------------------------------------- weight export
-    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, full_tensor)`` one at a time (each gathered when reached); a collective.
+    def named_full_tensors(
+        self, keep: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, full_tensor)`` one at a time (each gathered when reached); a collective.
 
-        Loadable into a plain transformers model with ``load_state_dict``. Offloaded parameters are
-        loaded for the export and offloaded again afterwards.
+        The names are the model's state-dict names (HF names without LoRA; ``get_per_tensor_param`` maps
+        a LoRA model's to the base model's). Offloaded parameters are loaded for the export and offloaded
+        again afterwards.
+
+        Args:
+            keep: Only names it accepts are gathered and yielded (the same on every rank).
         """
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -149,7 +156,8 @@ class FSDPEngine(
             self.to(self.device, model=True, optimizer=False, grad=False)
         try:
             for name, value in get_model_state_dict(self.module).items():
-                yield name, full_tensor(value).detach()
+                if keep is None or keep(name):
+                    yield name, full_tensor(value).detach()
         finally:
             if offloaded:
                 self.to("cpu", model=True, optimizer=False, grad=False)
