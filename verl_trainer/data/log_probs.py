@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_ELEMENTS = 1 << 24
-"""float32 elements of one chunk (64 MiB): ``chunk = max(1, CHUNK_ELEMENTS // V)`` tokens."""
+CHUNK_ELEMENTS = 1 << 22
+"""float32 elements of one chunk (16 MiB): ``chunk = max(1, CHUNK_ELEMENTS // V)`` tokens."""
 
 
 def _chunk_rows(vocab: int, chunk_elements: int) -> int:
@@ -82,14 +82,17 @@ class _ChunkedLogProbs(torch.autograd.Function):
             z = logits[start:end].float()
             if temperature != 1.0:
                 z = z / temperature
+            g_lp = grad_log_probs[start:end, None]
             log_p = z - lse[start:end, None]
             p = log_p.exp()
-            g = p * (-grad_log_probs[start:end, None])
-            g.scatter_add_(-1, targets[start:end, None], grad_log_probs[start:end, None])
+            if with_entropy:  # log_p becomes the entropy term -p * (log p + H) * dH, in place
+                log_p.add_(entropy[start:end, None]).mul_(p).mul_(-grad_entropy[start:end, None])
+            g = p.mul_(-g_lp)  # -p * d log p_y
             if with_entropy:
-                g -= p * (log_p + entropy[start:end, None]) * grad_entropy[start:end, None]
+                g.add_(log_p)
+            g.scatter_add_(-1, targets[start:end, None], g_lp)
             if temperature != 1.0:
-                g = g / temperature
+                g.div_(temperature)
             grad[start:end] = g
         return grad, None, None, None, None
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from verl_trainer.models.varlen_kernels import sliding_window_mask
+
 CALL_COST = 65536
 """Padded score entries one extra sdpa call is worth (fwd+bwd, CPU; chosen with ``bench/attention.py``)."""
 
@@ -151,9 +153,7 @@ def _bucket_mask(
         if is_causal:
             return None
         return valid.reshape(count, 1, 1, width)  # keys: the real tokens of the segment
-    pos = torch.arange(width, device=device)
-    offset = pos[:, None] - pos[None, :]  # query - key
-    return ((offset >= 0) & (offset < window))[None, None]
+    return sliding_window_mask(width, window, device)[None, None]
 
 
 def bucketed_varlen_attention(

@@ -40,6 +40,13 @@ def torch_varlen_attn() -> tuple[Callable, frozenset[str]] | None:
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
+def sliding_window_mask(length: int, window: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Causal sliding-window mask ``[length, length]`` (bool); query ``i`` reads ``i - window < j <= i``."""
+    pos = torch.arange(length, device=device)
+    offset = pos[:, None] - pos[None, :]  # query - key
+    return (offset >= 0) & (offset < window)
+
+
 def _left_window(window: int | None) -> int:
     """Keys a query may read to its left: ``window - 1`` (transformers' convention), ``-1`` = unlimited."""
     return -1 if window is None else window - 1
@@ -144,11 +151,7 @@ def reference_varlen_attention(
         if q.shape[2] == 0:
             outs.append(q.new_zeros(*q.shape[:3], value.shape[3]))
             continue
-        mask = None
-        if window is not None:
-            pos = torch.arange(q.shape[2], device=q.device)
-            offset = pos[:, None] - pos[None, :]
-            mask = (offset >= 0) & (offset < window)
+        mask = None if window is None else sliding_window_mask(q.shape[2], window, q.device)
         outs.append(
             F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal and mask is None,
