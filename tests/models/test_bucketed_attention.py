@@ -84,8 +84,9 @@ def test_plan_maps_every_token_to_one_real_row():
 
 
 def test_plan_buckets_short_segments_together_and_long_apart():
-    assert len(plan_buckets(MIXES["short_rl"] * 10).shapes) == 1  # 960 segments of 8-16 tokens: one call
-    shapes = plan_buckets([2000, 1900, 10, 12]).shapes
+    assert len(plan_buckets(MIXES["short_rl"] * 10).shapes) == 9  # one call per distinct length
+    assert len(plan_buckets(MIXES["short_rl"] * 10, call_cost=65536).shapes) == 1  # padded into one
+    shapes = plan_buckets([2000, 1900, 10, 12], call_cost=65536).shapes
     assert shapes == ((2, 12), (1, 1900), (1, 2000))
     with pytest.raises(ValueError, match="lengths must be >= 0"):
         plan_buckets([3, -1])
