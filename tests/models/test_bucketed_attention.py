@@ -75,19 +75,21 @@ def test_window_needs_causal():
 
 
 def test_plan_maps_every_token_to_one_real_row():
-    lengths = MIXES["with_ones_and_empty"]
+    lengths = MIXES["with_ones_and_empty"]  # 1 x3, 5, 9, 3, 12 and two empty segments
     plan = plan_buckets(lengths, call_cost=0)
-    assert [w for _, w in plan.shapes] == sorted({n for n in lengths if n})  # one bucket per distinct length
+    assert plan.shapes == ((3, 1),)  # one bucket per distinct length; segments alone run on views
+    assert plan.singles == ((16, 3), (1, 5), (7, 9), (20, 12))  # (start, length), shortest first
     assert sum(c * w for c, w in plan.shapes) == plan.gather.numel() == plan.valid.numel()
-    assert torch.equal(plan.gather[plan.scatter], torch.arange(sum(lengths)))
-    assert bool(plan.valid[plan.scatter].all()) and int(plan.valid.sum()) == sum(lengths)
+    assert torch.equal(plan.gather[plan.rows], plan.tokens) and bool(plan.valid[plan.rows].all())
+    covered = torch.cat([plan.tokens, *(torch.arange(s, s + n) for s, n in plan.singles)])
+    assert torch.equal(covered.sort().values, torch.arange(sum(lengths)))  # every token exactly once
 
 
 def test_plan_buckets_short_segments_together_and_long_apart():
     assert len(plan_buckets(MIXES["short_rl"] * 10).shapes) == 9  # one call per distinct length
     assert len(plan_buckets(MIXES["short_rl"] * 10, call_cost=65536).shapes) == 1  # padded into one
-    shapes = plan_buckets([2000, 1900, 10, 12], call_cost=65536).shapes
-    assert shapes == ((2, 12), (1, 1900), (1, 2000))
+    plan = plan_buckets([2000, 1900, 10, 12], call_cost=65536)
+    assert plan.shapes == ((2, 12),) and plan.singles == ((0, 2000), (2000, 1900))[::-1]
     with pytest.raises(ValueError, match="lengths must be >= 0"):
         plan_buckets([3, -1])
     with pytest.raises(ValueError, match="call_cost"):

@@ -37,21 +37,25 @@ padding costs more than the calls it saves here), and gives results bitwise equa
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """How the segments of a packed row map onto padded buckets.
+    """How the segments of a packed row map onto padded buckets (and segments alone in theirs).
 
     Attributes:
-        shapes: ``(count, padded_length)`` of each bucket, in the order of the padded rows.
+        shapes: ``(count, padded_length)`` of each bucket of two or more segments, in padded-row order.
         gather: ``[P]`` long, the packed token read into each padded row (a padding row reads its
             segment's first token; its result is dropped).
-        scatter: ``[N]`` long, the padded row of each packed token.
         valid: ``[P]`` bool, True at the padded rows that hold a real token.
+        tokens: ``[T]`` long, the packed tokens of the buckets, in padded-row order (``gather[valid]``).
+        rows: ``[T]`` long, the padded row of each of ``tokens``.
+        singles: ``(start, length)`` of each segment alone in its bucket: it runs on a view of the row.
 
     """
 
     shapes: tuple[tuple[int, int], ...]
     gather: torch.Tensor
-    scatter: torch.Tensor
     valid: torch.Tensor
+    tokens: torch.Tensor
+    rows: torch.Tensor
+    singles: tuple[tuple[int, int], ...]
 
 
 def _group(lengths: Sequence[int], call_cost: int) -> list[list[int]]:
@@ -76,8 +80,11 @@ def _group(lengths: Sequence[int], call_cost: int) -> list[list[int]]:
 def _cached_plan(lengths: tuple[int, ...], call_cost: int, device: torch.device) -> BucketPlan:
     starts = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0)[:-1]
     lens = torch.tensor(lengths, dtype=torch.long)
-    shapes, gathers, valids = [], [], []
+    shapes, gathers, valids, singles = [], [], [], []
     for group in _group(lengths, call_cost):
+        if len(group) == 1:
+            singles.append((int(starts[group[0]]), lengths[group[0]]))
+            continue
         idx = torch.tensor(group, dtype=torch.long)
         width = int(lens[idx].max())
         col = torch.arange(width)[None, :]
@@ -85,12 +92,11 @@ def _cached_plan(lengths: tuple[int, ...], call_cost: int, device: torch.device)
         gathers.append(torch.where(real, starts[idx][:, None] + col, starts[idx][:, None]).reshape(-1))
         valids.append(real.reshape(-1))
         shapes.append((len(group), width))
-    total = sum(lengths)
     gather = torch.cat(gathers) if gathers else torch.zeros(0, dtype=torch.long)
     valid = torch.cat(valids) if valids else torch.zeros(0, dtype=torch.bool)
-    scatter = torch.empty(total, dtype=torch.long)
-    scatter[gather[valid]] = torch.nonzero(valid).reshape(-1)
-    return BucketPlan(tuple(shapes), gather.to(device), scatter.to(device), valid.to(device))
+    tokens, rows = gather[valid], torch.nonzero(valid).reshape(-1)
+    moved = (t.to(device) for t in (gather, valid, tokens, rows))
+    return BucketPlan(tuple(shapes), *moved, singles=tuple(singles))
 
 
 def plan_buckets(
@@ -114,33 +120,55 @@ def plan_buckets(
     return _cached_plan(tuple(int(n) for n in lengths), int(call_cost), torch.device(device))
 
 
-class _RowGather(torch.autograd.Function):
-    """``x[index]`` over rows; its backward is the gather ``grad[back_index]``, zeroed where ``~back_valid``.
+class _Split(torch.autograd.Function):
+    """Rows ``[N, F]`` -> (the buckets' padded rows ``[P, F]``, a view per single segment ``[L, F]``).
 
-    Exact when ``index`` reaches every row of ``x`` once through ``back_index`` and every other row of
-    the output receives a zero gradient — what :class:`BucketPlan` guarantees.
+    Backward writes every token's gradient once (a copy for single segments, one gather for the
+    buckets): the gradient of a padding row is exactly zero, so it is dropped, not added.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
-        x: torch.Tensor,
-        index: torch.Tensor,
-        back_index: torch.Tensor,
-        back_valid: torch.Tensor | None,
+        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, plan: BucketPlan
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.plan, ctx.shape = plan, x.shape  # type: ignore[attr-defined]
+        return (x.index_select(0, plan.gather), *(x[s : s + n] for s, n in plan.singles))
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_padded: torch.Tensor, *grad_singles: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        plan: BucketPlan = ctx.plan  # type: ignore[attr-defined]
+        grad = grad_padded.new_empty(ctx.shape)  # type: ignore[attr-defined]
+        grad.index_copy_(0, plan.tokens, grad_padded.index_select(0, plan.rows))
+        for (s, n), g in zip(plan.singles, grad_singles):
+            grad[s : s + n] = g
+        return grad, None
+
+
+class _Merge(torch.autograd.Function):
+    """The inverse of :class:`_Split`: padded bucket rows and single-segment rows -> the packed ``[N, F]``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, plan: BucketPlan, num_tokens: int, padded: torch.Tensor,
+        *singles: torch.Tensor,
     ) -> torch.Tensor:
-        ctx.save_for_backward(back_index, back_valid)
-        return x.index_select(0, index)
+        ctx.plan = plan  # type: ignore[attr-defined]
+        out = padded.new_empty(num_tokens, padded.shape[1])
+        out.index_copy_(0, plan.tokens, padded.index_select(0, plan.rows))
+        for (s, n), rows in zip(plan.singles, singles):
+            out[s : s + n] = rows
+        return out
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        back_index, back_valid = ctx.saved_tensors  # type: ignore[attr-defined]
-        out = grad.index_select(0, back_index)
-        if back_valid is not None:
-            out.masked_fill_(~back_valid[:, None], 0)
-        return out, None, None, None
+        plan: BucketPlan = ctx.plan  # type: ignore[attr-defined]
+        grad_padded = grad.index_select(0, plan.gather)
+        grad_padded.masked_fill_(~plan.valid[:, None], 0)  # padding rows: no gradient
+        return None, None, grad_padded, *(grad[s : s + n] for s, n in plan.singles)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -194,15 +222,20 @@ def bucketed_varlen_attention(
         raise ValueError(f"the sliding window must be >= 1 token, got {window}")
     n, heads, heads_kv, dim_v = query.shape[2], query.shape[1], key.shape[1], value.shape[3]
     plan = plan_buckets(lengths, query.device, call_cost)
-    padded = [
-        _RowGather.apply(_rows(x), plan.gather, plan.scatter, None) for x in (query, key, value)
-    ]  # [P, H * D] each
+    if n == 0:
+        return query.new_zeros(1, 0, heads, dim_v)
+    parts = [_Split.apply(_rows(x), plan) for x in (query, key, value)]  # ([P, F], *[L, F]) each
     sizes = [count * width for count, width in plan.shapes]
+    shapes = [*plan.shapes, *((1, length) for _, length in plan.singles)]
+    padded_qkv = [p[0].split(sizes) for p in parts]
+    valids = [*plan.valid.split(sizes), *(None for _ in plan.singles)]
     outs = []
-    for q, k, v, valid, (count, width) in zip(
-        *(p.split(sizes) for p in padded), plan.valid.split(sizes), plan.shapes
-    ):
-        mask = _bucket_mask(count, width, valid, is_causal, window, query.device)
+    for i, ((count, width), valid) in enumerate(zip(shapes, valids)):
+        q, k, v = (pad[i] if i < len(sizes) else p[1 + i - len(sizes)] for pad, p in zip(padded_qkv, parts))
+        mask = None
+        if valid is not None or window is not None or not is_causal:
+            real = valid if valid is not None else torch.ones(width, dtype=torch.bool, device=query.device)
+            mask = _bucket_mask(count, width, real, is_causal, window, query.device)
         out = F.scaled_dot_product_attention(
             q.view(count, width, heads, -1).transpose(1, 2),
             k.view(count, width, heads_kv, -1).transpose(1, 2),
@@ -214,7 +247,6 @@ def bucketed_varlen_attention(
             enable_gqa=heads != heads_kv,
         )  # [count, H, width, D_v]
         outs.append(out.transpose(1, 2).reshape(count * width, heads * dim_v))
-    if not outs:
-        return query.new_zeros(1, n, heads, dim_v)
-    rows = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return _RowGather.apply(rows, plan.scatter, plan.gather, plan.valid).view(1, n, heads, dim_v)
+    padded_out = torch.cat(outs[: len(sizes)]) if sizes else query.new_zeros(0, heads * dim_v)
+    merged = _Merge.apply(plan, n, padded_out, *outs[len(sizes) :])
+    return merged.view(1, n, heads, dim_v)
