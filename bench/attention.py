@@ -2,7 +2,8 @@
 
 Usage::
 
-    python bench/attention.py [--heads 4] [--kv-heads 2] [--head-dim 64] [--reps 7] [--call-cost 65536]
+    python bench/attention.py [--heads 4] [--kv-heads 2] [--head-dim 64] [--reps 7] [--call-cost 0]
+                              [--contiguous]
 
 The baseline is ``reference_varlen_attention``: inputs split with ``torch.split`` into per-segment views,
 one ``scaled_dot_product_attention`` per segment, one ``torch.cat`` — no copies beyond that, so only the
@@ -10,7 +11,9 @@ per-call overhead separates it from a fused kernel. The new path is ``varlen_att
 ``"verl_varlen"`` attention runs), which on CPU buckets segments of similar length into one sdpa call
 each (``verl_trainer.models.bucketed_attention``). Each side runs a forward and a backward of the same
 fp32 inputs; the two sides alternate, and the median of ``--reps`` timed repeats (after one warm-up)
-is compared. The outputs and input gradients of both sides are checked equal (1e-5) first.
+is compared. The outputs and input gradients of both sides are checked equal (1e-5) first. q/k/v are
+laid out as HF attention layers pass them (transposed views of ``[1, N, H, D]``, after the rotary
+embedding too); ``--contiguous`` gives contiguous ``[1, H, N, D]`` instead, the loop's best case.
 
 Workloads (heads 4 x 64 and 2 KV heads by default: the Qwen2 of ``bench/vs_trl.py``):
 
@@ -104,7 +107,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--call-cost", type=int, default=CALL_COST)
-    parser.add_argument("--hf-layout", action="store_true", help="q/k/v as transposed [1, N, H, D] views")
+    parser.add_argument("--contiguous", action="store_true",
+                        help="contiguous [1, H, N, D] q/k/v (the loop's best case) instead of HF's layout")
     args = parser.parse_args()
 
     def new(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -112,9 +116,9 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, heads {args.heads} "
           f"(kv {args.kv_heads}) x {args.head_dim}, call_cost {args.call_cost}, "
-          f"{'HF (transposed)' if args.hf_layout else 'contiguous'} q/k/v")
+          f"{'contiguous' if args.contiguous else 'HF (transposed)'} q/k/v")
     for name, lens in workloads().items():
-        inputs = make_inputs(lens, args.heads, args.kv_heads, args.head_dim, args.hf_layout)
+        inputs = make_inputs(lens, args.heads, args.kv_heads, args.head_dim, not args.contiguous)
         diff = check_equal(new, reference_varlen_attention, inputs, lens)
         times: dict[str, list[float]] = {"new": [], "loop": []}
         for _ in range(args.reps):
