@@ -6,10 +6,13 @@ call over its segments, right-padded to the bucket's longest segment. With right
 needs no extra mask: a real query ``i`` only reads keys ``<= i``, which are real tokens of its own segment.
 The padded query rows compute something and are dropped.
 
-The data movement is two row gathers per tensor (packed -> padded buckets -> packed) through
-:class:`_RowGather`, whose backward is again a gather (never a scatter-add): every packed token owns
-exactly one padded row, and the gradient reaching a padding row is exactly zero (padding queries get a
-zero output gradient; no real query attends to a padding key), so dropping it is exact.
+A segment alone in its bucket runs on a view of the row (no copy), as in a per-segment loop. The
+buckets of several segments move their tokens with one row gather each way (:class:`_Split`,
+:class:`_Merge`), and the backward writes every token's gradient once (never a scatter-add): every
+packed token owns exactly one padded row, and the gradient reaching a padding row is exactly zero
+(padding queries get a zero output gradient; no real query attends to a padding key), so dropping it
+is exact. The inputs are read as rows ``[N, H * D]``: free for HF's layout (a transposed
+``[1, N, H, D]``), one copy otherwise.
 
 How segments are bucketed (:func:`plan_buckets`): greedily over the sorted lengths, a segment joins the
 current bucket while the padded work it adds to the bucket (``count * (L_new^2 - L_old^2)`` score
