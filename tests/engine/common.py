@@ -69,6 +69,14 @@ def rank_shard(batch: TensorDict, rank: int, world: int, sizes: list[int] | None
 
 
 # ------------------------------------------------------------------------------ plain reference
+def used_targets(batch: TensorDict) -> torch.Tensor:
+    """``[B, T]`` bool: where a language model's outputs are computed (``loss_mask`` or ``response_mask``).
+
+    The LM head runs only there (``PackedBatch.output_mask``); log-probs / entropy are 0 elsewhere.
+    """
+    return (batch["loss_mask"] > 0) | (batch["response_mask"] > 0)
+
+
 def padded_log_probs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """[B, T] next-token log-probs of a padded batch (position 0 is 0)."""
     lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)

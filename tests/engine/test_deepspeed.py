@@ -28,6 +28,7 @@ from tests.engine.common import (
     reference_step,
     relative_error,
     tiny_model,
+    used_targets,
     value_loss,
 )
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
@@ -164,11 +165,12 @@ def test_forward_matches_plain_model(stage_run, model_path, batches):
     model = load_causal_lm(model_path, attn_implementation="sdpa").eval()
     with torch.no_grad():
         logits = model(input_ids=shard["input_ids"], attention_mask=shard["attention_mask"]).logits
-    want = padded_log_probs(logits, shard["input_ids"]) * shard["attention_mask"]
+    used = used_targets(shard)  # the LM head runs where outputs are used; 0 elsewhere
+    want = padded_log_probs(logits, shard["input_ids"]) * used
     probs = torch.softmax(logits.float(), -1)
     ent = -(probs * torch.log_softmax(logits.float(), -1)).sum(-1)
     want_ent = torch.cat([ent.new_zeros(ent.shape[0], 1), ent[:, :-1]], 1) * shard["attention_mask"]
-    want_ent[:, 0] = 0
+    want_ent = want_ent * used
     got = results[0]["forward"]
     assert relative_error(got["log_probs"], want) < 1e-5
     assert relative_error(got["entropy"], want_ent) < 1e-5

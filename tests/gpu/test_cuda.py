@@ -1,16 +1,15 @@
 """GPU checks (``pytest -m gpu tests/gpu``): run by ``bench/gpu_check.sh`` where a CUDA device is lent.
 
 They skip on a machine without CUDA (the CPU suite covers the same code on gloo); on one GPU they check
-what the CPU cannot: the varlen attention on CUDA in bf16 (flash-attn's varlen kernel when installed,
-per-segment sdpa otherwise), an fsdp2 and a DeepSpeed engine step over NCCL with bf16 mixed precision
-against the same step in fp32, and a ``Trainer(accelerator="gpu", precision="bf16-mixed")`` fit.
+what the CPU cannot: a packed bf16 forward on CUDA (its kernels: ``test_varlen_cuda.py``), an fsdp2
+and a DeepSpeed engine step over NCCL with bf16 mixed precision against the same step in fp32,
+and a ``Trainer(accelerator="gpu", precision="bf16-mixed")`` fit.
 """
 
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F  # noqa: N812
 from torch.utils.data import DataLoader
 
 from verl_trainer import Trainer
@@ -116,15 +115,3 @@ def test_trainer_fit_gpu_bf16(tmp_path):
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
 
-
-def test_flash_attn_used_when_installed():
-    pytest.importorskip("flash_attn")
-    from verl_trainer.models.attention import _flash_attn_varlen_func, varlen_attention
-
-    assert _flash_attn_varlen_func() is not None
-    q, k, v = (torch.randn(1, 4, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    cu = torch.tensor([0, 100, 300], device="cuda", dtype=torch.int32)
-    out = varlen_attention(q, k, v, cu)
-    want = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
-                      for a, b in ((0, 100), (100, 300))], 2).transpose(1, 2)
-    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -100,11 +100,13 @@ def outputs_by_uid(output: dict[str, torch.Tensor], batch: TensorDict) -> dict[i
     """Per real sample: ``{uid: {key: [L - 1] values at positions 1 .. L - 1}}`` (padding samples dropped).
 
     Position 0 has no next-token output (it is 0 by convention), so the compared positions are the real
-    tokens after the first — the log-probs / entropy / values every loss reads, and more.
+    tokens after the first where outputs are used (``loss_mask`` or ``response_mask``; the LM head runs
+    only there, other positions are 0 on both sides) — the log-probs / entropy / values every loss reads.
     """
     lengths = batch["attention_mask"].sum(-1).long().tolist()
+    used = ((batch["loss_mask"] > 0) | (batch["response_mask"] > 0)).cpu()
     rows = zip(batch["uid"].tolist(), lengths, batch["is_padding"].tolist())
-    return {int(uid): {k: v[i, 1:n].detach().cpu().clone() for k, v in output.items()}
+    return {int(uid): {k: (v[i, 1:n].detach().cpu() * used[i, 1:n]).clone() for k, v in output.items()}
             for i, (uid, n, pad) in enumerate(rows) if not pad}
 
 

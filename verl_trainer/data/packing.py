@@ -21,6 +21,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_trainer.data import schema
+from verl_trainer.data.log_probs import chunked_log_probs_and_entropy
 
 _STRUCTURAL_KEYS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.POSITION_IDS)
 
@@ -163,6 +164,9 @@ class PackedBatch:
         seq_lens: ``[B]`` long.
         width: Padded width ``T`` of the batch this was packed from (for :meth:`unpack`).
         fields: Other token fields, each ``[1, N, ...]``, packed the same way.
+        output_mask: ``[N]`` bool, True at the tokens whose per-token outputs (log-prob, entropy, value)
+            are used — where ``loss_mask`` or ``response_mask`` is set — or ``None``: all of them.
+            The language-model head runs only where it is True (:func:`head_positions`).
 
     """
 
@@ -173,6 +177,7 @@ class PackedBatch:
     seq_lens: torch.Tensor
     width: int
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    output_mask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -198,6 +203,7 @@ class PackedBatch:
             seq_lens=self.seq_lens.to(device),
             width=self.width,
             fields={k: v.to(device) for k, v in self.fields.items()},
+            output_mask=None if self.output_mask is None else self.output_mask.to(device),
         )
 
 
@@ -205,7 +211,8 @@ def pack_batch(batch: TensorDict, keys: Sequence[str] | None = None) -> PackedBa
     """Pack a padded schema batch into one row.
 
     Args:
-        batch: ``TensorDict`` with ``input_ids [B, T]`` and ``seq_len [B]`` or ``attention_mask [B, T]``.
+        batch: ``TensorDict`` with ``input_ids [B, T]`` and ``seq_len [B]`` or ``attention_mask [B, T]``
+            (``loss_mask`` / ``response_mask [B, T]``, when present, give :attr:`PackedBatch.output_mask`).
         keys: Token keys to pack into :attr:`PackedBatch.fields`. ``None``: every key of
             ``schema.TOKEN_KEYS`` present in the batch except input_ids / attention_mask / position_ids.
 
@@ -229,6 +236,10 @@ def pack_batch(batch: TensorDict, keys: Sequence[str] | None = None) -> PackedBa
                 "(aligned with input_ids)"
             )
         fields[key] = value[valid].unsqueeze(0)
+    used = [batch[k] != 0 for k in (schema.LOSS_MASK, schema.RESPONSE_MASK) if k in batch.keys()]
+    output_mask = None
+    if used:
+        output_mask = (used[0] | used[1] if len(used) == 2 else used[0])[valid]
     return PackedBatch(
         input_ids=input_ids[valid].unsqueeze(0),
         position_ids=position_ids_from_cu_seqlens(cu_seqlens),
@@ -237,6 +248,7 @@ def pack_batch(batch: TensorDict, keys: Sequence[str] | None = None) -> PackedBa
         seq_lens=seq_lens,
         width=width,
         fields=fields,
+        output_mask=output_mask,
     )
 
 
@@ -261,7 +273,10 @@ def shift_to_targets(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Te
 def token_log_probs_and_entropy(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, calculate_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of ``targets[j]`` under ``logits[j]`` (and the entropy at ``j``), from one float32 copy.
+    """Log-prob of ``targets[j]`` under ``logits[j]`` (and the entropy at ``j``), in float32.
+
+    Computed in chunks of tokens (``verl_trainer.data.log_probs``): the whole ``[n, V]`` is never copied
+    to float32.
 
     Args:
         logits: ``[n, V]`` (or ``[1, n, V]``) in any dtype.
@@ -272,14 +287,44 @@ def token_log_probs_and_entropy(
     Returns:
         ``(log_probs [n], entropy [n] | None)`` float32, per position (not shifted).
     """
-    logits32 = logits.reshape(-1, logits.shape[-1]).float()
-    if temperature != 1.0:
-        logits32 = logits32 / temperature
-    # log_softmax + gather: one fused kernel each way (logsumexp's backward is three [n, V] passes)
-    all_log_probs = torch.log_softmax(logits32, -1)
-    log_probs = all_log_probs.gather(-1, targets.reshape(-1, 1)).squeeze(-1)
-    entropy = -(all_log_probs.exp() * all_log_probs).sum(-1) if calculate_entropy else None
-    return log_probs, entropy
+    return chunked_log_probs_and_entropy(logits, targets, temperature, calculate_entropy)
+
+
+def head_positions(packed: PackedBatch) -> torch.Tensor | None:
+    """Positions of the packed row whose logits are used.
+
+    Position ``j`` predicts token ``j + 1``; it is kept when token ``j + 1`` belongs to the same sample
+    and its output is used (:attr:`PackedBatch.output_mask`).
+
+    Args:
+        packed: The packed micro-batch.
+
+    Returns:
+        ``[K]`` long, increasing, or ``None`` when every output is used (no ``output_mask``).
+
+    """
+    if packed.output_mask is None:
+        return None
+    used = packed.output_mask.reshape(-1).clone()
+    starts = packed.cu_seqlens[:-1].to(device=used.device, dtype=torch.long)
+    used[starts[starts < used.numel()]] = False  # a sample's first token has no prediction
+    return torch.nonzero(used).reshape(-1) - 1
+
+
+def scatter_head_outputs(values: torch.Tensor, positions: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Per-target outputs at :func:`head_positions` back onto the packed row, 0 elsewhere.
+
+    Args:
+        values: ``[K]``, ``values[i]`` describes the prediction at ``positions[i]`` (of the next token).
+        positions: ``[K]`` from :func:`head_positions`.
+        num_tokens: ``N``.
+
+    Returns:
+        ``[N]`` in the schema's next-token convention (``out[positions[i] + 1] = values[i]``).
+
+    """
+    out = values.new_zeros(num_tokens)
+    return out.index_put((positions + 1,), values)
 
 
 def next_token_log_probs_and_entropy(

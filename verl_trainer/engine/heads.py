@@ -9,6 +9,10 @@ Every output follows the schema's next-token convention, aligned with ``input_id
 reads the model at position ``t - 1`` (``log_probs[:, t] = log p(input_ids[:, t] | input_ids[:, :t])``,
 ``values[:, t] = V(input_ids[:, :t])``, the state in which token ``t`` is chosen — verl's critic takes
 ``values[:, -R - 1:-1]`` for the same reason). The first position of every sample and padding hold 0.
+
+The language model runs its LM head only where an output is used (``PackedBatch.output_mask``: the
+``loss_mask`` / ``response_mask`` tokens; HF's ``logits_to_keep`` with the positions), and the
+log-softmax in float32 chunks of tokens, so ``[N, V]`` logits never exist; the other positions hold 0.
 """
 
 from __future__ import annotations
@@ -18,9 +22,16 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from verl_trainer.data.packing import PackedBatch, next_token_log_probs_and_entropy, shift_to_targets
+from verl_trainer.data.packing import (
+    PackedBatch,
+    head_positions,
+    next_token_log_probs_and_entropy,
+    scatter_head_outputs,
+    shift_to_targets,
+    token_log_probs_and_entropy,
+)
 from verl_trainer.engine.config import EngineConfig, to_dtype
-from verl_trainer.models.attention import VARLEN_ATTENTION
+from verl_trainer.models.attention import VARLEN_ATTENTION, packed_forward
 from verl_trainer.models.ulysses_attention import ULYSSES_ATTENTION, check_ulysses_compatible
 from verl_trainer.models.ulysses_forward import ulysses_packed_log_probs, ulysses_packed_values
 from verl_trainer.utils.distributed import get_world_size, is_initialized
@@ -66,6 +77,13 @@ class LanguageModelMixin:
         )
         return _checked(model, self.config)
 
+    def _forward_packed(self, packed: PackedBatch) -> Any:
+        """Run the model on one packed row, the LM head only at :func:`head_positions` (all when ``None``)."""
+        positions = head_positions(packed)
+        if positions is None:
+            return packed_forward(self.forward_model, packed)  # type: ignore[attr-defined]
+        return packed_forward(self.forward_model, packed, logits_to_keep=positions)  # type: ignore[attr-defined]
+
     def compute_packed_outputs(
         self,
         hf_output: Any,
@@ -73,10 +91,24 @@ class LanguageModelMixin:
         calculate_entropy: bool = False,
         temperature: float = 1.0,
     ) -> dict[str, torch.Tensor]:
-        """``{"log_probs": [N], "entropy": [N]}`` (entropy only when asked) for one packed row."""
-        log_probs, entropy = next_token_log_probs_and_entropy(
-            hf_output.logits, packed.input_ids, packed.cu_seqlens, temperature, calculate_entropy
-        )
+        """``{"log_probs": [N], "entropy": [N]}`` (entropy only when asked) for one packed row.
+
+        ``hf_output.logits`` is ``[1, K, V]`` at :func:`head_positions` (``[1, N, V]`` without an
+        ``output_mask``); outputs are 0 at the positions whose output is not used.
+        """
+        positions = head_positions(packed)
+        if positions is None:
+            log_probs, entropy = next_token_log_probs_and_entropy(
+                hf_output.logits, packed.input_ids, packed.cu_seqlens, temperature, calculate_entropy
+            )
+        else:
+            targets = packed.input_ids.reshape(-1)[positions + 1]
+            log_probs, entropy = token_log_probs_and_entropy(
+                hf_output.logits, targets, temperature, calculate_entropy
+            )
+            n = packed.num_tokens
+            log_probs = scatter_head_outputs(log_probs, positions, n)
+            entropy = None if entropy is None else scatter_head_outputs(entropy, positions, n)
         out = {"log_probs": log_probs}
         if entropy is not None:
             out["entropy"] = entropy

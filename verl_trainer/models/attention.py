@@ -4,10 +4,15 @@ The engine packs a micro-batch into one row ``[1, N]`` (``verl_trainer.data.pack
 layers run on the packed row; attention must not cross samples. With transformers 5.24 + sdpa,
 restarting position ids alone do NOT isolate the samples (the model builds a cache by default, which
 disables transformers' packed-sequence detection, and any 2-D attention mask does too), and a 4-D
-block-diagonal mask costs O(N^2) memory. So attention runs per sample over ``cu_seqlens``:
+block-diagonal mask costs O(N^2) memory. So attention runs within the segments given by ``cu_seqlens``
+(:func:`varlen_attention`), without a Python loop over samples:
 
-* ``flash_attn_varlen_func`` when flash-attn is installed and the tensors are CUDA fp16/bf16;
-* otherwise causal ``scaled_dot_product_attention`` per segment (O(sum L_i^2) compute, no O(N^2) mask).
+* CUDA fp16/bf16: ``flash_attn_varlen_func`` when flash-attn is installed, else PyTorch's
+  ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10) — ``verl_trainer.models.varlen_kernels``;
+* otherwise (CPU, fp32): segments of similar length batched into one causal sdpa call per bucket
+  (``verl_trainer.models.bucketed_attention``; O(sum L_i^2) compute, no O(N^2) mask).
+
+Sliding-window layers run their window inside the same paths (no 4-D mask for a packed row).
 
 How ``cu_seqlens`` reach the attention function: transformers forwards every extra keyword of
 ``model(...)`` down to the attention function (``FlashAttentionKwargs``: ``cu_seq_lens_q``,
@@ -27,31 +32,22 @@ with :func:`register_varlen_attention`.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from verl_trainer.data.packing import PackedBatch
+from verl_trainer.models.bucketed_attention import bucketed_varlen_attention
+from verl_trainer.models.varlen_kernels import fused_varlen_attention
 
 VARLEN_ATTENTION = "verl_varlen"
 """Name of the padding-free attention implementation (``config._attn_implementation``)."""
 
 _VARLEN_NAMES: set[str] = set()
-
-
-@functools.lru_cache(maxsize=1)
-def _flash_attn_varlen_func() -> Callable | None:
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
-    return flash_attn_varlen_func
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -80,18 +76,26 @@ def varlen_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     is_causal: bool = True,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Attention within each segment of a packed row.
+    """Attention within each segment of a packed row, through the fastest path that applies.
+
+    CUDA fp16/bf16: flash-attn's varlen kernel when installed, else ``torch.nn.attention.varlen.varlen_attn``
+    (``verl_trainer.models.varlen_kernels``); otherwise (CPU, fp32) segments of similar length are batched
+    into one sdpa call per bucket (``verl_trainer.models.bucketed_attention``). All equal
+    ``reference_varlen_attention`` (one sdpa call per segment) to round-off.
 
     Args:
         query: ``[1, H, N, D]``.
         key: ``[1, H_kv, N, D]``; ``H`` must be a multiple of ``H_kv`` (GQA / MQA).
         value: ``[1, H_kv, N, D_v]``.
         cu_seqlens: ``[S + 1]`` offsets of the segments (``cu_seqlens[-1] == N``).
-        max_seqlen: Longest segment (computed when ``None``; flash-attn needs it).
+        max_seqlen: Longest segment (computed when ``None``; the fused kernels need it).
         scaling: Softmax scale (default ``D ** -0.5``).
         dropout: Attention dropout probability.
         is_causal: Causal attention within each segment.
+        sliding_window: Sliding window of the layer (query ``i`` reads keys ``i - W < j <= i``, causal
+            only), or ``None``.
 
     Returns:
         ``[1, N, H, D_v]`` (the layout transformers' attention functions return).
@@ -104,43 +108,27 @@ def varlen_attention(
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the packed row holds {n} tokens")
     if num_heads % num_kv:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of key/value heads ({num_kv})")
-    flash = _flash_attn_varlen_func()
-    if flash is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
-        cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
-        if max_seqlen is None:
-            max_seqlen = int((cu[1:] - cu[:-1]).max())
-        out = flash(
-            query[0].transpose(0, 1),
-            key[0].transpose(0, 1),
-            value[0].transpose(0, 1),
-            cu,
-            cu,
-            max_seqlen,
-            max_seqlen,
-            dropout_p=dropout,
-            softmax_scale=scaling,
-            causal=is_causal,
-        )
-        return out.unsqueeze(0)  # [N, H, D] -> [1, N, H, D]
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    lens = [length for length in lens if length > 0]
-    gqa = num_heads != num_kv
-    outs = []
-    for q, k, v in zip(query.split(lens, 2), key.split(lens, 2), value.split(lens, 2)):
-        outs.append(
-            F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout, is_causal=is_causal, scale=scaling, enable_gqa=gqa
-            )
-        )
-    out = torch.cat(outs, 2) if len(outs) > 1 else outs[0]  # [1, H, N, D]
-    return out.transpose(1, 2).contiguous()
+    if max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    window = sliding_window if sliding_window is not None and sliding_window < max_seqlen else None
+    out = fused_varlen_attention(
+        query, key, value, cu_seqlens, max_seqlen,
+        scaling=scaling, dropout=dropout, is_causal=is_causal, window=window,
+    )
+    if out is not None:
+        return out
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    return bucketed_varlen_attention(
+        query, key, value, lengths, scaling=scaling, dropout=dropout, is_causal=is_causal, window=window
+    )
 
 
 def _check_sliding_window(sliding_window: int | None, longest: int) -> None:
     if sliding_window is not None and sliding_window < longest:
         raise NotImplementedError(
-            f"sliding-window attention (window {sliding_window}) over sequences of {longest} tokens is not "
-            f"supported by {VARLEN_ATTENTION!r}; use shorter sequences or another attn_implementation"
+            f"sliding-window attention (window {sliding_window}) over a batch of several unpadded rows of "
+            f"{longest} tokens is not supported by {VARLEN_ATTENTION!r}; pass an attention_mask, or pack the "
+            "rows into one (verl_trainer.data.packing.pack_batch)"
         )
 
 
@@ -173,35 +161,36 @@ def varlen_attention_forward(
         ``([B, Tq, H, D], None)``.
 
     """
-    cu = kwargs.get("cu_seq_lens_q")
     n = query.shape[2]
     packed_row = attention_mask is None and query.shape[0] == 1 and key.shape[2] == n and n > 1
-    if cu is None and packed_row and kwargs.get("position_ids") is not None:
-        cu = cu_seqlens_from_position_ids(kwargs["position_ids"])
-        if cu.numel() <= 2:  # a single sequence: plain causal attention
-            cu = None
-    if cu is None or not packed_row:
+    if not packed_row:
         if attention_mask is None:  # with a mask, sdpa_mask has built the window into it
             _check_sliding_window(sliding_window, key.shape[2])
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None and kwargs.get("position_ids") is not None:
+        cu = cu_seqlens_from_position_ids(kwargs["position_ids"])
+    if cu is None or cu.numel() <= 2:  # a single sequence
+        if sliding_window is None or sliding_window >= n:
+            return sdpa_attention_forward(
+                module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs
+            )
+        cu = torch.tensor([0, n], dtype=torch.int32, device=query.device)
     cu_k = kwargs.get("cu_seq_lens_k")
     if cu_k is not None and cu_k is not cu and not torch.equal(cu_k.to(cu.device), cu):
         raise NotImplementedError("varlen attention with different query and key segments is not supported")
-    max_seqlen = kwargs.get("max_length_q")
-    if max_seqlen is None:
-        max_seqlen = int((cu[1:] - cu[:-1]).max())
-    _check_sliding_window(sliding_window, max_seqlen)
     out = varlen_attention(
         query,
         key,
         value,
         cu,
-        max_seqlen,
+        kwargs.get("max_length_q"),
         scaling=scaling,
         dropout=dropout,
         is_causal=getattr(module, "is_causal", True),
+        sliding_window=sliding_window,
     )
     return out, None
 
@@ -228,7 +217,8 @@ def varlen_attention_mask(
         attention_mask.shape[-1] == kv_length and bool(attention_mask.all())
     )
     no_offset = isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == 0 and kv_offset == 0
-    no_window = local_size is None or local_size >= kv_length
+    # one row: the attention function runs the window itself (per segment, no O(N^2) mask)
+    no_window = local_size is None or local_size >= kv_length or batch_size == 1
     if no_padding and no_offset and no_window and q_length == kv_length:
         return None
     return sdpa_mask(
