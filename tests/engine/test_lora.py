@@ -22,7 +22,15 @@ from verl_trainer.engine.lora_export import lora_targets, merged_hf_tensors
 from verl_trainer.models.loading import load_causal_lm
 from verl_trainer.testing.distributed import run_distributed
 
-from .common import collect_params, nll_loss, padded_log_probs, random_batch, rank_shard, tiny_model
+from .common import (
+    collect_params,
+    nll_loss,
+    padded_log_probs,
+    random_batch,
+    rank_shard,
+    tiny_model,
+    used_targets,
+)
 
 LORA = {"lora_rank": 4, "lora_alpha": 8.0, "target_modules": "all-linear"}
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0)
@@ -172,7 +180,7 @@ def test_lora_fsdp2_end_to_end(model_path, tmp_path):
     batch = random_batch(8, seed=3)
     with torch.no_grad():
         logits = base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    mask = batch["attention_mask"].bool().clone()
+    mask = batch["attention_mask"].bool() & used_targets(batch)  # the LM head runs only where used
     mask[:, 0] = False
     want = padded_log_probs(logits, batch["input_ids"]) * mask
     for key in ("ref_log_probs", "ref_after"):
@@ -263,7 +271,7 @@ def test_engine_spec_model_factory_returning_a_peft_model(model_path):
     batch = random_batch(4, seed=1)
     with torch.no_grad():
         logits = user(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    mask = batch["attention_mask"].bool().clone()
+    mask = batch["attention_mask"].bool() & used_targets(batch)  # the LM head runs only where used
     mask[:, 0] = False
     torch.testing.assert_close(out["log_probs"], padded_log_probs(logits, batch["input_ids"]) * mask,
                                rtol=1e-5, atol=1e-5)
