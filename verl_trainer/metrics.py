@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torchmetrics import Metric as _TMMetric
 from torchmetrics.aggregation import MaxMetric, MeanMetric, MinMetric, SumMetric
 
-from verl_trainer.utils.distributed import is_initialized
+from verl_trainer.utils.distributed import all_gather_object, is_initialized
 
 __all__ = ["Metric", "MetricAccumulator", "Reduction", "reduce_metrics"]
 
@@ -225,8 +225,7 @@ class MetricAccumulator:
     def _agree_on_names(self, group: Any) -> None:
         """Make every rank hold the same metric names (union), so the per-metric collectives match."""
         local = {name: r.value for name, r in self._reductions.items()}
-        gathered: list[dict[str, str] | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, local, group=group)
+        gathered = all_gather_object(local, group)
         union: dict[str, str] = {}
         for rank_names in gathered:
             for name, reduction in (rank_names or {}).items():

@@ -166,7 +166,9 @@ class Strategy:
 
     def build_engine(self, spec: EngineSpec, precision: str, seed: int | None) -> BaseEngine:
         """Build (not initialise) the engine ``spec`` describes, on the run's topology once it exists."""
-        config = self.engine_config(spec.config, precision, seed)
+        return self._new_engine(spec, self.engine_config(spec.config, precision, seed))
+
+    def _new_engine(self, spec: EngineSpec, config: EngineConfig) -> BaseEngine:
         return EngineRegistry.new(spec.model_type, self.backend, config, spec.optim, topology=self.topology,
                                   model_factory=spec.model)
 
@@ -177,9 +179,7 @@ class Strategy:
             ValueError: ``sp_size`` differs from the topology already built, or does not divide the world.
         """
         topo = self.topology
-        if topo is not None and topo.mesh is not None and not is_initialized():
-            topo = None  # the process group it was built on is gone
-        if topo is None or (topo.mesh is None and is_initialized()):
+        if topo is None or (topo.mesh is not None) != is_initialized():  # none yet, or another group state
             topo = self.topology = build_topology(sp_size, device_type)
         if topo.sp_size != sp_size:
             raise ValueError(
@@ -206,7 +206,7 @@ class Strategy:
             if isinstance(spec, EngineSpec):
                 config = self.engine_config(spec.config, precision, seed)
                 self.setup_topology(config.ulysses_sequence_parallel_size, device_type)
-                engine = self.build_engine(spec, precision, seed)
+                engine = self._new_engine(spec, config)
             else:
                 engine = spec
             engine.initialize()

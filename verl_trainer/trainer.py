@@ -40,6 +40,7 @@ from verl_trainer.training import failure, loops
 from verl_trainer.training.args import TrainerArgs
 from verl_trainer.training.data import ShardedLoader
 from verl_trainer.training.logging import MetricLogging
+from verl_trainer.utils.distributed import is_initialized
 
 __all__ = ["Trainer"]
 
@@ -226,7 +227,7 @@ class Trainer:
 
     def _check_launchable(self) -> None:
         world = self.devices * self.num_nodes
-        if world > 1 and not self._env.creates_processes_externally and not dist.is_initialized():
+        if world > 1 and not self._env.creates_processes_externally and not is_initialized():
             if _is_interactive():
                 raise ValueError(
                     f"devices={self.devices} x num_nodes={self.num_nodes} needs several processes, which are "

@@ -62,10 +62,7 @@ class TrainerConfig(TrainerArgs):
         callbacks = list(callbacks)
         if self.sequence_balancing:
             callbacks.append(SequenceBalancing())
-        kwargs: dict[str, Any] = {**self.trainer_kwargs(), "callbacks": callbacks}
-        if isinstance(kwargs["logger"], (list, tuple)):
-            kwargs["logger"] = list(kwargs["logger"]) or False
-        kwargs.update(overrides)
+        kwargs: dict[str, Any] = {**self.trainer_kwargs(), "callbacks": callbacks, **overrides}
         return Trainer(**kwargs)
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from verl_trainer.utils.device import get_torch_device
 
 __all__ = [
+    "all_gather_object",
     "all_reduce",
     "barrier",
     "broadcast_object",
@@ -76,6 +77,15 @@ def all_reduce(values: torch.Tensor, group: dist.ProcessGroup | None = None,
     work = out.to(_collective_device(group))
     dist.all_reduce(work, op=op, group=group)
     return work.to(values.device)
+
+
+def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
+    """``obj`` of every rank of ``group``, in rank order (plain data only; ``[obj]`` without a group)."""
+    if not is_distributed(group):
+        return [obj]
+    out: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def broadcast_object(obj: object, src: int = 0) -> object:

@@ -18,9 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
-from verl_trainer.utils.distributed import get_rank, get_world_size
+from verl_trainer.utils.distributed import all_gather_object, get_rank, get_world_size
 
 __all__ = ["MANIFEST_FILE", "CorruptCheckpointError", "file_digest", "verify_manifest", "write_manifest"]
 
@@ -30,19 +28,6 @@ _CHUNK = 1 << 20
 
 class CorruptCheckpointError(RuntimeError):
     """A checkpoint's files do not match its manifest (or it has none)."""
-
-
-def _dist() -> tuple[int, int]:
-    return get_rank(), get_world_size()
-
-
-def _gather(value: Any) -> list[Any]:
-    rank, world = _dist()
-    if world == 1:
-        return [value]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, value)
-    return out
 
 
 def _listing(directory: Path) -> tuple[list[str], list[str]]:
@@ -84,11 +69,11 @@ def write_manifest(directory: str | os.PathLike) -> dict[str, Any]:
         with their own manifest).
     """
     root = Path(directory)
-    rank, world = _dist()
+    rank, world = get_rank(), get_world_size()
     files, nested = _listing(root)
     share = {name: file_digest(root / name) for name in files[rank::world]}
     merged: dict[str, tuple[int, str]] = {}
-    for part in _gather(share):
+    for part in all_gather_object(share):
         merged.update(part)
     manifest = {
         "version": 1,
@@ -148,7 +133,7 @@ def verify_manifest(directory: str | os.PathLike, recurse: bool = True) -> None:
     Raises:
         CorruptCheckpointError: On every rank, naming each missing, truncated or corrupted file.
     """
-    rank, world = _dist()
+    rank, world = get_rank(), get_world_size()
     pending, problems = [Path(directory)], []
     while pending:
         root = pending.pop(0)
@@ -157,12 +142,12 @@ def verify_manifest(directory: str | os.PathLike, recurse: bool = True) -> None:
             manifest = _read(root)
         except CorruptCheckpointError as exc:
             error = str(exc)
-        errors = [e for e in _gather(error) if e]
+        errors = [e for e in all_gather_object(error) if e]
         if errors:
             raise CorruptCheckpointError(errors[0])
         names = sorted(manifest["files"])
         found = _problems(root, manifest["files"], names[rank::world])
-        problems.extend(p for part in _gather(found) for p in part)
+        problems.extend(p for part in all_gather_object(found) for p in part)
         if recurse:
             pending.extend(root / sub for sub in manifest.get("nested", []))
     if problems:
