@@ -54,6 +54,10 @@ from verl_trainer.utils.distributed import is_initialized
 
 __all__ = ["ScriptLauncher", "World", "connect", "select_cluster_environment"]
 
+REAP_AFTER_FAILURE_S = 2.0
+"""After a failed run, how long rank 0 waits for its children to end before it exits."""
+
+
 @dataclass(frozen=True)
 class World:
     """Where this process sits in the process world.
@@ -153,8 +157,10 @@ class ScriptLauncher(_SubprocessScriptLauncher):
         with it fail immediately; a child still running then notices that its launcher is gone and ends
         with the failing rank's message (``training/failure.py``).
         """
-        if failure.run_failed():
-            time.sleep(0.5)
+        if failure.run_failed():  # give the children a moment to end first (they use our store)
+            deadline = time.monotonic() + REAP_AFTER_FAILURE_S
+            while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+                time.sleep(0.1)
             return
         for proc in self.procs:
             proc.wait()

@@ -96,6 +96,10 @@ def available_strategies() -> list[str]:
     return _registered_backends()
 
 
+DEFAULT_TIMEOUT_S = 600.0
+"""The default collective timeout in seconds (verl's ``nccl_timeout``)."""
+
+
 @dataclass
 class Strategy:
     """An engine backend and the process-group settings of a run.
@@ -105,13 +109,14 @@ class Strategy:
         engine_overrides: ``EngineConfig`` fields applied to every engine this strategy builds (e.g.
             ``{"zero_stage": 3}`` or ``{"ulysses_sequence_parallel_size": 2}``).
         process_group_backend: ``"gloo"`` / ``"nccl"``; default: nccl on CUDA, gloo on CPU.
-        timeout: Collective timeout of the process group (the last resort against hangs).
+        timeout: Collective timeout of the process group: a collective that waits longer fails (the last
+            resort against a rank stalled in user code). 600 s, verl's ``nccl_timeout`` default.
     """
 
     backend: str = "fsdp2"
     engine_overrides: dict[str, Any] = field(default_factory=dict)
     process_group_backend: str | None = None
-    timeout: timedelta = field(default_factory=lambda: timedelta(minutes=30))
+    timeout: timedelta = field(default_factory=lambda: timedelta(seconds=DEFAULT_TIMEOUT_S))
     topology: Topology | None = field(default=None, init=False, repr=False, compare=False)
 
     def validate(self) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,8 @@ class Trainer:
         enable_checkpointing: Add a :class:`~verl_trainer.callbacks.ModelCheckpoint` (saves at the end of
             fit) unless one is given.
         seed: Seeds Python, numpy and torch on every rank, the engines' initialisation and the data order.
+        collective_timeout: Seconds a collective waits for the other ranks before the run fails (``None``:
+            the strategy's ``timeout``, 600 s by default).
 
     Raises:
         ValueError: For an invalid argument or combination; the message says what to change.
@@ -147,8 +150,17 @@ class Trainer:
         enable_progress_bar: bool = _DEFAULTS.enable_progress_bar,
         enable_checkpointing: bool = _DEFAULTS.enable_checkpointing,
         seed: int = _DEFAULTS.seed,
+        collective_timeout: float | None = _DEFAULTS.collective_timeout,
     ) -> None:
         self.strategy = resolve_strategy(strategy)
+        if collective_timeout is not None:
+            if isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)) or \
+                    not collective_timeout > 0:
+                raise ValueError(
+                    f"collective_timeout must be a number of seconds > 0 or None (the strategy's "
+                    f"{self.strategy.timeout.total_seconds():.0f} s), got {collective_timeout!r}"
+                )
+            self.strategy.timeout = timedelta(seconds=float(collective_timeout))
         self.accelerator = _resolve_accelerator(accelerator)
         self.devices = _resolve_devices(devices, self.accelerator)
         if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:

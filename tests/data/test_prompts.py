@@ -95,12 +95,16 @@ def test_dataset_truncation_and_collate(tok):
     records = load_prompts_from_rows(_rows())
     with pytest.raises(ValueError, match="max_prompt_length=10"):
         PromptDataset(records, tok, max_prompt_length=10)
-    filtered = PromptDataset(records, tok, max_prompt_length=10, truncation="filter")
+    filtered = PromptDataset(records, tok, max_prompt_length=10, filter_overlong_prompts=True)
     assert [it["index"] for it in filtered] == [0, 2]
     left = PromptDataset(records, tok, max_prompt_length=6, truncation="left")
     assert tok.decode(left[2]["input_ids"]) == ": 2*3?" and len(left[0]["input_ids"]) == 4
     right = PromptDataset(records, tok, max_prompt_length=6, truncation="right")
     assert tok.decode(right[2]["input_ids"]) == "Q: 2*3"
+    middle = PromptDataset(records, tok, max_prompt_length=6, truncation="middle")
+    assert tok.decode(middle[2]["input_ids"]) == "Q: *3?"  # the first 3 and the last 3 tokens
+    with pytest.raises(ValueError, match="filter_overlong_prompts left none"):
+        PromptDataset(records, tok, max_prompt_length=1, filter_overlong_prompts=True)
     ds = PromptDataset(records, tok, max_prompt_length=64)
     batch = ds.collate([ds[0], ds[1], ds[2]])
     lens = [len(ds[i]["input_ids"]) for i in range(3)]

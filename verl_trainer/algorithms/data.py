@@ -9,12 +9,14 @@ inside ``fit``, once the process group exists — as ``world_size // sp_size``.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader
 
-from verl_trainer.data.prompts import PromptDataset
+from verl_trainer.data.prompts import TRUNCATION_MODES, PromptDataset
 from verl_trainer.data.sft import SFTDataset
 from verl_trainer.utils.distributed import get_world_size
 
@@ -31,7 +33,10 @@ class DataConfig:
         val_files: Validation file, or ``None``.
         train_batch_size: Prompts (RL) or examples (SFT) per step, over all DP ranks.
         val_batch_size: Validation prompts per batch over all DP ranks; ``None``: the whole file at once.
-        max_prompt_length: Longest prompt in tokens (RL; longer ones raise).
+        max_prompt_length: Longest prompt in tokens (RL; see ``truncation``).
+        truncation: A longer prompt is an ``error`` (default) or cut at the ``left``, ``right`` or
+            ``middle`` (verl's ``data.truncation``).
+        filter_overlong_prompts: Drop longer prompts at load time instead (verl's name).
         max_length: Longest prompt + response in tokens (SFT).
         shuffle: Shuffle the training data every epoch.
         chat_template: ``None``: chat-list prompts use the tokenizer's template, strings are used as is.
@@ -42,6 +47,8 @@ class DataConfig:
     train_batch_size: int = 32
     val_batch_size: int | None = None
     max_prompt_length: int = 256
+    truncation: str = "error"
+    filter_overlong_prompts: bool = False
     max_length: int = 512
     shuffle: bool = True
     chat_template: bool | None = None
@@ -51,6 +58,10 @@ class DataConfig:
             raise ValueError(f"data.train_batch_size={self.train_batch_size} must be >= 1")
         if self.val_batch_size is not None and self.val_batch_size < 1:
             raise ValueError(f"data.val_batch_size={self.val_batch_size} must be >= 1 or null (all at once)")
+        if self.truncation not in TRUNCATION_MODES:
+            raise ValueError(
+                f"data.truncation={self.truncation!r}; choose one of {', '.join(TRUNCATION_MODES)}"
+            )
 
 
 def dp_size_now(sp_size: int = 1) -> int:
@@ -83,6 +94,36 @@ class _DataModule:
     def _dataset(self, path: str) -> Any:
         raise NotImplementedError
 
+    def _load(self, path: str, what: str) -> Any:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{what}={path!r} does not exist (relative paths start at {os.getcwd()})")
+        return self._dataset(path)
+
+    def check(self, dp_size: int) -> None:
+        """Read, tokenise and check the data for ``dp_size`` data-parallel ranks, before any model loads.
+
+        The datasets are kept for the dataloaders, so nothing is read twice.
+
+        Raises:
+            FileNotFoundError: A data file that does not exist.
+            ValueError: A row or column problem (named by file and row), a prompt longer than the limit
+                (``data.truncation="error"``), a batch size ``dp_size`` does not divide, or fewer training
+                rows than one batch.
+        """
+        if self._train is None:
+            self._train = self._load(self.config.train_files, "data.train_files")
+        size = per_rank(self.config.train_batch_size, dp_size, "data.train_batch_size")
+        if len(self._train) < size * dp_size:
+            raise ValueError(
+                f"data.train_files={self.config.train_files!r} has {len(self._train)} rows, fewer than one "
+                f"batch (data.train_batch_size={self.config.train_batch_size})"
+            )
+        if self.config.val_files:
+            if self._val is None:
+                self._val = self._load(self.config.val_files, "data.val_files")
+            if self.config.val_batch_size is not None:
+                per_rank(self.config.val_batch_size, dp_size, "data.val_batch_size")
+
     def _loader(self, dataset: Any, batch_size: int, shuffle: bool, drop_last: bool) -> DataLoader:
         return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
                           collate_fn=dataset.collate)
@@ -90,7 +131,7 @@ class _DataModule:
     def train_dataloader(self) -> DataLoader:
         """This rank's share of each step: ``train_batch_size / dp`` items per batch."""
         if self._train is None:
-            self._train = self._dataset(self.config.train_files)
+            self._train = self._load(self.config.train_files, "data.train_files")
         size = per_rank(self.config.train_batch_size, dp_size_now(self.sp_size), "data.train_batch_size")
         if len(self._train) < size:
             raise ValueError(f"{self.config.train_files} has {len(self._train)} rows, fewer than one batch")
@@ -101,7 +142,7 @@ class _DataModule:
         if not self.config.val_files:
             return None
         if self._val is None:
-            self._val = self._dataset(self.config.val_files)
+            self._val = self._load(self.config.val_files, "data.val_files")
         dp = dp_size_now(self.sp_size)
         if self.config.val_batch_size is None:
             size = max(1, math.ceil(len(self._val) / dp))
@@ -120,8 +161,10 @@ class PromptDataModule(_DataModule):
     """
 
     def _dataset(self, path: str) -> PromptDataset:
-        return PromptDataset(path, self.tokenizer, self.config.max_prompt_length,
-                             chat_template=self.config.chat_template)
+        cfg = self.config
+        return PromptDataset(path, self.tokenizer, cfg.max_prompt_length, truncation=cfg.truncation,
+                             chat_template=cfg.chat_template,
+                             filter_overlong_prompts=cfg.filter_overlong_prompts)
 
 
 class SFTDataModule(_DataModule):

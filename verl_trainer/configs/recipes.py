@@ -55,11 +55,16 @@ class TrainerConfig(TrainerArgs):
     validate_before_fit: bool = True
 
     def build(self, callbacks: Sequence[Any] = (), **overrides: Any) -> Any:
-        """The :class:`~verl_trainer.Trainer` these settings describe (``overrides`` win)."""
+        """The :class:`~verl_trainer.Trainer` these settings describe (``overrides`` win).
+
+        A recipe's ``ProgressBar`` is left out when ``enable_progress_bar`` is false.
+        """
         from verl_trainer import Trainer
+        from verl_trainer.callbacks import ProgressBar
         from verl_trainer.callbacks.sequence_balancing import SequenceBalancing
 
-        callbacks = list(callbacks)
+        show_bar = overrides.get("enable_progress_bar", self.enable_progress_bar)
+        callbacks = [cb for cb in callbacks if show_bar or not isinstance(cb, ProgressBar)]
         if self.sequence_balancing:
             callbacks.append(SequenceBalancing())
         kwargs: dict[str, Any] = {**self.trainer_kwargs(), "callbacks": callbacks, **overrides}

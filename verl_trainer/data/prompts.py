@@ -40,7 +40,9 @@ EXTRA_INFO = "extra_info"
 NON_TENSOR_KEYS = (GROUND_TRUTH, DATA_SOURCE, EXTRA_INFO)
 """Per-sample Python objects carried in prompt and rollout batches as ``NonTensorStack`` entries."""
 
-TRUNCATION_MODES = ("error", "left", "right", "filter")
+TRUNCATION_MODES = ("error", "left", "right", "middle")
+"""What a prompt longer than ``max_prompt_length`` becomes (verl's ``data.truncation``): an error, its last
+(``left``: the start is cut), first (``right``) or first and last halves (``middle``) tokens."""
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -204,6 +206,20 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]],
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def truncate(ids: list[int], max_length: int, mode: str) -> list[int]:
+    """``ids`` cut to ``max_length`` tokens as ``mode`` says (``left``, ``right`` or ``middle``)."""
+    if len(ids) <= max_length:
+        return ids
+    if mode == "left":
+        return ids[len(ids) - max_length:]
+    if mode == "right":
+        return ids[:max_length]
+    if mode == "middle":
+        head = max_length - max_length // 2
+        return ids[:head] + ids[len(ids) - max_length // 2:]
+    raise ValueError(f"cannot truncate with mode {mode!r}; choose left, right or middle")
+
+
 class PromptDataset(Dataset):
     """Tokenised prompts with their reward data; items are dicts, batches come from :meth:`collate`.
 
@@ -213,34 +229,49 @@ class PromptDataset(Dataset):
         source: A prompt file path (see :func:`load_prompts`) or a list of records.
         tokenizer: A transformers tokenizer.
         max_prompt_length: Longest prompt in tokens.
-        truncation: What to do with a longer prompt: ``"error"``, ``"left"`` (keep the end),
-            ``"right"`` (keep the start) or ``"filter"`` (drop the row).
+        truncation: What a longer prompt becomes, one of :data:`TRUNCATION_MODES`.
         chat_template: See :func:`encode_prompt`.
+        filter_overlong_prompts: Drop longer prompts instead (verl's ``data.filter_overlong_prompts``);
+            ``truncation`` then never applies.
+        name: What the messages call the source (e.g. the file's path).
 
+    Raises:
+        ValueError: A prompt longer than ``max_prompt_length`` with ``truncation="error"`` (the message
+            names the row, its length and both fixes), or no prompt left after filtering.
     """
 
     def __init__(self, source: str | Path | Sequence[Mapping[str, Any]], tokenizer: Any,
                  max_prompt_length: int = 512, truncation: str = "error",
-                 chat_template: bool | None = None) -> None:
+                 chat_template: bool | None = None, filter_overlong_prompts: bool = False,
+                 name: str | None = None) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation={truncation!r}; choose one of {TRUNCATION_MODES}")
         records = load_prompts(source) if isinstance(source, (str, Path)) else list(source)
+        name = name or (str(source) if isinstance(source, (str, Path)) else "the prompts")
         self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.max_prompt_length = max_prompt_length
+        self.num_filtered = 0
         self.items: list[dict[str, Any]] = []
         for rec in records:
             ids = encode_prompt(tokenizer, rec["prompt"], chat_template)
             if len(ids) > max_prompt_length:
+                if filter_overlong_prompts:
+                    self.num_filtered += 1
+                    continue
                 if truncation == "error":
                     raise ValueError(
-                        f"prompt {rec.get('index')} has {len(ids)} tokens > max_prompt_length="
-                        f"{max_prompt_length}; raise the limit or set truncation='left'/'right'/'filter'"
+                        f"{name}: prompt row {rec.get('index')} has {len(ids)} tokens > max_prompt_length="
+                        f"{max_prompt_length}; raise data.max_prompt_length, set data.truncation to one of "
+                        f"left/right/middle, or data.filter_overlong_prompts=true"
                     )
-                if truncation == "filter":
-                    continue
-                ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
+                ids = truncate(ids, max_prompt_length, truncation)
             reward_data = {k: rec[k] for k in NON_TENSOR_KEYS}
             self.items.append({"input_ids": ids, **reward_data, "index": rec["index"]})
+        if records and not self.items:
+            raise ValueError(
+                f"{name}: every one of its {len(records)} prompts is longer than max_prompt_length="
+                f"{max_prompt_length}, so filter_overlong_prompts left none; raise the limit"
+            )
 
     def __len__(self) -> int:
         return len(self.items)

@@ -61,6 +61,7 @@ class SFTDataset(Dataset):
                  tokenizer: Any = None, max_length: int = 512, chat_template: bool | None = None,
                  pad_token_id: int | None = None) -> None:
         items = read_rows(Path(source)) if isinstance(source, (str, Path)) else list(source)
+        where = f"{source}: " if isinstance(source, (str, Path)) else ""
         if pad_token_id is None:
             pad_token_id = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad_token_id or 0)
@@ -70,12 +71,19 @@ class SFTDataset(Dataset):
                 self.examples.append((list(item[0]), list(item[1])))
                 continue
             if tokenizer is None:
-                raise ValueError(f"SFT row {i} is text: pass tokenizer= to tokenise it, or give id pairs")
+                raise ValueError(
+                    f"{where}SFT row {i} is text: pass tokenizer= to tokenise it, or give id pairs"
+                )
             if "prompt" not in item or "response" not in item:
-                raise ValueError(f"SFT row {i} needs 'prompt' and 'response' columns; it has {sorted(item)}")
+                raise ValueError(
+                    f"{where}SFT row {i} needs 'prompt' and 'response' columns; it has {sorted(item)}"
+                )
             p, r = encode_sft_example(tokenizer, item["prompt"], str(item["response"]), chat_template)
             if len(p) + len(r) > max_length:
-                raise ValueError(f"SFT row {i} has {len(p) + len(r)} tokens > max_length={max_length}")
+                raise ValueError(
+                    f"{where}SFT row {i} has {len(p) + len(r)} tokens > max_length={max_length}; raise "
+                    "data.max_length or shorten the row"
+                )
             self.examples.append((p, r))
 
     def __len__(self) -> int:

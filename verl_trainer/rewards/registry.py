@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,13 +64,13 @@ def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
 
     """
     if callable(name_or_path):
-        return name_or_path
+        return check_reward_signature(name_or_path, repr(name_or_path))
     if not isinstance(name_or_path, str):
         raise TypeError(
             f"reward function must be a name, 'module:function' or a callable, got {name_or_path!r}"
         )
     if ":" not in name_or_path:
-        return REWARD_REGISTRY.get(name_or_path)
+        return check_reward_signature(REWARD_REGISTRY.get(name_or_path), name_or_path)
     target, _, attr = name_or_path.rpartition(":")
     if not target or not attr:
         raise ValueError(f"reward function {name_or_path!r}: expected 'module.path:function'")
@@ -87,6 +88,28 @@ def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
         raise ValueError(f"reward function {name_or_path!r}: module {target!r} has no attribute {attr!r}")
     if not callable(fn):
         raise ValueError(f"reward function {name_or_path!r} is a {type(fn).__name__}, not a callable")
+    return check_reward_signature(fn, name_or_path)
+
+
+def check_reward_signature(fn: RewardFn, name: str) -> RewardFn:
+    """``fn`` itself when it can be called as ``fn(data_source, solution_str, ground_truth)``.
+
+    Raises:
+        ValueError: Its signature cannot take those three positional arguments (the message shows the
+            signature and the one expected).
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: it is called as it is
+        return fn
+    try:
+        signature.bind("data_source", "solution_str", "ground_truth")
+    except TypeError as err:
+        raise ValueError(
+            f"reward function {name} has the signature {signature}, which cannot be called as "
+            f"f(data_source, solution_str, ground_truth, extra_info=None) ({err}); write it with verl's "
+            "compute_score signature: def f(data_source, solution_str, ground_truth, extra_info=None)"
+        ) from None
     return fn
 
 

@@ -34,6 +34,9 @@ class TrainerArgs:
         enable_progress_bar: Show the progress bar.
         enable_checkpointing: Save a checkpoint at the end of fit.
         seed: Seed of everything.
+        collective_timeout: Seconds a collective waits for the other ranks before it fails (``None``: the
+            strategy's, 600 s by default, verl's ``nccl_timeout``): a rank stalled in user code ends the run
+            after this long instead of holding the others.
     """
 
     strategy: str = "fsdp2"
@@ -50,6 +53,7 @@ class TrainerArgs:
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True
     seed: int = 42
+    collective_timeout: float | None = None
 
     def trainer_kwargs(self) -> dict[str, Any]:
         """These values as ``Trainer(**kwargs)`` arguments (subclass fields left out)."""

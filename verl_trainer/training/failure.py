@@ -45,15 +45,25 @@ _COMM_ERROR_MARKERS = ("Connection closed", "Connection reset", "Broken pipe", "
 
 
 class RankFailedError(RuntimeError):
-    """Another rank failed first; the message carries its traceback.
+    """Another rank failed first. Its traceback is printed once, by that rank; this error's message is
+    one line: the rank and its error's last line.
 
     Attributes:
         rank: The rank that failed first.
+        traceback: Its traceback, as text.
     """
 
     def __init__(self, rank: int, message: str) -> None:
-        super().__init__(f"rank {rank} failed, so this rank stops too. Rank {rank}'s error:\n{message}")
+        super().__init__(f"rank {rank} failed, so this rank stops too (rank {rank} printed the traceback): "
+                         f"{last_line(message)}")
         self.rank = rank
+        self.traceback = message
+
+
+def last_line(message: str) -> str:
+    """The last non-empty line of a traceback (the exception and its message)."""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else message
 
 
 @dataclass(frozen=True)
@@ -168,7 +178,7 @@ def _watch() -> None:
 def _format(failure: Failure | None) -> str:
     if failure is None:
         return "another rank failed"
-    return f"rank {failure.rank} failed:\n{failure.message}"
+    return f"rank {failure.rank} failed: {last_line(failure.message)}"
 
 
 def current_message() -> str | None:
@@ -232,6 +242,8 @@ def _on_exception(exc: BaseException) -> Failure:
                     return found
                 time.sleep(POLL_S)
         posted = channel.post(own)
+        if posted.rank != own.rank:
+            channel.ack()  # the origin stops waiting for us sooner
         if posted.rank == own.rank:  # we are the origin: let the others read it before we exit
             deadline = time.monotonic() + ACK_WAIT_S
             while channel.acks() < _STATE.world_size - 1 and time.monotonic() < deadline:
@@ -263,7 +275,11 @@ def guard() -> Iterator[None]:
         _STATE.active = False
         _STATE.failed = True
         if failure.rank != _STATE.rank:
-            raise RankFailedError(failure.rank, failure.message) from exc
+            error = RankFailedError(failure.rank, failure.message)
+            own = "".join(traceback.format_exception_only(type(exc), exc))
+            if _looks_like_comm_error(exc) or last_line(own) == last_line(failure.message):
+                raise error from None  # a consequence, or the same error: printed once, by its rank
+            raise error from exc
         raise
     finally:
         _STATE.active = False
