@@ -45,8 +45,10 @@ _COMM_ERROR_MARKERS = ("Connection closed", "Connection reset", "Broken pipe", "
 
 
 class RankFailedError(RuntimeError):
-    """Another rank failed first. Its traceback is printed once, by that rank; this error's message is
-    one line: the rank and its error's last line.
+    """Another rank failed first.
+
+    Its traceback is printed once, by that rank; this error's message is one line: the rank and the last
+    line of its error.
 
     Attributes:
         rank: The rank that failed first.
