@@ -95,6 +95,37 @@ def export_hf_model(engine: Any, source_path: str, out_dir: str | os.PathLike, w
     return str(out_dir)
 
 
+def policy_path(cfg: Any) -> str:
+    """The RL policy's initial checkpoint: ``algorithm.model_path``, else the warm start's output (when it
+    is enabled), else ``model.path``."""
+    warm = getattr(cfg, "warm_start", None)
+    return cfg.algorithm.model_path or (warm.output if warm is not None and warm.enable else cfg.model.path)
+
+
+def prepare(cfg: Any, trainer: Any, module: Any, data_cls: type) -> Any:
+    """Everything that can fail before a model loads, in the launching process; returns the datamodule.
+
+    Writes the task files and the demo model when configured, then checks the run
+    (:meth:`~verl_trainer.Trainer.check`: engine settings, the world size, and the data read, tokenised and
+    checked for the run's DP size) and the warm start's data, so that a bad setting fails in seconds.
+    """
+    prepare_task(cfg.task)
+    base = cfg.algorithm.model_path or prepare_model(cfg.model)
+    data = data_cls(cfg.data, load_tokenizer(base))
+    trainer.check(module, datamodule=data)
+    warm = getattr(cfg, "warm_start", None)
+    if warm is not None and warm.enable and not (Path(warm.output) / "config.json").exists():
+        ensure_replaceable(warm.output, "warm_start.output")  # before training, not after
+        trainer.check(*_warm_start_run(warm, base))
+    return data
+
+
+def _warm_start_run(cfg: WarmStartConfig, model_path: str) -> tuple[SFT, SFTDataModule]:
+    module = SFT(SFTConfig(model_path=model_path, engine=cfg.engine, optim=cfg.optim))
+    data_cfg = DataConfig(train_files=cfg.train_files, train_batch_size=cfg.batch_size, val_files=None)
+    return module, SFTDataModule(data_cfg, load_tokenizer(model_path))
+
+
 def warm_start(cfg: WarmStartConfig, model_path: str, trainer_cfg: TrainerConfig) -> str:
     """A short SFT of ``model_path`` (skipped when ``cfg.output`` exists); returns the policy's path."""
     if not cfg.enable:
@@ -102,9 +133,7 @@ def warm_start(cfg: WarmStartConfig, model_path: str, trainer_cfg: TrainerConfig
     if (Path(cfg.output) / "config.json").exists():
         return cfg.output
     ensure_replaceable(cfg.output, "warm_start.output")  # before training, not after
-    module = SFT(SFTConfig(model_path=model_path, engine=cfg.engine, optim=cfg.optim))
-    data = SFTDataModule(DataConfig(train_files=cfg.train_files, train_batch_size=cfg.batch_size),
-                         load_tokenizer(model_path))
+    module, data = _warm_start_run(cfg, model_path)
     trainer = trainer_cfg.build(
         callbacks=[ProgressBar(metrics=("sft/loss",), refresh_rate=10)], max_steps=cfg.max_steps,
         max_epochs=None, logger=False, val_check_interval=None, enable_checkpointing=False,
@@ -120,7 +149,10 @@ def warm_start(cfg: WarmStartConfig, model_path: str, trainer_cfg: TrainerConfig
 
 
 def validate(trainer: Any, module: Any, data: Any) -> dict[str, float]:
-    """``trainer.validate`` once; its reduced metrics (the same on every rank)."""
+    """``trainer.validate`` once; its reduced metrics (the same on every rank); ``{}`` without
+    ``data.val_files``."""
+    if not data.config.val_files:
+        return {}
     return dict(trainer.validate(module, datamodule=data)[0])
 
 

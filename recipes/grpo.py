@@ -18,7 +18,6 @@ import common
 from verl_trainer.algorithms import GRPO, PromptDataModule
 from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import GRPORecipeConfig, parse_recipe_args
-from verl_trainer.models.loading import load_tokenizer
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "grpo.yaml"
 
@@ -26,13 +25,11 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "grpo.yaml"
 def main(algorithm_cls: type = GRPO, default_config: Path = CONFIG) -> None:
     started = time.monotonic()
     cfg = parse_recipe_args(GRPORecipeConfig, default_config, description=__doc__)
-    common.prepare_task(cfg.task)
-    policy = common.warm_start(cfg.warm_start, common.prepare_model(cfg.model), cfg.trainer)
-    algorithm = dataclasses.replace(cfg.algorithm, model_path=cfg.algorithm.model_path or policy)
-
-    module = algorithm_cls(algorithm)
-    data = PromptDataModule(cfg.data, load_tokenizer(algorithm.model_path))
     trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=common.RL_PROGRESS)])
+    module = algorithm_cls(dataclasses.replace(cfg.algorithm, model_path=common.policy_path(cfg)))
+    data = common.prepare(cfg, trainer, module, PromptDataModule)  # every check before a model loads
+    if not cfg.algorithm.model_path:
+        common.warm_start(cfg.warm_start, cfg.model.path, cfg.trainer)
     before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit else None
     trainer.fit(module, datamodule=data)
     after = common.validate(trainer, module, data)

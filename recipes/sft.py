@@ -13,7 +13,6 @@ import common
 from verl_trainer.algorithms import SFT, SFTDataModule
 from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import SFTRecipeConfig, parse_recipe_args
-from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.utils.fs import ensure_replaceable
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sft.yaml"
@@ -24,19 +23,14 @@ def main() -> None:
     cfg = parse_recipe_args(SFTRecipeConfig, CONFIG, description=__doc__)
     if cfg.export_dir:
         ensure_replaceable(cfg.export_dir, "export_dir")  # before training, not after
-    common.prepare_task(cfg.task)
-    model_path = cfg.algorithm.model_path or common.prepare_model(cfg.model)
-    algorithm = dataclasses.replace(cfg.algorithm, model_path=model_path)
-
-    module = SFT(algorithm)
-    data = SFTDataModule(cfg.data, load_tokenizer(model_path))
     trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=("sft/loss", "val/loss"))])
-    has_val = bool(cfg.data.val_files)
-    before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit and has_val else None
+    module = SFT(dataclasses.replace(cfg.algorithm, model_path=common.policy_path(cfg)))
+    data = common.prepare(cfg, trainer, module, SFTDataModule)  # every check before a model loads
+    before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit else None
     trainer.fit(module, datamodule=data)
-    after = common.validate(trainer, module, data) if has_val else {}
+    after = common.validate(trainer, module, data)
     if cfg.export_dir:
-        common.export_hf_model(module.engines["actor"], model_path, cfg.export_dir)
+        common.export_hf_model(module.engines["actor"], module.config.model_path, cfg.export_dir)
     common.report(trainer, before, after, ("val/loss",), plot=False, started=started)
 
 

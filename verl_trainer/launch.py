@@ -50,12 +50,15 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 
 from verl_trainer.training import failure
-from verl_trainer.utils.distributed import is_initialized
+from verl_trainer.utils.distributed import is_initialized, set_collective_timeout
 
 __all__ = ["ScriptLauncher", "World", "connect", "select_cluster_environment"]
 
 REAP_AFTER_FAILURE_S = 2.0
 """After a failed run, how long rank 0 waits for its children to end before it exits."""
+RENDEZVOUS_TIMEOUT = timedelta(minutes=5)
+"""How long the ranks may take to start and meet (slow imports on a busy node), however short the
+collective timeout is."""
 
 
 @dataclass(frozen=True)
@@ -237,12 +240,15 @@ def connect(
         os.environ.setdefault("NODE_RANK", str(node_rank))
         if backend == "nccl":
             torch.cuda.set_device(env.local_rank())
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        # the timeout also bounds the rendezvous: meet with a generous one, then set the collectives' own
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=max(timeout, RENDEZVOUS_TIMEOUT))
+        set_collective_timeout(timeout)
         world = _current_world(backend)
     if world.backend == "nccl":
         torch.cuda.set_device(world.local_rank)
     _set_rank_zero_only(world.rank)
-    failure.start_watchdog(world.rank, world.world_size)
+    failure.start_watchdog(world.rank, world.world_size, timeout)
     return world
 
 

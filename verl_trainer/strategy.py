@@ -35,7 +35,7 @@ from verl_trainer.engine.base import BaseEngine
 from verl_trainer.engine.config import EngineConfig, EngineSpec, to_dtype
 from verl_trainer.engine.registry import BACKEND_PACKAGES, EngineRegistry
 from verl_trainer.engine.topology import Topology, build_topology
-from verl_trainer.utils.distributed import is_initialized
+from verl_trainer.utils.distributed import is_initialized, set_collective_timeout
 
 __all__ = ["PRECISIONS", "Strategy", "available_strategies", "normalize_precision", "resolve_strategy"]
 
@@ -186,6 +186,9 @@ class Strategy:
         topo = self.topology
         if topo is None or (topo.mesh is not None) != is_initialized():  # none yet, or another group state
             topo = self.topology = build_topology(sp_size, device_type)
+            for mesh in (topo.mesh, topo.shard_mesh):
+                if mesh is not None:
+                    set_collective_timeout(self.timeout, mesh.get_all_groups())
         if topo.sp_size != sp_size:
             raise ValueError(
                 f"the run's topology has sp={topo.sp_size} but an engine asks for "

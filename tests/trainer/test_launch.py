@@ -56,3 +56,15 @@ def test_a_crash_on_one_rank_ends_every_rank(model_path, tmp_path, rank, mode, e
     assert expected in out.split("RankFailedError", 1)[1], out
     assert "fit done" not in out
     assert_all_gone(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_ends_the_run_after_the_collective_timeout(model_path, tmp_path):
+    rc, out, seconds = run_script("--root", str(tmp_path), "--model", model_path, "--devices", "2",
+                                  "--max-steps", "4", "--logger", "", "--fail-rank", "1", "--fail-step", "2",
+                                  "--fail-mode", "stall", "--collective-timeout", "5", timeout=240)
+    assert rc != 0, out
+    assert seconds < 100, f"the run took {seconds:.0f} s; rank 1 stalls for 120 s"
+    assert "collective_timeout" in out, out
+    assert "fit done" not in out
+    assert_all_gone(tmp_path)

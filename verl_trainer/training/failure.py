@@ -33,7 +33,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["RankFailedError", "guard", "start_watchdog"]
+__all__ = ["CollectiveTimeoutError", "RankFailedError", "guard", "start_watchdog"]
 
 FAILURE_GRACE_S = 10.0
 """Seconds a rank's main thread gets to end by itself once another rank's failure is known."""
@@ -60,6 +60,10 @@ class RankFailedError(RuntimeError):
                          f"{last_line(message)}")
         self.rank = rank
         self.traceback = message
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective waited longer than the collective timeout for the other ranks."""
 
 
 def last_line(message: str) -> str:
@@ -129,6 +133,7 @@ class _State:
         self.active = False  # a guarded run is in progress and has not handled its failure yet
         self.failed = False  # a guarded run of this process ended with an exception
         self.thread: threading.Thread | None = None
+        self.collective_timeout: timedelta | None = None
 
 
 _STATE = _State()
@@ -144,9 +149,10 @@ def _connect_store() -> dist.Store | None:
         return None
 
 
-def start_watchdog(rank: int, world_size: int) -> None:
+def start_watchdog(rank: int, world_size: int, collective_timeout: timedelta | None = None) -> None:
     """Connect the failure channel and start the watchdog thread (once per process)."""
     _STATE.rank, _STATE.world_size = rank, world_size
+    _STATE.collective_timeout = collective_timeout
     if _STATE.thread is not None:
         return
     store = _connect_store()
@@ -282,6 +288,13 @@ def guard() -> Iterator[None]:
             if _looks_like_comm_error(exc) or last_line(own) == last_line(failure.message):
                 raise error from None  # a consequence, or the same error: printed once, by its rank
             raise error from exc
+        if _STATE.collective_timeout is not None and _looks_like_comm_error(exc) and "imed out" in str(exc):
+            seconds = _STATE.collective_timeout.total_seconds()
+            raise CollectiveTimeoutError(
+                f"a collective waited longer than collective_timeout={seconds:g} s for the other ranks: one "
+                "of them is stalled or much slower (see its output); if such waits are expected, raise "
+                "trainer.collective_timeout (Trainer(collective_timeout=...))"
+            ) from exc
         raise
     finally:
         _STATE.active = False

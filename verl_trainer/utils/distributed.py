@@ -7,6 +7,9 @@ needs one (nccl/hccl: the current accelerator; gloo: the CPU) and come back on t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -21,6 +24,7 @@ __all__ = [
     "get_world_size",
     "is_distributed",
     "is_initialized",
+    "set_collective_timeout",
 ]
 
 
@@ -95,3 +99,15 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def set_collective_timeout(timeout: timedelta, groups: Sequence[dist.ProcessGroup | None] = (None,)) -> None:
+    """Make collectives on ``groups`` (``None``: the default group) fail after ``timeout``.
+
+    Groups created later (device meshes) get torch's backend default (30 min for gloo) unless they are
+    passed here too; the strategy does that for the meshes it builds.
+    """
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    for group in groups:
+        _set_pg_timeout(timeout, group)

@@ -4,13 +4,14 @@ Every rank writes ``<root>/pids/rank<r>.pid``; rank 0 writes the final parameter
 Fault injection: ``--kill-at-step N`` SIGKILLs the whole process group (the test starts the script in a
 new session) at the start of step N+1 (``--kill-mode start``) or in the middle of step N's checkpoint
 write (``--kill-mode midwrite``); ``--fail-rank R --fail-step S`` raises on rank R in step S (or
-SIGKILLs it with ``--fail-mode sigkill``).
+SIGKILLs it with ``--fail-mode sigkill``, or stalls it for 120 s in user code with ``--fail-mode stall``).
 """
 
 import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
@@ -38,6 +39,8 @@ class Faults(Callback):
         if a.fail_step and trainer.global_step + 1 == a.fail_step and trainer.global_rank == a.fail_rank:
             if a.fail_mode == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if a.fail_mode == "stall":
+                time.sleep(120)
             raise ValueError(f"injected failure on rank {a.fail_rank} at step {a.fail_step}")
 
     def on_save_checkpoint(self, trainer, module, checkpoint):
@@ -62,7 +65,8 @@ def main() -> None:
     p.add_argument("--kill-mode", choices=["start", "midwrite"], default="start")
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-step", type=int, default=0)
-    p.add_argument("--fail-mode", choices=["raise", "sigkill"], default="raise")
+    p.add_argument("--fail-mode", choices=["raise", "sigkill", "stall"], default="raise")
+    p.add_argument("--collective-timeout", type=float, default=None)
     args = p.parse_args()
 
     rank = os.environ.get("LOCAL_RANK", "0")
@@ -75,7 +79,8 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(every_n_train_steps=args.every_n, keep_last_k=2))
     loggers = args.logger.split(",") if args.logger else False
     trainer = Trainer(strategy=args.strategy, devices=args.devices, max_steps=args.max_steps,
-                      default_root_dir=args.root, callbacks=callbacks, logger=loggers, seed=7)
+                      default_root_dir=args.root, callbacks=callbacks, logger=loggers, seed=7,
+                      collective_timeout=args.collective_timeout)
     module = sft_module(args.model)
     trainer.fit(module, SFTData(n=28, batch_size=4), ckpt_path=args.ckpt_path)
     params = {name: t.detach().cpu().clone() for name, t in module.engines["actor"].get_per_tensor_param()}
