@@ -116,7 +116,11 @@ def prepare(cfg: Any, trainer: Any, module: Any, data_cls: type) -> Any:
     warm = getattr(cfg, "warm_start", None)
     if warm is not None and warm.enable and not (Path(warm.output) / "config.json").exists():
         ensure_replaceable(warm.output, "warm_start.output")  # before training, not after
-        trainer.check(*_warm_start_run(warm, base))
+        try:
+            trainer.check(*_warm_start_run(warm, base))
+        except (ValueError, FileNotFoundError) as err:
+            raise type(err)(f"warm_start: {err} (there, data.train_files is warm_start.train_files and "
+                            "data.train_batch_size is warm_start.batch_size)") from None
     return data
 
 

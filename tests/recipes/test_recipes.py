@@ -67,7 +67,8 @@ def test_grpo_recipe_with_kl_dapo_and_balancing(assets, tmp_path):
 
 def test_dr_grpo_recipe(assets, tmp_path):
     metrics = run_recipe("dr_grpo", assets, tmp_path, *RL_OVERRIDES, "algorithm.rollout.n=2",
-                         "algorithm.actor.loss.loss_scale_factor=3")
+                         "algorithm.actor.loss.loss_scale_factor=3", "data.val_files=null",
+                         "trainer.enable_progress_bar=false")  # both crashed the recipes before
     assert all("actor/pg_loss" in metrics[s] for s in (1, 2))
 
 
