@@ -54,6 +54,9 @@ def test_a_crash_on_one_rank_ends_every_rank(model_path, tmp_path, rank, mode, e
     # the other rank ends with a RankFailedError that carries the failing rank's error
     assert f"[rank{other}]: verl_trainer.training.failure.RankFailedError: rank {rank} failed" in out, out
     assert expected in out.split("RankFailedError", 1)[1], out
+    # the traceback is printed once, by the failing rank; the other rank prints one line about it
+    assert out.count(expected) == (2 if mode == "raise" else 1), out
+    assert "frame #" not in out, out  # no C++ stack from gloo/TCPStore
     assert "fit done" not in out
     assert_all_gone(tmp_path)
 
