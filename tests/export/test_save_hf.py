@@ -31,6 +31,7 @@ from tests.engine.common import (
     value_loss,
 )
 from verl_trainer.engine import OptimConfig
+from verl_trainer.export import convert_checkpoint
 from verl_trainer.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,8 +62,13 @@ def model_path(tmp_path_factory):
     return tiny_model(str(tmp_path_factory.mktemp("export_model") / "tiny"))
 
 
-def _check(out: Path, model_type: str, engine_out: dict, batch, convert: bool = True) -> None:
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
+
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _check(out: Path, model_type: str, engine_out: dict, batch, cli: bool = False) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
     hf = out / model_type / "hf"
@@ -85,24 +91,26 @@ def _check(out: Path, model_type: str, engine_out: dict, batch, convert: bool = 
         mask[:, 0] = False
     err = (got.detach() - want).abs()[mask].max().item()
     assert err < 1e-5, f"{model_type}: exported model differs from the engine by {err:.2e}"
-    if convert:  # one process, no distributed run: the converted weights equal the export's
-        conv = out / model_type / "converted"
+    # one process, no distributed run: the converted weights equal the export's
+    conv = out / model_type / "converted"
+    if cli:
         proc = subprocess.run([sys.executable, "-m", "verl_trainer.export", str(out / model_type / "ckpt"),
                                str(conv), "--max-shard-size", str(SHARD)],
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        tensors = lambda d: {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}  # noqa: E731
-        a, b = tensors(hf), tensors(conv)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        assert AutoTokenizer.from_pretrained(str(conv)).decode([4, 5]) == "01"
+    else:
+        convert_checkpoint(out / model_type / "ckpt", conv, max_shard_size=SHARD)
+    a, b = _tensors(hf), _tensors(conv)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert AutoTokenizer.from_pretrained(str(conv)).decode([4, 5]) == "01"
 
 
-def _run_case(tmp_path, model_path, backend, model_types, env=None, **config):
+def _run_case(tmp_path, model_path, backend, model_types, env=None, cli=False, **config):
     batch = random_batch(8, seed=3)
     results = run_distributed(_export_run, 2, backend, model_types, model_path, str(tmp_path), batch, config,
                               env=env or {}, timeout=400)
     for model_type in model_types:
-        _check(tmp_path, model_type, results[0][model_type], batch)
+        _check(tmp_path, model_type, results[0][model_type], batch, cli=cli)
 
 
 def test_fsdp2_export_reproduces_the_engine_language_and_value_model(tmp_path, model_path):
@@ -115,7 +123,7 @@ def test_export_reproduces_the_engine_each_backend(tmp_path, model_path, backend
     if backend.startswith("deepspeed") and not HAS_DEEPSPEED:
         pytest.skip("needs deepspeed")
     env = {"DS_ACCELERATOR": "cpu"} if backend.startswith("deepspeed") else None
-    _run_case(tmp_path, model_path, backend, ("language_model", "value_model"), env=env)
+    _run_case(tmp_path, model_path, backend, ("language_model", "value_model"), env=env, cli=True)
 
 
 @pytest.mark.slow
