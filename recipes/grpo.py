@@ -4,9 +4,10 @@
     python recipes/grpo.py trainer.devices=2 trainer.max_steps=50 algorithm.rollout.n=4
     python recipes/grpo.py --config configs/dapo.yaml         # DAPO options on the same task
 
-Makes the task files and a tiny model when missing, warm-starts it with a short SFT, validates on
-held-out prompts, trains with GRPO, validates again, and writes the CSV, a wandb offline run and a PNG of
-reward and response length per step under ``trainer.default_root_dir``.
+Makes the task files and (demo only) a tiny model when missing, warm-starts it with a short SFT, validates
+on held-out prompts, trains with GRPO, validates again, and writes the CSV, a wandb offline run, a PNG of
+reward and response length per step and the trained policy as an HF model (``hf/``) under
+``trainer.default_root_dir``.
 """
 
 import dataclasses
@@ -26,9 +27,12 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "grpo.yaml"
 def main(algorithm_cls: type = GRPO, default_config: Path = CONFIG) -> None:
     started = time.monotonic()
     cfg = parse_recipe_args(GRPORecipeConfig, default_config, description=__doc__)
+    base = common.prepare_model(cfg.model)  # a model that is not there fails here, before any work
+    explicit = common.resolve_algorithm_model(cfg.algorithm.model_path)
+    export_dir = common.final_export_dir(cfg.trainer)
     common.prepare_task(cfg.task)
-    policy = common.warm_start(cfg.warm_start, common.prepare_model(cfg.model), cfg.trainer)
-    algorithm = dataclasses.replace(cfg.algorithm, model_path=cfg.algorithm.model_path or policy)
+    policy = common.warm_start(cfg.warm_start, base, cfg.trainer)
+    algorithm = dataclasses.replace(cfg.algorithm, model_path=explicit or policy)
 
     module = algorithm_cls(algorithm)
     data = PromptDataModule(cfg.data, load_tokenizer(algorithm.model_path))
@@ -39,6 +43,8 @@ def main(algorithm_cls: type = GRPO, default_config: Path = CONFIG) -> None:
     actor = module.engines["actor"]
     if actor.has_adapters:  # LoRA: the adapters as a peft directory (PeftModel.from_pretrained loads it)
         actor.save_adapter(Path(cfg.trainer.default_root_dir) / "adapter")
+    if export_dir:  # the trained policy as a plain HF model (LoRA merged)
+        common.export_policy(actor, export_dir)
     common.report(trainer, before, after, ("val/reward/mean", "val/reward/accuracy"), started=started)
 
 

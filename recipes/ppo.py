@@ -21,9 +21,12 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ppo.yaml"
 def main() -> None:
     started = time.monotonic()
     cfg = parse_recipe_args(PPORecipeConfig, CONFIG, description=__doc__)
+    base = common.prepare_model(cfg.model)  # a model that is not there fails here, before any work
+    explicit = common.resolve_algorithm_model(cfg.algorithm.model_path)
+    export_dir = common.final_export_dir(cfg.trainer)
     common.prepare_task(cfg.task)
-    policy = common.warm_start(cfg.warm_start, common.prepare_model(cfg.model), cfg.trainer)
-    algorithm = dataclasses.replace(cfg.algorithm, model_path=cfg.algorithm.model_path or policy)
+    policy = common.warm_start(cfg.warm_start, base, cfg.trainer)
+    algorithm = dataclasses.replace(cfg.algorithm, model_path=explicit or policy)
 
     module = PPO(algorithm)
     data = PromptDataModule(cfg.data, load_tokenizer(algorithm.model_path))
@@ -31,6 +34,8 @@ def main() -> None:
     before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit else None
     trainer.fit(module, datamodule=data)
     after = common.validate(trainer, module, data)
+    if export_dir:  # the trained policy as a plain HF model
+        common.export_policy(module.engines["actor"], export_dir)
     common.report(trainer, before, after, ("val/reward/mean", "val/reward/accuracy"), started=started)
 
 

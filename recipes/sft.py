@@ -2,6 +2,9 @@
 
     python recipes/sft.py
     python recipes/sft.py trainer.devices=2 trainer.max_steps=100 export_dir=outputs/models/sft
+
+The fine-tuned model is written as an HF directory to ``export_dir`` (default ``<default_root_dir>/hf``;
+``trainer.export_hf=false``: none).
 """
 
 import dataclasses
@@ -14,7 +17,6 @@ from verl_trainer.algorithms import SFT, SFTDataModule
 from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import SFTRecipeConfig, parse_recipe_args
 from verl_trainer.models.loading import load_tokenizer
-from verl_trainer.utils.fs import ensure_replaceable
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sft.yaml"
 
@@ -22,10 +24,9 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sft.yaml"
 def main() -> None:
     started = time.monotonic()
     cfg = parse_recipe_args(SFTRecipeConfig, CONFIG, description=__doc__)
-    if cfg.export_dir:
-        ensure_replaceable(cfg.export_dir, "export_dir")  # before training, not after
+    export_dir = common.final_export_dir(cfg.trainer, cfg.export_dir)  # refused before training, not after
+    model_path = common.resolve_algorithm_model(cfg.algorithm.model_path) or common.prepare_model(cfg.model)
     common.prepare_task(cfg.task)
-    model_path = cfg.algorithm.model_path or common.prepare_model(cfg.model)
     algorithm = dataclasses.replace(cfg.algorithm, model_path=model_path)
 
     module = SFT(algorithm)
@@ -35,8 +36,8 @@ def main() -> None:
     before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit and has_val else None
     trainer.fit(module, datamodule=data)
     after = common.validate(trainer, module, data) if has_val else {}
-    if cfg.export_dir:
-        common.export_hf_model(module.engines["actor"], model_path, cfg.export_dir)
+    if export_dir:
+        common.export_policy(module.engines["actor"], export_dir)
     common.report(trainer, before, after, ("val/loss",), plot=False, started=started)
 
 
