@@ -5,7 +5,8 @@ One distributed run per case trains one step, exports with ``save_hf`` (small sh
 sharded), saves an engine checkpoint and records the engine's outputs on a batch. The test then loads the
 export with ``AutoModelFor*.from_pretrained`` and converts the checkpoint on this one process; the converted
 weights must equal the export's bit for bit. fsdp2 (language + value model) runs by default; fsdp1,
-DeepSpeed ZeRO-1/2/3, Ulysses sp=2 and LoRA are ``slow``.
+DeepSpeed ZeRO-1/2/3, Ulysses sp=2 and LoRA (the merged model; the converter refuses adapter-only
+checkpoints) are ``slow``.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def _check(out: Path, model_type: str, engine_out: dict, batch, cli: bool = False) -> None:
+def _check(out: Path, model_type: str, engine_out: dict, batch, cli: bool = False, lora: bool = False):
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
     hf = out / model_type / "hf"
@@ -93,6 +94,10 @@ def _check(out: Path, model_type: str, engine_out: dict, batch, cli: bool = Fals
     assert err < 1e-5, f"{model_type}: exported model differs from the engine by {err:.2e}"
     # one process, no distributed run: the converted weights equal the export's
     conv = out / model_type / "converted"
+    if lora:  # the checkpoint holds the adapters only: the converter says to use save_hf
+        with pytest.raises(ValueError, match="LoRA checkpoint.*save_hf"):
+            convert_checkpoint(out / model_type / "ckpt", conv)
+        return
     if cli:
         proc = subprocess.run([sys.executable, "-m", "verl_trainer.export", str(out / model_type / "ckpt"),
                                str(conv), "--max-shard-size", str(SHARD)],
@@ -110,7 +115,7 @@ def _run_case(tmp_path, model_path, backend, model_types, env=None, cli=False, *
     results = run_distributed(_export_run, 2, backend, model_types, model_path, str(tmp_path), batch, config,
                               env=env or {}, timeout=400)
     for model_type in model_types:
-        _check(tmp_path, model_type, results[0][model_type], batch, cli=cli)
+        _check(tmp_path, model_type, results[0][model_type], batch, cli=cli, lora="lora_rank" in config)
 
 
 def test_fsdp2_export_reproduces_the_engine_language_and_value_model(tmp_path, model_path):
@@ -133,3 +138,13 @@ def test_export_under_ulysses_sequence_parallelism(tmp_path, model_path, backend
         pytest.skip("needs deepspeed")
     env = {"DS_ACCELERATOR": "cpu"} if backend.startswith("deepspeed") else None
     _run_case(tmp_path, model_path, backend, ("language_model",), env=env, ulysses_sequence_parallel_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed_stage_3"])
+def test_lora_export_is_the_merged_model(tmp_path, model_path, backend):
+    if backend.startswith("deepspeed") and not HAS_DEEPSPEED:
+        pytest.skip("needs deepspeed")
+    env = {"DS_ACCELERATOR": "cpu"} if backend.startswith("deepspeed") else None
+    _run_case(tmp_path, model_path, backend, ("language_model", "value_model"), env=env, lora_rank=4,
+              lora_alpha=8)
