@@ -6,6 +6,12 @@ state, data position, module and callback states, every rank's RNG; see
 ``fit(ckpt_path="last")`` never picks a save that was interrupted. ``dirpath`` defaults to
 ``<default_root_dir>/checkpoints``.
 
+With ``save_hf=True`` each save also writes the trained model as a standard HF directory into the
+checkpoint: ``step_000003/hf/`` (the actor: ``engine.save_hf``, with the tokenizer of its ``model_path``)
+and ``step_000003/hf_<name>/`` for every other trainable engine (PPO's critic: ``hf_critic/``, a
+token-classification model with its value head). Lightning's ``ModelCheckpoint`` has no such option;
+verl's checkpoint manager writes ``huggingface/`` with the config and tokenizer only.
+
 A directory belongs to one run: a fresh run gets a run id (recorded in each checkpoint's ``meta.json``),
 refuses to start where another run's checkpoints are, and prunes only its own checkpoints.
 """
@@ -17,8 +23,27 @@ from pathlib import Path
 from typing import Any
 
 from verl_trainer.callbacks.base import Callback
+from verl_trainer.export.shards import parse_size
 from verl_trainer.training.checkpoint import checkpoint_dir_name, claim_checkpoint_dir, prune_checkpoints
 from verl_trainer.utils.distributed import barrier, broadcast_object
+
+
+def export_trainable_engines(engines: dict[str, Any], directory: Path, max_shard_size: int) -> list[Path]:
+    """``engine.save_hf`` of every engine with an optimizer into ``directory``; a collective.
+
+    The first engine (the actor) goes to ``directory/hf``, the others to ``directory/hf_<name>``.
+
+    Returns:
+        The directories written.
+    """
+    written = []
+    for index, (name, engine) in enumerate(engines.items()):
+        if getattr(engine, "optimizer", None) is None:
+            continue  # a reference policy or other frozen engine: nothing trained to export
+        out = directory / ("hf" if index == 0 else f"hf_{name}")
+        engine.save_hf(out, max_shard_size=max_shard_size)
+        written.append(out)
+    return written
 
 
 class ModelCheckpoint(Callback):
@@ -31,6 +56,9 @@ class ModelCheckpoint(Callback):
         keep_last_k: Keep the newest k checkpoints (``None``: keep all); older ones are deleted after a
             new one is complete.
         save_on_train_end: Also save when training ends (unless that step was just saved).
+        save_hf: Also export the trainable engines as HF directories into each checkpoint (``hf/`` for the
+            actor, ``hf_<name>/`` for the others; see the module).
+        hf_max_shard_size: Bytes per safetensors file of those exports (int or e.g. ``"5GB"``).
     """
 
     def __init__(
@@ -39,6 +67,8 @@ class ModelCheckpoint(Callback):
         every_n_train_steps: int | None = None,
         keep_last_k: int | None = 1,
         save_on_train_end: bool = True,
+        save_hf: bool = False,
+        hf_max_shard_size: int | str = "5GB",
     ) -> None:
         if every_n_train_steps is not None and every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be None or >= 1, got {every_n_train_steps}")
@@ -48,6 +78,8 @@ class ModelCheckpoint(Callback):
         self.every_n_train_steps = every_n_train_steps
         self.keep_last_k = keep_last_k
         self.save_on_train_end = save_on_train_end
+        self.save_hf = save_hf
+        self.hf_max_shard_size = parse_size(hf_max_shard_size)
         self.last_saved_step: int | None = None
         self.last_path: Path | None = None
         self.run_id: str | None = None
@@ -92,6 +124,8 @@ class ModelCheckpoint(Callback):
         path = self.dirpath / checkpoint_dir_name(trainer.global_step)
         self.last_saved_step, self.last_path = trainer.global_step, path
         trainer.save_checkpoint(path)
+        if self.save_hf:
+            export_trainable_engines(trainer.module.engines, path, self.hf_max_shard_size)
         if trainer.is_global_zero and self.keep_last_k is not None:
             prune_checkpoints(self.dirpath, self.keep_last_k, trainer.global_step, self.run_id)
         barrier()

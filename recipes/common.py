@@ -1,4 +1,4 @@
-"""What the recipes share: preparing the task, the model and the warm start; validating; the report.
+"""What the recipes share: preparing the task, the model and the warm start; export; validating; the report.
 
 Every rank runs the recipe script (SPMD). Files are written by global rank 0 only, before the first
 ``fit`` starts the other ranks (or, under torchrun, while they wait for the files to appear), so every
@@ -11,18 +11,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from verl_trainer.algorithms.data import DataConfig, SFTDataModule
 from verl_trainer.algorithms.sft import SFT, SFTConfig
 from verl_trainer.callbacks import ProgressBar
-from verl_trainer.configs import ModelConfig, TaskConfig, TrainerConfig, WarmStartConfig
+from verl_trainer.configs import DEMO_MODEL_PATH, ModelConfig, TaskConfig, TrainerConfig, WarmStartConfig
 from verl_trainer.data.tasks import write_arithmetic_task
-from verl_trainer.models.loading import load_causal_lm, load_tokenizer
+from verl_trainer.models.loading import load_tokenizer
+from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
 from verl_trainer.models.tiny import make_tiny_model
+from verl_trainer.utils.cached_dir import fingerprint, is_current, normalize, settings_difference
 from verl_trainer.utils.distributed import barrier, get_rank
-from verl_trainer.utils.fs import ensure_replaceable, replace_dir_atomically
+from verl_trainer.utils.fs import ensure_replaceable, is_owned, mark_owned, replace_dir_atomically
 
 RL_PROGRESS = ("reward/mean", "val/reward/mean", "response_length/mean", "actor/pg_loss")
 WAIT_FOR_FILES_S = 600.0
@@ -33,9 +36,10 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
 
-def _wait_for(path: Path) -> None:
+def _wait_for(path: Path, ready: Callable[[], bool] | None = None) -> None:
+    """Wait until ``ready()`` (default: ``path`` exists), i.e. until rank 0 has written ``path``."""
     deadline = time.monotonic() + WAIT_FOR_FILES_S
-    while not path.exists():
+    while not (ready() if ready is not None else path.exists()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {launch_rank()} waited {WAIT_FOR_FILES_S:.0f}s for {path} from rank 0")
         time.sleep(0.5)
@@ -55,73 +59,103 @@ def prepare_task(task: TaskConfig) -> None:
     print(f"wrote the arithmetic task to {task.dir}", flush=True)
 
 
+def _is_demo_path(path: str) -> bool:
+    return os.path.normpath(path) == os.path.normpath(DEMO_MODEL_PATH)
+
+
 def prepare_model(model: ModelConfig) -> str:
-    """The initial checkpoint: ``model.path``, where a tiny model is made first when it is missing."""
-    marker = Path(model.path) / "config.json"
-    if marker.exists() or not model.make_tiny_if_missing:
-        return model.path
-    if launch_rank() != 0:
-        _wait_for(marker)
-        return model.path
-    tiny = dataclasses.asdict(model.tiny)
-    replace_dir_atomically(model.path, lambda tmp: make_tiny_model(tmp, **tiny), "tiny_model", "model.path")
-    print(f"made a tiny {model.tiny.arch} model at {model.path}", flush=True)
-    return model.path
+    """The initial checkpoint's local directory; fails before any work when there is none.
 
-
-def export_hf_model(engine: Any, source_path: str, out_dir: str | os.PathLike, what: str = "export_dir"
-                    ) -> str:
-    """Write ``engine``'s weights as a HF checkpoint (the architecture and tokenizer of ``source_path``).
-
-    A collective (``get_per_tensor_param``): call it on every rank; rank 0 writes, every rank returns
-    once the directory is complete. ``out_dir`` is written under a temporary name and replaces an
-    existing directory only if verl-trainer wrote it (:func:`~verl_trainer.utils.fs.replace_dir_atomically`).
+    ``model.path`` is a local HF directory or a hub id already in the HF cache
+    (:func:`~verl_trainer.models.source.resolve_model_path`; nothing is downloaded). Only the demo makes a
+    model: with ``make_tiny_if_missing`` and ``model.path`` at the demo's own path (:data:`DEMO_MODEL_PATH`)
+    a tiny model is written there (rank 0) when it is missing or was made with other ``model.tiny``
+    settings (a directory verl-trainer did not write is used as it is).
 
     Raises:
-        NotOwnedError: On every rank, before any work, if ``out_dir`` holds files verl-trainer did not
-            write (``what`` names the setting in the message).
+        ModelNotFoundError: Naming the path, whether it looked like a hub id, and the fix.
     """
-    ensure_replaceable(out_dir, what)
-    params = {name: tensor.detach().cpu().clone() for name, tensor in engine.get_per_tensor_param()}
-    if get_rank() == 0:
-        def write(tmp: Path) -> None:
-            model = load_causal_lm(source_path)
-            model.load_state_dict(params, strict=True)
-            model.save_pretrained(tmp)
-            load_tokenizer(source_path).save_pretrained(tmp)
+    path = Path(model.path)
+    settings = {"tiny": dataclasses.asdict(model.tiny)}
+    ours = is_owned(path) or not (path / "config.json").exists()
+    if model.make_tiny_if_missing and _is_demo_path(model.path) and ours and not is_current(path, settings):
+        if launch_rank() != 0:
+            _wait_for(path, lambda: is_current(path, settings))
+        else:
+            reason = settings_difference(path, settings) if path.exists() else "missing"
+            tiny = dataclasses.asdict(model.tiny)
+            replace_dir_atomically(path, lambda tmp: make_tiny_model(tmp, **tiny), "tiny_model", "model.path",
+                                   settings=normalize(settings))
+            print(f"made a tiny {model.tiny.arch} model at {model.path} ({reason})", flush=True)
+    try:
+        return resolve_model_path(model.path, "model.path")
+    except ModelNotFoundError as exc:
+        if model.make_tiny_if_missing and not _is_demo_path(model.path):
+            raise ModelNotFoundError(f"{exc}. (make_tiny_if_missing makes a random tiny model only at the "
+                                     f"demo's own path, model.path={DEMO_MODEL_PATH})") from None
+        raise
 
-        replace_dir_atomically(out_dir, write, "hf_export", what)
-    barrier()
-    return str(out_dir)
+
+def warm_start_settings(cfg: WarmStartConfig, model_path: str, trainer_cfg: TrainerConfig) -> dict[str, Any]:
+    """What a warm-start policy is a function of: its input model and data (by content) and its settings."""
+    return {
+        "model": fingerprint(resolve_model_path(model_path)),
+        "train_files": fingerprint(cfg.train_files),
+        "batch_size": cfg.batch_size,
+        "max_steps": cfg.max_steps,
+        "optim": dataclasses.asdict(cfg.optim),
+        "engine": dataclasses.asdict(cfg.engine),
+        "seed": trainer_cfg.seed,
+    }
 
 
-def policy_path(cfg: Any) -> str:
-    """The RL policy's initial checkpoint: ``algorithm.model_path``, else the warm start's output (when it
-    is enabled), else ``model.path``."""
-    warm = getattr(cfg, "warm_start", None)
-    return cfg.algorithm.model_path or (warm.output if warm is not None and warm.enable else cfg.model.path)
+@dataclasses.dataclass
+class Run:
+    """What :func:`prepare` found and built: nothing here has loaded a model yet.
 
-
-def prepare(cfg: Any, trainer: Any, module: Any, data_cls: type) -> Any:
-    """Everything that can fail before a model loads, in the launching process; returns the datamodule.
-
-    Writes the task files and the demo model when configured, then checks the run
-    (:meth:`~verl_trainer.Trainer.check`: engine settings, the world size, and the data read, tokenised and
-    checked for the run's DP size) and the warm start's data, so that a bad setting fails in seconds.
+    Attributes:
+        base: The initial checkpoint's local directory (``model.path`` resolved, or the demo's tiny model).
+        module: The training module, its ``model_path`` the policy's start (``algorithm.model_path``, else
+            the warm start's output when enabled, else ``base``).
+        data: The datamodule, its files already read, tokenised and checked.
+        export_dir: Where the trained model is exported as a HF directory (``None``: not exported).
+        warm_start: Whether the RL policy starts from a warm start that :func:`warm_start` makes.
     """
+
+    base: str
+    module: Any
+    data: Any
+    export_dir: str | None
+    warm_start: bool
+
+
+def prepare(cfg: Any, trainer: Any, module_cls: type, data_cls: type) -> Run:
+    """Everything that can fail before a model loads, in the launching process.
+
+    Resolves the models (a missing one fails here; the demo's tiny model is made), checks the export
+    directory, writes the task files, builds the module (its own checks run: the algorithm's, the reward
+    function's signature) and checks the run with :meth:`~verl_trainer.Trainer.check` (engine settings, the
+    world size, the data read, tokenised and checked for the run's DP size), and the warm start's data when
+    one will be made. A bad setting fails in seconds, once.
+    """
+    base = prepare_model(cfg.model)  # a model that is not there fails here
+    explicit = resolve_algorithm_model(cfg.algorithm.model_path)
+    export_dir = final_export_dir(cfg.trainer, getattr(cfg, "export_dir", None))
     prepare_task(cfg.task)
-    base = cfg.algorithm.model_path or prepare_model(cfg.model)
-    data = data_cls(cfg.data, load_tokenizer(base))
-    trainer.check(module, datamodule=data)
     warm = getattr(cfg, "warm_start", None)
-    if warm is not None and warm.enable and not (Path(warm.output) / "config.json").exists():
+    warm = warm if warm is not None and warm.enable and not explicit else None
+    policy = explicit or (warm.output if warm is not None else base)
+    module = module_cls(dataclasses.replace(cfg.algorithm, model_path=policy))
+    data = data_cls(cfg.data, load_tokenizer(explicit or base))
+    trainer.check(module, datamodule=data)
+    if warm is not None and not is_current(warm.output, warm_start_settings(warm, base, cfg.trainer)):
         ensure_replaceable(warm.output, "warm_start.output")  # before training, not after
         try:
             trainer.check(*_warm_start_run(warm, base))
         except (ValueError, FileNotFoundError) as err:
             raise type(err)(f"warm_start: {err} (there, data.train_files is warm_start.train_files and "
                             "data.train_batch_size is warm_start.batch_size)") from None
-    return data
+    return Run(base, module, data, export_dir, warm is not None)
 
 
 def _warm_start_run(cfg: WarmStartConfig, model_path: str) -> tuple[SFT, SFTDataModule]:
@@ -131,12 +165,21 @@ def _warm_start_run(cfg: WarmStartConfig, model_path: str) -> tuple[SFT, SFTData
 
 
 def warm_start(cfg: WarmStartConfig, model_path: str, trainer_cfg: TrainerConfig) -> str:
-    """A short SFT of ``model_path`` (skipped when ``cfg.output`` exists); returns the policy's path."""
+    """A short SFT of ``model_path``; returns the policy's path.
+
+    ``cfg.output`` is reused when it records the same settings, input model and data
+    (:func:`warm_start_settings`); otherwise it is rebuilt (saying why) — replaced only if verl-trainer
+    wrote it.
+    """
     if not cfg.enable:
         return model_path
-    if (Path(cfg.output) / "config.json").exists():
-        return cfg.output
     ensure_replaceable(cfg.output, "warm_start.output")  # before training, not after
+    settings = warm_start_settings(cfg, model_path, trainer_cfg)
+    if is_current(cfg.output, settings):
+        return cfg.output
+    if Path(cfg.output).exists() and launch_rank() == 0:
+        print(f"rebuilding the warm start at {cfg.output}: {settings_difference(cfg.output, settings)}",
+              flush=True)
     module, data = _warm_start_run(cfg, model_path)
     trainer = trainer_cfg.build(
         callbacks=[ProgressBar(metrics=("sft/loss",), refresh_rate=10)], max_steps=cfg.max_steps,
@@ -144,12 +187,42 @@ def warm_start(cfg: WarmStartConfig, model_path: str, trainer_cfg: TrainerConfig
         default_root_dir=str(Path(trainer_cfg.default_root_dir) / "warm_start"),
     )
     trainer.fit(module, datamodule=data)
-    export_hf_model(module.engines["actor"], model_path, cfg.output, "warm_start.output")
+    export_policy(module.engines["actor"], cfg.output, "warm_start", settings=normalize(settings))
     if trainer.is_global_zero:
         loss = trainer.callback_metrics.get("sft/loss", float("nan"))
         print(f"SFT warm start: {cfg.max_steps} steps, loss {loss:.3f} -> {cfg.output}", flush=True)
     module.engines.clear()
     return cfg.output
+
+
+def final_export_dir(trainer_cfg: TrainerConfig, explicit: str | None = None) -> str | None:
+    """Where a recipe exports its trained policy (``None``: no export), checked before any work.
+
+    ``explicit``, else ``<default_root_dir>/hf`` when ``trainer.export_hf``. It must be new, empty or a
+    directory verl-trainer wrote.
+    """
+    out = explicit or (str(Path(trainer_cfg.default_root_dir) / "hf") if trainer_cfg.export_hf else None)
+    if out is not None:
+        ensure_replaceable(out, "export_dir" if explicit else "trainer.default_root_dir/hf")
+    return out
+
+
+def resolve_algorithm_model(path: str) -> str:
+    """``algorithm.model_path`` resolved (empty stays empty), so a missing model fails before any work."""
+    return resolve_model_path(path, "algorithm.model_path") if path else ""
+
+
+def export_policy(engine: Any, out_dir: str | os.PathLike, kind: str = "hf_export", **details: Any) -> str:
+    """``engine.save_hf(out_dir)`` (a collective), then rank 0 records ``kind`` and ``details`` in its marker.
+
+    ``engine`` is the module's engine, still initialised (``module.engines["actor"]``); the tokenizer is
+    its model path's.
+    """
+    engine.save_hf(out_dir)
+    if get_rank() == 0 and (kind != "hf_export" or details):
+        mark_owned(out_dir, kind, **details)
+    barrier()
+    return str(out_dir)
 
 
 def validate(trainer: Any, module: Any, data: Any) -> dict[str, float]:

@@ -4,12 +4,12 @@
     python recipes/grpo.py trainer.devices=2 trainer.max_steps=50 algorithm.rollout.n=4
     python recipes/grpo.py --config configs/dapo.yaml         # DAPO options on the same task
 
-Makes the task files and a tiny model when missing, warm-starts it with a short SFT, validates on
-held-out prompts, trains with GRPO, validates again, and writes the CSV, a wandb offline run and a PNG of
-reward and response length per step under ``trainer.default_root_dir``.
+Makes the task files and (demo only) a tiny model when missing, warm-starts it with a short SFT, validates
+on held-out prompts, trains with GRPO, validates again, and writes the CSV, a wandb offline run, a PNG of
+reward and response length per step and the trained policy as an HF model (``hf/``) under
+``trainer.default_root_dir``.
 """
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -26,16 +26,18 @@ def main(algorithm_cls: type = GRPO, default_config: Path = CONFIG) -> None:
     started = time.monotonic()
     cfg = parse_recipe_args(GRPORecipeConfig, default_config, description=__doc__)
     trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=common.RL_PROGRESS)])
-    module = algorithm_cls(dataclasses.replace(cfg.algorithm, model_path=common.policy_path(cfg)))
-    data = common.prepare(cfg, trainer, module, PromptDataModule)  # every check before a model loads
-    if not cfg.algorithm.model_path:
-        common.warm_start(cfg.warm_start, cfg.model.path, cfg.trainer)
+    run = common.prepare(cfg, trainer, algorithm_cls, PromptDataModule)  # every check before a model loads
+    if run.warm_start:
+        common.warm_start(cfg.warm_start, run.base, cfg.trainer)
+    module, data = run.module, run.data
     before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit else None
     trainer.fit(module, datamodule=data)
     after = common.validate(trainer, module, data)
     actor = module.engines["actor"]
     if actor.has_adapters:  # LoRA: the adapters as a peft directory (PeftModel.from_pretrained loads it)
         actor.save_adapter(Path(cfg.trainer.default_root_dir) / "adapter")
+    if run.export_dir:  # the trained policy as a plain HF model (LoRA merged)
+        common.export_policy(actor, run.export_dir)
     common.report(trainer, before, after, ("val/reward/mean", "val/reward/accuracy"), started=started)
 
 

@@ -4,7 +4,6 @@
     python recipes/ppo.py trainer.strategy=deepspeed trainer.devices=2 trainer.max_steps=10
 """
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -21,13 +20,15 @@ def main() -> None:
     started = time.monotonic()
     cfg = parse_recipe_args(PPORecipeConfig, CONFIG, description=__doc__)
     trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=(*common.RL_PROGRESS, "critic/vf_loss"))])
-    module = PPO(dataclasses.replace(cfg.algorithm, model_path=common.policy_path(cfg)))
-    data = common.prepare(cfg, trainer, module, PromptDataModule)  # every check before a model loads
-    if not cfg.algorithm.model_path:
-        common.warm_start(cfg.warm_start, cfg.model.path, cfg.trainer)
+    run = common.prepare(cfg, trainer, PPO, PromptDataModule)  # every check before a model loads
+    if run.warm_start:
+        common.warm_start(cfg.warm_start, run.base, cfg.trainer)
+    module, data = run.module, run.data
     before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit else None
     trainer.fit(module, datamodule=data)
     after = common.validate(trainer, module, data)
+    if run.export_dir:  # the trained policy as a plain HF model
+        common.export_policy(module.engines["actor"], run.export_dir)
     common.report(trainer, before, after, ("val/reward/mean", "val/reward/accuracy"), started=started)
 
 

@@ -2,9 +2,11 @@
 
     python recipes/sft.py
     python recipes/sft.py trainer.devices=2 trainer.max_steps=100 export_dir=outputs/models/sft
+
+The fine-tuned model is written as an HF directory to ``export_dir`` (default ``<default_root_dir>/hf``;
+``trainer.export_hf=false``: none).
 """
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -13,7 +15,6 @@ import common
 from verl_trainer.algorithms import SFT, SFTDataModule
 from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import SFTRecipeConfig, parse_recipe_args
-from verl_trainer.utils.fs import ensure_replaceable
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sft.yaml"
 
@@ -21,16 +22,14 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sft.yaml"
 def main() -> None:
     started = time.monotonic()
     cfg = parse_recipe_args(SFTRecipeConfig, CONFIG, description=__doc__)
-    if cfg.export_dir:
-        ensure_replaceable(cfg.export_dir, "export_dir")  # before training, not after
     trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=("sft/loss", "val/loss"))])
-    module = SFT(dataclasses.replace(cfg.algorithm, model_path=common.policy_path(cfg)))
-    data = common.prepare(cfg, trainer, module, SFTDataModule)  # every check before a model loads
+    run = common.prepare(cfg, trainer, SFT, SFTDataModule)  # every check before a model loads
+    module, data = run.module, run.data
     before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit else None
     trainer.fit(module, datamodule=data)
     after = common.validate(trainer, module, data)
-    if cfg.export_dir:
-        common.export_hf_model(module.engines["actor"], module.config.model_path, cfg.export_dir)
+    if run.export_dir:
+        common.export_policy(module.engines["actor"], run.export_dir)
     common.report(trainer, before, after, ("val/loss",), plot=False, started=started)
 
 

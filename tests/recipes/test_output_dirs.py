@@ -1,4 +1,4 @@
-"""Recipes never delete what verl-trainer did not write: task.dir, warm_start.output, export_dir."""
+"""Recipes never delete what verl-trainer did not write: task.dir, warm_start.output, export_dir, hf/."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from recipes import common
-from verl_trainer.configs import TaskConfig, WarmStartConfig
+from verl_trainer.configs import TaskConfig, TrainerConfig, WarmStartConfig
 from verl_trainer.data.tasks import ArithmeticTaskConfig
 from verl_trainer.utils.fs import NotOwnedError, is_owned
 
@@ -45,7 +45,11 @@ def test_warm_start_and_export_refuse_a_users_directory_before_any_work(tmp_path
     with pytest.raises(NotOwnedError, match="warm_start.output="):
         common.warm_start(cfg, "no model needed: refused first", trainer_cfg=None)
     with pytest.raises(NotOwnedError, match="export_dir="):
-        common.export_hf_model(None, "no model needed: refused first", users)
+        common.final_export_dir(TrainerConfig(), str(users))
+    with pytest.raises(NotOwnedError, match="default_root_dir/hf="):  # the default export of every recipe
+        (users / "hf").mkdir()
+        (users / "hf" / "notes.txt").write_text("mine")
+        common.final_export_dir(TrainerConfig(default_root_dir=str(users)))
     assert (users / "run1" / "metrics.csv").read_text() == "precious"
 
 

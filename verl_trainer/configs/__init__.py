@@ -7,6 +7,7 @@ schemas are in :mod:`verl_trainer.configs.recipes`.
 
 from verl_trainer.configs.loading import config_to_yaml, load_config, parse_recipe_args
 from verl_trainer.configs.recipes import (
+    DEMO_MODEL_PATH,
     GRPORecipeConfig,
     ModelConfig,
     PPORecipeConfig,
@@ -18,6 +19,7 @@ from verl_trainer.configs.recipes import (
 )
 
 __all__ = [
+    "DEMO_MODEL_PATH",
     "GRPORecipeConfig",
     "ModelConfig",
     "PPORecipeConfig",

@@ -3,7 +3,7 @@
 Top-level sections, the same in every recipe::
 
     trainer:     TrainerConfig    the Trainer's arguments (TrainerArgs: its defaults) + recipe switches
-    model:       ModelConfig      the initial checkpoint; a tiny model is made there when missing
+    model:       ModelConfig      the initial checkpoint (a local HF directory or a cached hub id)
     task:        TaskConfig       the synthetic arithmetic task, written when its files are missing
     data:        DataConfig       files and global batch sizes
     warm_start:  WarmStartConfig  RL recipes: a short SFT before RL (optional)
@@ -27,6 +27,7 @@ from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.training.args import TrainerArgs
 
 __all__ = [
+    "DEMO_MODEL_PATH",
     "GRPORecipeConfig",
     "ModelConfig",
     "PPORecipeConfig",
@@ -49,10 +50,13 @@ class TrainerConfig(TrainerArgs):
         sequence_balancing: Add the ``SequenceBalancing`` callback (re-partitions each update batch over
             the DP ranks by workload).
         validate_before_fit: Validate once before training (the "before" number).
+        export_hf: Export the trained policy as an HF directory to ``<default_root_dir>/hf`` at the end
+            (``engine.save_hf``: config, safetensors, generation config, tokenizer).
     """
 
     sequence_balancing: bool = False
     validate_before_fit: bool = True
+    export_hf: bool = True
 
     def build(self, callbacks: Sequence[Any] = (), **overrides: Any) -> Any:
         """The :class:`~verl_trainer.Trainer` these settings describe (``overrides`` win).
@@ -83,19 +87,27 @@ class TinyModelConfig:
     seed: int = 0
 
 
+DEMO_MODEL_PATH = "outputs/models/tiny"
+"""The demo's own model path: the only place a recipe ever makes a (random, tiny) model."""
+
+
 @dataclass
 class ModelConfig:
     """The initial checkpoint.
 
     Attributes:
-        path: HF checkpoint directory.
-        make_tiny_if_missing: Write a randomly initialised tiny model (and the character tokenizer) there
-            when it has no ``config.json``.
+        path: A local HF model directory, or a hub id already in the local HF cache
+            (``Qwen/Qwen2.5-0.5B-Instruct`` after ``hf download``); nothing is downloaded, and a path that
+            is neither fails before any work (``verl_trainer.models.source``).
+        make_tiny_if_missing: The demo configs only (``configs/grpo.yaml``, ``dapo.yaml``,
+            ``grpo_lora.yaml``): when ``path`` is :data:`DEMO_MODEL_PATH`, write a randomly initialised tiny
+            model (and the character tokenizer) there when it is missing or was made with other ``tiny``
+            settings. Never at any other path.
         tiny: Its shape.
     """
 
-    path: str = "outputs/models/tiny"
-    make_tiny_if_missing: bool = True
+    path: str = DEMO_MODEL_PATH
+    make_tiny_if_missing: bool = False
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -140,7 +152,7 @@ class WarmStartConfig:
 
 @dataclass
 class SFTRecipeConfig:
-    """``recipes/sft.py``; ``export_dir`` (if set) receives the fine-tuned HF checkpoint."""
+    """``recipes/sft.py``; ``export_dir`` (default ``<default_root_dir>/hf``) gets the fine-tuned model."""
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -10,7 +10,7 @@ data-parallel ranks. Its public surface has five groups (DESIGN.md §4):
 * optimizer: :meth:`~BaseEngine.optimizer_zero_grad`, :meth:`~BaseEngine.optimizer_step`,
   :meth:`~BaseEngine.lr_scheduler_step`;
 * topology: ``get_data_parallel_size/rank/group``, :meth:`~BaseEngine.is_mp_src_rank_with_outputs`;
-* weight export: :meth:`~BaseEngine.get_per_tensor_param`;
+* weight export: :meth:`~BaseEngine.get_per_tensor_param`, :meth:`~BaseEngine.save_hf` (an HF directory);
 
 plus :meth:`~BaseEngine.save_checkpoint` / :meth:`~BaseEngine.load_checkpoint`.
 
@@ -40,6 +40,7 @@ Writing a backend (``fsdp.py`` and ``deepspeed.py`` are the examples)::
 from __future__ import annotations
 
 import math
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from types import TracebackType
@@ -304,6 +305,43 @@ class BaseEngine(ABC):
         With LoRA the tensors are the base model's, adapters merged; ``adapters_only=True`` yields the
         adapter tensors under peft's names instead (``engine/lora.py``).
         """
+
+    def save_hf(
+        self,
+        path: str | os.PathLike,
+        tokenizer: Any = "model_path",
+        max_shard_size: int | str = "5GB",
+        dtype: torch.dtype | None = None,
+    ) -> str:
+        """Write the model as a standard HF directory; a collective, call it on every rank.
+
+        ``config.json``, ``model.safetensors`` (sharded above ``max_shard_size``, with the index),
+        ``generation_config.json`` and the tokenizer: ``AutoModelForCausalLM.from_pretrained(path)`` (a
+        value model: ``AutoModelForTokenClassification``, with its ``score`` head) loads it. Tensors are
+        gathered one at a time (:meth:`get_per_tensor_param`; LoRA merged) and rank 0 holds at most one
+        shard; rank 0 writes under a temporary name renamed to ``path`` when complete
+        (``verl_trainer/export/hf_dir.py``).
+
+        Args:
+            path: The output directory (replaced only if verl-trainer wrote it).
+            tokenizer: A tokenizer, a directory to load one from, ``"model_path"`` (the model's own, when
+                ``config.model_path`` has one) or ``None`` (none written).
+            max_shard_size: Bytes per safetensors file (int or e.g. ``"2GB"``).
+            dtype: Save floating-point weights in this dtype (default: the engine's parameter dtype).
+
+        Returns:
+            ``str(path)``.
+        """
+        from verl_trainer.export.hf_dir import save_hf_model
+        from verl_trainer.export.sources import generation_config_of, tokenizer_dir
+
+        source = self.config.model_path
+        if isinstance(tokenizer, str) and tokenizer == "model_path":
+            tokenizer = tokenizer_dir(source)
+        return save_hf_model(
+            self.get_per_tensor_param(), path, self.model_config, self.MODEL_TYPE, tokenizer=tokenizer,
+            generation_config=generation_config_of(source), max_shard_size=max_shard_size, dtype=dtype,
+        )
 
     # --------------------------------------------------------------------------------- checkpoints
     @abstractmethod

@@ -7,7 +7,7 @@ Layout of a checkpoint directory ``path``::
     path/extra_state_rank{r}.pt      lr scheduler, RNG states, global_step (plain data and tensors;
                                      loadable with torch.load(weights_only=True))
     path/meta.json                   global_step, world_size, backend, model_type
-    path/huggingface/config.json     the model's HF config
+    path/huggingface/                the model's HF config, tokenizer and generation config (for export)
 
     path/manifest.json               every file's size and sha256, verified before anything is loaded
     path/.verl_trainer_output        the project's ownership marker (``verl_trainer.utils.fs``)
@@ -38,6 +38,7 @@ from verl_trainer.utils.safe_load import safe_torch_load
 
 EXTRA_STATE = "extra_state_rank{rank}.pt"
 META = "meta.json"
+HF_DIR = "huggingface"
 
 
 def _sibling(path: Path, suffix: str) -> Path:
@@ -187,13 +188,20 @@ def load_extra_state(
     return payload
 
 
-def write_meta(directory: Path, meta: dict[str, Any], hf_config: Any = None) -> None:
-    """Rank 0 writes ``meta.json`` and the HF config (``huggingface/config.json``)."""
+def write_meta(directory: Path, meta: dict[str, Any], hf_config: Any = None, source: str | None = None
+               ) -> None:
+    """Rank 0 writes ``meta.json`` and ``huggingface/``: the HF config, tokenizer and generation config.
+
+    ``huggingface/`` is what ``python -m verl_trainer.export`` needs to write a complete HF directory.
+    """
     if get_rank() != 0:
         return
     (directory / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
     if hf_config is not None and hasattr(hf_config, "save_pretrained"):
-        hf_config.save_pretrained(directory / "huggingface")
+        from verl_trainer.export.sources import save_model_files
+
+        hf_config.save_pretrained(directory / HF_DIR)
+        save_model_files(source, directory / HF_DIR)
 
 
 class DCPCheckpointMixin:
@@ -204,6 +212,7 @@ class DCPCheckpointMixin:
     """
 
     has_adapters: bool
+    config: Any
     module: torch.nn.Module | None
     optimizer: torch.optim.Optimizer | None
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
@@ -237,8 +246,9 @@ class DCPCheckpointMixin:
                 "world_size": get_world_size(),
                 "backend": self.backend,
                 "model_type": self.MODEL_TYPE,
+                "model_path": self.config.model_path,
             }
-            write_meta(tmp, meta, getattr(self.module, "config", None))
+            write_meta(tmp, meta, getattr(self.module, "config", None), self.config.model_path)
 
     def load_checkpoint(self, path: str, **kwargs: Any) -> dict[str, Any]:
         """Restore model, optimizer, scheduler and RNG from ``path``; returns ``meta.json``'s content."""

@@ -10,7 +10,7 @@ Layout of a checkpoint directory ``path`` (shared parts from ``engine/checkpoint
     path/deepspeed/zero_to_fp32.py    DeepSpeed's consolidation script (written by DeepSpeed)
     path/extra_state_rank{r}.pt       lr scheduler, RNG states, global_step
     path/meta.json                    global_step, world_size, backend, model_type, zero_stage
-    path/huggingface/config.json      the model's HF config
+    path/huggingface/                 the model's HF config, tokenizer and generation config
 
 Everything is written into a temporary sibling directory and renamed into place when every rank is done.
 DeepSpeed itself loads its files with ``torch.load(weights_only=False)``, i.e. it would unpickle whatever
@@ -162,8 +162,9 @@ class DeepSpeedCheckpointMixin:
                 "backend": self.backend,
                 "model_type": self.MODEL_TYPE,
                 "zero_stage": self.config.zero_stage,
+                "model_path": self.config.model_path,
             }
-            write_meta(tmp, meta, getattr(self.module, "config", None))
+            write_meta(tmp, meta, getattr(self.module, "config", None), self.config.model_path)
 
     def load_checkpoint(self, path: str, **kwargs: Any) -> dict[str, Any]:
         """Restore what :meth:`save_checkpoint` wrote (same ZeRO stage and world size); a collective.

@@ -89,10 +89,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     Args:
         directory: The checkpoint directory (named in errors).
+        allow_partial_load: Load only the keys ``state`` has (the checkpoint may hold more).
     """
 
-    def __init__(self, directory: str | os.PathLike) -> None:
-        super().__init__()
+    def __init__(self, directory: str | os.PathLike, allow_partial_load: bool = False) -> None:
+        super().__init__(allow_partial_load=allow_partial_load)
         self.directory = str(directory)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -105,19 +106,22 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-def safe_dcp_load(state: dict[str, Any], directory: str | os.PathLike) -> None:
+def safe_dcp_load(state: dict[str, Any], directory: str | os.PathLike, allow_partial_load: bool = False
+                  ) -> None:
     """``dcp.load(state, checkpoint_id=directory)`` reading through the safe reader and planner.
 
     A collective. Every rank reads ``.metadata`` first (so a refused one fails on every rank with its own
     message); a refused non-tensor entry fails on every rank too (DCP gathers the errors), re-raised here
-    as the :class:`~verl_trainer.utils.safe_load.UnsafeCheckpointError` itself.
+    as the :class:`~verl_trainer.utils.safe_load.UnsafeCheckpointError` itself. ``allow_partial_load``
+    loads only the keys ``state`` has (e.g. some of the model's tensors, as the HF export does).
 
     Raises:
         UnsafeCheckpointError: Naming the file or entry that was refused.
     """
     SafeFileSystemReader(directory).read_metadata()
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(directory), planner=SafeLoadPlanner(directory))
+        dcp.load(state, storage_reader=SafeFileSystemReader(directory),
+                 planner=SafeLoadPlanner(directory, allow_partial_load))
     except CheckpointException as exc:
         refused = [err for err, _ in exc.failures.values() if isinstance(err, UnsafeCheckpointError)]
         if refused:

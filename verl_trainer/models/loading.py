@@ -1,7 +1,9 @@
-"""Loading HF models and tokenizers from a local directory with the real ``from_pretrained`` path.
+"""Loading HF models and tokenizers with the real ``from_pretrained`` path, never from the network.
 
 The engines, the rollout and the recipes load every model through these three functions, so padding-free
-attention is registered first and a value model gets its scalar head the same way everywhere.
+attention is registered first and a value model gets its scalar head the same way everywhere. A path is a
+local HF directory or a hub id already in the local HF cache (:func:`~verl_trainer.models.source.
+resolve_model_path`); anything else fails with a message that says how to fix it.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from transformers import (
 )
 
 import verl_trainer.models.attention  # noqa: F401  (registers "verl_varlen" before any from_pretrained)
+from verl_trainer.models.source import resolve_model_path
 
 __all__ = ["load_causal_lm", "load_tokenizer", "load_value_model"]
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    """``AutoTokenizer.from_pretrained`` on a local directory."""
-    return AutoTokenizer.from_pretrained(str(path))
+    """``AutoTokenizer.from_pretrained`` on a local directory (or a cached hub id)."""
+    return AutoTokenizer.from_pretrained(resolve_model_path(path))
 
 
 def load_causal_lm(
@@ -38,7 +41,7 @@ def load_causal_lm(
     """Load a causal LM with ``AutoModelForCausalLM.from_pretrained`` from a local directory.
 
     Args:
-        path: An HF checkpoint directory (e.g. written by ``make_tiny_model``).
+        path: An HF checkpoint directory (e.g. written by ``make_tiny_model``) or a cached hub id.
         attn_implementation: ``None`` (transformers' default, sdpa), ``"eager"``, ``"sdpa"``,
             ``"verl_varlen"`` (padding-free, ``verl_trainer.models.attention``), ...
         torch_dtype: Parameter dtype.
@@ -49,7 +52,7 @@ def load_causal_lm(
 
     """
     return AutoModelForCausalLM.from_pretrained(
-        str(path), attn_implementation=attn_implementation, dtype=torch_dtype, **kwargs
+        resolve_model_path(path), attn_implementation=attn_implementation, dtype=torch_dtype, **kwargs
     )
 
 
@@ -77,12 +80,13 @@ def load_value_model(
         The model; its output ``logits`` are ``[B, T, 1]``.
 
     """
-    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(str(path))
+    path = resolve_model_path(path)
+    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(path)
     config.num_labels = 1
     default_dropout = getattr(config, "classifier_dropout", None) or 0.0
     config.classifier_dropout = kwargs.pop("classifier_dropout", default_dropout)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return AutoModelForTokenClassification.from_pretrained(
-            str(path), config=config, attn_implementation=attn_implementation, dtype=torch_dtype, **kwargs
+            path, config=config, attn_implementation=attn_implementation, dtype=torch_dtype, **kwargs
         )

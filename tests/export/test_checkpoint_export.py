@@ -1,0 +1,62 @@
+"""``ModelCheckpoint(save_hf=True)`` and the converter on a trainer checkpoint (1 rank, fsdp2, SFT).
+
+The run saves at step 2 with an HF export inside the checkpoint (``step_000002/hf``); converting the
+checkpoints directory on this process (its newest step) gives the same weights bit for bit, and both load
+with plain transformers. Bad converter inputs fail with messages that say what to pass.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.trainer.common import SFTData, sft_module, tiny_model
+from verl_trainer import Trainer
+from verl_trainer.callbacks import ModelCheckpoint
+from verl_trainer.testing.distributed import run_distributed
+
+
+def _fit(model_path: str, root: str) -> list[str]:
+    trainer = Trainer(strategy="fsdp2", devices=1, max_steps=2, default_root_dir=root, logger=False,
+                      enable_progress_bar=False, seed=3,
+                      callbacks=[ModelCheckpoint(every_n_train_steps=2, save_hf=True)])
+    trainer.fit(sft_module(model_path), SFTData(n=16, batch_size=4))
+    return sorted(p.name for p in (Path(root) / "checkpoints" / "step_000002").iterdir())
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_model_checkpoint_save_hf_and_converter_agree(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from verl_trainer.export import convert_checkpoint
+    from verl_trainer.export.__main__ import main as export_main
+
+    model_path = tiny_model(tmp_path / "model")
+    names = run_distributed(_fit, 1, model_path, str(tmp_path / "run"), timeout=300)[0]
+    assert "hf" in names and "engines" in names
+    hf = tmp_path / "run" / "checkpoints" / "step_000002" / "hf"
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {
+        p.name for p in hf.iterdir()}
+    out = tmp_path / "converted"
+    assert export_main([str(tmp_path / "run" / "checkpoints"), str(out)]) == 0  # the CLI, in this process
+    exported, converted = _tensors(hf), _tensors(out)
+    assert exported.keys() == converted.keys()
+    assert all(torch.equal(exported[k], converted[k]) for k in exported)
+    initial = AutoModelForCausalLM.from_pretrained(model_path).state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(initial[name], trained[name])
+
+    with pytest.raises(FileNotFoundError, match="no engine 'critic'.*--engine"):
+        convert_checkpoint(tmp_path / "run" / "checkpoints", tmp_path / "c2", engine="critic")
+    with pytest.raises(FileNotFoundError, match="is not a checkpoint"):
+        convert_checkpoint(tmp_path / "model", tmp_path / "c3")
+    assert export_main([str(tmp_path / "model"), str(tmp_path / "c3")]) == 1  # a message, no traceback
+    assert not (tmp_path / "c2").exists() and not (tmp_path / "c3").exists()

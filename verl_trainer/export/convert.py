@@ -1,0 +1,179 @@
+"""Convert a saved checkpoint into an HF directory on one process, without the run that wrote it.
+
+``python -m verl_trainer.export CKPT_DIR OUT_DIR`` (``__main__.py``) calls :func:`convert_checkpoint`.
+``CKPT_DIR`` may be a trainer checkpoint (``step_000003/``: the ``actor`` engine, or ``--engine critic``), a
+checkpoint directory (``checkpoints/``: its newest complete ``step_*``), or one engine's checkpoint
+(``step_000003/engines/actor``). The checkpoint is verified against its manifest first, and everything is
+read pickle-free:
+
+* FSDP / FSDP2 (DCP): ``.metadata`` through :class:`~verl_trainer.engine.safe_dcp.SafeFileSystemReader`;
+  the model's tensors are read one shard-sized group at a time (a partial ``dcp.load`` of just those), so
+  no more than one safetensors shard is in memory;
+* DeepSpeed ZeRO-1/2/3: DeepSpeed's own consolidation (``get_fp32_state_dict_from_zero_checkpoint``: the
+  fp32 master weights) with every ``torch.load`` forced to ``weights_only``
+  (:func:`~verl_trainer.engine.deepspeed_checkpoint.weights_only_torch_load`); it holds the full fp32
+  model in memory once.
+
+The config, tokenizer and generation config come from the checkpoint's ``huggingface/`` folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verl_trainer.export.hf_dir import HFLayout, save_hf_model
+from verl_trainer.export.shards import parse_size
+from verl_trainer.export.sources import generation_config_of, tokenizer_dir
+
+__all__ = ["convert_checkpoint", "find_engine_checkpoint"]
+
+MODEL_PREFIX = "model."  # DCP flattens {"model": {fqn: tensor}, "optimizer": ...} to "model.<fqn>"
+
+
+def find_engine_checkpoint(path: str | os.PathLike, engine: str = "actor") -> Path:
+    """The engine checkpoint directory ``path`` designates (see the module).
+
+    Raises:
+        FileNotFoundError: Naming ``path``, what was looked for, and the engines it has.
+    """
+    from verl_trainer.training.checkpoint import ENGINES_DIR, STATE_FILE, find_last_checkpoint
+
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(root)!r} does not exist")
+    if (root / "meta.json").is_file() and ((root / "dcp").is_dir() or (root / "deepspeed").is_dir()):
+        return root  # one engine's checkpoint
+    if not (root / STATE_FILE).is_file():
+        last = find_last_checkpoint(root)
+        if last is None:
+            raise FileNotFoundError(
+                f"{str(root)!r} is not a checkpoint: it has no {STATE_FILE} (trainer checkpoint step_*), no "
+                f"meta.json + dcp/ or deepspeed/ (an engine checkpoint), and no complete step_* checkpoint "
+                f"inside; pass a step_* directory, the checkpoints directory, or step_*/engines/<name>"
+            )
+        root = last
+    found = root / ENGINES_DIR / engine
+    if not found.is_dir():
+        have = sorted(p.name for p in (root / ENGINES_DIR).glob("*"))
+        raise FileNotFoundError(
+            f"checkpoint {str(root)!r} has no engine {engine!r} (it has {have}); choose one with --engine"
+        )
+    return found
+
+
+def _dcp_tensors(dcp_dir: Path, layout: HFLayout, shard_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model tensors of a DCP checkpoint, read in groups of at most ``shard_bytes`` (one process)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from verl_trainer.engine.safe_dcp import SafeFileSystemReader, safe_dcp_load
+
+    metadata = SafeFileSystemReader(dcp_dir).read_metadata()
+    stored = {key.removeprefix(MODEL_PREFIX): meta for key, meta in metadata.state_dict_metadata.items()
+              if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+    adapters = [name for name in stored if "lora_" in name]
+    if adapters:
+        raise ValueError(
+            f"{str(dcp_dir)!r} is a LoRA checkpoint (it holds adapters such as {adapters[0]!r}, not the base "
+            f"weights); export a LoRA run with engine.save_hf(path) or ModelCheckpoint(save_hf=True), which "
+            f"write the merged model"
+        )
+    order = [name for name in layout.names if name in stored]
+    order += [name for name in stored if name not in set(order)]  # unexpected ones: reported by the layout
+    group: list[str] = []
+    size = 0
+
+    def load(names: list[str]) -> dict[str, torch.Tensor]:
+        state = {"model": {n: torch.empty(tuple(stored[n].size), dtype=stored[n].properties.dtype)
+                           for n in names}}
+        safe_dcp_load(state, dcp_dir, allow_partial_load=True)
+        return state["model"]
+
+    for name in order:
+        meta = stored[name]
+        nbytes = meta.size.numel() * torch.empty((), dtype=meta.properties.dtype).element_size()
+        if group and size + nbytes > shard_bytes:
+            yield from load(group).items()
+            group, size = [], 0
+        group.append(name)
+        size += nbytes
+    if group:
+        yield from load(group).items()
+
+
+def _deepspeed_tensors(ds_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The fp32 weights of a DeepSpeed checkpoint (DeepSpeed's consolidation, ``weights_only`` loads)."""
+    import pickle
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from verl_trainer.engine.deepspeed_checkpoint import CHECKPOINT_TAG, weights_only_torch_load
+    from verl_trainer.utils.safe_load import refusal
+
+    try:
+        with weights_only_torch_load():
+            state = get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=CHECKPOINT_TAG)
+    except pickle.UnpicklingError as exc:
+        raise refusal(ds_dir / CHECKPOINT_TAG, f"a file in it failed to load ({exc})") from None
+    while state:
+        name = next(iter(state))
+        yield name, state.pop(name)  # released as it is written
+
+
+def convert_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    engine: str = "actor",
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    tokenizer: str | os.PathLike | None = None,
+) -> str:
+    """Write the model of a saved checkpoint as an HF directory (config, safetensors, tokenizer).
+
+    Args:
+        ckpt_dir: A trainer checkpoint, a checkpoints directory, or an engine checkpoint (see the module).
+        out_dir: The output directory (replaced only if verl-trainer wrote it).
+        engine: Which engine of a trainer checkpoint (``actor``, ``critic``, ...).
+        max_shard_size: Bytes per safetensors file (int or e.g. ``"5GB"``).
+        dtype: Save floating-point weights in this dtype (default: as stored).
+        tokenizer: Where to take the tokenizer from when the checkpoint has none (default: its
+            ``huggingface/`` folder, else the ``model_path`` it records).
+
+    Returns:
+        ``str(out_dir)``.
+
+    Raises:
+        FileNotFoundError: If ``ckpt_dir`` is not a checkpoint (or lacks the engine).
+        CorruptCheckpointError: If a file differs from the checkpoint's manifest.
+        UnsafeCheckpointError: If a file holds anything but tensors and plain data.
+    """
+    from transformers import AutoConfig
+
+    from verl_trainer.engine.checkpoint import HF_DIR, META
+    from verl_trainer.utils.fs import ensure_replaceable
+    from verl_trainer.utils.manifest import verify_manifest
+
+    ensure_replaceable(out_dir, "OUT_DIR")
+    directory = find_engine_checkpoint(ckpt_dir, engine)
+    verify_manifest(directory)
+    meta: dict[str, Any] = json.loads((directory / META).read_text())
+    hf_dir = directory / HF_DIR
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"checkpoint {str(directory)!r} has no {HF_DIR}/config.json to export with")
+    config = AutoConfig.from_pretrained(str(hf_dir))
+    model_type = meta.get("model_type", "language_model")
+    layout = HFLayout(config, model_type)
+    if (directory / "dcp").is_dir():
+        named = _dcp_tensors(directory / "dcp", layout, parse_size(max_shard_size))
+    else:
+        named = _deepspeed_tensors(directory / "deepspeed")
+    source = tokenizer or tokenizer_dir(hf_dir) or tokenizer_dir(meta.get("model_path"))
+    return save_hf_model(named, out_dir, config, model_type, tokenizer=source,
+                         generation_config=generation_config_of(hf_dir), max_shard_size=max_shard_size,
+                         dtype=dtype, what="OUT_DIR")
