@@ -132,15 +132,15 @@ class Run:
 def prepare(cfg: Any, trainer: Any, module_cls: type, data_cls: type) -> Run:
     """Everything that can fail before a model loads, in the launching process.
 
-    Resolves the models (a missing one fails here; the demo's tiny model is made), checks the export
-    directory, writes the task files, builds the module (its own checks run: the algorithm's, the reward
+    Checks the export directory, resolves the models (a missing one fails here; the demo's tiny model is
+    made), writes the task files, builds the module (its own checks run: the algorithm's, the reward
     function's signature) and checks the run with :meth:`~verl_trainer.Trainer.check` (engine settings, the
     world size, the data read, tokenised and checked for the run's DP size), and the warm start's data when
     one will be made. A bad setting fails in seconds, once.
     """
+    export_dir = final_export_dir(cfg.trainer, getattr(cfg, "export_dir", None))
     base = prepare_model(cfg.model)  # a model that is not there fails here
     explicit = resolve_algorithm_model(cfg.algorithm.model_path)
-    export_dir = final_export_dir(cfg.trainer, getattr(cfg, "export_dir", None))
     prepare_task(cfg.task)
     warm = getattr(cfg, "warm_start", None)
     warm = warm if warm is not None and warm.enable and not explicit else None
@@ -243,7 +243,7 @@ def _csv_path(trainer: Any) -> Path | None:
 
 
 def report(trainer: Any, before: dict[str, float] | None, after: dict[str, float], keys: tuple[str, ...],
-           plot: bool = True, started: float | None = None) -> None:
+           plot: bool = True, started: float | None = None, exported: str | None = None) -> None:
     """Print before/after validation values, write the PNG next to the CSV, list the outputs (rank 0)."""
     if not trainer.is_global_zero:
         return
@@ -261,6 +261,8 @@ def report(trainer: Any, before: dict[str, float] | None, after: dict[str, float
             from verl_trainer.plotting import plot_training_curves
 
             lines.append(f"plot:      {plot_training_curves(csv_path)}")
+    if exported:
+        lines.append(f"HF model:  {exported}  (AutoModelForCausalLM.from_pretrained loads it)")
     runs = sorted((Path(trainer.default_root_dir) / "wandb").glob("offline-run-*"), key=os.path.getmtime)
     if runs:
         lines.append(f"wandb run: {runs[-1]}  (offline; `wandb sync` uploads it)")

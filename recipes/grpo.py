@@ -38,7 +38,8 @@ def main(algorithm_cls: type = GRPO, default_config: Path = CONFIG) -> None:
         actor.save_adapter(Path(cfg.trainer.default_root_dir) / "adapter")
     if run.export_dir:  # the trained policy as a plain HF model (LoRA merged)
         common.export_policy(actor, run.export_dir)
-    common.report(trainer, before, after, ("val/reward/mean", "val/reward/accuracy"), started=started)
+    common.report(trainer, before, after, ("val/reward/mean", "val/reward/accuracy"), started=started,
+                  exported=run.export_dir)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ def main() -> None:
     after = common.validate(trainer, module, data)
     if run.export_dir:  # the trained policy as a plain HF model
         common.export_policy(module.engines["actor"], run.export_dir)
-    common.report(trainer, before, after, ("val/reward/mean", "val/reward/accuracy"), started=started)
+    common.report(trainer, before, after, ("val/reward/mean", "val/reward/accuracy"), started=started,
+                  exported=run.export_dir)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ def main() -> None:
     after = common.validate(trainer, module, data)
     if run.export_dir:
         common.export_policy(module.engines["actor"], run.export_dir)
-    common.report(trainer, before, after, ("val/loss",), plot=False, started=started)
+    common.report(trainer, before, after, ("val/loss",), plot=False, started=started,
+                  exported=run.export_dir)
 
 
 if __name__ == "__main__":
