@@ -16,8 +16,9 @@ from pathlib import Path
 from verl_trainer.models.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = ("trainer.max_steps=2 data.train_batch_size=4 algorithm.rollout.n=2 algorithm.rollout.max_new_tokens=4 "
-        "trainer.val_check_interval=null trainer.logger=[csv] algorithm.actor.engine.micro_batch_size_per_gpu=8")
+FAST = ("trainer.max_steps=2 data.train_batch_size=4 algorithm.rollout.n=2 "
+        "algorithm.rollout.max_new_tokens=4 trainer.val_check_interval=null trainer.logger=[csv] "
+        "algorithm.actor.engine.micro_batch_size_per_gpu=8")
 
 
 def readme_section(title: str) -> list[tuple[str, str]]:
@@ -39,7 +40,8 @@ def test_train_your_own_model_section_runs_as_written(tmp_path):
     (work / "recipes").symlink_to(ROOT / "recipes")
     for name, body in files.items():
         (work / name).write_text(body)
-    model = make_tiny_model(tmp_path / "my_model", hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    model = make_tiny_model(tmp_path / "my_model", hidden_size=32, num_attention_heads=4,
+                            num_key_value_heads=2)
     env = {**os.environ, "MODEL": str(model), "RUN": str(tmp_path / "run"), "WANDB_MODE": "offline",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
     outputs = []
