@@ -88,11 +88,11 @@ def test_truncation_and_filtering_keys(assets, tmp_path, monkeypatch):
 
 def test_wrong_reward_signature_and_dr_grpo_fail_before_the_warm_start(assets, tmp_path, monkeypatch, capfd):
     reward = tmp_path / "my_reward.py"
-    reward.write_text("def score(completions, **kwargs):\n    return [0.0 for _ in completions]\n")
+    reward.write_text("def score(text):\n    return 0.0\n")
     warm_out = tmp_path / "warm"
     common = _args(assets, tmp_path, "warm_start.enable=true", f"warm_start.output={warm_out}",
                    "warm_start.train_files=${task.dir}/sft_train.jsonl")
-    with pytest.raises(ValueError, match=r"my_reward.py:score has the signature \(completions, \*\*kwargs\)"):
+    with pytest.raises(ValueError, match=r"my_reward.py:score has the signature \(text\), which is neither"):
         run_in_process("grpo", [*common, f"algorithm.reward.name={reward}:score"], monkeypatch)
     with pytest.raises(ValueError, match="Dr.GRPO needs algorithm.norm_adv_by_std_in_grpo=false"):
         run_in_process("dr_grpo", [*common, "algorithm.norm_adv_by_std_in_grpo=true"], monkeypatch)

@@ -65,11 +65,24 @@ def test_grpo_recipe_with_kl_dapo_and_balancing(assets, tmp_path):
     assert list(tmp_path.glob("lightning_logs/version_*/metrics.png"))
 
 
-def test_dr_grpo_recipe(assets, tmp_path):
+TRL_REWARD = (
+    '"""A TRL-signature reward: batched, completions are chat messages for chat prompts."""\n\n\n'
+    "def short(prompts, completions, ground_truth, **kwargs):\n"
+    "    return [1.0 / (1 + len(c)) for c in completions]\n"
+)
+
+
+def test_dr_grpo_recipe_with_trl_and_verl_rewards_weighted(assets, tmp_path):
+    reward = tmp_path / "trl_reward.py"
+    reward.write_text(TRL_REWARD)
     metrics = run_recipe("dr_grpo", assets, tmp_path, *RL_OVERRIDES, "algorithm.rollout.n=2",
                          "algorithm.actor.loss.loss_scale_factor=3", "data.val_files=null",
-                         "trainer.enable_progress_bar=false")  # both crashed the recipes before
-    assert all("actor/pg_loss" in metrics[s] for s in (1, 2))
+                         "trainer.enable_progress_bar=false",  # both crashed the recipes before
+                         f"algorithm.reward.name=[{reward}:short,math]", "algorithm.reward.weights=[0.5,1.0]")
+    for step in (1, 2):
+        m = metrics[step]
+        assert "actor/pg_loss" in m and "reward/short/mean" in m and "reward/math/mean" in m, sorted(m)
+        assert m["reward/mean"] == pytest.approx(0.5 * m["reward/short/mean"] + m["reward/math/mean"])
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed"])

@@ -114,8 +114,8 @@ def test_module_function_loading(tmp_path, monkeypatch):
     assert info["acc"].tolist() == [1.0, 0.0]
     from_file = get_reward_fn(f"{pkg / 'scores.py'}:length_score")
     assert from_file("s", "abcd", "x") == {"score": 4, "acc": 0.0}
-    (pkg / "wrong.py").write_text("def reward(completions):\n    return [0.0 for _ in completions]\n")
-    with pytest.raises(ValueError, match=r"wrong.py:reward has the signature \(completions\).*compute_score"):
+    (pkg / "wrong.py").write_text("def reward(text):\n    return 0.0\n")
+    with pytest.raises(ValueError, match=r"wrong.py:reward has the signature \(text\).*compute_score"):
         get_reward_fn(f"{pkg / 'wrong.py'}:reward")  # when the config is loaded, not at the first step
     with pytest.raises(ValueError, match="signature"):
         get_reward_fn(len)

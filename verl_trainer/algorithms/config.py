@@ -17,6 +17,7 @@ so a YAML file or a ``key=value`` override that makes no sense fails before any 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from verl_trainer.core_algos import validate_kl_penalty
 from verl_trainer.engine.config import EngineConfig, OptimConfig
@@ -155,12 +156,25 @@ class RewardConfig:
 
     Attributes:
         name: A reward in :mod:`verl_trainer.rewards` (``math``, ``math_exact``, ``format``) or
-            ``"module:function"`` / ``"path.py:function"``.
+            ``"module:function"`` / ``"path.py:function"`` with verl's or TRL's signature
+            (:mod:`verl_trainer.rewards.signature`); or a list of them, whose scores are summed with
+            ``weights`` (TRL's ``reward_funcs``).
+        weights: One weight per function in ``name`` (TRL's ``reward_weights``); ``None``: 1.0 each.
         overlong_buffer: DAPO's overlong reward shaping.
     """
 
-    name: str = "math"
+    name: Any = "math"
+    weights: list[float] | None = None
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+    def __post_init__(self) -> None:
+        names = [self.name] if isinstance(self.name, str) else list(self.name or [])
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"algorithm.reward.name={self.name!r}: give a reward name, 'module:function', "
+                             "'file.py:function', or a list of them")
+        if self.weights is not None and len(self.weights) != len(names):
+            raise ValueError(f"algorithm.reward.weights={list(self.weights)} has {len(self.weights)} entries "
+                             f"for {len(names)} reward functions {names}; give one weight per function")
 
 
 @dataclass

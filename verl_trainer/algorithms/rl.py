@@ -40,7 +40,7 @@ from verl_trainer.engine.config import EngineConfig
 from verl_trainer.losses import ppo_loss
 from verl_trainer.metrics import Metric, Reduction
 from verl_trainer.module import EngineSpec, StepOutput, TrainingModule
-from verl_trainer.rewards import get_reward_fn, score_batch, token_level_scores
+from verl_trainer.rewards import RewardFunctions, score_batch, token_level_scores
 from verl_trainer.rollout import BaseRollout, build_rollout
 
 __all__ = ["RLModule", "response_length_metrics", "token_stats"]
@@ -119,7 +119,8 @@ class RLModule(TrainingModule):
         super().__init__()
         self.config = config
         self.actor_loss = ppo_loss(config.actor.loss)
-        self.reward_fn = get_reward_fn(config.reward.name)  # fails here for an unknown reward
+        # fails here for an unknown reward or one with neither verl's nor TRL's signature
+        self.reward_fn = RewardFunctions(config.reward.name, config.reward.weights)
         self.rollout: BaseRollout | None = None
         self._rollout_stale = False
 

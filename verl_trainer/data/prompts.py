@@ -6,10 +6,12 @@
 * ``reward_model``: ``{"style": "rule", "ground_truth": ...}`` — or the flattened column
   ``reward_model.ground_truth`` (pandas ``json_normalize`` style), or a top-level ``ground_truth``;
 * ``data_source``: the task name a reward function may dispatch on;
-* ``extra_info`` (optional): a dict passed on to the reward function.
+* ``extra_info`` (optional): a dict passed on to the reward function;
+* any other column: passed by name to TRL-style reward functions (see ``verl_trainer.rewards.signature``).
 
 Parquet is read with pyarrow (no ``datasets`` dependency), jsonl with ``json``. :func:`load_prompts`
-normalises every row to a *record* ``{"prompt", "ground_truth", "data_source", "extra_info", "index"}``.
+normalises every row to a *record* ``{"prompt", "ground_truth", "data_source", "extra_info", "columns",
+"index"}``.
 
 **Prompt batch** (what :meth:`verl_trainer.rollout.BaseRollout.generate` takes): a ``TensorDict`` with
 ``batch_size=[B]`` built by :func:`collate_prompts`:
@@ -17,7 +19,8 @@ normalises every row to a *record* ``{"prompt", "ground_truth", "data_source", "
 * ``prompts`` ``[B, P]`` long, **left**-padded prompt token ids (schema key ``prompts``);
 * ``prompt_len`` ``[B]`` long; ``uid`` ``[B]`` long (the record's ``index``: the group id of its samples);
 * non-tensor entries (``tensordict.NonTensorStack``, one Python object per sample, they follow
-  indexing/``torch.cat``): ``ground_truth``, ``data_source``, ``extra_info``.
+  indexing/``torch.cat``): ``ground_truth``, ``data_source``, ``extra_info``, ``columns`` (the prompt as
+  written and the row's other columns, a dict).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from verl_trainer.data.jsonl import read_json_rows
 GROUND_TRUTH = "ground_truth"
 DATA_SOURCE = "data_source"
 EXTRA_INFO = "extra_info"
-NON_TENSOR_KEYS = (GROUND_TRUTH, DATA_SOURCE, EXTRA_INFO)
+COLUMNS = "columns"
+NON_TENSOR_KEYS = (GROUND_TRUTH, DATA_SOURCE, EXTRA_INFO, COLUMNS)
 """Per-sample Python objects carried in prompt and rollout batches as ``NonTensorStack`` entries."""
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
@@ -99,18 +103,24 @@ def normalize_record(row: Mapping[str, Any], index: int, prompt_key: str = "prom
         default_data_source: Used when the row has no ``data_source``.
 
     Returns:
-        ``{"prompt", "ground_truth", "data_source", "extra_info", "index"}``.
+        ``{"prompt", "ground_truth", "data_source", "extra_info", "columns", "index"}``; ``columns`` holds
+        the prompt as written and every other column of the row (what a TRL-style reward function gets by
+        name).
 
     """
     where = f"prompt row {index}"
     if prompt_key not in row:
         raise ValueError(f"{where} has no {prompt_key!r} column; columns present: {sorted(row)}")
     extra = row.get(EXTRA_INFO)
+    prompt = _check_prompt(row[prompt_key], where)
+    known = {prompt_key, "reward_model", f"reward_model.{GROUND_TRUTH}", GROUND_TRUTH, DATA_SOURCE,
+             EXTRA_INFO}
     return {
-        "prompt": _check_prompt(row[prompt_key], where),
+        "prompt": prompt,
         GROUND_TRUTH: _ground_truth(row, where),
         DATA_SOURCE: str(row.get(DATA_SOURCE) or default_data_source),
         EXTRA_INFO: dict(extra) if isinstance(extra, Mapping) else {},
+        COLUMNS: {"prompt": prompt, **{k: v for k, v in row.items() if k not in known}},
         "index": index,
     }
 
@@ -265,7 +275,8 @@ class PromptDataset(Dataset):
                         f"left/right/middle, or data.filter_overlong_prompts=true"
                     )
                 ids = truncate(ids, max_prompt_length, truncation)
-            reward_data = {k: rec[k] for k in NON_TENSOR_KEYS}
+            reward_data = {GROUND_TRUTH: rec[GROUND_TRUTH], DATA_SOURCE: rec[DATA_SOURCE],
+                           EXTRA_INFO: rec[EXTRA_INFO], COLUMNS: rec.get(COLUMNS, {"prompt": rec["prompt"]})}
             self.items.append({"input_ids": ids, **reward_data, "index": rec["index"]})
         if records and not self.items:
             raise ValueError(
@@ -314,7 +325,7 @@ def collate_prompts(items: Sequence[Mapping[str, Any]], pad_token_id: int = 0) -
         },
         batch_size=[b],
     )
-    defaults = {GROUND_TRUTH: None, DATA_SOURCE: "unknown", EXTRA_INFO: {}}
+    defaults = {GROUND_TRUTH: None, DATA_SOURCE: "unknown", EXTRA_INFO: {}, COLUMNS: {}}
     for key, default in defaults.items():
         batch[key] = NonTensorStack.from_list([it.get(key, default) for it in items])
     return batch

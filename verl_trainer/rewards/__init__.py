@@ -9,6 +9,7 @@ reward metrics.
 from verl_trainer.rewards import rule_based
 from verl_trainer.rewards.compute import (
     ACCURACY_KEY,
+    RewardFunctions,
     compute_rewards,
     reward_metrics,
     score_batch,
@@ -41,6 +42,7 @@ __all__ = [
     "FORMAT_SCORE",
     "REWARD_REGISTRY",
     "RewardFn",
+    "RewardFunctions",
     "answers_match",
     "available_rewards",
     "compute_rewards",

@@ -1,6 +1,7 @@
 """The reward-function registry, and resolving ``"name"`` / ``"module.path:function"`` to a function.
 
-A reward function follows verl's ``compute_score`` signature, so functions written for verl work here::
+A reward function follows verl's ``compute_score`` signature (below) or TRL's batched one
+(:mod:`verl_trainer.rewards.signature`), so functions written for verl or TRL work here::
 
     def my_reward(data_source: str, solution_str: str, ground_truth: Any,
                   extra_info: dict | None = None) -> float | dict:
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from verl_trainer.rewards.signature import reward_style
 from verl_trainer.utils.registry import Registry
 
 RewardFn = Callable[..., float | dict[str, Any]]
@@ -92,24 +93,12 @@ def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
 
 
 def check_reward_signature(fn: RewardFn, name: str) -> RewardFn:
-    """``fn`` itself when it can be called as ``fn(data_source, solution_str, ground_truth)``.
+    """``fn`` itself when it has verl's or TRL's signature (see :func:`reward_style`).
 
     Raises:
-        ValueError: Its signature cannot take those three positional arguments (the message shows the
-            signature and the one expected).
+        ValueError: It has neither (the message shows its signature and both expected ones).
     """
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin without a signature: it is called as it is
-        return fn
-    try:
-        signature.bind("data_source", "solution_str", "ground_truth")
-    except TypeError as err:
-        raise ValueError(
-            f"reward function {name} has the signature {signature}, which cannot be called as "
-            f"f(data_source, solution_str, ground_truth, extra_info=None) ({err}); write it with verl's "
-            "compute_score signature: def f(data_source, solution_str, ground_truth, extra_info=None)"
-        ) from None
+    reward_style(fn, name)
     return fn
 
 
