@@ -65,7 +65,7 @@ def _loader(trainer: Trainer, kind: str, datamodule: Any, module: Any) -> Sharde
     if source is None:
         return None
     loader = as_dataloader(source, f"{kind} data")
-    return ShardedLoader(loader, trainer.dp_rank, trainer.dp_size, trainer.seed)
+    return ShardedLoader(loader, trainer.dp_rank, trainer.dp_size, trainer.seed, tag_padding=kind == "val")
 
 
 def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_path: Any) -> Any:
