@@ -33,8 +33,9 @@ def main(algorithm_cls: type = GRPO, default_config: Path = CONFIG) -> None:
     module = algorithm_cls(algorithm)
     data = PromptDataModule(cfg.data, load_tokenizer(algorithm.model_path))
     trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=common.RL_PROGRESS)])
-    before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit else None
-    trainer.fit(module, datamodule=data)
+    before = common.validate(trainer, module, data) if cfg.trainer.validates_before_fit else None
+    trainer.fit(module, datamodule=data, ckpt_path=cfg.trainer.ckpt_path)
+    # EXPORT_HF_SPOT (issue 13.3): export the final policy to <default_root_dir>/hf here once save_hf lands
     after = common.validate(trainer, module, data)
     actor = module.engines["actor"]
     if actor.has_adapters:  # LoRA: the adapters as a peft directory (PeftModel.from_pretrained loads it)

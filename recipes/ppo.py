@@ -28,8 +28,9 @@ def main() -> None:
     module = PPO(algorithm)
     data = PromptDataModule(cfg.data, load_tokenizer(algorithm.model_path))
     trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=(*common.RL_PROGRESS, "critic/vf_loss"))])
-    before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit else None
-    trainer.fit(module, datamodule=data)
+    before = common.validate(trainer, module, data) if cfg.trainer.validates_before_fit else None
+    trainer.fit(module, datamodule=data, ckpt_path=cfg.trainer.ckpt_path)
+    # EXPORT_HF_SPOT (issue 13.3): export the final policy to <default_root_dir>/hf here once save_hf lands
     after = common.validate(trainer, module, data)
     common.report(trainer, before, after, ("val/reward/mean", "val/reward/accuracy"), started=started)
 

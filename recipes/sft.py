@@ -32,8 +32,9 @@ def main() -> None:
     data = SFTDataModule(cfg.data, load_tokenizer(model_path))
     trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=("sft/loss", "val/loss"))])
     has_val = bool(cfg.data.val_files)
-    before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit and has_val else None
-    trainer.fit(module, datamodule=data)
+    before = common.validate(trainer, module, data) if cfg.trainer.validates_before_fit and has_val else None
+    trainer.fit(module, datamodule=data, ckpt_path=cfg.trainer.ckpt_path)
+    # EXPORT_HF_SPOT (issue 13.3): export the final policy to <default_root_dir>/hf here once save_hf lands
     after = common.validate(trainer, module, data) if has_val else {}
     if cfg.export_dir:
         common.export_hf_model(module.engines["actor"], model_path, cfg.export_dir)
