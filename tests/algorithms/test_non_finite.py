@@ -1,9 +1,9 @@
 """Non-finite rewards, advantages and losses (``algorithms/non_finite.py``).
 
 Unit (default run): the guard on one process (naming, group drops, the skipped-steps limit, config
-errors). ``slow``: GRPO at 2 ranks with a reward that is NaN for every third sample each rank scores: ``policy=error`` stops
-step 1 on both ranks with the samples named; ``drop_samples`` trains on the rest (finite loss, update
-not skipped, the counts logged); a reward that is always NaN stops the run after
+errors). ``slow``: GRPO at 2 ranks with a reward that is NaN for every third sample each rank scores:
+``policy=error`` stops step 1 on both ranks with the samples named; ``drop_samples`` trains on the rest
+(finite loss, update not skipped, the counts logged); a reward that is always NaN stops the run after
 ``max_consecutive_skipped_steps``.
 """
 
