@@ -30,8 +30,8 @@ def main(algorithm_cls: type = GRPO, default_config: Path = CONFIG) -> None:
     if run.warm_start:
         common.warm_start(cfg.warm_start, run.base, cfg.trainer)
     module, data = run.module, run.data
-    before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit else None
-    trainer.fit(module, datamodule=data)
+    before = common.validate(trainer, module, data) if cfg.trainer.validates_before_fit else None
+    trainer.fit(module, datamodule=data, ckpt_path=cfg.trainer.ckpt_path)
     after = common.validate(trainer, module, data)
     actor = module.engines["actor"]
     if actor.has_adapters:  # LoRA: the adapters as a peft directory (PeftModel.from_pretrained loads it)

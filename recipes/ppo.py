@@ -24,8 +24,8 @@ def main() -> None:
     if run.warm_start:
         common.warm_start(cfg.warm_start, run.base, cfg.trainer)
     module, data = run.module, run.data
-    before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit else None
-    trainer.fit(module, datamodule=data)
+    before = common.validate(trainer, module, data) if cfg.trainer.validates_before_fit else None
+    trainer.fit(module, datamodule=data, ckpt_path=cfg.trainer.ckpt_path)
     after = common.validate(trainer, module, data)
     if run.export_dir:  # the trained policy as a plain HF model
         common.export_policy(module.engines["actor"], run.export_dir)

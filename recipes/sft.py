@@ -25,8 +25,8 @@ def main() -> None:
     trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=("sft/loss", "val/loss"))])
     run = common.prepare(cfg, trainer, SFT, SFTDataModule)  # every check before a model loads
     module, data = run.module, run.data
-    before = common.validate(trainer, module, data) if cfg.trainer.validate_before_fit else None
-    trainer.fit(module, datamodule=data)
+    before = common.validate(trainer, module, data) if cfg.trainer.validates_before_fit else None
+    trainer.fit(module, datamodule=data, ckpt_path=cfg.trainer.ckpt_path)
     after = common.validate(trainer, module, data)
     if run.export_dir:
         common.export_policy(module.engines["actor"], run.export_dir)

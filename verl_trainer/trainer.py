@@ -203,6 +203,7 @@ class Trainer:
         self.state: str | None = None
         self.global_step = 0
         self.should_stop = False
+        self.resume_changes: list[str] = []  # what changed since the checkpoint a fit resumed from (applied)
         self.train_loader: ShardedLoader | None = None
         self.val_loader: ShardedLoader | None = None
         self.step_hooks = CallbackStepHooks(self)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl_trainer.algorithms.non_finite import NonFiniteConfig
 from verl_trainer.core_algos import validate_kl_penalty
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.losses import PPOLossConfig, ValueLossConfig
@@ -206,6 +207,8 @@ class RLConfig:
         ref: Reference policy for the KL loss.
         reward: Reward function and shaping.
         val_rollout: Sampling of validation rollouts.
+        non_finite: NaN/inf rewards, advantages and losses: ``policy`` (``error`` | ``drop_samples``) and
+            ``max_consecutive_skipped_steps`` (:mod:`verl_trainer.algorithms.non_finite`).
     """
 
     model_path: str = ""
@@ -214,6 +217,7 @@ class RLConfig:
     ref: RefConfig = field(default_factory=RefConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     val_rollout: ValidationRolloutConfig = field(default_factory=ValidationRolloutConfig)
+    non_finite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
 
     @property
     def ref_in_actor(self) -> bool:

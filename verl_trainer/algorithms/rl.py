@@ -31,9 +31,10 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from verl_trainer.algorithms.config import RLConfig
+from verl_trainer.algorithms.config import GROUP_ESTIMATORS, RLConfig
 from verl_trainer.algorithms.dapo import overlong_penalty
 from verl_trainer.algorithms.distributed import count_mini_batches, split_mini_batches
+from verl_trainer.algorithms.non_finite import NonFiniteGuard
 from verl_trainer.balancing import required_batch_multiple
 from verl_trainer.data import schema
 from verl_trainer.engine.config import EngineConfig
@@ -42,6 +43,7 @@ from verl_trainer.metrics import Metric, Reduction
 from verl_trainer.module import EngineSpec, StepOutput, TrainingModule
 from verl_trainer.rewards import RewardFunctions, score_batch, token_level_scores
 from verl_trainer.rollout import BaseRollout, build_rollout
+from verl_trainer.utils.distributed import all_reduce
 
 __all__ = ["RLModule", "response_length_metrics", "token_stats"]
 
@@ -123,6 +125,8 @@ class RLModule(TrainingModule):
         self.reward_fn = RewardFunctions(config.reward.name, config.reward.weights)
         self.rollout: BaseRollout | None = None
         self._rollout_stale = False
+        group_estimator = getattr(config, "adv_estimator", None) in GROUP_ESTIMATORS
+        self.non_finite = NonFiniteGuard(config.non_finite, group_estimator)
 
     @property
     def hparams(self) -> dict[str, Any]:
@@ -199,7 +203,8 @@ class RLModule(TrainingModule):
         Returns:
             ``[B]`` the (shaped) rewards the advantages are computed from.
         """
-        scores, reward_metrics = score_batch(batch, self.reward_fn)
+        check = lambda b, s: self._check_rewards(b, s, metrics)  # noqa: E731
+        scores, reward_metrics = score_batch(batch, self.reward_fn, on_scores=check)
         metrics.update(reward_metrics)
         max_len = self.config.rollout.max_new_tokens
         metrics.update(response_length_metrics(batch, max_len))
@@ -212,6 +217,41 @@ class RLModule(TrainingModule):
         batch[schema.TOKEN_LEVEL_SCORES] = rewards
         batch[schema.TOKEN_LEVEL_REWARDS] = rewards.clone()
         return scores
+
+    @property
+    def _step(self) -> int:
+        """The step being run (1-based), for messages."""
+        return (self.trainer.global_step if self.trainer is not None else 0) + 1
+
+    @property
+    def _dp_group(self) -> Any:
+        return self.trainer.dp_group if self.trainer is not None else None
+
+    def _check_rewards(self, batch: TensorDict, scores: torch.Tensor, metrics: dict[str, Any]) -> None:
+        """Non-finite rewards: an error, or their samples (groups) dropped with their scores set to 0."""
+        dropped = self.non_finite.check_samples(batch, scores, "rewards", self._step, self._dp_group, metrics)
+        scores[dropped] = 0.0
+
+    def _check_advantages(self, batch: TensorDict, metrics: dict[str, Any]) -> None:
+        """Non-finite advantages: an error, or their samples dropped; padding rows' values set to 0."""
+        adv = batch[schema.ADVANTAGES]
+        self.non_finite.check_samples(batch, adv, "advantages", self._step, self._dp_group, metrics)
+        if not self.non_finite.dropped:
+            return
+        real = schema.real_mask(batch).unsqueeze(-1)
+        for key in (schema.ADVANTAGES, schema.RETURNS, schema.VALUES, schema.TOKEN_LEVEL_REWARDS,
+                    schema.TOKEN_LEVEL_SCORES):
+            if key in batch.keys():  # a masked NaN still poisons a loss (NaN * 0 = NaN)
+                batch[key] = torch.where(real, batch[key], torch.zeros((), dtype=batch[key].dtype))
+
+    def _updates_skipped(self, metrics: dict[str, Any]) -> bool:
+        """Whether an engine skipped an optimizer step of this step for a non-finite grad norm."""
+        skipped = False
+        for name in ("critic", "actor"):
+            if f"{name}/grad_norm" in metrics:
+                skipped |= self.non_finite.check_update(name, float(metrics[f"{name}/grad_norm"]),
+                                                        metrics.get(f"{name}_micro_batches", []), self._step)
+        return skipped
 
     def compute_log_probs(self, batch: TensorDict, actor: bool = True) -> None:
         """``old_log_probs`` (unless ``actor=False``) and the reference's ``ref_log_prob``, ``[B, T]``."""
@@ -287,12 +327,19 @@ class RLModule(TrainingModule):
         trainer = self.trainer
         t0 = time.perf_counter()
         metrics: dict[str, Any] = {}
+        self.non_finite.dropped = 0
         rollout_batch = self.rollout.generate(self._unique_uids(batch))
         t_rollout = time.perf_counter() - t0
         scores = self.score(rollout_batch, metrics)
         self.compute_advantages(rollout_batch, scores, metrics)
+        self._check_advantages(rollout_batch, metrics)
         trainer.call_hook("on_rollout_end", rollout_batch)
         data, do_update = self.select_samples(schema.tensor_only(rollout_batch), scores, metrics)
+        all_dropped = False
+        if self.non_finite.dropped:  # every rank knows; nothing left to train on anywhere: skip
+            left = all_reduce(torch.tensor(float(schema.num_real(data))), trainer.dp_group)
+            all_dropped = float(left) == 0.0
+            do_update = do_update and not all_dropped
         t1 = time.perf_counter()
         if do_update:
             actor_cfg = self.config.actor
@@ -310,7 +357,9 @@ class RLModule(TrainingModule):
                 metrics.update(self.run_updates("actor", actor_loss, mini_batches, actor_cfg.ppo_epochs,
                                                 calculate_entropy=actor_cfg.calculate_entropy))
                 self.sync_rollout()
-        metrics["actor/update_skipped"] = 0.0 if do_update else 1.0
+        engine_skipped = do_update and self._updates_skipped(metrics)
+        self.non_finite.end_step(all_dropped or engine_skipped, self._step)
+        metrics["actor/update_skipped"] = 0.0 if do_update and not engine_skipped else 1.0
         metrics["timing/rollout_s"] = t_rollout
         metrics["timing/update_s"] = time.perf_counter() - t1
         metrics["timing/step_s"] = time.perf_counter() - t0
@@ -333,11 +382,16 @@ class RLModule(TrainingModule):
 
     # ----------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The rollout's call counter (it seeds the sampling), so a resumed run samples as the original."""
-        return {"rollout_generate_calls": self.rollout.num_generate_calls if self.rollout else 0}
+        """The rollout's call counter and the count of steps skipped in a row for non-finite values.
+
+        The counter seeds the sampling, so a resumed run samples as the original.
+        """
+        return {"rollout_generate_calls": self.rollout.num_generate_calls if self.rollout else 0,
+                "non_finite_skipped_in_a_row": self.non_finite.skipped_in_a_row}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the counter; the rollout copy is re-synced from the restored actor before its next use."""
         if self.rollout is not None:
             self.rollout._calls = int(state_dict.get("rollout_generate_calls", 0))
+        self.non_finite.skipped_in_a_row = int(state_dict.get("non_finite_skipped_in_a_row", 0))
         self._rollout_stale = True

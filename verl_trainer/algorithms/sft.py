@@ -9,7 +9,9 @@ response tokens (``loss_mask``) of (prompt, response) pairs::
     Trainer(strategy="fsdp2", devices=2, max_steps=100).fit(SFT(SFTConfig(model_path)), data)
 
 Logged per step: ``sft/loss`` (reduced from the per-micro-batch partial losses), ``train/grad_norm``,
-``train/lr``; per validation: ``val/loss`` (mean over validation batches).
+``train/lr``, ``train/update_skipped`` (1: a non-finite loss or gradient skipped the optimizer step; with
+``non_finite.policy=error``, the default, it stops the run instead); per validation: ``val/loss`` (mean
+over validation batches).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
+from verl_trainer.algorithms.non_finite import NonFiniteConfig, NonFiniteGuard
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.losses import SFTLossConfig, sft_loss
 from verl_trainer.module import EngineSpec, StepOutput, TrainingModule
@@ -37,12 +40,16 @@ class SFTConfig:
             dtypes come from the Trainer's precision.
         optim: Optimizer and LR schedule.
         loss: Loss aggregation.
+        non_finite: A non-finite loss / gradient: ``policy`` ``error`` (stop) or ``drop_samples`` (the
+            step is skipped), and ``max_consecutive_skipped_steps``
+            (:mod:`verl_trainer.algorithms.non_finite`).
     """
 
     model_path: str
     engine: EngineConfig = field(default_factory=EngineConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: SFTLossConfig = field(default_factory=SFTLossConfig)
+    non_finite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
 
 
 class SFT(TrainingModule):
@@ -56,6 +63,7 @@ class SFT(TrainingModule):
         super().__init__()
         self.config = config
         self.loss_fn = sft_loss(config.loss)
+        self.non_finite = NonFiniteGuard(config.non_finite, group_estimator=False)
 
     @property
     def hparams(self) -> dict[str, Any]:
@@ -74,7 +82,19 @@ class SFT(TrainingModule):
         actor = self.engines["actor"]
         with actor.train_mode():
             out = actor.train_batch(batch, self.loss_fn, hooks=self.step_hooks)
-        return {"micro_batches": out["metrics"], "train/grad_norm": out["grad_norm"], "train/lr": out["lr"]}
+        step = (self.trainer.global_step if self.trainer is not None else 0) + 1
+        skipped = self.non_finite.check_update("actor", float(out["grad_norm"]), out["metrics"], step)
+        self.non_finite.end_step(skipped, step)
+        return {"micro_batches": out["metrics"], "train/grad_norm": out["grad_norm"], "train/lr": out["lr"],
+                "train/update_skipped": float(skipped)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The count of steps skipped in a row for a non-finite loss (plain data)."""
+        return {"non_finite_skipped_in_a_row": self.non_finite.skipped_in_a_row}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.non_finite.skipped_in_a_row = int(state_dict.get("non_finite_skipped_in_a_row", 0))
 
     def validation_step(self, batch: TensorDict, batch_idx: int) -> StepOutput:
         """The loss of one validation batch (global over the DP ranks)."""

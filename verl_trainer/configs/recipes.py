@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from verl_trainer.algorithms.config import GRPOConfig, PPOConfig
@@ -27,6 +28,7 @@ from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.training.args import TrainerArgs
 
 __all__ = [
+    "CheckpointConfig",
     "DEMO_MODEL_PATH",
     "GRPORecipeConfig",
     "ModelConfig",
@@ -40,6 +42,33 @@ __all__ = [
 
 
 @dataclass
+class CheckpointConfig:
+    """``trainer.checkpoint``: the recipe's ``ModelCheckpoint`` (Lightning's argument names).
+
+    Used when ``trainer.enable_checkpointing`` is true. Checkpoints go to ``dirpath`` (default
+    ``<trainer.default_root_dir>/checkpoints``) as ``step_000050/``...; ``trainer.ckpt_path=last`` resumes
+    from the newest.
+
+    Attributes:
+        every_n_train_steps: Save after every N-th step (``null``: only at the end of training).
+        keep_last_k: Keep this run's newest K checkpoints (``null``: all).
+        save_on_train_end: Also save after the last step.
+        dirpath: Checkpoint directory (``null``: ``<default_root_dir>/checkpoints``).
+    """
+
+    every_n_train_steps: int | None = None
+    keep_last_k: int | None = 1
+    save_on_train_end: bool = True
+    dirpath: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("every_n_train_steps", "keep_last_k"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"trainer.checkpoint.{name}={value!r} must be an int >= 1 or null")
+
+
+@dataclass
 class TrainerConfig(TrainerArgs):
     """The ``trainer:`` section: the Trainer's own arguments plus what the recipe adds.
 
@@ -49,22 +78,28 @@ class TrainerConfig(TrainerArgs):
     Attributes:
         sequence_balancing: Add the ``SequenceBalancing`` callback (re-partitions each update batch over
             the DP ranks by workload).
-        validate_before_fit: Validate once before training (the "before" number).
+        validate_before_fit: Validate once before training (the "before" number; skipped on a resume).
         export_hf: Export the trained policy as an HF directory to ``<default_root_dir>/hf`` at the end
             (``engine.save_hf``: config, safetensors, generation config, tokenizer).
+        checkpoint: Periodic checkpoints (with ``enable_checkpointing``).
+        ckpt_path: Resume: ``last`` (the newest checkpoint in the checkpoint directory; a fresh start with a
+            warning when there is none) or a ``step_*`` checkpoint directory; ``null``: a fresh run.
     """
 
     sequence_balancing: bool = False
     validate_before_fit: bool = True
     export_hf: bool = True
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    ckpt_path: str | None = None
 
     def build(self, callbacks: Sequence[Any] = (), **overrides: Any) -> Any:
         """The :class:`~verl_trainer.Trainer` these settings describe (``overrides`` win).
 
-        A recipe's ``ProgressBar`` is left out when ``enable_progress_bar`` is false.
+        A recipe's ``ProgressBar`` is left out when ``enable_progress_bar`` is false; with checkpointing on,
+        a ``ModelCheckpoint`` built from :attr:`checkpoint` is added.
         """
         from verl_trainer import Trainer
-        from verl_trainer.callbacks import ProgressBar
+        from verl_trainer.callbacks import ModelCheckpoint, ProgressBar
         from verl_trainer.callbacks.sequence_balancing import SequenceBalancing
 
         show_bar = overrides.get("enable_progress_bar", self.enable_progress_bar)
@@ -72,7 +107,28 @@ class TrainerConfig(TrainerArgs):
         if self.sequence_balancing:
             callbacks.append(SequenceBalancing())
         kwargs: dict[str, Any] = {**self.trainer_kwargs(), "callbacks": callbacks, **overrides}
+        if kwargs["enable_checkpointing"] and not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
+            ck = self.checkpoint
+            callbacks.append(ModelCheckpoint(
+                dirpath=ck.dirpath, every_n_train_steps=ck.every_n_train_steps, keep_last_k=ck.keep_last_k,
+                save_on_train_end=ck.save_on_train_end,
+            ))
         return Trainer(**kwargs)
+
+    def __post_init__(self) -> None:
+        from verl_trainer.training.checkpoint import STATE_FILE
+
+        if self.ckpt_path not in (None, "last") and not (Path(self.ckpt_path) / STATE_FILE).is_file():
+            raise ValueError(
+                f"trainer.ckpt_path={self.ckpt_path!r} is not a complete checkpoint directory (no "
+                f"{STATE_FILE}); give 'last' (the newest checkpoint of the checkpoint directory), a step_* "
+                f"directory, or null"
+            )
+
+    @property
+    def validates_before_fit(self) -> bool:
+        """``validate_before_fit``, except on a resume (the "before" number is the fresh run's)."""
+        return self.validate_before_fit and self.ckpt_path is None
 
 
 @dataclass

@@ -181,6 +181,31 @@ def with_padding_tag(batch: TensorDict) -> TensorDict:
     return tagged
 
 
+def mark_padding(batch: TensorDict, rows: torch.Tensor) -> TensorDict:
+    """Turn the real samples at ``rows`` into padding, in place: tagged ``is_padding``, masks zeroed.
+
+    For rows that duplicate a real sample (the distributed sampler pads the data to a multiple of the DP
+    size by repeating it) or that must not train (a non-finite reward): they stay in the batch, so every
+    rank keeps its shape and its collectives, but count in no metric, no loss and no denominator.
+
+    Args:
+        batch: A batch ``[B]``.
+        rows: ``[B]`` bool, the samples to turn into padding.
+
+    Returns:
+        ``batch`` (tagged; ``loss_mask`` / ``response_mask`` zero on ``rows`` where present).
+    """
+    rows = rows.to(device=batch.device, dtype=torch.bool)
+    tag = batch[IS_PADDING].to(torch.bool) if IS_PADDING in batch.keys() else torch.zeros_like(rows)
+    batch.set(IS_PADDING, tag | rows)
+    for key in (LOSS_MASK, RESPONSE_MASK):
+        if key in batch.keys() and rows.any():
+            mask = batch[key].clone()
+            mask[rows] = 0
+            batch.set(key, mask)
+    return batch
+
+
 def append_padding(batch: TensorDict, count: int, first_uid: int | None = None) -> TensorDict:
     """``batch`` followed by ``count`` :func:`padding_samples` (tagged ``is_padding``)."""
     if count <= 0:

@@ -147,6 +147,35 @@ class OptimizerMixin:
         optimizer.step()
         return norm
 
+    def apply_optim_config(self) -> None:
+        """Make the optimizer and LR schedule follow :attr:`optim_config` again after a checkpoint load.
+
+        Loading restores the optimizer's ``lr``/``betas``/``eps``/``weight_decay`` and the schedule's peak
+        lr and shape from the checkpoint; a resume whose config changed them would silently keep the old
+        ones. This puts the config's values back while keeping the moments and the schedule's position
+        (``last_epoch``), so a new learning rate or schedule applies from the next step. With unchanged
+        settings nothing changes (the lr is recomputed with the same formula ``LambdaLR`` uses).
+        """
+        cfg, scheduler = self.optim_config, self.lr_scheduler
+        if cfg is None or self.optimizer is None:
+            return
+        groups = scheduler.optimizer.param_groups if scheduler is not None else self.optimizer.param_groups
+        for group in groups:
+            group.update(betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                         initial_lr=cfg.lr)
+        if scheduler is None:
+            for group in groups:
+                group["lr"] = cfg.lr
+            return
+        fresh = WarmupSchedule(cfg.warmup_steps, cfg.lr_scheduler, cfg.total_training_steps, cfg.min_lr_ratio)
+        scheduler.base_lrs = [cfg.lr] * len(groups)
+        for schedule in scheduler.lr_lambdas:
+            if isinstance(schedule, WarmupSchedule):
+                schedule.__dict__.update(fresh.__dict__)
+        for group, base, schedule in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * schedule(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in groups]
+
     def lr_scheduler_step(self) -> float:
         """Advance the schedule one step; returns the new learning rate."""
         optimizer = self._require_optimizer()

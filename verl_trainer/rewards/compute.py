@@ -8,7 +8,7 @@ token** of the sample (the eos when the response stopped), the position verl use
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -283,7 +283,8 @@ def _response_texts(batch: TensorDict, tokenizer: Any) -> list[str]:
 
 
 def score_batch(batch: TensorDict, reward_fn: str | RewardFn | RewardFunctions, tokenizer: Any = None,
-                prefix: str = "reward") -> tuple[torch.Tensor, dict[str, Metric]]:
+                prefix: str = "reward", on_scores: Callable[[TensorDict, torch.Tensor], None] | None = None,
+                ) -> tuple[torch.Tensor, dict[str, Metric]]:
     """Score a rollout batch in place: sets ``token_level_scores`` ``[B, T]`` and returns the metrics.
 
     Reads the non-tensor entries a rollout writes (``response_text``, ``ground_truth``, ``data_source``,
@@ -295,6 +296,8 @@ def score_batch(batch: TensorDict, reward_fn: str | RewardFn | RewardFunctions, 
         reward_fn: Function, name or ``"module:function"``.
         tokenizer: Only needed when the batch has no ``response_text``.
         prefix: Metric-name prefix (e.g. ``"val/reward"`` for validation).
+        on_scores: Called as ``on_scores(batch, scores)`` before the scores are placed on tokens and the
+            metrics computed; it may edit both in place (the non-finite check turns samples into padding).
 
     Returns:
         ``(scores [B], metrics)`` — see :func:`reward_metrics`.
@@ -307,6 +310,8 @@ def score_batch(batch: TensorDict, reward_fn: str | RewardFn | RewardFunctions, 
     extras = data.get("extra_info")
     scores, info = compute_rewards(texts, truths, sources, reward_fn, extras, return_info=True,
                                    columns=data.get("columns"))
+    if on_scores is not None:
+        on_scores(batch, scores)
     mask = batch[schema.RESPONSE_MASK] if schema.RESPONSE_MASK in batch.keys() else batch[schema.LOSS_MASK]
     batch[schema.TOKEN_LEVEL_SCORES] = token_level_scores(scores, mask)
     uids = batch[schema.UID] if schema.UID in batch.keys() else None

@@ -155,6 +155,8 @@ class BaseRollout(ABC):
         has_uid = schema.UID in prompt_batch.keys()
         uids = (prompt_batch[schema.UID] if has_uid else torch.arange(len(prompt_batch))).repeat_interleave(n)
         batch = make_batch(prompts, responses, uids=uids, pad_token_id=self.pad_token_id)
+        if schema.IS_PADDING in prompt_batch.keys():  # a padding prompt's responses are padding samples
+            schema.mark_padding(batch, prompt_batch[schema.IS_PADDING].to(torch.bool).repeat_interleave(n))
         for key, values in non_tensor_lists(prompt_batch).items():
             batch[key] = NonTensorStack.from_list([v for v in values for _ in range(n)])
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]

@@ -11,6 +11,11 @@ The position in the data is ``(epoch, batches consumed this epoch)`` (:class:`Sh
 saved in every checkpoint; on resume the sampler skips the samples already consumed *globally*
 (``batches * batch_size * dp``), so a resumed run reads exactly the batches the uninterrupted run would
 have read, also when the DP size changed (as long as it divides the consumed sample count).
+
+Validation (``tag_padding=True``): the positions the sampler repeats to fill the last round over the DP
+ranks are duplicates; each batch's rows at those positions are turned into padding samples
+(:func:`~verl_trainer.data.schema.mark_padding`: ``is_padding``, zero loss mask), so no validation
+metric counts a sample twice and the values do not depend on the number of devices.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
+
+from verl_trainer.data.schema import mark_padding
 
 __all__ = ["ResumableDistributedSampler", "ShardedLoader", "as_dataloader"]
 
@@ -76,6 +84,11 @@ class ResumableDistributedSampler(Sampler[int]):
         rest = self.global_order()[self.start:]
         return iter(rest[self.rank::self.num_replicas].tolist())
 
+    def repeated(self) -> torch.Tensor:
+        """``[len(self)]`` bool, in this rank's order: True where the index repeats one to pad the epoch."""
+        positions = torch.arange(self.total)[self.start:][self.rank::self.num_replicas]
+        return positions >= self.num_samples
+
     def __len__(self) -> int:
         return max(0, self.total - self.start) // self.num_replicas
 
@@ -96,6 +109,20 @@ def as_dataloader(source: Any, what: str) -> DataLoader:
     )
 
 
+def _tagged(batch: Any, rows: torch.Tensor) -> Any:
+    """``batch`` with ``rows`` turned into padding samples (unchanged when none is)."""
+    if not isinstance(batch, TensorDict):
+        if rows.any():
+            raise TypeError(
+                f"validation batches must be TensorDicts to exclude the repeated samples that pad the data "
+                f"over the DP ranks from the metrics, got {type(batch).__name__}"
+            )
+        return batch
+    if rows.numel() != batch.batch_size[0]:
+        raise ValueError(f"batch of {batch.batch_size[0]} samples for {rows.numel()} sampled indices")
+    return mark_padding(batch, rows)
+
+
 class ShardedLoader:
     """A DataLoader re-created with a :class:`ResumableDistributedSampler`, plus its position.
 
@@ -105,12 +132,15 @@ class ShardedLoader:
         dp_rank: This rank's DP rank.
         dp_size: DP size.
         seed: Shuffle seed.
+        tag_padding: Turn the rows that repeat a sample to fill the last round into padding samples
+            (validation; batches must be ``TensorDict``s).
 
     Raises:
         TypeError: For an iterable dataset or a custom batch sampler.
     """
 
-    def __init__(self, loader: DataLoader, dp_rank: int, dp_size: int, seed: int) -> None:
+    def __init__(self, loader: DataLoader, dp_rank: int, dp_size: int, seed: int,
+                 tag_padding: bool = False) -> None:
         dataset = loader.dataset
         if isinstance(dataset, IterableDataset):
             raise TypeError(
@@ -138,6 +168,7 @@ class ShardedLoader:
             worker_init_fn=loader.worker_init_fn,
             persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
         )
+        self.tag_padding = tag_padding
         self.epoch = 0
         self.batches = 0  # consumed this epoch, on this rank
 
@@ -153,7 +184,13 @@ class ShardedLoader:
         """The batches left in the current epoch, from the current position."""
         self.sampler.set_epoch(self.epoch)
         self.sampler.set_start(self.batches * self.samples_per_batch * self.dp_size)
-        yield from self.loader
+        if not self.tag_padding:
+            yield from self.loader
+            return
+        repeated, per = self.sampler.repeated(), self.batch_size
+        for i, batch in enumerate(self.loader):
+            rows = repeated[i * per:(i + 1) * per] if per is not None else repeated[i].expand(len(batch))
+            yield _tagged(batch, rows)
 
     def advance(self) -> None:
         """Count one consumed batch."""

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from verl_trainer.training import checkpoint as ckpt
+from verl_trainer.training import resume_check
 from verl_trainer.training.data import ShardedLoader, as_dataloader
 from verl_trainer.utils.distributed import barrier, broadcast_object
 
@@ -65,7 +66,7 @@ def _loader(trainer: Trainer, kind: str, datamodule: Any, module: Any) -> Sharde
     if source is None:
         return None
     loader = as_dataloader(source, f"{kind} data")
-    return ShardedLoader(loader, trainer.dp_rank, trainer.dp_size, trainer.seed)
+    return ShardedLoader(loader, trainer.dp_rank, trainer.dp_size, trainer.seed, tag_padding=kind == "val")
 
 
 def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_path: Any) -> Any:
@@ -78,13 +79,14 @@ def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_p
     try:
         trainer.call_hook("setup", stage)
         module.setup(stage)
+        resume = _check_resume(trainer, ckpt_path) if ckpt_path is not None else None  # before any engine
         configure_engines(trainer, module)
         trainer.train_loader = _loader(trainer, "train", datamodule, module) if stage == "fit" else None
         trainer.val_loader = _loader(trainer, "val", datamodule, module)
         if stage == "fit" and trainer.train_loader is None:
             raise ValueError("fit needs training data: pass a datamodule or define module.train_dataloader()")
         if ckpt_path is not None:
-            restore(trainer, ckpt_path)
+            restore(trainer, ckpt_path, resume)
         if stage == "fit":
             result = fit_loop(trainer)
         else:
@@ -185,11 +187,8 @@ def save_checkpoint(trainer: Trainer, path: Path) -> None:
 
     meta = {
         "global_step": trainer.global_step,
-        "world_size": trainer.world_size,
-        "strategy": trainer.strategy.backend,
-        "precision": trainer.precision,
-        "engines": list(trainer.module.engines),
         "run_id": getattr(trainer.checkpoint_callback, "run_id", None),
+        **resume_check.run_metadata(trainer),  # what a resume is checked against
     }
     ckpt.write_checkpoint(path, trainer.module.engines, make_state, meta, trainer.global_step)
 
@@ -204,17 +203,48 @@ def _resolve(trainer: Trainer, ckpt_path: Any) -> Path | None:
     return Path(found) if found else None
 
 
-def restore(trainer: Trainer, ckpt_path: Any) -> None:
-    """Restore engines, trainer state, data position, module and callback states, then RNG."""
+def _check_resume(trainer: Trainer, ckpt_path: Any) -> tuple[Path, dict[str, Any]] | None:
+    """Resolve ``ckpt_path`` and check the run's settings against the checkpoint's, before any engine.
+
+    Every rank reads the same ``meta.json`` and raises the same
+    :class:`~verl_trainer.training.resume_check.ResumeMismatchError` together. The differences that
+    apply are printed on rank 0 and kept in ``trainer.resume_changes``.
+
+    Returns:
+        ``(checkpoint directory, its meta.json)``, or ``None`` when ``"last"`` found no checkpoint.
+    """
     path = _resolve(trainer, ckpt_path)
     if path is None:
+        return None
+    meta = resume_check.read_meta(path)
+    trainer.resume_changes = resume_check.check_run_settings(trainer, path, meta)
+    if trainer.resume_changes and trainer.is_global_zero:
+        listed = "\n  ".join(trainer.resume_changes)
+        print(f"resuming from {path}; changed since the checkpoint (these apply):\n  {listed}", flush=True)
+    return path, meta
+
+
+def restore(trainer: Trainer, ckpt_path: Any, resume: tuple[Path, dict[str, Any]] | None = None) -> None:
+    """Restore engines, trainer state, data position, module and callback states, then RNG.
+
+    ``resume``: what :func:`_check_resume` returned (resolved and checked here when not given). The
+    engines' models are checked against the checkpoint's before anything is loaded, and every engine's
+    optimizer and schedule follow the current config after it (``apply_optim_config``).
+    """
+    if resume is None:
+        resume = _check_resume(trainer, ckpt_path)
+    if resume is None:
         if trainer.is_global_zero:
             warnings.warn(
                 f"ckpt_path='last' found no complete checkpoint in {str(trainer.checkpoint_dir)!r}; "
                 f"starting from scratch", stacklevel=2,
             )
         return
+    path, meta = resume
+    resume_check.check_models(path, meta, trainer.module.engines)
     ckpt.load_engines(path, trainer.module.engines)
+    for engine in _trainable(trainer):
+        engine.apply_optim_config()  # a changed lr / schedule applies (the checkpoint restored the old)
     state = ckpt.load_state(path)
     trainer.global_step = int(state["global_step"])
     if trainer.train_loader is not None and state.get("data") is not None:

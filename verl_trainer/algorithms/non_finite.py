@@ -1,0 +1,197 @@
+"""Non-finite rewards, advantages and losses: reported per step, then an error or dropped samples.
+
+A NaN/inf reward makes every advantage of its group NaN, every loss NaN and every update a skipped
+no-op; a run that only skips would end "successfully" having learned nothing. So, per RL step (on every
+rank alike; the counts are all-reduced over the DP group):
+
+* **rewards** (after scoring) and **advantages** (after they are computed): the non-finite samples are
+  counted and named (uid, rank, value). ``algorithm.non_finite.policy``:
+
+  - ``error`` (default): :class:`NonFiniteError` on every rank together, naming the step and samples;
+  - ``drop_samples``: the samples become padding samples (``schema.mark_padding``: no loss, no metric,
+    no denominator) with their reward/advantage set to 0. With a group estimator (GRPO, RLOO) the whole
+    group of such a sample goes: its statistics would be computed without it. Logged as
+    ``non_finite/rewards``, ``non_finite/advantages`` and ``non_finite/dropped_samples``.
+
+* **losses**: a non-finite loss gives a non-finite grad norm, and the engine skips that optimizer step.
+  ``error``: :class:`NonFiniteError` naming the step, the engine and the loss values; ``drop_samples``:
+  the step stays skipped (``actor/update_skipped = 1``).
+
+A step whose update was skipped for non-finite values (every sample dropped, or a skipped optimizer step)
+counts; more than ``algorithm.non_finite.max_consecutive_skipped_steps`` in a row stop the run with a
+:class:`NonFiniteError`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from verl_trainer.data import schema
+from verl_trainer.metrics import Metric
+from verl_trainer.utils.distributed import all_gather_object, all_reduce, get_rank
+
+__all__ = ["NON_FINITE_POLICIES", "NonFiniteConfig", "NonFiniteError", "NonFiniteGuard"]
+
+NON_FINITE_POLICIES = ("error", "drop_samples")
+MAX_LISTED = 8
+
+
+class NonFiniteError(RuntimeError):
+    """Non-finite rewards, advantages or losses under ``policy=error``, or too many skipped steps."""
+
+
+@dataclass
+class NonFiniteConfig:
+    """``algorithm.non_finite``: what happens to NaN/inf rewards, advantages and losses.
+
+    Attributes:
+        policy: ``error`` (stop, naming the step and the samples) or ``drop_samples`` (train without them).
+        max_consecutive_skipped_steps: Steps in a row whose update was skipped for non-finite values
+            before the run stops with an error (``0``: the first one stops it).
+    """
+
+    policy: str = "error"
+    max_consecutive_skipped_steps: int = 3
+
+    def __post_init__(self) -> None:
+        if self.policy not in NON_FINITE_POLICIES:
+            raise ValueError(
+                f"algorithm.non_finite.policy={self.policy!r}; choose one of {NON_FINITE_POLICIES} "
+                f"('error' stops the run at the first NaN/inf, 'drop_samples' trains without those samples)"
+            )
+        if isinstance(self.max_consecutive_skipped_steps, bool) or self.max_consecutive_skipped_steps < 0:
+            raise ValueError(
+                f"algorithm.non_finite.max_consecutive_skipped_steps={self.max_consecutive_skipped_steps!r} "
+                f"must be an int >= 0"
+            )
+
+
+def _fix(config: NonFiniteConfig) -> str:
+    if config.policy == "error":
+        return ("check the reward function (and the learning rate / precision for losses), or set "
+                "algorithm.non_finite.policy=drop_samples to train without those samples")
+    return "check the reward function, the learning rate and the precision"
+
+
+def _losses(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The scalar ``*loss`` values of one micro-batch's metrics."""
+    out = {}
+    for key, value in metrics.items():
+        value = value.value if isinstance(value, Metric) else value
+        if key.endswith("loss") and (not isinstance(value, torch.Tensor) or value.numel() == 1):
+            out[key] = float(value)
+    return out
+
+
+class NonFiniteGuard:
+    """Applies :class:`NonFiniteConfig` inside an RL step; keeps the count of skipped steps in a row.
+
+    Args:
+        config: The policy and the limit.
+        group_estimator: Advantages are normalised within prompt groups (drop whole groups).
+    """
+
+    def __init__(self, config: NonFiniteConfig, group_estimator: bool) -> None:
+        self.config = config
+        self.group_estimator = group_estimator
+        self.skipped_in_a_row = 0
+        self.dropped = 0  # samples dropped over the DP group in the current step
+
+    def check_samples(self, batch: TensorDict, values: torch.Tensor, what: str, step: int,
+                      group: Any, metrics: dict[str, Any]) -> torch.Tensor:
+        """Count the real samples whose ``values`` are not finite; raise, or drop them (see module doc).
+
+        A collective over ``group`` (the DP group): call it on every rank.
+
+        Args:
+            batch: This rank's batch ``[B]`` (``uid``; ``is_padding`` optional); dropped samples are
+                turned into padding samples in place.
+            values: ``[B]`` or ``[B, T]`` (token values are checked under ``response_mask``).
+            what: ``"rewards"`` or ``"advantages"`` (messages and metric names).
+            step: The step being run (1-based, for messages).
+            group: The DP process group.
+            metrics: Step outputs; ``non_finite/{what}`` (and ``non_finite/dropped_samples``) are added, as
+                counts over the DP group.
+
+        Returns:
+            ``[B]`` bool: the samples dropped on this rank (all False under ``error`` or when all finite).
+        """
+        real = schema.real_mask(batch)
+        if values.dim() == 2:
+            mask = batch[schema.RESPONSE_MASK].bool()
+            bad = (~torch.isfinite(values) & mask).any(-1)
+        else:
+            bad = ~torch.isfinite(values)
+        bad = bad & real
+        total = int(all_reduce(bad.sum().to(torch.float64), group).item())
+        metrics[f"non_finite/{what}"] = float(total)  # the same on every rank
+        none = torch.zeros_like(bad)
+        if total == 0:
+            return none
+        listed = self._describe(batch, values, bad, group)
+        if self.config.policy == "error":
+            raise NonFiniteError(
+                f"step {step}: {total} sample(s) with non-finite {what} ({listed}); {_fix(self.config)}"
+            )
+        drop = bad
+        if self.group_estimator and schema.UID in batch.keys():
+            uids = batch[schema.UID]
+            drop = torch.isin(uids, uids[bad]) & real
+        schema.mark_padding(batch, drop)
+        dropped = int(all_reduce(drop.sum().to(torch.float64), group).item())
+        self.dropped += dropped
+        metrics["non_finite/dropped_samples"] = float(dropped)
+        if get_rank() == 0:
+            print(f"step {step}: dropped {dropped} sample(s) for {total} with non-finite {what} ({listed})",
+                  flush=True)
+        return drop
+
+    @staticmethod
+    def _describe(batch: TensorDict, values: torch.Tensor, bad: torch.Tensor, group: Any) -> str:
+        """``uid 3 on rank 1: nan, ...`` for the first :data:`MAX_LISTED` samples over the DP group."""
+        uids = batch[schema.UID] if schema.UID in batch.keys() else torch.arange(bad.numel())
+        rows = bad.nonzero().flatten()[:MAX_LISTED].tolist()
+        shown = []
+        for i in rows:
+            v = values[i]
+            if v.dim():
+                v = v[~torch.isfinite(v)][0]
+            shown.append((int(uids[i]), float(v)))
+        everyone = all_gather_object((get_rank(), shown), group)
+        parts = [f"uid {uid} on rank {rank}: {value}" for rank, items in everyone for uid, value in items]
+        return ", ".join(parts[:MAX_LISTED]) + (", ..." if len(parts) > MAX_LISTED else "")
+
+    def check_update(self, engine_name: str, grad_norm: float, micro_batch_metrics: list[Mapping[str, Any]],
+                     step: int) -> bool:
+        """After an engine's updates: ``True`` when one was skipped for a non-finite loss / grad norm.
+
+        The grad norm is the same on every rank (reduced over the engine's group), so every rank decides
+        alike. Raises :class:`NonFiniteError` under ``policy=error``.
+        """
+        if math.isfinite(grad_norm):
+            return False
+        if self.config.policy == "error":
+            losses = sorted({f"{k}={v:.4g}" for mb in micro_batch_metrics for k, v in _losses(mb).items()
+                             if not math.isfinite(v)})
+            raise NonFiniteError(
+                f"step {step}: {engine_name} grad norm is {grad_norm} (non-finite loss or gradient: "
+                f"{', '.join(losses) or 'the losses were finite; the gradient overflowed'}); the optimizer "
+                f"step would be skipped; {_fix(self.config)}"
+            )
+        return True
+
+    def end_step(self, skipped: bool, step: int) -> None:
+        """Count a step skipped for non-finite values; too many in a row raise :class:`NonFiniteError`."""
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        if self.skipped_in_a_row > self.config.max_consecutive_skipped_steps:
+            raise NonFiniteError(
+                f"step {step}: {self.skipped_in_a_row} steps in a row skipped their update for non-finite "
+                f"rewards, advantages or losses (algorithm.non_finite.max_consecutive_skipped_steps="
+                f"{self.config.max_consecutive_skipped_steps}); the run is not training; {_fix(self.config)}"
+            )
