@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from verl_trainer.configs.verl_keys import translate_overrides
+
 __all__ = ["config_to_yaml", "load_config", "parse_recipe_args"]
 
 T = TypeVar("T")
@@ -114,6 +116,9 @@ def parse_recipe_args(schema: type[T], default_config: str | os.PathLike | None,
                       argv: Sequence[str] | None = None, description: str = "") -> T:
     """Parse a recipe's command line: ``[--config PATH] [--print-config] key=value ...``.
 
+    verl's override keys are accepted as aliases of ours (:mod:`verl_trainer.configs.verl_keys`); each
+    translation is printed once.
+
     Args:
         schema: The recipe's config dataclass.
         default_config: The YAML used when ``--config`` is not given.
@@ -133,10 +138,13 @@ def parse_recipe_args(schema: type[T], default_config: str | os.PathLike | None,
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        config = load_config(schema, args.config, args.overrides)
+        overrides, notes = translate_overrides(schema, args.overrides)
+        config = load_config(schema, args.config, overrides)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     if args.print_config:
-        print(config_to_yaml(config))
+        print("".join(f"# verl key: {note}\n" for note in notes) + config_to_yaml(config))
         raise SystemExit(0)
+    if notes and int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0:  # once, not per rank
+        print("\n".join(f"verl key: {note}" for note in notes), flush=True)
     return config

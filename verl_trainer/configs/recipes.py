@@ -84,6 +84,8 @@ class TrainerConfig(TrainerArgs):
         checkpoint: Periodic checkpoints (with ``enable_checkpointing``).
         ckpt_path: Resume: ``last`` (the newest checkpoint in the checkpoint directory; a fresh start with a
             warning when there is none) or a ``step_*`` checkpoint directory; ``null``: a fresh run.
+        project_name: The wandb project (verl's ``trainer.project_name``; default ``verl-trainer``).
+        experiment_name: The wandb run name (verl's ``trainer.experiment_name``).
     """
 
     sequence_balancing: bool = False
@@ -91,6 +93,8 @@ class TrainerConfig(TrainerArgs):
     export_hf: bool = True
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ckpt_path: str | None = None
+    project_name: str | None = None
+    experiment_name: str | None = None
 
     def build(self, callbacks: Sequence[Any] = (), **overrides: Any) -> Any:
         """The :class:`~verl_trainer.Trainer` these settings describe (``overrides`` win).
@@ -107,6 +111,7 @@ class TrainerConfig(TrainerArgs):
         if self.sequence_balancing:
             callbacks.append(SequenceBalancing())
         kwargs: dict[str, Any] = {**self.trainer_kwargs(), "callbacks": callbacks, **overrides}
+        kwargs["logger"] = self._named_wandb(kwargs["logger"])
         if kwargs["enable_checkpointing"] and not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
             ck = self.checkpoint
             callbacks.append(ModelCheckpoint(
@@ -114,6 +119,20 @@ class TrainerConfig(TrainerArgs):
                 save_on_train_end=ck.save_on_train_end,
             ))
         return Trainer(**kwargs)
+
+    def _named_wandb(self, logger: Any) -> Any:
+        """``"wandb"`` in ``logger`` as a WandbLogger with ``project_name`` / ``experiment_name``."""
+        if self.project_name is None and self.experiment_name is None:
+            return logger
+        from verl_trainer.loggers import WANDB_PROJECT, make_wandb_logger
+
+        items = logger if isinstance(logger, (list, tuple)) else [logger]
+        if "wandb" not in items:
+            raise ValueError("trainer.project_name / experiment_name name the wandb run, but trainer.logger "
+                             f"has no wandb ({logger!r}); add wandb to trainer.logger")
+        run = make_wandb_logger(str(self.default_root_dir or "."), project=self.project_name or WANDB_PROJECT,
+                                name=self.experiment_name)
+        return [run if item == "wandb" else item for item in items]
 
     def __post_init__(self) -> None:
         from verl_trainer.training.checkpoint import STATE_FILE
