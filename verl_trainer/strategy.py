@@ -34,7 +34,7 @@ import torch
 from verl_trainer.engine.base import BaseEngine
 from verl_trainer.engine.config import EngineConfig, EngineSpec, to_dtype
 from verl_trainer.engine.registry import BACKEND_PACKAGES, EngineRegistry
-from verl_trainer.engine.topology import Topology, build_topology
+from verl_trainer.engine.topology import Topology, build_topology, check_same_sizes
 from verl_trainer.utils.distributed import is_initialized
 
 __all__ = ["PRECISIONS", "Strategy", "available_strategies", "normalize_precision", "resolve_strategy"]
@@ -172,20 +172,17 @@ class Strategy:
         return EngineRegistry.new(spec.model_type, self.backend, config, spec.optim, topology=self.topology,
                                   model_factory=spec.model)
 
-    def setup_topology(self, sp_size: int, device_type: str) -> Topology:
-        """The run's ``(dp, sp)`` meshes, built once per process group (a collective the first time).
+    def setup_topology(self, sp_size: int, device_type: str, tp_size: int = 1) -> Topology:
+        """The run's ``(dp, sp)`` / ``(dp, tp)`` meshes, built once per process group (collective).
 
         Raises:
-            ValueError: ``sp_size`` differs from the topology already built, or does not divide the world.
+            ValueError: ``sp_size`` / ``tp_size`` differs from the topology already built, or does not
+                divide the world.
         """
         topo = self.topology
         if topo is None or (topo.mesh is not None) != is_initialized():  # none yet, or another group state
-            topo = self.topology = build_topology(sp_size, device_type)
-        if topo.sp_size != sp_size:
-            raise ValueError(
-                f"the run's topology has sp={topo.sp_size} but an engine asks for "
-                f"ulysses_sequence_parallel_size={sp_size}; every engine of a run shares one (dp, sp) mesh"
-            )
+            topo = self.topology = build_topology(sp_size, device_type, tp_size)
+        check_same_sizes(topo, sp_size, tp_size)
         return topo
 
     def build_engines(
@@ -193,7 +190,7 @@ class Strategy:
     ) -> dict[str, BaseEngine]:
         """Build and initialise a module's engines, in order, on one topology (collective).
 
-        The first spec's SP size fixes the topology (the actor's); an engine the module built itself is
+        The first spec's SP / TP sizes fix the topology (the actor's); an engine the module built itself is
         initialised as it is.
 
         Raises:
@@ -205,7 +202,8 @@ class Strategy:
         for name, spec in specs.items():
             if isinstance(spec, EngineSpec):
                 config = self.engine_config(spec.config, precision, seed)
-                self.setup_topology(config.ulysses_sequence_parallel_size, device_type)
+                self.setup_topology(config.ulysses_sequence_parallel_size, device_type,
+                                    config.tensor_model_parallel_size)
                 engine = self._new_engine(spec, config)
             else:
                 engine = spec
