@@ -185,6 +185,20 @@ class Strategy:
         check_same_sizes(topo, sp_size, tp_size)
         return topo
 
+    def _check_mesh_sizes(self, specs: Mapping[str, EngineSpec | BaseEngine], precision: str,
+                          seed: int | None) -> None:
+        """Before any model loads: every engine spec asks for the same SP and TP sizes (one mesh)."""
+        sizes = {name: (c.ulysses_sequence_parallel_size, c.tensor_model_parallel_size)
+                 for name, spec in specs.items() if isinstance(spec, EngineSpec)
+                 for c in [self.engine_config(spec.config, precision, seed)]}
+        if len(set(sizes.values())) > 1:
+            listed = ", ".join(f"{name}: sp={sp} tp={tp}" for name, (sp, tp) in sizes.items())
+            raise ValueError(
+                f"the engines of a run share one mesh but ask for different sizes ({listed}); set the same "
+                f"ulysses_sequence_parallel_size and tensor_model_parallel_size on every engine (e.g. "
+                f"algorithm.ref.engine.tensor_model_parallel_size as algorithm.actor.engine's)"
+            )
+
     def build_engines(
         self, specs: Mapping[str, EngineSpec | BaseEngine], precision: str, seed: int | None, device_type: str
     ) -> dict[str, BaseEngine]:
@@ -198,6 +212,7 @@ class Strategy:
         """
         if not specs:
             raise ValueError("configure_engines() returned no engines; return at least the actor")
+        self._check_mesh_sizes(specs, precision, seed)
         engines: dict[str, BaseEngine] = {}
         for name, spec in specs.items():
             if isinstance(spec, EngineSpec):
