@@ -35,7 +35,7 @@ from tests.invariance.plain import plain_step  # noqa: E402
 from tests.invariance.results import MatrixResults  # noqa: E402
 
 Row = tuple[str, Case, dict[str, Any]]
-AXES = (("loss", "loss"), ("agg", "loss_agg_mode"), ("dp", "dp"), ("sp", "sp (Ulysses)"),
+AXES = (("loss", "loss"), ("agg", "loss_agg_mode"), ("dp", "dp"), ("sp", "sp (Ulysses)"), ("tp", "tp"),
         ("micro", "micro-batching"), ("balance", "SequenceBalancing"), ("strategy", "strategy"))
 MICRO_NAMES = {"one": "one micro-batch", "fixed1": "fixed, 1 per micro-batch",
                "fixed2": "fixed, 2 per micro-batch", "dynamic": "dynamic, 64-token micro-batches"}

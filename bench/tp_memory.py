@@ -12,7 +12,8 @@ per micro-batch):
 
 * tp=1: every rank runs the whole model alone (the baseline, measured in the same run);
 * tp=2: the model split with :func:`verl_trainer.engine.tensor_parallel.apply_tensor_parallel` over both
-  ranks (q/k/v, gate/up column-wise; o/down row-wise; embeddings, norms and the LM head replicated).
+  ranks (q/k/v, gate/up column-wise; o/down row-wise; the embedding and the LM head over the vocabulary,
+  log-probs from the vocabulary slices; norms replicated).
 
 Parameter memory per rank: the bytes of the parameters this rank stores (a DTensor's local shard).
 Activation memory: ``torch.distributed._tools.mem_tracker.MemTracker``'s peak of the step minus
@@ -43,7 +44,8 @@ from verl_trainer.data.packing import (  # noqa: E402
     pack_batch,
     token_log_probs_and_entropy,
 )
-from verl_trainer.engine.tensor_parallel import apply_tensor_parallel  # noqa: E402
+from verl_trainer.engine.tensor_parallel import apply_tensor_parallel, vocab_slice_start  # noqa: E402
+from verl_trainer.engine.vocab_parallel import vocab_parallel_log_probs_and_entropy  # noqa: E402
 from verl_trainer.models import load_causal_lm  # noqa: E402
 from verl_trainer.models.attention import VARLEN_ATTENTION, packed_forward  # noqa: E402
 from verl_trainer.testing import run_distributed  # noqa: E402
@@ -60,11 +62,15 @@ def _packed_row(tokens: int, samples: int, vocab: int) -> Any:
     return pack_batch(make_batch(prompts, responses))
 
 
-def _step(model: torch.nn.Module, packed: Any) -> None:
+def _step(model: torch.nn.Module, packed: Any, vocab_parallel: bool = False) -> None:
     positions = head_positions(packed)
     logits = packed_forward(model, packed, logits_to_keep=positions).logits
     targets = packed.input_ids.reshape(-1)[positions + 1]
-    log_probs, _ = token_log_probs_and_entropy(logits, targets)
+    if vocab_parallel:  # this rank's [K, V / tp] slice
+        start = vocab_slice_start(model.config.vocab_size, dist.get_world_size(), dist.get_rank())
+        log_probs, _ = vocab_parallel_log_probs_and_entropy(logits, targets, start, dist.group.WORLD)
+    else:
+        log_probs, _ = token_log_probs_and_entropy(logits, targets)
     log_probs.sum().backward()
 
 
@@ -76,14 +82,14 @@ def _param_mib(model: torch.nn.Module) -> float:
     return total / MIB
 
 
-def _activation_peak(model: torch.nn.Module, packed: Any) -> dict[str, float]:
+def _activation_peak(model: torch.nn.Module, packed: Any, vocab_parallel: bool) -> dict[str, float]:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
     tracker.track_external(model)
     start = time.perf_counter()
     with tracker:
-        _step(model, packed)
+        _step(model, packed, vocab_parallel)
     seconds = time.perf_counter() - start
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     by_kind = {str(k).rsplit(".", 1)[-1]: v for k, v in peak.items() if k != "Total"}
@@ -98,15 +104,16 @@ def _measure(path: str, tokens: int, samples: int) -> dict[str, dict[str, float]
     for name in ("tp1", "tp2"):
         torch.manual_seed(0)
         model = load_causal_lm(path, attn_implementation=VARLEN_ATTENTION)
+        vocab = False
         if name == "tp2":
             mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-            apply_tensor_parallel(model, mesh)
+            vocab = apply_tensor_parallel(model, mesh)
         model.train()
         packed = _packed_row(tokens, samples, model.config.vocab_size)
-        _step(model, _packed_row(64, 1, model.config.vocab_size))  # warm-up: allocates every .grad
+        _step(model, _packed_row(64, 1, model.config.vocab_size), vocab)  # warm-up: allocates every .grad
         model.zero_grad(set_to_none=False)
         dist.barrier()
-        results[name] = {"param_mib": _param_mib(model), **_activation_peak(model, packed)}
+        results[name] = {"param_mib": _param_mib(model), **_activation_peak(model, packed, vocab)}
         del model
     return results
 

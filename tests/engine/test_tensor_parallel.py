@@ -10,7 +10,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
-from verl_trainer.engine.tensor_parallel import DEFAULT_TP_PLAN, check_tp_compatible, tp_plan
+from verl_trainer.engine.tensor_parallel import (
+    DEFAULT_TP_PLAN,
+    check_tp_compatible,
+    tp_plan,
+    vocab_slice_start,
+)
 from verl_trainer.models.loading import load_causal_lm
 from verl_trainer.testing.distributed import run_distributed
 
@@ -79,8 +84,9 @@ def _tp_rank(model_path, batch, optim, tp, model_type, micro):
     dp, dp_rank = engine.get_data_parallel_size(), engine.get_data_parallel_rank()
     shard = rank_shard(batch, dp_rank, dp)  # every TP rank of a DP rank holds the same samples
     q = engine.module.model.layers[0].self_attn.q_proj.weight
+    emb = engine.module.get_input_embeddings().weight
     layout = (isinstance(q, DTensor), q.device_mesh.mesh_dim_names, tuple(q.to_local().shape),
-              isinstance(q.placements[-1], Shard))
+              isinstance(q.placements[-1], Shard), emb.placements[-1] == Shard(0), engine.vocab_parallel_head)
     out = {}
     if model_type == "language_model":
         with engine.eval_mode():
@@ -109,7 +115,8 @@ def test_tp2_language_model_matches_plain_pytorch(model_path):
                           {"use_dynamic_bsz": True, "max_token_len_per_gpu": 40})
     assert [o["topo"] for o in out] == [(1, 0, True, 1), (1, 0, False, 1)]  # outputs on tp rank 0 only
     # q_proj (4 heads x 8) is split column-wise: 2 heads per TP rank, FSDP over the size-1 dp dim
-    assert out[0]["layout"] == (True, ("dp", "tp"), (16, 32), True)
+    # and the embedding and LM head over the vocabulary (log-probs from the slices)
+    assert out[0]["layout"] == (True, ("dp", "tp"), (16, 32), True, True, True)
     _check_steps(out, ref)
     assert set(out[0]["params"]) == set(load_causal_lm(model_path).state_dict())
     model = load_causal_lm(model_path, attn_implementation="sdpa")
@@ -131,6 +138,7 @@ def test_tp2_value_model_matches_plain_pytorch(model_path):
     out = run_distributed(_tp_rank, 2, model_path, batch, VALUE_OPTIM, 2, "value_model",
                           {"micro_batch_size_per_gpu": 3})
     _check_steps(out, ref)
+    assert out[0]["layout"][4:] == (True, False)  # embedding over the vocabulary; the score head replicated
 
 
 @pytest.mark.slow
@@ -141,7 +149,7 @@ def test_dp2_tp2_matches_plain_pytorch(model_path):
     out = run_distributed(_tp_rank, 4, model_path, batch, OPTIM, 2, "language_model",
                           {"micro_batch_size_per_gpu": 2})
     assert [o["topo"] for o in out] == [(2, 0, True, 2), (2, 0, False, 2), (2, 1, True, 2), (2, 1, False, 2)]
-    assert out[0]["layout"] == (True, ("dp", "tp"), (8, 32), True)  # 1/2 over tp, then 1/2 over dp
+    assert out[0]["layout"] == (True, ("dp", "tp"), (8, 32), True, True, True)  # 1/2 over tp, 1/2 over dp
     _check_steps(out, ref)
 
 
@@ -178,3 +186,34 @@ def test_tp_checkpoint_reloads_bitwise_and_into_another_layout(model_path, tmp_p
         assert r["same"], "tp=2: save -> load -> step differs from step -> step"
         assert r["reshard"], "tp=2 checkpoint loaded into dp=2 differs from the saved weights"
         assert_close_params(r["after"], r["pa"])
+
+
+# ------------------------------------------------------------------------------ vocab-parallel head
+def _vocab_rank(logits, targets, temperature, weights):
+    from verl_trainer.engine.vocab_parallel import vocab_parallel_log_probs_and_entropy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = logits.chunk(world, -1)[rank].clone().requires_grad_(True)  # DTensor Shard(0)'s split
+    start = vocab_slice_start(logits.shape[-1], world, rank)
+    log_probs, entropy = vocab_parallel_log_probs_and_entropy(mine, targets, start, dist.group.WORLD,
+                                                              temperature, calculate_entropy=True)
+    ((log_probs * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
+    return log_probs.detach(), entropy.detach(), mine.grad
+
+
+def test_vocab_parallel_log_probs_equal_the_full_softmax():
+    """Values and gradients from 2 vocabulary slices equal the full float32 log-softmax (autograd)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 11, generator=g) * 3  # uneven: 6 + 5 ids
+    targets = torch.tensor([0, 5, 6, 10, 2, 7, 5])  # ids on both slices, the edges included
+    weights = torch.randn(2, 7, generator=g)
+    full = logits.clone().requires_grad_(True)
+    log_p = torch.log_softmax(full / 0.7, -1)
+    want_lp = log_p.gather(-1, targets[:, None]).squeeze(-1)
+    want_ent = -(log_p.exp() * log_p).sum(-1)
+    ((want_lp * weights[0]).sum() + (want_ent * weights[1]).sum()).backward()
+    out = run_distributed(_vocab_rank, 2, logits, targets, 0.7, weights)
+    for lp, ent, _ in out:
+        torch.testing.assert_close(lp, want_lp.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ent, want_ent.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.cat([grad for _, _, grad in out], -1), full.grad, rtol=1e-6, atol=1e-6)

@@ -104,7 +104,8 @@ class FSDPEngine(
         if self.config.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.topology.tp_mesh is not None:
-            apply_tensor_parallel(model, self.topology.tp_mesh)  # then FSDP over dp (a 2-D layout)
+            # then FSDP over dp (a 2-D layout); the LM head may now yield this rank's vocabulary slice
+            self.vocab_parallel_head = apply_tensor_parallel(model, self.topology.tp_mesh)
         mesh = self.topology.shard_mesh
         if self.is_fsdp1:
             self.module = apply_fsdp1(model, mesh, self.config, self.device)

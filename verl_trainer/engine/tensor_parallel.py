@@ -6,9 +6,16 @@ the heads / of the intermediate features; its output stays local) and ``o_proj``
 row-parallel (each rank multiplies its slice; the partial outputs are summed with one all-reduce). The
 attention function therefore sees ``num_heads / tp`` query and ``num_kv_heads / tp`` key/value heads on
 each rank — the packed varlen attention needs no change (HF reshapes with ``-1`` heads, and the GQA
-ratio is unchanged). Embeddings, norms and the LM / value head stay replicated over ``tp`` (FSDP still
-shards them over ``dp``); their gradients are equal on every TP rank because DTensor's backward
-all-reduces the gradient of a replicated input.
+ratio is unchanged). Norms and a value head stay replicated over ``tp`` (FSDP still shards them over
+``dp``); their gradients are equal on every TP rank because DTensor's backward all-reduces the gradient
+of a replicated input.
+
+Vocabulary parallelism, when the embeddings are not tied (and every TP rank gets at least one token id;
+the split is ``torch.chunk``'s: ``ceil(V / tp)`` ids per rank, the last rank the rest): the input
+embedding is split row-wise over the vocabulary (each rank looks up its own token ids, one all-reduce of
+``[N, H]``), and a causal LM's ``lm_head`` column-wise, so each rank computes the logits of its
+``V / tp`` tokens only and the log-probs / entropy are reduced from the slices
+(``engine/vocab_parallel.py``) — the full ``[N, V]`` logits never exist on any rank.
 
 The plan is the model's own ``config.base_model_tp_plan`` (transformers ships one for Llama, Qwen2 and
 most decoders) when every style in it is ``"colwise"`` / ``"rowwise"``, else :data:`DEFAULT_TP_PLAN`.
@@ -81,16 +88,35 @@ def _style(name: str) -> Any:
     return ColwiseParallel() if name == "colwise" else RowwiseParallel()
 
 
-def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.Module:
-    """Split ``model``'s decoder projections over ``tp_mesh`` in place (before ``fully_shard``).
+def vocab_slice_start(vocab: int, tp: int, tp_rank: int) -> int:
+    """First token id of TP rank ``tp_rank``'s vocabulary slice (DTensor ``Shard(0)``: torch.chunk)."""
+    return tp_rank * -(-vocab // tp)
+
+
+def vocab_parallel(model: torch.nn.Module, tp: int) -> bool:
+    """Whether the embeddings (and a causal LM's head) are split over the vocabulary at this TP size."""
+    config = model.config
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    embedding = model.get_input_embeddings()
+    every_rank_has_ids = tp > 1 and vocab_slice_start(vocab, tp, tp - 1) < vocab
+    return (every_rank_has_ids and not tied
+            and isinstance(embedding, torch.nn.Embedding) and embedding.num_embeddings == vocab)
+
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> bool:
+    """Split ``model``'s decoder projections (and its vocabulary) over ``tp_mesh`` in place.
+
+    Call it before ``fully_shard``.
 
     Args:
         model: A HF causal LM or token-classification model (its ``base_model`` holds ``layers``).
         tp_mesh: The 1-D ``"tp"`` mesh.
 
     Returns:
-        The same model; the planned ``nn.Linear`` weights (and biases) are now ``DTensor`` shards
-        (``Shard(0)`` column-wise, ``Shard(1)`` row-wise).
+        Whether the LM head is vocabulary-parallel (its logits are this rank's slice of the vocabulary,
+        from :func:`vocab_slice_start`; compute log-probs with ``vocab_parallel_log_probs_and_entropy``). The
+        planned weights are now ``DTensor`` shards (``Shard(0)`` column-wise, ``Shard(1)`` row-wise).
 
     Raises:
         ValueError: If the heads or the MLP width do not divide by the TP size, or the plan matches no
@@ -112,4 +138,15 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.
                 f"own base_model_tp_plan (styles {TP_STYLES}) or tensor_model_parallel_size=1"
             )
     parallelize_module(base, tp_mesh, {pattern: _style(style) for pattern, style in plan.items()})
-    return model
+    if not vocab_parallel(model, tp_mesh.size()):
+        return False
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    parallelize_module(model.get_input_embeddings(), tp_mesh,
+                       RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear) or head.out_features != model.config.vocab_size:
+        return False  # e.g. a value model: its score head stays replicated
+    parallelize_module(head, tp_mesh, ColwiseParallel())
+    return True
