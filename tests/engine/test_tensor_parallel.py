@@ -217,3 +217,14 @@ def test_vocab_parallel_log_probs_equal_the_full_softmax():
         torch.testing.assert_close(lp, want_lp.detach(), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(ent, want_ent.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.cat([grad for _, _, grad in out], -1), full.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_strategy_refuses_engines_with_different_mesh_sizes_before_loading():
+    from verl_trainer.engine.config import EngineSpec
+    from verl_trainer.strategy import resolve_strategy
+
+    specs = {"actor": EngineSpec("language_model", EngineConfig(model_path="/missing",
+                                                                 tensor_model_parallel_size=2)),
+             "ref": EngineSpec("language_model", EngineConfig(model_path="/missing"))}
+    with pytest.raises(ValueError, match=r"\(actor: sp=1 tp=2, ref: sp=1 tp=1\); set the same"):
+        resolve_strategy("fsdp2").build_engines(specs, "32-true", 0, "cpu")

@@ -6,7 +6,8 @@ Layout of a checkpoint directory ``path``::
                                      may use its own sub-directory instead, e.g. DeepSpeed's format)
     path/extra_state_rank{r}.pt      lr scheduler, RNG states, global_step (plain data and tensors;
                                      loadable with torch.load(weights_only=True))
-    path/meta.json                   global_step, world_size, backend, model_type
+    path/meta.json                   global_step, world_size, backend, model_type,
+                                     tensor_model_parallel_size (informative: DCP reshards on load)
     path/huggingface/config.json     the model's HF config
 
     path/manifest.json               every file's size and sha256, verified before anything is loaded
@@ -237,6 +238,7 @@ class DCPCheckpointMixin:
                 "world_size": get_world_size(),
                 "backend": self.backend,
                 "model_type": self.MODEL_TYPE,
+                "tensor_model_parallel_size": getattr(getattr(self, "topology", None), "tp_size", 1),
             }
             write_meta(tmp, meta, getattr(self.module, "config", None))
 
