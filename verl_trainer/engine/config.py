@@ -138,7 +138,8 @@ class EngineConfig(_Validated):
             ``dp = world_size // sp``; DP collectives and denominators use the dp group only.
         tensor_model_parallel_size: TP degree (verl / Megatron's name; fsdp2 only): the mesh is
             ``(dp, tp)`` with ``dp = world_size // tp``; the attention and MLP projections are split
-            column- / row-wise over ``tp`` (``engine/tensor_parallel.py``) and FSDP shards over ``dp``.
+            column- / row-wise over ``tp`` (``engine/tensor_parallel.py``), untied embeddings and the LM
+            head over the vocabulary, and FSDP shards over ``dp``.
             Not combinable with ``ulysses_sequence_parallel_size > 1`` or LoRA yet.
         pipeline_model_parallel_size: PP degree; only ``1`` is supported so far (``> 1`` is refused here).
         param_offload: Keep parameters (and their gradients) on CPU between phases; the mode
