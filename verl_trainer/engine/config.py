@@ -63,6 +63,19 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def check_parallel_sizes(sp: int, tp: int) -> None:
+    """Refuse a combination of model-parallel sizes this project does not build (same on every rank).
+
+    Raises:
+        ValueError: ``tp > 1`` together with ``sp > 1`` (a ``(dp, sp, tp)`` mesh is not supported yet).
+    """
+    _check(
+        tp == 1 or sp == 1,
+        f"tensor_model_parallel_size={tp} with ulysses_sequence_parallel_size={sp} is not supported "
+        f"(a (dp, sp, tp) mesh is not built yet); set one of them to 1",
+    )
+
+
 @dataclass
 class OptimConfig(_Validated):
     """AdamW + learning-rate schedule + gradient clipping.
@@ -241,12 +254,7 @@ class EngineConfig(_Validated):
             f"EngineConfig.pipeline_model_parallel_size={pp} is not supported yet (pipeline parallelism is "
             f"not built); set it to 1 and use tensor_model_parallel_size and/or FSDP for large models",
         )
-        _check(
-            tp == 1 or self.ulysses_sequence_parallel_size == 1,
-            f"tensor_model_parallel_size={tp} with ulysses_sequence_parallel_size="
-            f"{self.ulysses_sequence_parallel_size} is not supported (a (dp, sp, tp) mesh is not built "
-            f"yet); set one of them to 1",
-        )
+        check_parallel_sizes(self.ulysses_sequence_parallel_size, tp)
         _check(
             tp == 1 or not self.lora_enabled,
             f"tensor_model_parallel_size={tp} with LoRA (lora_rank={self.lora_rank}, lora_adapter_path="

@@ -102,12 +102,9 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float | 
     if not params:
         return torch.zeros(())
     clip = float("inf") if max_norm is None else float(max_norm)
-    groups: dict[int, list[torch.Tensor]] = {}
-    meshes: dict[int, object] = {}
+    groups: dict[int, list[torch.Tensor]] = {}  # by the id of the gradients' mesh (None: plain)
     for p in params:
-        mesh = _mesh_of(p.grad)  # type: ignore[arg-type]
-        meshes.setdefault(id(mesh), mesh)
-        groups.setdefault(id(mesh), []).append(p.grad)  # type: ignore[arg-type]
+        groups.setdefault(id(_mesh_of(p.grad)), []).append(p.grad)  # type: ignore[arg-type]
     if len(groups) == 1:
         norm = torch.nn.utils.clip_grad_norm_(params, clip, error_if_nonfinite=False, foreach=True)
         if isinstance(norm, DTensor):

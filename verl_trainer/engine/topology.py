@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from verl_trainer.engine.config import EngineConfig
+from verl_trainer.engine.config import EngineConfig, check_parallel_sizes
 from verl_trainer.utils.distributed import is_initialized
 
 
@@ -73,19 +73,6 @@ class Topology:
     def sp_rank(self) -> int:
         """Coordinate of this rank on the sp dimension (0 under TP)."""
         return 0 if self.mesh is None or self.tp_size > 1 else self.mesh.get_local_rank("sp")
-
-
-def check_parallel_sizes(sp: int, tp: int) -> None:
-    """Refuse a combination of model-parallel sizes this project does not build (same on every rank).
-
-    Raises:
-        ValueError: ``tp > 1`` together with ``sp > 1`` (a ``(dp, sp, tp)`` mesh is not supported yet).
-    """
-    if tp > 1 and sp > 1:
-        raise ValueError(
-            f"tensor_model_parallel_size={tp} with ulysses_sequence_parallel_size={sp} is not supported "
-            f"(a (dp, sp, tp) mesh is not built yet); set one of them to 1"
-        )
 
 
 def _first_parallel(sp: int, tp: int) -> tuple[str, int]:
