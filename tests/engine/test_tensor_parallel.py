@@ -1,4 +1,8 @@
-"""Tensor parallelism (fsdp2 on a (dp, tp) mesh) on real gloo ranks vs. a single-process plain step."""
+"""Tensor parallelism (fsdp2 on a (dp, tp) mesh) on real gloo ranks vs. a single-process plain step.
+
+Default CI: the bad-input checks and the vocabulary-parallel log-probs (one 2-rank spawn); the engine
+steps and checkpoints are ``slow`` (dp=1 x tp=2 steps run by default in the invariance slice).
+"""
 
 from __future__ import annotations
 
@@ -107,6 +111,7 @@ def _check_steps(out, ref):
         assert_close_params(rank_out["params"], ref["params"])  # full tensors under the HF names
 
 
+@pytest.mark.slow  # the default CI runs dp=1 x tp=2 in the invariance slice (tests/invariance/cases.py)
 def test_tp2_language_model_matches_plain_pytorch(model_path):
     """dp=1 x tp=2: loss, grad norm, updated params, log-probs / entropy equal one process."""
     batch = random_batch(8)
