@@ -3,7 +3,8 @@
 ``Trainer(strategy="fsdp2")`` is shorthand for ``Trainer(strategy=Strategy("fsdp2"))``. A strategy name
 is an engine backend registered with :class:`~verl_trainer.engine.EngineRegistry` (``fsdp``, ``fsdp2``,
 ``deepspeed``, ``deepspeed_stage_1/2/3``, and whatever plug-ins register). The strategy owns the run's
-process topology: :meth:`Strategy.build_engines` builds the ``(dp, sp)`` meshes once, after launch, and
+process topology: :meth:`Strategy.build_engines` builds the ``(dp, sp)`` / ``(dp, tp)`` meshes once, after
+launch (every engine spec must ask for the same sp and tp sizes, checked before any model loads), and
 turns a module's :class:`~verl_trainer.engine.config.EngineSpec` values into initialised engines of its
 backend on that topology, with the Trainer's precision and seed applied to each
 :class:`~verl_trainer.engine.EngineConfig`. ``Strategy.topology`` is what the Trainer reports as the

@@ -144,10 +144,16 @@ def test_grpo_recipe_tensor_parallel(assets, tmp_path):
 
 @pytest.mark.slow
 def test_grpo_recipe_tp2_equals_one_process(assets, tmp_path):
-    """tp=2 on 2 ranks is dp=1: the same prompts, samples (seeded by the DP rank) and updates as 1 rank."""
-    tp = run_recipe("grpo", assets, tmp_path / "tp2", *TP_OVERRIDES)
-    one = run_recipe("grpo", assets, tmp_path / "one", *TP_OVERRIDES[:-2], "trainer.devices=1")
+    """tp=2 on 2 ranks is dp=1: the same prompts, samples (seeded by the DP rank) and updates as 1 rank.
+
+    An entropy bonus gives every step a gradient well above round-off (the tiny model's rewards, and so
+    the advantages, are mostly 0, and the KL loss starts at its minimum).
+    """
+    entropy = ("algorithm.actor.calculate_entropy=true", "algorithm.actor.loss.entropy_coeff=0.01")
+    tp = run_recipe("grpo", assets, tmp_path / "tp2", *TP_OVERRIDES, *entropy)
+    one = run_recipe("grpo", assets, tmp_path / "one", *TP_OVERRIDES[:-2], *entropy, "trainer.devices=1")
     for step in (1, 2):
         assert tp[step]["reward/mean"] == one[step]["reward/mean"]  # the rollout got the same weights
-        for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):
+        assert tp[step]["actor/grad_norm"] > 1e-3
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy"):
             assert tp[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-7), key
