@@ -3,7 +3,8 @@
 ``Trainer(strategy="fsdp2")`` is shorthand for ``Trainer(strategy=Strategy("fsdp2"))``. A strategy name
 is an engine backend registered with :class:`~verl_trainer.engine.EngineRegistry` (``fsdp``, ``fsdp2``,
 ``deepspeed``, ``deepspeed_stage_1/2/3``, and whatever plug-ins register). The strategy owns the run's
-process topology: :meth:`Strategy.build_engines` builds the ``(dp, sp)`` meshes once, after launch, and
+process topology: :meth:`Strategy.build_engines` builds the ``(dp, sp)`` / ``(dp, tp)`` meshes once, after
+launch (every engine spec must ask for the same sp and tp sizes, checked before any model loads), and
 turns a module's :class:`~verl_trainer.engine.config.EngineSpec` values into initialised engines of its
 backend on that topology, with the Trainer's precision and seed applied to each
 :class:`~verl_trainer.engine.EngineConfig`. ``Strategy.topology`` is what the Trainer reports as the
@@ -34,7 +35,7 @@ import torch
 from verl_trainer.engine.base import BaseEngine
 from verl_trainer.engine.config import EngineConfig, EngineSpec, to_dtype
 from verl_trainer.engine.registry import BACKEND_PACKAGES, EngineRegistry
-from verl_trainer.engine.topology import Topology, build_topology
+from verl_trainer.engine.topology import Topology, build_topology, check_same_sizes
 from verl_trainer.utils.distributed import is_initialized, set_collective_timeout
 
 __all__ = ["PRECISIONS", "Strategy", "available_strategies", "normalize_precision", "resolve_strategy"]
@@ -177,31 +178,42 @@ class Strategy:
         return EngineRegistry.new(spec.model_type, self.backend, config, spec.optim, topology=self.topology,
                                   model_factory=spec.model)
 
-    def setup_topology(self, sp_size: int, device_type: str) -> Topology:
-        """The run's ``(dp, sp)`` meshes, built once per process group (a collective the first time).
+    def setup_topology(self, sp_size: int, device_type: str, tp_size: int = 1) -> Topology:
+        """The run's ``(dp, sp)`` / ``(dp, tp)`` meshes, built once per process group (collective).
 
         Raises:
-            ValueError: ``sp_size`` differs from the topology already built, or does not divide the world.
+            ValueError: ``sp_size`` / ``tp_size`` differs from the topology already built, or does not
+                divide the world.
         """
         topo = self.topology
         if topo is None or (topo.mesh is not None) != is_initialized():  # none yet, or another group state
-            topo = self.topology = build_topology(sp_size, device_type)
+            topo = self.topology = build_topology(sp_size, device_type, tp_size)
             for mesh in (topo.mesh, topo.shard_mesh):
                 if mesh is not None:
                     set_collective_timeout(self.timeout, mesh.get_all_groups())
-        if topo.sp_size != sp_size:
-            raise ValueError(
-                f"the run's topology has sp={topo.sp_size} but an engine asks for "
-                f"ulysses_sequence_parallel_size={sp_size}; every engine of a run shares one (dp, sp) mesh"
-            )
+        check_same_sizes(topo, sp_size, tp_size)
         return topo
+
+    def check_mesh_sizes(self, specs: Mapping[str, EngineSpec | BaseEngine], precision: str,
+                          seed: int | None) -> None:
+        """Before any model loads: every engine spec asks for the same SP and TP sizes (one mesh)."""
+        sizes = {name: (c.ulysses_sequence_parallel_size, c.tensor_model_parallel_size)
+                 for name, spec in specs.items() if isinstance(spec, EngineSpec)
+                 for c in [self.engine_config(spec.config, precision, seed)]}
+        if len(set(sizes.values())) > 1:
+            listed = ", ".join(f"{name}: sp={sp} tp={tp}" for name, (sp, tp) in sizes.items())
+            raise ValueError(
+                f"the engines of a run share one mesh but ask for different sizes ({listed}); set the same "
+                f"ulysses_sequence_parallel_size and tensor_model_parallel_size on every engine (e.g. "
+                f"algorithm.ref.engine.tensor_model_parallel_size as algorithm.actor.engine's)"
+            )
 
     def build_engines(
         self, specs: Mapping[str, EngineSpec | BaseEngine], precision: str, seed: int | None, device_type: str
     ) -> dict[str, BaseEngine]:
         """Build and initialise a module's engines, in order, on one topology (collective).
 
-        The first spec's SP size fixes the topology (the actor's); an engine the module built itself is
+        The first spec's SP / TP sizes fix the topology (the actor's); an engine the module built itself is
         initialised as it is.
 
         Raises:
@@ -209,11 +221,13 @@ class Strategy:
         """
         if not specs:
             raise ValueError("configure_engines() returned no engines; return at least the actor")
+        self.check_mesh_sizes(specs, precision, seed)
         engines: dict[str, BaseEngine] = {}
         for name, spec in specs.items():
             if isinstance(spec, EngineSpec):
                 config = self.engine_config(spec.config, precision, seed)
-                self.setup_topology(config.ulysses_sequence_parallel_size, device_type)
+                self.setup_topology(config.ulysses_sequence_parallel_size, device_type,
+                                    config.tensor_model_parallel_size)
                 engine = self._new_engine(spec, config)
             else:
                 engine = spec

@@ -407,31 +407,19 @@ class Trainer:
         """Check a run's settings before any process starts or any model loads; returns the DP size.
 
         Every engine spec of ``module.configure_engines()`` is resolved with the strategy and precision
-        (their SP sizes must agree and divide the world size), and a datamodule with a ``check(dp_size)``
-        method reads and checks its data (files, columns, lengths, batch sizes). The recipes call it
-        first, so a bad setting fails in seconds, once, in the launching process.
+        (their SP and TP sizes must agree, and their product divide the world size), and a datamodule with
+        a ``check(dp_size)`` method reads and checks its data (files, columns, lengths, batch sizes). The
+        recipes call it first, so a bad setting fails in seconds, once, in the launching process.
 
         Raises:
             ValueError: The first problem found, naming the setting, its value and the fix.
         """
         self._check_module(module)
-        configs = {
-            name: self.strategy.engine_config(spec.config, self.precision, self.seed)
-            for name, spec in module.configure_engines().items() if isinstance(spec, EngineSpec)
-        }
-        sp_sizes = {name: config.ulysses_sequence_parallel_size for name, config in configs.items()}
-        if len(set(sp_sizes.values())) > 1:
-            raise ValueError(
-                f"the engines ask for different ulysses_sequence_parallel_size values {sp_sizes}; every "
-                "engine of a run shares one (dp, sp) mesh, so give them one value"
-            )
-        sp = next(iter(sp_sizes.values()), 1)
-        if self.world_size % sp:
-            raise ValueError(
-                f"ulysses_sequence_parallel_size={sp} does not divide the world size {self.world_size} "
-                f"(devices={self.devices} x num_nodes={self.num_nodes}); choose a divisor of it"
-            )
-        dp_size = self.world_size // sp
+        specs = module.configure_engines()
+        self.strategy.check_mesh_sizes(specs, self.precision, self.seed)  # one (dp, sp | tp) mesh for all
+        configs = [self.strategy.engine_config(spec.config, self.precision, self.seed)
+                   for spec in specs.values() if isinstance(spec, EngineSpec)]
+        dp_size = configs[0].dp_size(self.world_size) if configs else self.world_size
         if datamodule is not None and callable(getattr(datamodule, "check", None)):
             datamodule.check(dp_size)
         return dp_size

@@ -14,6 +14,8 @@ The matrix is the union of these blocks (a full cross product would be ~1000 eng
 * **Ulysses SP** (sp=2): every loss in token-mean and seq-mean-token-mean on every SP layout — dp in
   {1, 2} (2 and 4 ranks) x micro-batching in {one, fixed 1, dynamic} x balancing off/on — with fsdp2
   and fsdp, and with deepspeed at dp=1 (its dp=2 x sp=2 cases are in :data:`XFAIL` when they fail).
+* **tensor parallelism** (tp=2, fsdp2): every loss in token-mean and seq-mean-token-mean on dp in {1, 2}
+  (2 and 4 ranks) x micro-batching in {one, fixed 1, dynamic} x balancing off/on.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ SP_DP_SIZES = (1, 2)
 SP_MICRO = ("one", "fixed1", "dynamic")
 SP_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 SP_STRATEGIES = ("fsdp2", "fsdp", "deepspeed")
+TP_SIZES = (2,)
+TP_DP_SIZES = (1, 2)
+TP_MICRO = ("one", "fixed1", "dynamic")
+TP_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
 REFERENCE_STRATEGY = "fsdp2"
 
@@ -51,6 +57,8 @@ class Case:
         strategy: Engine backend.
         sp: Ulysses sequence-parallel size; the world is ``dp * sp`` ranks on a ``(dp, sp)`` mesh, and
             every SP rank of a DP group holds that DP rank's samples.
+        tp: Tensor-parallel size (fsdp2; sp must be 1): a ``(dp, tp)`` mesh of ``dp * tp`` ranks, every
+            TP rank of a DP group holding that DP rank's samples.
 
     """
 
@@ -61,18 +69,25 @@ class Case:
     balance: bool
     strategy: str
     sp: int = 1
+    tp: int = 1
 
     @property
     def id(self) -> str:
-        """A readable, unique test id (``/spN`` only when sp > 1)."""
+        """A readable, unique test id (``/spN`` / ``/tpN`` only when > 1)."""
         bal = "bal" if self.balance else "nobal"
         sp = f"/sp{self.sp}" if self.sp > 1 else ""
-        return f"{self.loss}/{self.agg}/dp{self.dp}{sp}/{self.micro}/{bal}/{self.strategy}"
+        tp = f"/tp{self.tp}" if self.tp > 1 else ""
+        return f"{self.loss}/{self.agg}/dp{self.dp}{sp}{tp}/{self.micro}/{bal}/{self.strategy}"
+
+    @property
+    def mp(self) -> int:
+        """Ranks per DP rank (holding the same samples): ``sp * tp``."""
+        return self.sp * self.tp
 
     @property
     def world(self) -> int:
-        """Number of ranks: ``dp * sp``."""
-        return self.dp * self.sp
+        """Number of ranks: ``dp * sp * tp``."""
+        return self.dp * self.mp
 
     @property
     def model_type(self) -> str:
@@ -80,8 +95,8 @@ class Case:
         return "value_model" if self.loss == "value" else "language_model"
 
     def reference(self) -> Case:
-        """The case this one must reproduce: dp=1, sp=1, one micro-batch, no balancing, fsdp2."""
-        return replace(self, dp=1, sp=1, micro="one", balance=False, strategy=REFERENCE_STRATEGY)
+        """The case this one must reproduce: dp=1, sp=1, tp=1, one micro-batch, no balancing, fsdp2."""
+        return replace(self, dp=1, sp=1, tp=1, micro="one", balance=False, strategy=REFERENCE_STRATEGY)
 
     @property
     def is_reference(self) -> bool:
@@ -110,6 +125,13 @@ def sp_cases() -> list[Case]:
             in product(SP_STRATEGIES, LOSSES, SP_AGG_MODES, sp_layouts())]
 
 
+def tp_cases() -> list[Case]:
+    """The tensor-parallel block: every loss in the TP agg modes on every TP layout, fsdp2."""
+    return [Case(loss, agg, dp, micro, bal, "fsdp2", tp=tp)
+            for loss, agg, dp, tp, micro, bal
+            in product(LOSSES, TP_AGG_MODES, TP_DP_SIZES, TP_SIZES, TP_MICRO, (False, True))]
+
+
 def all_cases() -> list[Case]:
     """The whole matrix (references excluded), in a stable order."""
     cases: set[Case] = set()
@@ -120,6 +142,7 @@ def all_cases() -> list[Case]:
     for strategy, loss, agg in product(STRATEGIES[1:], LOSSES, AGG_MODES):
         cases.add(Case(loss, agg, 2, "dynamic", True, strategy))
     cases.update(sp_cases())
+    cases.update(tp_cases())
     return sorted(c for c in cases if not c.is_reference)
 
 
@@ -134,12 +157,14 @@ SLICE: tuple[Case, ...] = (
     Case("ppo", "token-mean", 2, "fixed1", False, "fsdp"),
     Case("ppo", "token-mean", 2, "fixed2", True, "deepspeed"),
     Case("ppo", "token-mean", 2, "dynamic", True, "fsdp2", sp=2),
+    Case("ppo", "token-mean", 1, "dynamic", False, "fsdp2", tp=2),
+    Case("ppo", "seq-mean-token-mean", 1, "fixed1", False, "fsdp2", tp=2),
 )
 """The representative slice that runs in the default CI: the headline configuration (PPO with entropy
 and KL, dp=2, dynamic micro-batching, balancing with padding samples) in two aggregation modes, plus one
-fsdp and one deepspeed case, all on 2 ranks; and the same headline configuration at dp=2 x sp=2 on 4
-ranks. The default run costs three process spawns (the 1-rank references, the 2-rank cases, the 4-rank
-case)."""
+fsdp and one deepspeed case, all on 2 ranks; dp=1 x tp=2 in both modes (2 ranks, the same spawn); and
+the same headline configuration at dp=2 x sp=2 on 4 ranks. The default run costs three process spawns
+(the 1-rank references, the 2-rank cases, the 4-rank case)."""
 
 
 def references(cases: list[Case]) -> list[Case]:

@@ -89,7 +89,7 @@ def compare(result: dict[str, Any], reference: dict[str, Any],
         ``{"outputs", "loss", "grad_norm", "metrics", "params", "update": max rel diff (float),
         "detail": {"outputs": {key: rel}, "metrics": {name: rel}, "params": {name: rel},
         "update": {name: rel}}, "rank_loss_spread": max rel diff between ranks' logged losses,
-        "sp_output_spread": max rel diff between the SP ranks of a DP group for the same sample}``.
+        "sp_output_spread": max rel diff between the SP / TP ranks of a DP group for the same sample}``.
 
     """
     outputs = output_diffs(result["outputs"], reference["outputs"])

@@ -2,11 +2,11 @@
 
 Process spawns are the expensive part here (imports on a loaded 2-core machine), so a spawn loops over
 many cases, building a fresh engine for each from the same model directory. Per case and rank: build the
-engine (its ``(dp, sp)`` mesh), take the starting shard of this rank's **DP** rank (every SP rank of a DP
-group holds the same samples), balance over the engine's DP group when the case balances, run a forward
-(the model outputs of the initial parameters) and one training step. Every rank returns the scalars
-(loss, grad norm, reduced metrics), its mesh coordinates, the uids it trained on and its outputs per
-sample; rank 0 also returns the updated parameters.
+engine (its ``(dp, sp)`` or ``(dp, tp)`` mesh), take the starting shard of this rank's **DP** rank (every
+SP / TP rank of a DP group holds the same samples), balance over the engine's DP group when the case
+balances, run a forward (the model outputs of the initial parameters) and one training step. Every rank
+returns the scalars (loss, grad norm, reduced metrics), its mesh coordinates, the uids it trained on and
+its outputs per sample; rank 0 also returns the updated parameters.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def engine_config(case: Case, model_path: str) -> EngineConfig:
         "fixed2": {"micro_batch_size_per_gpu": 2},
         "dynamic": {"use_dynamic_bsz": True, "max_token_len_per_gpu": DYNAMIC_BUDGET // case.sp},
     }[case.micro]
-    return EngineConfig(model_path=model_path, ulysses_sequence_parallel_size=case.sp, **micro)
+    return EngineConfig(model_path=model_path, ulysses_sequence_parallel_size=case.sp,
+                        tensor_model_parallel_size=case.tp, **micro)
 
 
 def outputs_by_uid(output: dict[str, torch.Tensor], batch: TensorDict) -> dict[int, dict[str, torch.Tensor]]:
@@ -129,9 +130,10 @@ def run_case_on_rank(case: Case, model_path: str, batch: TensorDict) -> dict[str
     engine = EngineRegistry.new(case.model_type, case.strategy, engine_config(case, model_path), OPTIM)
     engine.initialize()
     topo = engine.topology
-    if (topo.dp_size, topo.sp_size) != (case.dp, case.sp):
-        raise ValueError(f"case {case.id}: the engine's mesh is dp={topo.dp_size} x sp={topo.sp_size}")
-    # every SP rank of a DP group starts from (and, balanced, ends with) that DP rank's samples: the
+    if (topo.dp_size, topo.sp_size, topo.tp_size) != (case.dp, case.sp, case.tp):
+        raise ValueError(f"case {case.id}: the engine's mesh is dp={topo.dp_size} x sp={topo.sp_size} x "
+                         f"tp={topo.tp_size}")
+    # every SP / TP rank of a DP group starts from (and, balanced, ends with) that DP rank's samples: the
     # starting shard is chosen by dp_rank and the exchange runs within the DP group
     shard = shard_for(batch, topo.dp_rank, case.dp, case.balance)
     balance_metrics: dict[str, float] = {}
@@ -146,6 +148,7 @@ def run_case_on_rank(case: Case, model_path: str, batch: TensorDict) -> dict[str
         out = engine.train_batch(shard, make_loss_fn(case), **kwargs)
     metrics = reduce_metrics(out["metrics"])
     params = {name: t.detach().cpu().clone() for name, t in engine.get_per_tensor_param()}
+    engine_src = engine.is_mp_src_rank_with_outputs()
     del engine
     return {
         "loss": out["loss"],
@@ -153,7 +156,8 @@ def run_case_on_rank(case: Case, model_path: str, batch: TensorDict) -> dict[str
         "step_skipped": out["step_skipped"],
         "num_micro_batches": out["num_micro_batches"],
         "infer_micro_batches": infer["num_micro_batches"],
-        "mesh": (topo.dp_rank, topo.sp_rank),
+        "mesh": (topo.dp_rank, topo.sp_rank * topo.tp_size + topo.tp_rank),  # (dp rank, rank within it)
+        "mp_src": engine_src,
         "uids": shard["uid"].tolist(),
         "digest": digest(shard),
         "balance_metrics": balance_metrics,
@@ -172,11 +176,11 @@ def run_cases_on_rank(cases: list[Case], model_path: str, batch: TensorDict) -> 
 
 
 def merge_outputs(per_rank: list[dict[str, Any]]) -> tuple[dict[int, dict[str, torch.Tensor]], float]:
-    """Every real sample's outputs (from the rank with sp_rank 0 of the DP rank holding it), and the max
-    relative difference between SP ranks of one DP group for the same sample (they must agree)."""
+    """Every real sample's outputs (from the SP / TP rank 0 of the DP rank holding it), and the max
+    relative difference between the SP / TP ranks of one DP group for the same sample (they must agree)."""
     merged: dict[int, dict[str, torch.Tensor]] = {}
     spread = 0.0
-    for r in sorted(per_rank, key=lambda r: r["mesh"][1]):  # sp_rank 0 first
+    for r in sorted(per_rank, key=lambda r: r["mesh"][1]):  # SP / TP rank 0 first
         for uid, outs in r["outputs"].items():
             if uid not in merged:
                 merged[uid] = outs
@@ -197,7 +201,7 @@ def merge_ranks(per_rank: list[dict[Case, Any]]) -> dict[Case, dict[str, Any]]:
         result = dict(result)
         ranks = [r[case] for r in per_rank]
         for key in ("loss", "grad_norm", "num_micro_batches", "infer_micro_batches", "metrics", "samples",
-                    "padding", "mesh", "uids", "digest", "balance_metrics"):
+                    "padding", "mesh", "mp_src", "uids", "digest", "balance_metrics"):
             result[f"rank_{key}"] = [r[key] for r in ranks]
         result["rank_losses"] = result.pop("rank_loss")  # the name compare.py reads
         result["outputs"], result["sp_output_spread"] = merge_outputs(ranks)

@@ -141,3 +141,33 @@ def test_grpo_lora_reference_in_the_actor_equals_a_separate_reference(assets, tm
             assert in_actor[key] == pytest.approx(separate[key], rel=1e-5, abs=1e-8), key
     assert all(runs[True][step]["actor/kl_loss"] > 1e-4 for step in (1, 2))  # the adapters are in use
     assert (tmp_path / "True" / "adapter" / "adapter_config.json").is_file()
+
+
+TP_OVERRIDES = (*RL_OVERRIDES, "algorithm.rollout.n=2", "algorithm.actor.loss.use_kl_loss=true",
+                "algorithm.actor.engine.tensor_model_parallel_size=2",
+                "algorithm.ref.engine.tensor_model_parallel_size=2")
+
+
+def test_grpo_recipe_tensor_parallel(assets, tmp_path):
+    """devices=2 with tp=2 (dp=1): actor and reference split over 2 ranks; the rollout gets full weights."""
+    metrics = run_recipe("grpo", assets, tmp_path, *TP_OVERRIDES)
+    for step in (1, 2):
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "reward/mean"):
+            assert key in metrics[step], sorted(metrics[step])
+
+
+@pytest.mark.slow
+def test_grpo_recipe_tp2_equals_one_process(assets, tmp_path):
+    """tp=2 on 2 ranks is dp=1: the same prompts, samples (seeded by the DP rank) and updates as 1 rank.
+
+    An entropy bonus gives every step a gradient well above round-off (the tiny model's rewards, and so
+    the advantages, are mostly 0, and the KL loss starts at its minimum).
+    """
+    entropy = ("algorithm.actor.calculate_entropy=true", "algorithm.actor.loss.entropy_coeff=0.01")
+    tp = run_recipe("grpo", assets, tmp_path / "tp2", *TP_OVERRIDES, *entropy)
+    one = run_recipe("grpo", assets, tmp_path / "one", *TP_OVERRIDES[:-2], *entropy, "trainer.devices=1")
+    for step in (1, 2):
+        assert tp[step]["reward/mean"] == one[step]["reward/mean"]  # the rollout got the same weights
+        assert tp[step]["actor/grad_norm"] > 1e-5  # measured 3.7e-4 at step 1
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy"):
+            assert tp[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-7), key

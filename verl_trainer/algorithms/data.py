@@ -3,7 +3,9 @@
 Batch sizes in :class:`DataConfig` are **global** (verl's ``data.train_batch_size``: prompts per step over
 all data-parallel ranks); the DataLoader each rank gets holds ``train_batch_size / dp_size`` of them
 (the Trainer shards the dataset by DP rank). The DP size is read when ``train_dataloader()`` is called —
-inside ``fit``, once the process group exists — as ``world_size // sp_size``.
+inside ``fit``, once the process group and the engines exist — as the Trainer's DP size (``trainer.dp_size``,
+which counts the ranks of one SP / TP group once) when the Trainer has attached itself
+(``datamodule.trainer``, Lightning's attribute), else as ``world_size // sp_size``.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class _DataModule:
         self.config = config
         self.tokenizer = tokenizer
         self.sp_size = sp_size
+        self.trainer: Any = None  # set by Trainer.fit / validate (Lightning's attribute)
         self._train: Any = None
         self._val: Any = None
 
@@ -124,6 +127,11 @@ class _DataModule:
             if self.config.val_batch_size is not None:
                 per_rank(self.config.val_batch_size, dp_size, "data.val_batch_size")
 
+    def _dp_size(self) -> int:
+        if self.trainer is not None:
+            return int(self.trainer.dp_size)
+        return dp_size_now(self.sp_size)
+
     def _loader(self, dataset: Any, batch_size: int, shuffle: bool, drop_last: bool) -> DataLoader:
         return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
                           collate_fn=dataset.collate)
@@ -132,7 +140,7 @@ class _DataModule:
         """This rank's share of each step: ``train_batch_size / dp`` items per batch."""
         if self._train is None:
             self._train = self._load(self.config.train_files, "data.train_files")
-        size = per_rank(self.config.train_batch_size, dp_size_now(self.sp_size), "data.train_batch_size")
+        size = per_rank(self.config.train_batch_size, self._dp_size(), "data.train_batch_size")
         if len(self._train) < size:
             raise ValueError(f"{self.config.train_files} has {len(self._train)} rows, fewer than one batch")
         return self._loader(self._train, size, self.config.shuffle, drop_last=True)
@@ -143,7 +151,7 @@ class _DataModule:
             return None
         if self._val is None:
             self._val = self._load(self.config.val_files, "data.val_files")
-        dp = dp_size_now(self.sp_size)
+        dp = self._dp_size()
         if self.config.val_batch_size is None:
             size = max(1, math.ceil(len(self._val) / dp))
         else:

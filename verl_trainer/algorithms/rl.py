@@ -318,6 +318,8 @@ class RLModule(TrainingModule):
         actor = self.engines["actor"]
         with actor.eval_mode():
             self.rollout.update_weights(actor.get_per_tensor_param())
+        if self.trainer is not None:  # SP / TP ranks of one DP rank sample the same responses
+            self.rollout.data_rank = self.trainer.dp_rank
         self._rollout_stale = False
 
     def training_step(self, batch: TensorDict, batch_idx: int) -> StepOutput:

@@ -133,6 +133,8 @@ class BaseEngine(ABC):
     """
 
     MODEL_TYPE: ClassVar[str] = ""
+    SUPPORTS_TENSOR_PARALLEL: ClassVar[bool] = False
+    """Whether the backend applies ``tensor_model_parallel_size > 1`` (else refused at construction)."""
 
     def __init__(
         self,
@@ -152,6 +154,12 @@ class BaseEngine(ABC):
         self.topology: Topology | None = topology  # None: ``initialize`` builds one of its own
         self.model_factory = model_factory
         self.model_config: Any = None  # the HF config of the loaded model (set by ``load_hf_model``)
+        tp = self.config.tensor_model_parallel_size
+        if tp > 1 and not self.SUPPORTS_TENSOR_PARALLEL:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp} is not supported by the {backend or type(self).__name__!r} "
+                f"backend; use strategy='fsdp2' or set tensor_model_parallel_size=1"
+            )
         self.device: torch.device = get_torch_device()
         self.module: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -294,7 +302,7 @@ class BaseEngine(ABC):
         """Return the DP process group (``None`` when not distributed)."""
 
     def is_mp_src_rank_with_outputs(self) -> bool:
-        """Tell whether the caller should collect this rank's outputs (every rank without TP/PP)."""
+        """Tell whether the caller should collect this rank's outputs (every rank without SP/TP/PP)."""
         return True
 
     # ------------------------------------------------------------------------------- weight export

@@ -6,7 +6,8 @@ Layout of a checkpoint directory ``path``::
                                      may use its own sub-directory instead, e.g. DeepSpeed's format)
     path/extra_state_rank{r}.pt      lr scheduler, RNG states, global_step (plain data and tensors;
                                      loadable with torch.load(weights_only=True))
-    path/meta.json                   global_step, world_size, backend, model_type
+    path/meta.json                   global_step, world_size, backend, model_type,
+                                     tensor_model_parallel_size (informative: DCP reshards on load)
     path/huggingface/                the model's HF config, tokenizer and generation config (for export)
 
     path/manifest.json               every file's size and sha256, verified before anything is loaded
@@ -247,6 +248,7 @@ class DCPCheckpointMixin:
                 "backend": self.backend,
                 "model_type": self.MODEL_TYPE,
                 "model_path": self.config.model_path,
+                "tensor_model_parallel_size": getattr(getattr(self, "topology", None), "tp_size", 1),
             }
             write_meta(tmp, meta, getattr(self.module, "config", None), self.config.model_path)
 

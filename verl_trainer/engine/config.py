@@ -63,6 +63,19 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def check_parallel_sizes(sp: int, tp: int) -> None:
+    """Refuse a combination of model-parallel sizes this project does not build (same on every rank).
+
+    Raises:
+        ValueError: ``tp > 1`` together with ``sp > 1`` (a ``(dp, sp, tp)`` mesh is not supported yet).
+    """
+    _check(
+        tp == 1 or sp == 1,
+        f"tensor_model_parallel_size={tp} with ulysses_sequence_parallel_size={sp} is not supported "
+        f"(a (dp, sp, tp) mesh is not built yet); set one of them to 1",
+    )
+
+
 @dataclass
 class OptimConfig(_Validated):
     """AdamW + learning-rate schedule + gradient clipping.
@@ -136,6 +149,12 @@ class EngineConfig(_Validated):
         max_token_len_per_gpu: Token budget per micro-batch in dynamic mode (× sp size).
         ulysses_sequence_parallel_size: SP degree; the device mesh is ``(dp, sp)`` with
             ``dp = world_size // sp``; DP collectives and denominators use the dp group only.
+        tensor_model_parallel_size: TP degree (verl / Megatron's name; fsdp2 only): the mesh is
+            ``(dp, tp)`` with ``dp = world_size // tp``; the attention and MLP projections are split
+            column- / row-wise over ``tp`` (``engine/tensor_parallel.py``), untied embeddings and the LM
+            head over the vocabulary, and FSDP shards over ``dp``.
+            Not combinable with ``ulysses_sequence_parallel_size > 1`` or LoRA yet.
+        pipeline_model_parallel_size: PP degree; only ``1`` is supported so far (``> 1`` is refused here).
         param_offload: Keep parameters (and their gradients) on CPU between phases; the mode
             contexts load them onto the device on enter and offload them again on exit.
         optimizer_offload: Keep optimizer state on CPU between train phases.
@@ -169,6 +188,8 @@ class EngineConfig(_Validated):
     use_dynamic_bsz: bool = False
     max_token_len_per_gpu: int | None = None
     ulysses_sequence_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
     param_offload: bool = False
     optimizer_offload: bool = False
     param_dtype: str = "float32"
@@ -206,6 +227,7 @@ class EngineConfig(_Validated):
             f"EngineConfig.ulysses_sequence_parallel_size must be >= 1, got "
             f"{self.ulysses_sequence_parallel_size}",
         )
+        self._check_model_parallel()
         for name in ("param_dtype", "reduce_dtype", "model_dtype"):
             try:
                 to_dtype(getattr(self, name))
@@ -216,6 +238,29 @@ class EngineConfig(_Validated):
             f"EngineConfig.zero_stage must be 1, 2 or 3, got {self.zero_stage}",
         )
         _check(self.temperature > 0, f"EngineConfig.temperature must be > 0, got {self.temperature}")
+
+    def _check_model_parallel(self) -> None:
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        _check(
+            isinstance(tp, int) and tp >= 1,
+            f"EngineConfig.tensor_model_parallel_size must be an int >= 1 (1 = off), got {tp!r}",
+        )
+        _check(
+            isinstance(pp, int) and pp >= 1,
+            f"EngineConfig.pipeline_model_parallel_size must be an int >= 1 (1 = off), got {pp!r}",
+        )
+        _check(
+            pp == 1,
+            f"EngineConfig.pipeline_model_parallel_size={pp} is not supported yet (pipeline parallelism is "
+            f"not built); set it to 1 and use tensor_model_parallel_size and/or FSDP for large models",
+        )
+        check_parallel_sizes(self.ulysses_sequence_parallel_size, tp)
+        _check(
+            tp == 1 or not self.lora_enabled,
+            f"tensor_model_parallel_size={tp} with LoRA (lora_rank={self.lora_rank}, lora_adapter_path="
+            f"{self.lora_adapter_path!r}) is not supported yet; set tensor_model_parallel_size=1 or "
+            f"lora_rank=0",
+        )
 
     def _check_lora(self) -> None:
         _check(
@@ -250,20 +295,25 @@ class EngineConfig(_Validated):
         """True when the engine trains LoRA adapters (``lora_rank > 0`` or a saved adapter to load)."""
         return self.lora_rank > 0 or self.lora_adapter_path is not None
 
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold the same samples: the SP size times the TP size."""
+        return self.ulysses_sequence_parallel_size * self.tensor_model_parallel_size
+
     def dp_size(self, world_size: int) -> int:
         """Data-parallel size for ``world_size`` ranks.
 
         Raises:
-            ValueError: If ``world_size`` is not a multiple of the SP size.
+            ValueError: If ``world_size`` is not a multiple of the SP x TP size.
 
         """
-        sp = self.ulysses_sequence_parallel_size
-        if world_size % sp:
+        mp = self.model_parallel_size
+        if world_size % mp:
             raise ValueError(
-                f"world_size={world_size} is not divisible by ulysses_sequence_parallel_size={sp}; "
-                f"choose an SP size that divides the number of ranks"
+                f"world_size={world_size} is not divisible by ulysses_sequence_parallel_size x "
+                f"tensor_model_parallel_size={mp}; choose sizes whose product divides the number of ranks"
             )
-        return world_size // sp
+        return world_size // mp
 
 
 MODEL_TYPES = ("language_model", "value_model")

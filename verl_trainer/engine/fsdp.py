@@ -2,9 +2,10 @@
 
 :class:`FSDPEngine` composes the shared parts (topology, micro-batch loop, optimizer, DCP checkpoints)
 and adds only what is FSDP-specific: wrapping, gradient-sync control (FSDP2
-``set_requires_gradient_sync``, FSDP1 ``no_sync``), FSDP1's grad clipping, parameter offload, and the
-export of full tensors. :class:`FSDPLanguageModelEngine` and :class:`FSDPValueModelEngine` add the model
-type and are registered for cpu, cuda and npu.
+``set_requires_gradient_sync``, FSDP1 ``no_sync``), FSDP1's grad clipping, parameter offload, the
+export of full tensors, and (fsdp2) tensor parallelism under FSDP on a ``(dp, tp)`` mesh.
+:class:`FSDPLanguageModelEngine` and :class:`FSDPValueModelEngine` add the model type and are registered
+for cpu, cuda and npu.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from verl_trainer.engine.offload import move_grads, move_module, move_optimizer_
 from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler, build_optimizer
 from verl_trainer.engine.parallelize import apply_fsdp1, apply_fsdp2
 from verl_trainer.engine.registry import EngineRegistry
+from verl_trainer.engine.tensor_parallel import apply_tensor_parallel
 from verl_trainer.engine.topology import TopologyMixin, engine_topology
 from verl_trainer.utils.distributed import is_initialized
 
@@ -53,6 +55,7 @@ class FSDPEngine(
     """
 
     SUPPORTS_SEQUENCE_PARALLEL = True  # Ulysses: gathered outputs' grads x sp, FSDP averages over dp x sp
+    SUPPORTS_TENSOR_PARALLEL = True  # fsdp2 only (checked below): DTensor TP, then fully_shard over dp
 
     def __init__(
         self,
@@ -65,6 +68,12 @@ class FSDPEngine(
         super().__init__(config, optim_config, backend=backend, **config_overrides)
         if backend not in FSDP_BACKENDS:
             raise ValueError(f"FSDPEngine backend must be one of {FSDP_BACKENDS}, got {backend!r}")
+        if self.config.tensor_model_parallel_size > 1 and backend != "fsdp2":
+            raise ValueError(
+                f"tensor_model_parallel_size={self.config.tensor_model_parallel_size} needs the 'fsdp2' "
+                f"backend (FSDP2 composes with DTensor TP on a (dp, tp) mesh), got {backend!r}; use "
+                f"strategy='fsdp2'"
+            )
         if self.config.param_offload and self.config.fsdp_cpu_offload:
             raise ValueError(
                 "param_offload (offload between phases) and fsdp_cpu_offload (FSDP keeps params on "
@@ -94,6 +103,9 @@ class FSDPEngine(
         self.model_config = model.config
         if self.config.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.topology.tp_mesh is not None:
+            # then FSDP over dp (a 2-D layout); the LM head may now yield this rank's vocabulary slice
+            self.vocab_parallel_head = apply_tensor_parallel(model, self.topology.tp_mesh)
         mesh = self.topology.shard_mesh
         if self.is_fsdp1:
             self.module = apply_fsdp1(model, mesh, self.config, self.device)

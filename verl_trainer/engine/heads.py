@@ -13,6 +13,8 @@ reads the model at position ``t - 1`` (``log_probs[:, t] = log p(input_ids[:, t]
 The language model runs its LM head only where an output is used (``PackedBatch.output_mask``: the
 ``loss_mask`` / ``response_mask`` tokens; HF's ``logits_to_keep`` with the positions), and the
 log-softmax in float32 chunks of tokens, so ``[N, V]`` logits never exist; the other positions hold 0.
+Under tensor parallelism with a vocabulary-parallel head each TP rank holds ``[K, V / tp]`` logits and the
+log-probs / entropy are reduced from the slices (``engine/vocab_parallel.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from verl_trainer.data.packing import (
     token_log_probs_and_entropy,
 )
 from verl_trainer.engine.config import EngineConfig, to_dtype
+from verl_trainer.engine.tensor_parallel import vocab_slice_start
+from verl_trainer.engine.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from verl_trainer.models.attention import VARLEN_ATTENTION, packed_forward
 from verl_trainer.models.ulysses_attention import ULYSSES_ATTENTION, check_ulysses_compatible
 from verl_trainer.models.ulysses_forward import ulysses_packed_log_probs, ulysses_packed_values
@@ -65,6 +69,8 @@ class LanguageModelMixin:
     MODEL_TYPE: ClassVar[str] = "language_model"
     config: EngineConfig
     forward_model: Any
+    vocab_parallel_head: bool = False
+    """Set by a TP engine whose LM head yields this TP rank's slice of the vocabulary."""
 
     def load_hf_model(self) -> torch.nn.Module:
         """Load the HF causal LM from ``config.model_path`` with padding-free attention."""
@@ -97,6 +103,9 @@ class LanguageModelMixin:
         ``output_mask``); outputs are 0 at the positions whose output is not used.
         """
         positions = head_positions(packed)
+        if self.vocab_parallel_head:
+            return self._vocab_parallel_outputs(hf_output.logits, packed, positions, calculate_entropy,
+                                                temperature)
         if positions is None:
             log_probs, entropy = next_token_log_probs_and_entropy(
                 hf_output.logits, packed.input_ids, packed.cu_seqlens, temperature, calculate_entropy
@@ -112,6 +121,34 @@ class LanguageModelMixin:
         out = {"log_probs": log_probs}
         if entropy is not None:
             out["entropy"] = entropy
+        return out
+
+    def _vocab_parallel_outputs(
+        self,
+        logits: torch.Tensor,
+        packed: PackedBatch,
+        positions: torch.Tensor | None,
+        calculate_entropy: bool,
+        temperature: float,
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`compute_packed_outputs` from this TP rank's vocabulary slice ``logits [1, K, V / tp]``."""
+        ids = packed.input_ids.reshape(-1)
+        targets = torch.roll(ids, -1) if positions is None else ids[positions + 1]
+        topo = self.topology  # type: ignore[attr-defined]
+        start = vocab_slice_start(self.model_config.vocab_size, topo.tp_size, topo.tp_rank)  # type: ignore[attr-defined]
+        log_probs, entropy = vocab_parallel_log_probs_and_entropy(
+            logits, targets, start, topo.tp_mesh.get_group(), temperature, calculate_entropy
+        )
+        n = packed.num_tokens
+
+        def place(v: torch.Tensor) -> torch.Tensor:  # per head position -> the packed row's convention
+            if positions is None:
+                return shift_to_targets(v, packed.cu_seqlens)
+            return scatter_head_outputs(v, positions, n)
+
+        out = {"log_probs": place(log_probs)}
+        if entropy is not None:
+            out["entropy"] = place(entropy)
         return out
 
     def compute_sp_outputs(

@@ -78,8 +78,17 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig) ->
     return LambdaLR(optimizer, schedule)
 
 
+def _mesh_of(t: torch.Tensor) -> object:
+    return t.device_mesh if isinstance(t, DTensor) else None
+
+
 def total_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """Total L2 norm of the gradients (over all shards for DTensor grads), clipping to ``max_norm``.
+
+    Under TP + FSDP the gradients live on two meshes (the ``(dp, tp)`` mesh of the split projections
+    and the ``dp`` mesh of the replicated rest), which one ``clip_grad_norm_`` cannot stack: the norm
+    of each mesh's group is reduced to a plain number first, then combined, then every gradient is
+    scaled by the same clip coefficient.
 
     Args:
         parameters: Parameters whose ``.grad`` count.
@@ -93,9 +102,23 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float | 
     if not params:
         return torch.zeros(())
     clip = float("inf") if max_norm is None else float(max_norm)
-    norm = torch.nn.utils.clip_grad_norm_(params, clip, error_if_nonfinite=False, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    groups: dict[int, list[torch.Tensor]] = {}  # by the id of the gradients' mesh (None: plain)
+    for p in params:
+        groups.setdefault(id(_mesh_of(p.grad)), []).append(p.grad)  # type: ignore[arg-type]
+    if len(groups) == 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, clip, error_if_nonfinite=False, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return norm
+    norms = []
+    for grads in groups.values():
+        group_norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=True)
+        norms.append(group_norm.full_tensor() if isinstance(group_norm, DTensor) else group_norm)
+    norm = torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms]))
+    if clip != float("inf"):
+        coef = min(1.0, clip / (float(norm) + 1e-6))  # clip_grad_norm_'s coefficient, clamped at 1
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
     return norm
 
 

@@ -84,6 +84,9 @@ class BaseRollout(ABC):
         self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.eos_token_ids = self._eos_ids(tokenizer)
         self._calls = 0
+        self.data_rank: int | None = None
+        """The data-parallel rank that seeds sampling (the ranks of one SP / TP group hold the same
+        prompts and must sample the same responses); ``None``: the global rank."""
 
     @staticmethod
     def _eos_ids(tokenizer: Any, extra: int | Sequence[int] | None = None) -> list[int]:
@@ -141,7 +144,8 @@ class BaseRollout(ABC):
         if not isinstance(prompt_batch, TensorDict):
             prompt_batch = collate_prompts(list(prompt_batch), self.pad_token_id)
         config = dataclasses.replace(self.config, **overrides) if overrides else self.config
-        seed = derive_seed(config.seed, get_rank(), self._calls)
+        rank = get_rank() if self.data_rank is None else self.data_rank
+        seed = derive_seed(config.seed, rank, self._calls)
         self._calls += 1
 
         n = config.n

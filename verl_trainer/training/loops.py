@@ -73,6 +73,8 @@ def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_p
     """Set everything up for ``stage`` (``"fit"`` / ``"validate"``) on this rank and run it."""
     trainer.module, trainer.state, trainer.should_stop = module, stage, False
     module.trainer = trainer
+    if datamodule is not None and hasattr(datamodule, "trainer"):
+        datamodule.trainer = trainer  # Lightning's attribute: the datamodule reads trainer.dp_size
     seed_everything(trainer.seed)
     trainer.logging.setup(trainer.is_global_zero)
     status = "failed"

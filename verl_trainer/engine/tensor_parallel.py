@@ -1,0 +1,152 @@
+"""Tensor parallelism: split a HF decoder's projections over the ``tp`` mesh with DTensor TP.
+
+Megatron's layout, written with ``torch.distributed.tensor.parallel``: in every decoder layer the
+attention ``q/k/v`` and MLP ``gate/up`` projections are column-parallel (each TP rank computes a slice of
+the heads / of the intermediate features; its output stays local) and ``o_proj`` / ``down_proj`` are
+row-parallel (each rank multiplies its slice; the partial outputs are summed with one all-reduce). The
+attention function therefore sees ``num_heads / tp`` query and ``num_kv_heads / tp`` key/value heads on
+each rank — the packed varlen attention needs no change (HF reshapes with ``-1`` heads, and the GQA
+ratio is unchanged). Norms and a value head stay replicated over ``tp`` (FSDP still shards them over
+``dp``); their gradients are equal on every TP rank because DTensor's backward all-reduces the gradient
+of a replicated input.
+
+Vocabulary parallelism, when the embeddings are not tied (and every TP rank gets at least one token id;
+the split is ``torch.chunk``'s: ``ceil(V / tp)`` ids per rank, the last rank the rest): the input
+embedding is split row-wise over the vocabulary (each rank looks up its own token ids, one all-reduce of
+``[N, H]``), and a causal LM's ``lm_head`` column-wise, so each rank computes the logits of its
+``V / tp`` tokens only and the log-probs / entropy are reduced from the slices
+(``engine/vocab_parallel.py``) — the full ``[N, V]`` logits never exist on any rank.
+
+The plan is the model's own ``config.base_model_tp_plan`` (transformers ships one for Llama, Qwen2 and
+most decoders) when every style in it is ``"colwise"`` / ``"rowwise"``, else :data:`DEFAULT_TP_PLAN`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+DEFAULT_TP_PLAN: dict[str, str] = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+"""The Llama / Qwen2-style block plan, relative to the base model (``model.base_model``)."""
+
+TP_STYLES = ("colwise", "rowwise")
+
+
+def tp_plan(model_config: Any) -> dict[str, str]:
+    """The TP plan for a model: its ``base_model_tp_plan`` when usable, else :data:`DEFAULT_TP_PLAN`.
+
+    Args:
+        model_config: The HF ``PretrainedConfig``.
+
+    Returns:
+        ``{module fqn pattern relative to the base model: "colwise" | "rowwise"}``.
+
+    """
+    own = dict(getattr(model_config, "base_model_tp_plan", None) or {})
+    if own and all(style in TP_STYLES for style in own.values()):
+        return own
+    return dict(DEFAULT_TP_PLAN)
+
+
+def check_tp_compatible(model_config: Any, tp: int) -> None:
+    """Refuse a model whose heads or MLP width cannot be split over ``tp`` ranks (before sharding).
+
+    Raises:
+        ValueError: Naming the size that does not divide and the valid TP sizes.
+
+    """
+    if tp == 1:
+        return
+    heads = int(model_config.num_attention_heads)
+    sizes = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(getattr(model_config, "num_key_value_heads", None) or heads),
+        "intermediate_size": int(model_config.intermediate_size),
+    }
+    for name, size in sizes.items():
+        if size % tp:
+            valid = [d for d in range(1, heads + 1) if all(s % d == 0 for s in sizes.values())]
+            raise ValueError(
+                f"{name}={size} of {getattr(model_config, 'model_type', 'the model')} is not divisible by "
+                f"tensor_model_parallel_size={tp}; choose a TP size from {valid}"
+            )
+
+
+def _style(name: str) -> Any:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return ColwiseParallel() if name == "colwise" else RowwiseParallel()
+
+
+def vocab_slice_start(vocab: int, tp: int, tp_rank: int) -> int:
+    """First token id of TP rank ``tp_rank``'s vocabulary slice (DTensor ``Shard(0)``: torch.chunk)."""
+    return tp_rank * -(-vocab // tp)
+
+
+def vocab_parallel(model: torch.nn.Module, tp: int) -> bool:
+    """Whether the embeddings (and a causal LM's head) are split over the vocabulary at this TP size."""
+    config = model.config
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    embedding = model.get_input_embeddings()
+    every_rank_has_ids = tp > 1 and vocab_slice_start(vocab, tp, tp - 1) < vocab
+    return (every_rank_has_ids and not tied
+            and isinstance(embedding, torch.nn.Embedding) and embedding.num_embeddings == vocab)
+
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> bool:
+    """Split ``model``'s decoder projections (and its vocabulary) over ``tp_mesh`` in place.
+
+    Call it before ``fully_shard``.
+
+    Args:
+        model: A HF causal LM or token-classification model (its ``base_model`` holds ``layers``).
+        tp_mesh: The 1-D ``"tp"`` mesh.
+
+    Returns:
+        Whether the LM head is vocabulary-parallel (its logits are this rank's slice of the vocabulary,
+        from :func:`vocab_slice_start`; compute log-probs with ``vocab_parallel_log_probs_and_entropy``). The
+        planned weights are now ``DTensor`` shards (``Shard(0)`` column-wise, ``Shard(1)`` row-wise).
+
+    Raises:
+        ValueError: If the heads or the MLP width do not divide by the TP size, or the plan matches no
+            module of the model.
+
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    config = model.config
+    check_tp_compatible(config, tp_mesh.size())
+    base = model.base_model
+    plan = tp_plan(config)
+    names = {name for name, _ in base.named_modules()}
+    for pattern in plan:
+        head, _, tail = pattern.partition(".*.")
+        if not any(n.startswith(head + ".") and n.endswith("." + tail) for n in names):
+            raise ValueError(
+                f"TP plan entry {pattern!r} matches no module of {type(base).__name__}; this model needs its "
+                f"own base_model_tp_plan (styles {TP_STYLES}) or tensor_model_parallel_size=1"
+            )
+    parallelize_module(base, tp_mesh, {pattern: _style(style) for pattern, style in plan.items()})
+    if not vocab_parallel(model, tp_mesh.size()):
+        return False
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    parallelize_module(model.get_input_embeddings(), tp_mesh,
+                       RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear) or head.out_features != model.config.vocab_size:
+        return False  # e.g. a value model: its score head stays replicated
+    parallelize_module(head, tp_mesh, ColwiseParallel())
+    return True
