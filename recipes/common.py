@@ -93,6 +93,9 @@ def prepare_model(model: ModelConfig) -> str:
         if model.make_tiny_if_missing and not _is_demo_path(model.path):
             raise ModelNotFoundError(f"{exc}. (make_tiny_if_missing makes a random tiny model only at the "
                                      f"demo's own path, model.path={DEMO_MODEL_PATH})") from None
+        if _is_demo_path(model.path):
+            raise ModelNotFoundError(f"{exc}. For the demo's tiny model, run `python recipes/grpo.py` once "
+                                     f"(it makes one there) or add model.make_tiny_if_missing=true") from None
         raise
 
 
@@ -205,6 +208,9 @@ def report(trainer: Any, before: dict[str, float] | None, after: dict[str, float
             from verl_trainer.plotting import plot_training_curves
 
             lines.append(f"plot:      {plot_training_curves(csv_path)}")
+    hf = Path(trainer.default_root_dir) / "hf"
+    if (hf / "config.json").is_file():
+        lines.append(f"HF model:  {hf}  (AutoModelForCausalLM.from_pretrained loads it)")
     runs = sorted((Path(trainer.default_root_dir) / "wandb").glob("offline-run-*"), key=os.path.getmtime)
     if runs:
         lines.append(f"wandb run: {runs[-1]}  (offline; `wandb sync` uploads it)")
