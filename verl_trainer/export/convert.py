@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,9 @@ def _dcp_tensors(dcp_dir: Path, layout: HFLayout, shard_bytes: int) -> Iterator[
     def load(names: list[str]) -> dict[str, torch.Tensor]:
         state = {"model": {n: torch.empty(tuple(stored[n].size), dtype=stored[n].properties.dtype)
                            for n in names}}
-        safe_dcp_load(state, dcp_dir, allow_partial_load=True)
+        with warnings.catch_warnings():  # one process on purpose: DCP's "assuming a single process" note
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            safe_dcp_load(state, dcp_dir, allow_partial_load=True)
         return state["model"]
 
     for name in order:
