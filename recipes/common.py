@@ -163,7 +163,7 @@ def resolve_algorithm_model(path: str) -> str:
 
 
 def export_policy(engine: Any, out_dir: str | os.PathLike, kind: str = "hf_export", **details: Any) -> str:
-    """``engine.save_hf(out_dir)`` (a collective), then rank 0 records ``kind`` and ``details`` in its marker.
+    """``engine.save_hf(out_dir)`` (a collective); rank 0 then records ``kind`` and ``details`` in its marker.
 
     ``engine`` is the module's engine, still initialised (``module.engines["actor"]``); the tokenizer is
     its model path's.
