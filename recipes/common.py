@@ -93,6 +93,9 @@ def prepare_model(model: ModelConfig) -> str:
         if model.make_tiny_if_missing and not _is_demo_path(model.path):
             raise ModelNotFoundError(f"{exc}. (make_tiny_if_missing makes a random tiny model only at the "
                                      f"demo's own path, model.path={DEMO_MODEL_PATH})") from None
+        if _is_demo_path(model.path):
+            raise ModelNotFoundError(f"{exc}. For the demo's tiny model, run `python recipes/grpo.py` once "
+                                     f"(it makes one there) or add model.make_tiny_if_missing=true") from None
         raise
 
 
@@ -213,7 +216,7 @@ def resolve_algorithm_model(path: str) -> str:
 
 
 def export_policy(engine: Any, out_dir: str | os.PathLike, kind: str = "hf_export", **details: Any) -> str:
-    """``engine.save_hf(out_dir)`` (a collective), then rank 0 records ``kind`` and ``details`` in its marker.
+    """``engine.save_hf(out_dir)`` (a collective); rank 0 then records ``kind`` and ``details`` in its marker.
 
     ``engine`` is the module's engine, still initialised (``module.engines["actor"]``); the tokenizer is
     its model path's.

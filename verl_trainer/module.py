@@ -52,6 +52,7 @@ by them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +127,14 @@ class TrainingModule:
         if not self.engines:
             raise RuntimeError(f"{type(self).__name__} has no engines yet; they are built at fit/validate")
         return next(iter(self.engines.values()))
+
+    def save_hf(self, path: str | os.PathLike, **kwargs: Any) -> str:
+        """The trained policy as an HF directory: ``self.actor.save_hf(path, **kwargs)`` (a collective).
+
+        After ``trainer.fit(module)``, on every rank: ``module.save_hf("out/hf")``; see
+        :meth:`BaseEngine.save_hf <verl_trainer.engine.base.BaseEngine.save_hf>` for ``kwargs``.
+        """
+        return self.actor.save_hf(path, **kwargs)
 
     @property
     def hidden_size(self) -> int:

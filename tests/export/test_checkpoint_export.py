@@ -1,8 +1,9 @@
-"""``ModelCheckpoint(save_hf=True)`` and the converter on a trainer checkpoint (1 rank, fsdp2, SFT).
+"""``ModelCheckpoint(save_hf=True)``, ``module.save_hf`` and the converter CLI on a trainer checkpoint.
 
-The run saves at step 2 with an HF export inside the checkpoint (``step_000002/hf``); converting the
-checkpoints directory on this process (its newest step) gives the same weights bit for bit, and both load
-with plain transformers. Bad converter inputs fail with messages that say what to pass.
+One 1-rank run (fsdp2, SFT) saves at step 2 with an HF export inside the checkpoint (``step_000002/hf``) and
+calls ``module.save_hf`` after fit; converting the checkpoints directory on this process (its newest step,
+``python -m verl_trainer.export`` in-process) gives the same weights bit for bit, and they load with plain
+transformers. Bad converter inputs fail with messages that say what to pass.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ def _fit(model_path: str, root: str) -> list[str]:
     trainer = Trainer(strategy="fsdp2", devices=1, max_steps=2, default_root_dir=root, logger=False,
                       enable_progress_bar=False, seed=3,
                       callbacks=[ModelCheckpoint(every_n_train_steps=2, save_hf=True)])
-    trainer.fit(sft_module(model_path), SFTData(n=16, batch_size=4))
+    module = sft_module(model_path)
+    trainer.fit(module, SFTData(n=16, batch_size=4))
+    module.save_hf(Path(root) / "final")  # after fit: the same weights as the step-2 checkpoint
     return sorted(p.name for p in (Path(root) / "checkpoints" / "step_000002").iterdir())
 
 
@@ -46,9 +49,10 @@ def test_model_checkpoint_save_hf_and_converter_agree(tmp_path):
         p.name for p in hf.iterdir()}
     out = tmp_path / "converted"
     assert export_main([str(tmp_path / "run" / "checkpoints"), str(out)]) == 0  # the CLI, in this process
-    exported, converted = _tensors(hf), _tensors(out)
-    assert exported.keys() == converted.keys()
+    exported, converted, final = _tensors(hf), _tensors(out), _tensors(tmp_path / "run" / "final")
+    assert exported.keys() == converted.keys() == final.keys()
     assert all(torch.equal(exported[k], converted[k]) for k in exported)
+    assert all(torch.equal(exported[k], final[k]) for k in exported)
     initial = AutoModelForCausalLM.from_pretrained(model_path).state_dict()
     trained = AutoModelForCausalLM.from_pretrained(out).state_dict()
     name = "model.layers.0.mlp.up_proj.weight"

@@ -1,7 +1,7 @@
 """Recipes never invent a model, and rebuild their caches when the settings that made them changed.
 
 * ``model.path`` that is neither a local directory nor a cached hub id fails before any work (no task
-  files, no model), with the message the issue asks for — also with ``trainer.devices=2``;
+  files, no model), with the message the issue asks for, on every rank (torchrun, 2 ranks);
 * the demo's tiny model is made only at ``DEMO_MODEL_PATH``, records its settings, and is rebuilt when
   ``model.tiny`` changes; a user's own model there is used as it is;
 * the warm start is reused only while its settings, input model and data are the same.
@@ -22,6 +22,7 @@ from verl_trainer.configs import DEMO_MODEL_PATH, ModelConfig, TinyModelConfig, 
 from verl_trainer.models.source import ModelNotFoundError
 from verl_trainer.models.tiny import make_tiny_model
 from verl_trainer.testing import run_distributed
+from verl_trainer.testing.distributed import find_free_port
 from verl_trainer.utils.cached_dir import is_current, recorded_settings
 from verl_trainer.utils.fs import NotOwnedError, mark_owned, read_marker
 
@@ -29,15 +30,33 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = TinyModelConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
 
 
-def test_grpo_recipe_with_a_hub_id_not_in_the_cache_fails_before_any_work(tmp_path):
-    args = [sys.executable, str(ROOT / "recipes" / "grpo.py"), "model.path=Qwen/Qwen2.5-0.5B-Instruct",
-            "trainer.devices=2", f"trainer.default_root_dir={tmp_path / 'run'}",
-            f"task.dir={tmp_path / 'task'}", f"warm_start.output={tmp_path / 'ws'}"]
+@pytest.mark.parametrize("recipe", ["grpo", "ppo", "sft"])
+def test_recipes_fail_before_any_work_for_a_model_that_is_not_there(recipe, tmp_path, monkeypatch):
+    """The recipe's ``main`` in this process (the multi-rank variant below is ``slow``)."""
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    module = importlib.import_module(f"recipes.{recipe}")
+    monkeypatch.setattr(sys, "argv", [recipe, "model.path=Qwen/Qwen2.5-0.5B-Instruct"])
+    with pytest.raises(ModelNotFoundError, match="looks like a hub id but is not in the local HF cache"):
+        module.main()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_grpo_recipe_with_a_hub_id_not_in_the_cache_fails_before_any_work_on_every_rank(tmp_path):
+    """Under torchrun (2 ranks) each rank fails with the message, before anything is written."""
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+            str(find_free_port()), str(ROOT / "recipes" / "grpo.py"), "model.path=Qwen/Qwen2.5-0.5B-Instruct"]
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "model.path='Qwen/Qwen2.5-0.5B-Instruct'" in proc.stderr and "looks like a hub id" in proc.stderr
+    assert proc.stderr.count("model.path='Qwen/Qwen2.5-0.5B-Instruct' is not a local directory") == 2
+    assert "looks like a hub id" in proc.stderr
     assert "download it first" in proc.stderr and "made a tiny" not in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no task, no model, no run directory
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,17 @@ def find_engine_checkpoint(path: str | os.PathLike, engine: str = "actor") -> Pa
     return found
 
 
+def _refuse_adapters(names: Iterable[str], where: Path) -> None:
+    """Raise for a LoRA checkpoint: it holds the adapters, not the base weights the export needs."""
+    adapters = [name for name in names if "lora_" in name]
+    if adapters:
+        raise ValueError(
+            f"{str(where)!r} is a LoRA checkpoint (it holds adapters such as {adapters[0]!r}, not the base "
+            f"weights); export a LoRA run with engine.save_hf(path) or ModelCheckpoint(save_hf=True), which "
+            f"write the merged model"
+        )
+
+
 def _dcp_tensors(dcp_dir: Path, layout: HFLayout, shard_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The model tensors of a DCP checkpoint, read in groups of at most ``shard_bytes`` (one process)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -76,13 +88,7 @@ def _dcp_tensors(dcp_dir: Path, layout: HFLayout, shard_bytes: int) -> Iterator[
     metadata = SafeFileSystemReader(dcp_dir).read_metadata()
     stored = {key.removeprefix(MODEL_PREFIX): meta for key, meta in metadata.state_dict_metadata.items()
               if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
-    adapters = [name for name in stored if "lora_" in name]
-    if adapters:
-        raise ValueError(
-            f"{str(dcp_dir)!r} is a LoRA checkpoint (it holds adapters such as {adapters[0]!r}, not the base "
-            f"weights); export a LoRA run with engine.save_hf(path) or ModelCheckpoint(save_hf=True), which "
-            f"write the merged model"
-        )
+    _refuse_adapters(stored, dcp_dir)
     order = [name for name in layout.names if name in stored]
     order += [name for name in stored if name not in set(order)]  # unexpected ones: reported by the layout
     group: list[str] = []
@@ -91,7 +97,9 @@ def _dcp_tensors(dcp_dir: Path, layout: HFLayout, shard_bytes: int) -> Iterator[
     def load(names: list[str]) -> dict[str, torch.Tensor]:
         state = {"model": {n: torch.empty(tuple(stored[n].size), dtype=stored[n].properties.dtype)
                            for n in names}}
-        safe_dcp_load(state, dcp_dir, allow_partial_load=True)
+        with warnings.catch_warnings():  # one process on purpose: DCP's "assuming a single process" note
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            safe_dcp_load(state, dcp_dir, allow_partial_load=True)
         return state["model"]
 
     for name in order:
@@ -121,6 +129,7 @@ def _deepspeed_tensors(ds_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             state = get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=CHECKPOINT_TAG)
     except pickle.UnpicklingError as exc:
         raise refusal(ds_dir / CHECKPOINT_TAG, f"a file in it failed to load ({exc})") from None
+    _refuse_adapters(state, ds_dir)
     while state:
         name = next(iter(state))
         yield name, state.pop(name)  # released as it is written

@@ -106,12 +106,6 @@ class HFLayout:
         return out
 
 
-def _saved_dtype(dtype: torch.dtype | None, first: torch.Tensor | None) -> torch.dtype:
-    if dtype is not None:
-        return dtype
-    return first.dtype if first is not None and first.is_floating_point() else torch.float32
-
-
 def _write(tmp: Path, layout: HFLayout, named: Iterator[tuple[str, torch.Tensor]], config: Any,
            max_shard_size: int, dtype: torch.dtype | None, tokenizer: Any, generation_config: Any,
            model_type: str) -> None:
@@ -122,7 +116,7 @@ def _write(tmp: Path, layout: HFLayout, named: Iterator[tuple[str, torch.Tensor]
             saved_dtype = tensor.dtype
         writer.add(name, tensor)
     writer.finish()
-    layout.hf_config(config, _saved_dtype(saved_dtype, None)).save_pretrained(tmp)
+    layout.hf_config(config, saved_dtype or torch.float32).save_pretrained(tmp)
     if model_type == "language_model":
         from transformers import GenerationConfig
 

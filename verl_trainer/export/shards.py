@@ -86,10 +86,10 @@ class SafetensorsShardWriter:
         """
         if name in self._current or any(name in names for _, names in self._written):
             raise ValueError(f"tensor {name!r} was added twice")
-        value = tensor.detach()
-        if self.dtype is not None and value.is_floating_point():
-            value = value.to(self.dtype)
-        value = value.to("cpu").contiguous().clone()  # own storage: safetensors refuses shared memory
+        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
+        # one copy: on CPU, contiguous, its own storage (safetensors refuses tensors that share memory)
+        value = tensor.detach().to(device="cpu", dtype=dtype, copy=True,
+                                   memory_format=torch.contiguous_format)
         nbytes = value.numel() * value.element_size()
         if self._current and self._current_bytes + nbytes > self.max_shard_size:
             self._flush()
