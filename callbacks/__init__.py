@@ -4,7 +4,8 @@ The folder sits at the repository root and is mapped onto ``verl_trainer.callbac
 
 Built-ins: :class:`MetricReduction` (on by default, always first), :class:`ProgressBar` (on by default),
 :class:`ModelCheckpoint` (on by default, always last), :class:`LearningRateMonitor`,
-:class:`ThroughputMonitor`, :class:`EarlyStopping`, :class:`Timer` (Lightning's arguments), :class:`SequenceBalancing` (``on_before_update``; it exchanges samples over
+:class:`ThroughputMonitor`, :class:`EarlyStopping`, :class:`Timer` (Lightning's arguments),
+:class:`SequenceBalancing` (``on_before_update``; it exchanges samples over
 ``trainer.dp_group``).
 """
 

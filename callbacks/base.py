@@ -127,7 +127,9 @@ class Callback:
     def on_test_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
         """Called before the first test batch."""
 
-    def on_test_batch_start(self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int) -> None:
+    def on_test_batch_start(
+        self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int
+    ) -> None:
         """Called before a test batch."""
 
     def on_test_batch_end(

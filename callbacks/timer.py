@@ -67,27 +67,35 @@ class Timer(Callback):
         which[stage] = time.monotonic()
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
+        """Record when train starts."""
         self._mark("train", self._start)
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
+        """Record when train ends."""
         self._mark("train", self._end)
 
     def on_validation_start(self, trainer: Any, module: Any) -> None:
+        """Record when validation starts."""
         self._mark("validate", self._start)
 
     def on_validation_end(self, trainer: Any, module: Any) -> None:
+        """Record when validation ends."""
         self._mark("validate", self._end)
 
     def on_test_start(self, trainer: Any, module: Any) -> None:
+        """Record when test starts."""
         self._mark("test", self._start)
 
     def on_test_end(self, trainer: Any, module: Any) -> None:
+        """Record when test ends."""
         self._mark("test", self._end)
 
     def on_predict_start(self, trainer: Any, module: Any) -> None:
+        """Record when predict starts."""
         self._mark("predict", self._start)
 
     def on_predict_end(self, trainer: Any, module: Any) -> None:
+        """Record when predict ends."""
         self._mark("predict", self._end)
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

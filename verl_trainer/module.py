@@ -122,7 +122,9 @@ class TrainingModule:
 
     def test_step(self, batch: Any, batch_idx: int) -> StepOutput | None:
         """One test batch (``Trainer.test``); the outputs of all batches are reduced together."""
-        raise NotImplementedError(f"{type(self).__name__} has no test_step(batch, batch_idx) for Trainer.test")
+        raise NotImplementedError(
+            f"{type(self).__name__} has no test_step(batch, batch_idx) for Trainer.test"
+        )
 
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
         """One predict batch (``Trainer.predict``); returns anything (collected per batch, not reduced)."""
@@ -132,7 +134,7 @@ class TrainingModule:
 
     def log(self, name: str, value: torch.Tensor | float, reduce: str = "mean",
             weight: torch.Tensor | float | None = None) -> None:
-        """Log ``value`` under ``name`` for the current step / evaluation, reduced over micro-batches and ranks.
+        """Log ``value`` under ``name`` (this step or evaluation), reduced over micro-batches and ranks.
 
         Args:
             name: The metric name.

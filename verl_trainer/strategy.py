@@ -44,7 +44,8 @@ from verl_trainer.engine.topology import Topology, build_topology
 from verl_trainer.utils.distributed import is_initialized, set_collective_timeout
 
 __all__ = [
-    "PRECISIONS", "Strategy", "available_strategies", "check_precision", "normalize_precision", "resolve_strategy",
+    "PRECISIONS", "Strategy", "available_strategies", "check_precision", "normalize_precision",
+    "resolve_strategy",
 ]
 
 PRECISIONS: dict[str, dict[str, str]] = {
@@ -53,7 +54,8 @@ PRECISIONS: dict[str, dict[str, str]] = {
     "bf16-true": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "model_dtype": "bfloat16"},
 }
 _PRECISION_ALIASES: dict[Any, str] = {
-    32: "32-true", "32": "32-true", "bf16": "bf16-mixed", 16: "16-mixed", "16": "16-mixed", "fp16": "16-mixed",
+    32: "32-true", "32": "32-true", "bf16": "bf16-mixed",
+    16: "16-mixed", "16": "16-mixed", "fp16": "16-mixed",
 }
 _NAMED_ONLY = ("16-mixed",)  # Lightning names recognised, refused with a reason by check_precision
 
@@ -80,7 +82,8 @@ def check_precision(precision: str, device_type: str) -> str:
         ValueError: The precision cannot run here; the message names what to use.
     """
     if precision == "16-mixed":
-        where = "CPUs have no float16 matmul units" if device_type == "cpu" else "the engines have no loss scaler yet"
+        where = "CPUs have no float16 matmul units" if device_type == "cpu" else \
+            "the engines have no loss scaler yet"
         raise ValueError(
             f"precision='16-mixed' (float16 with a gradient scaler) is not available: {where}; use "
             f"precision='bf16-mixed' (no scaler needed: bfloat16 has float32's range) or '32-true'"

@@ -215,7 +215,9 @@ class Trainer:
             raise ValueError(f"log_every_n_steps must be an int >= 1, got {log_every_n_steps!r}")
         self.log_every_n_steps = log_every_n_steps
         self.val_check_interval = check_val_check_interval(val_check_interval)
-        self.check_val_every_n_epoch = check_optional_count("check_val_every_n_epoch", check_val_every_n_epoch, 1)
+        self.check_val_every_n_epoch = check_optional_count(
+            "check_val_every_n_epoch", check_val_every_n_epoch, 1
+        )
         self.accumulate_grad_batches = check_accumulate(accumulate_grad_batches)
         self.gradient_clip_val = check_gradient_clip(gradient_clip_val, gradient_clip_algorithm)
         self.gradient_clip_algorithm = "norm"
@@ -225,7 +227,7 @@ class Trainer:
         self.max_time = parse_max_time(max_time)
         self.min_steps = check_optional_count("min_steps", min_steps)
         self.min_epochs = check_optional_count("min_epochs", min_epochs)
-        self.num_sanity_val_steps = check_optional_count("num_sanity_val_steps", num_sanity_val_steps, -1) or 0
+        self.num_sanity_val_steps = check_optional_count("num_sanity_val_steps", num_sanity_val_steps, -1)
         if deterministic not in (True, False, "warn"):
             raise ValueError(f"deterministic={deterministic!r}; use True, False or 'warn' (warn only)")
         self.deterministic = deterministic

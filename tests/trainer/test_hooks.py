@@ -26,12 +26,13 @@ STEP = [
     "on_train_batch_end",
 ]
 VALIDATION = ["on_validation_start", "on_validation_epoch_start"] + [
-    "on_validation_batch_start", "on_validation_batch_end"] * 2 + ["on_validation_epoch_end", "on_validation_end"]
+    "on_validation_batch_start", "on_validation_batch_end"
+] * 2 + ["on_validation_epoch_end", "on_validation_end"]
 FIT_2_STEPS = (
     ["setup", "on_fit_start", "on_train_start", "on_train_epoch_start"]
     + STEP + ["on_save_checkpoint"]                    # step 1: ModelCheckpoint saves in on_train_batch_end
     + STEP + VALIDATION + ["on_save_checkpoint"]       # step 2: validation first, then the save
-    + ["on_train_epoch_end", "on_train_end", "on_fit_end", "teardown"]  # step 2 saved already: no save at the end
+    + ["on_train_epoch_end", "on_train_end", "on_fit_end", "teardown"]  # step 2 is saved: no save at the end
 )
 RESUME_1_STEP = (
     ["setup", "on_load_checkpoint", "on_fit_start", "on_train_start", "on_train_epoch_start"]

@@ -57,11 +57,13 @@ def from_hf_batch(batch: Mapping[str, Any], pad_token_id: int = 0) -> TensorDict
     if "input_ids" not in batch:
         raise BatchSchemaError(
             f"a dict batch needs 'input_ids' (HF style: input_ids, attention_mask, labels); got keys "
-            f"{sorted(batch)}. Return a TensorDict built with verl_trainer.data.packing.make_batch, or HF keys"
+            f"{sorted(batch)}. Return a TensorDict built with verl_trainer.data.packing.make_batch, or HF "
+            "keys"
         )
     ids = _tensor(batch, "input_ids")
-    mask = _tensor(batch, "attention_mask") if batch.get("attention_mask") is not None else torch.ones_like(ids)
-    labels = _tensor(batch, "labels") if batch.get("labels") is not None else torch.where(mask.bool(), ids, -100)
+    has_mask, has_labels = batch.get("attention_mask") is not None, batch.get("labels") is not None
+    mask = _tensor(batch, "attention_mask") if has_mask else torch.ones_like(ids)
+    labels = _tensor(batch, "labels") if has_labels else torch.where(mask.bool(), ids, IGNORE_INDEX)
     if mask.shape != ids.shape or labels.shape != ids.shape:
         raise BatchSchemaError(
             f"HF batch shapes differ: input_ids {tuple(ids.shape)}, attention_mask {tuple(mask.shape)}, "
@@ -78,7 +80,9 @@ def from_hf_batch(batch: Mapping[str, Any], pad_token_id: int = 0) -> TensorDict
     for i in range(ids.shape[0]):
         real = mask[i].bool().nonzero().flatten()
         if real.numel() and int(real[-1] - real[0]) + 1 != real.numel():
-            raise BatchSchemaError(f"HF batch row {i}: attention_mask has holes; only left/right padding is supported")
+            raise BatchSchemaError(
+                f"HF batch row {i}: attention_mask has holes; only left or right padding is supported"
+            )
         rows.append(ids[i, real].tolist())
         targets.append(trained[i, real])
     out = make_batch([[] for _ in rows], rows, pad_token_id=pad_token_id)

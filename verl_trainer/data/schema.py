@@ -214,9 +214,10 @@ def append_padding(batch: TensorDict, count: int, first_uid: int | None = None) 
 
 
 def concat_batches(batches: list[TensorDict]) -> TensorDict:
-    """One batch of several schema batches (``accumulate_grad_batches``): token keys right-padded to the
-    widest ``T`` with zeros, per-sample keys stacked; ``uid`` values are offset so that samples of
-    different batches never share a group.
+    """One batch of several schema batches (``accumulate_grad_batches``).
+
+    Token keys are right-padded to the widest ``T`` with zeros, per-sample keys stacked; ``uid`` values
+    are offset so that samples of different batches never share a group.
 
     Raises:
         BatchSchemaError: The batches do not have the same keys.

@@ -209,10 +209,11 @@ class BaseEngine(ABC):
     ) -> dict[str, Any]:
         """One optimizer step — the only implementation of one in the project.
 
-        ``hooks.on_before_zero_grad`` → zero grads → ``hooks.on_micro_batches`` → per micro-batch forward, ``hooks.on_before_backward``,
-        backward → ``hooks.on_after_backward`` → ``hooks.on_before_optimizer_step`` → clip and step (a
-        non-finite grad norm skips the step). The LR scheduler is NOT stepped here (PPO runs several
-        ``train_batch`` per trainer step); call :meth:`lr_scheduler_step` once per trainer step.
+        ``hooks.on_before_zero_grad`` → zero grads → ``hooks.on_micro_batches`` → per micro-batch forward,
+        ``hooks.on_before_backward``, backward → ``hooks.on_after_backward`` →
+        ``hooks.on_before_optimizer_step`` → clip and step (a non-finite grad norm skips the step). The LR
+        scheduler is NOT stepped here (PPO runs several ``train_batch`` per trainer step); call
+        :meth:`lr_scheduler_step` once per trainer step.
 
         Args:
             data: This DP rank's batch ``[B, T]`` of one optimizer step.

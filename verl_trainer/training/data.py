@@ -196,8 +196,9 @@ class ShardedLoader:
         return self.batches >= self.limited_len()
 
     def epoch_batches(self) -> Iterator[Any]:
-        """The batches left in the current epoch (under ``limit``), from the current position, as schema
-        batches (:func:`~verl_trainer.data.hf_batch.to_schema_batch` converts HF-style dicts).
+        """The batches left in the current epoch (under ``limit``), from the current position.
+
+        HF-style dict batches become schema batches (``data/hf_batch.py: to_schema_batch``).
         """
         self.sampler.set_epoch(self.epoch)
         self.sampler.set_start(self.batches * self.samples_per_batch * self.dp_size)

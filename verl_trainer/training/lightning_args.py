@@ -82,7 +82,8 @@ def check_limit(name: str, value: Any) -> int | float | None:
     if isinstance(value, float) and 0.0 <= value <= 1.0:
         return 1.0 if value == 1.0 else value
     raise ValueError(
-        f"{name}={value!r}; use an int >= 0 (batches), a float in [0, 1] (fraction of the batches) or None (all)"
+        f"{name}={value!r}; use an int >= 0 (batches), a float in [0, 1] (fraction of the batches) or None "
+        "(all)"
     )
 
 
@@ -159,8 +160,9 @@ def check_gradient_clip(value: Any, algorithm: Any) -> float | None:
     """
     if algorithm not in (None, "norm"):
         raise ValueError(
-            f"gradient_clip_algorithm={algorithm!r} is not supported; the engines clip the total gradient norm "
-            "over all shards (FSDP / ZeRO compute it globally): use gradient_clip_algorithm='norm' (or None)"
+            f"gradient_clip_algorithm={algorithm!r} is not supported; the engines clip the total gradient "
+            "norm over all shards (FSDP / ZeRO compute it globally): use gradient_clip_algorithm='norm' "
+            "(or None)"
         )
     if value is None:
         return None
@@ -190,10 +192,12 @@ def parse_max_time(value: Any) -> timedelta | None:
         try:
             duration = timedelta(**dict(value))
         except TypeError as exc:
-            raise ValueError(f"max_time={dict(value)!r}: {exc}; use timedelta's keys (days, hours, ...)") from None
+            raise ValueError(
+                f"max_time={dict(value)!r}: {exc}; use timedelta's keys (days, hours, ...)"
+            ) from None
     if duration is None or duration.total_seconds() <= 0:
         raise ValueError(
-            f"max_time={value!r}; use 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a datetime.timedelta or a dict such "
-            "as {'hours': 12}, longer than 0"
+            f"max_time={value!r}; use 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a datetime.timedelta or a dict "
+            "such as {'hours': 12}, longer than 0"
         )
     return duration

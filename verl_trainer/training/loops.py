@@ -73,7 +73,9 @@ def configure_engines(trainer: Trainer, module: TrainingModule) -> None:
         specs = {name: dataclasses.replace(spec, optim=spec.optim.replace(clip_grad=clip))
                  if isinstance(spec, EngineSpec) and spec.optim is not None else spec
                  for name, spec in specs.items()}
-    module.engines = trainer.strategy.build_engines(specs, trainer.precision, trainer.seed, trainer.accelerator)
+    module.engines = trainer.strategy.build_engines(
+        specs, trainer.precision, trainer.seed, trainer.accelerator
+    )
 
 
 def _loader(trainer: Trainer, kind: str, datamodule: Any, module: Any) -> ShardedLoader | None:
@@ -105,7 +107,7 @@ def apply_deterministic(setting: bool | str) -> None:
 
 
 def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_path: Any) -> Any:
-    """Set everything up for ``stage`` (``fit`` / ``validate`` / ``test`` / ``predict``) on this rank, run it."""
+    """Set up ``stage`` (``fit`` / ``validate`` / ``test`` / ``predict``) on this rank and run it."""
     trainer.module, trainer.state, trainer.should_stop = module, stage, False
     module.trainer = trainer
     seed_everything(trainer.seed)
@@ -118,7 +120,8 @@ def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_p
         resume = _check_resume(trainer, ckpt_path) if ckpt_path is not None else None  # before any engine
         configure_engines(trainer, module)
         trainer.train_loader = _loader(trainer, "train", datamodule, module) if stage == "fit" else None
-        trainer.val_loader = _loader(trainer, "val", datamodule, module) if stage in ("fit", "validate") else None
+        has_val = stage in ("fit", "validate")
+        trainer.val_loader = _loader(trainer, "val", datamodule, module) if has_val else None
         trainer.eval_loader = _loader(trainer, stage, datamodule, module) if stage in EVAL_STAGES else None
         if stage == "fit" and trainer.train_loader is None:
             raise ValueError("fit needs training data: pass a datamodule or define module.train_dataloader()")
@@ -236,8 +239,9 @@ def _warn_unknown_hooks(trainer: Trainer) -> None:
         names = unknown_hooks(cb)
         if names:
             warnings.warn(
-                f"{type(cb).__name__} defines {', '.join(names)}, which the Trainer never calls (not a callback "
-                f"hook: a typo, or a LightningModule-only hook); callback hooks: {', '.join(sorted(HOOK_NAMES))}",
+                f"{type(cb).__name__} defines {', '.join(names)}, which the Trainer never calls (not a "
+                f"callback hook: a typo, or a LightningModule-only hook); callback hooks: "
+                f"{', '.join(sorted(HOOK_NAMES))}",
                 stacklevel=3,
             )
 
