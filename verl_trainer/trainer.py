@@ -460,7 +460,13 @@ class Trainer:
             return False
         if interval is None:
             return every_epoch is not None and loader.exhausted()
-        every = max(1, int(interval * loader.limited_len())) if loader.limited_len() else 1
+        total = loader.limited_len()
+        if total is None:
+            raise ValueError(
+                f"val_check_interval={interval} is a fraction of an epoch, but the training data is a stream "
+                "of unknown length; use an int val_check_interval (trainer steps) or limit_train_batches=N"
+            )
+        every = max(1, int(interval * total)) if total else 1
         done = loader.batches
         crossed = done // every > (done - self.accumulate_grad_batches) // every  # one step may cross it
         return loader.exhausted() or crossed

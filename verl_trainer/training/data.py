@@ -29,6 +29,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 
 from verl_trainer.data.hf_batch import to_schema_batch
 from verl_trainer.data.schema import mark_padding
+from verl_trainer.training.iterable_data import IterableShardedLoader
 from verl_trainer.training.lightning_args import limited_batches
 
 __all__ = ["ResumableDistributedSampler", "ShardedLoader", "as_dataloader", "make_sharded_loader"]
@@ -96,18 +97,20 @@ class ResumableDistributedSampler(Sampler[int]):
 
 
 def as_dataloader(source: Any, what: str) -> DataLoader:
-    """``source`` as a DataLoader: a DataLoader as is, a map-style Dataset of ready batches unbatched.
+    """``source`` as a DataLoader: a DataLoader as is, a Dataset of ready batches unbatched.
 
     Raises:
-        TypeError: For an iterable-style dataset or anything else (they cannot be sharded reproducibly).
+        TypeError: For anything else.
     """
     if isinstance(source, DataLoader):
         return source
+    if isinstance(source, IterableDataset):
+        return DataLoader(source, batch_size=None)
     if isinstance(source, Dataset) and not isinstance(source, IterableDataset) and hasattr(source, "__len__"):
         return DataLoader(source, batch_size=None, shuffle=False)
     raise TypeError(
-        f"the {what} must be a torch DataLoader over a map-style dataset (or a map-style Dataset whose items "
-        f"are batches), got {type(source).__name__}; iterable datasets cannot be sharded and resumed exactly"
+        f"the {what} must be a torch DataLoader (over a map-style or iterable dataset) or a Dataset whose "
+        f"items are batches, got {type(source).__name__}"
     )
 
 
@@ -239,6 +242,12 @@ class ShardedLoader:
 
 
 def make_sharded_loader(loader: DataLoader, dp_rank: int, dp_size: int, seed: int, tag_padding: bool = False,
-                        limit: int | float | None = None) -> ShardedLoader:
-    """The loader of a stage, sharded over the DP ranks (see :class:`ShardedLoader`)."""
+                        limit: int | float | None = None) -> ShardedLoader | IterableShardedLoader:
+    """The loader of a stage, sharded over the DP ranks.
+
+    :class:`ShardedLoader` for a map-style dataset, ``IterableShardedLoader`` for an iterable one
+    (``training/iterable_data.py``).
+    """
+    if isinstance(loader.dataset, IterableDataset):
+        return IterableShardedLoader(loader, dp_rank, dp_size, limit=limit)
     return ShardedLoader(loader, dp_rank, dp_size, seed, tag_padding=tag_padding, limit=limit)
