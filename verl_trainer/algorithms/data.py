@@ -175,8 +175,9 @@ class PromptDataModule(_DataModule):
 
 
 class SFTDataModule(_DataModule):
-    """SFT pairs or chats (:class:`~verl_trainer.data.sft.SFTDataset`): ``loss_mask`` on the response + eos, or
-    on the assistant turns of a chat.
+    """SFT pairs or chats (:class:`~verl_trainer.data.sft.SFTDataset`).
+
+    ``loss_mask`` is on the response + eos of a pair, on the assistant turns of a chat.
 
     Args:
         config: Files and global batch sizes.
@@ -187,4 +188,5 @@ class SFTDataModule(_DataModule):
     def _dataset(self, path: str) -> SFTDataset:
         cfg = self.config
         return SFTDataset(path, self.tokenizer, cfg.max_length, chat_template=cfg.chat_template,
-                          prompt_key=cfg.prompt_key, response_key=cfg.response_key, messages_key=cfg.messages_key)
+                          prompt_key=cfg.prompt_key, response_key=cfg.response_key,
+                          messages_key=cfg.messages_key)
