@@ -456,11 +456,11 @@ class Trainer:
         interval, every_epoch = self.val_check_interval, self.check_val_every_n_epoch
         if isinstance(interval, int):
             return self.global_step % interval == 0
+        total = loader.limited_len() if interval is not None else 0
         if every_epoch is not None and (loader.epoch + 1) % every_epoch:
             return False
         if interval is None:
             return every_epoch is not None and loader.exhausted()
-        total = loader.limited_len()
         if total is None:
             raise ValueError(
                 f"val_check_interval={interval} is a fraction of an epoch, but the training data is a stream "

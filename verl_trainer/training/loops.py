@@ -196,6 +196,8 @@ def _step_batches(trainer: Trainer, loader: ShardedLoader) -> Any:
 def fit_loop(trainer: Trainer) -> None:
     """Run training steps until ``max_steps`` / ``max_epochs`` / ``max_time`` / ``trainer.should_stop``."""
     module, loader = trainer.module, trainer.train_loader
+    if isinstance(trainer.val_check_interval, float) and trainer.val_loader is not None:
+        trainer.validation_due()  # a fraction of a stream of unknown length fails here, before any step
     started = time.monotonic()
     trainer.logging.setup(trainer.is_global_zero, module.hparams)
     trainer.call_hook("on_fit_start")
