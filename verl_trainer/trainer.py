@@ -190,7 +190,8 @@ class Trainer:
         deterministic: bool | str = _DEFAULTS.deterministic,
         **unsupported: Any,
     ) -> None:
-        reject_unknown_args(unsupported, inspect.signature(Trainer.__init__).parameters)
+        names = inspect.signature(Trainer.__init__).parameters
+        reject_unknown_args(unsupported, [n for n in names if n not in ("self", "unsupported")])
         self.strategy = resolve_strategy(strategy)
         if collective_timeout is not None:
             if isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)) or \

@@ -78,14 +78,15 @@ def configure_engines(trainer: Trainer, module: TrainingModule) -> None:
     )
 
 
-def _loader(trainer: Trainer, kind: str, datamodule: Any, module: Any) -> ShardedLoader | None:
+def _loader(trainer: Trainer, kind: str, datamodule: Any, module: Any, direct: bool) -> ShardedLoader | None:
+    """The ``kind`` data; ``direct``: a loader / dataset passed in place of a datamodule is this data."""
     method = f"{kind}_dataloader"
     source = None
     if datamodule is not None:
         if callable(getattr(datamodule, method, None)):
             source = getattr(datamodule, method)()
-        elif kind in ("train", "test", "predict") and not _is_datamodule(datamodule):
-            source = datamodule  # a loader / dataset passed directly is the stage's data
+        elif direct and not _is_datamodule(datamodule):
+            source = datamodule
     elif callable(getattr(module, method, None)):
         source = getattr(module, method)()
     if source is None:
@@ -119,10 +120,10 @@ def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_p
         module.setup(stage)
         resume = _check_resume(trainer, ckpt_path) if ckpt_path is not None else None  # before any engine
         configure_engines(trainer, module)
-        trainer.train_loader = _loader(trainer, "train", datamodule, module) if stage == "fit" else None
-        has_val = stage in ("fit", "validate")
-        trainer.val_loader = _loader(trainer, "val", datamodule, module) if has_val else None
-        trainer.eval_loader = _loader(trainer, stage, datamodule, module) if stage in EVAL_STAGES else None
+        fit, has_val, evaluates = stage == "fit", stage in ("fit", "validate"), stage in EVAL_STAGES
+        trainer.train_loader = _loader(trainer, "train", datamodule, module, direct=True) if fit else None
+        trainer.val_loader = _loader(trainer, "val", datamodule, module, direct=not fit) if has_val else None
+        trainer.eval_loader = _loader(trainer, stage, datamodule, module, direct=True) if evaluates else None
         if stage == "fit" and trainer.train_loader is None:
             raise ValueError("fit needs training data: pass a datamodule or define module.train_dataloader()")
         if ckpt_path is not None:
