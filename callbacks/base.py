@@ -1,4 +1,10 @@
-"""The callback base class: Lightning's hook names plus the RL points of one step."""
+"""The callback base class: Lightning's hook names plus the RL points of one step.
+
+Every Lightning callback hook has a moment in this loop and is dispatched (``HOOK_NAMES``; the order is
+in ``verl_trainer/training/loops.py``). :func:`unknown_hooks` finds methods a callback defines that look
+like hooks but are never called (a typo, or a LightningModule-only hook); the Trainer warns about them at
+fit start. :func:`check_callback` rejects Lightning's own callback instances, naming ours.
+"""
 
 from __future__ import annotations
 
@@ -46,10 +52,22 @@ class Callback:
     def on_train_end(self, trainer: Trainer, module: TrainingModule) -> None:
         """Called when the training loop ends."""
 
+    def on_sanity_check_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Called before the sanity validation (``num_sanity_val_steps``) at the start of fit."""
+
+    def on_sanity_check_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Called after the sanity validation (its metrics are discarded)."""
+
+    def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Called when a training epoch begins (also when a resumed run enters one mid-way)."""
+
+    def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Called when a training epoch ends (its data is exhausted, limited, or fit stops)."""
+
     def on_train_batch_start(
         self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int
     ) -> None:
-        """Called before a training step."""
+        """Called before a training step (with ``accumulate_grad_batches`` > 1: the joined batch)."""
 
     def on_rollout_end(self, trainer: Trainer, module: TrainingModule, batch: TensorDict) -> None:
         """Called after rollout, rewards and advantages are computed for a batch."""
@@ -63,6 +81,9 @@ class Callback:
         self, trainer: Trainer, module: TrainingModule, micro_batches: list[TensorDict]
     ) -> None:
         """Called with the micro-batches planned for one engine step."""
+
+    def on_before_zero_grad(self, trainer: Trainer, module: TrainingModule, optimizer: Any) -> None:
+        """Called before an engine's optimizer clears the gradients (the start of each optimizer step)."""
 
     def on_before_backward(self, trainer: Trainer, module: TrainingModule, loss: torch.Tensor) -> None:
         """Called before ``loss.backward()``."""
@@ -81,6 +102,12 @@ class Callback:
     def on_validation_start(self, trainer: Trainer, module: TrainingModule) -> None:
         """Called when validation begins."""
 
+    def on_validation_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Called after ``on_validation_start``, before the first validation batch."""
+
+    def on_validation_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Called after the last validation batch, once its metrics are reduced (``callback_metrics``)."""
+
     def on_validation_batch_start(
         self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int
     ) -> None:
@@ -94,6 +121,50 @@ class Callback:
     def on_validation_end(self, trainer: Trainer, module: TrainingModule) -> None:
         """Called when validation ends."""
 
+    def on_test_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Called when ``test`` begins."""
+
+    def on_test_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Called before the first test batch."""
+
+    def on_test_batch_start(
+        self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Called before a test batch."""
+
+    def on_test_batch_end(
+        self, trainer: Trainer, module: TrainingModule, outputs: StepOutput | None, batch: Any, batch_idx: int
+    ) -> None:
+        """Called after a test batch."""
+
+    def on_test_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Called after the last test batch, once its metrics are reduced."""
+
+    def on_test_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Called when ``test`` ends."""
+
+    def on_predict_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Called when ``predict`` begins."""
+
+    def on_predict_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Called before the first predict batch."""
+
+    def on_predict_batch_start(
+        self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Called before a predict batch."""
+
+    def on_predict_batch_end(
+        self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Called after a predict batch with ``predict_step``'s output."""
+
+    def on_predict_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Called after the last predict batch."""
+
+    def on_predict_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Called when ``predict`` ends."""
+
     def on_save_checkpoint(
         self, trainer: Trainer, module: TrainingModule, checkpoint: dict[str, Any]
     ) -> None:
@@ -105,7 +176,7 @@ class Callback:
         """Called when a checkpoint is restored."""
 
     def on_exception(self, trainer: Trainer, module: TrainingModule, exception: BaseException) -> None:
-        """Called when fit raises."""
+        """Called when fit / validate / test / predict raises."""
 
     def state_dict(self) -> dict[str, Any]:
         """State to save in a checkpoint (plain data only)."""
@@ -119,3 +190,37 @@ HOOK_NAMES: frozenset[str] = frozenset(
     name for name in vars(Callback) if name.startswith("on_") or name in ("setup", "teardown")
 )
 """Every hook the Trainer dispatches (``Trainer.call_hook`` rejects other names)."""
+
+
+_OURS = {  # Lightning callback class → ours
+    "EarlyStopping": "EarlyStopping", "ModelCheckpoint": "ModelCheckpoint", "Timer": "Timer",
+    "LearningRateMonitor": "LearningRateMonitor", "ThroughputMonitor": "ThroughputMonitor",
+    "TQDMProgressBar": "ProgressBar", "RichProgressBar": "ProgressBar", "ProgressBar": "ProgressBar",
+}
+
+
+def check_callback(callback: Any) -> None:
+    """Raise unless ``callback`` is a :class:`Callback`; Lightning's own get the name of ours.
+
+    Raises:
+        TypeError: Not a ``verl_trainer.callbacks.Callback``.
+    """
+    if isinstance(callback, Callback):
+        return
+    cls = type(callback)
+    if cls.__module__.split(".")[0] in ("lightning", "pytorch_lightning"):
+        ours = next((_OURS[c.__name__] for c in cls.__mro__ if c.__name__ in _OURS), None)
+        use = (f"use verl_trainer.callbacks.{ours} (same arguments)" if ours else
+               "port it to verl_trainer.callbacks.Callback (the same hook names and signatures)")
+        raise TypeError(
+            f"{cls.__module__}.{cls.__name__} is a Lightning callback, which drives a Lightning trainer's "
+            f"state; {use}"
+        )
+    raise TypeError(f"callbacks must be verl_trainer.callbacks.Callback instances, got {cls.__name__}")
+
+
+def unknown_hooks(callback: Callback) -> list[str]:
+    """Methods of ``callback``'s class named like hooks (``on_*``) that the Trainer never calls."""
+    names = {n for c in type(callback).__mro__ if c not in (Callback, object) for n in vars(c)}
+    return sorted(n for n in names if n.startswith("on_") and n not in HOOK_NAMES and callable(
+        getattr(callback, n, None)))

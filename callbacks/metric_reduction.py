@@ -8,7 +8,7 @@ reduction, lists of per-micro-batch ``{name: Metric}`` dicts are merged in, plai
 ranks) together with what other callbacks logged during the step (balance metrics, learning rates),
 and reduces it all over micro-batches and ranks (:meth:`Trainer.reduce_metrics
 <verl_trainer.Trainer.reduce_metrics>`, a collective on every rank). Validation outputs of all batches are
-added as they come and reduced once, in ``on_validation_end``.
+added as they come and reduced once, in ``on_validation_epoch_end`` (test: the same).
 """
 
 from __future__ import annotations
@@ -51,6 +51,15 @@ class MetricReduction(Callback):
         """Add one validation batch's outputs."""
         trainer.log_metrics(outputs or {})
 
-    def on_validation_end(self, trainer: Trainer, module: TrainingModule) -> None:
-        """Reduce all validation outputs once."""
+    def on_validation_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Reduce all validation outputs once (before ``on_validation_end``: checkpoints see them)."""
+        trainer.reduce_metrics(self._process_group(trainer))
+
+    def on_test_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: StepOutput | None,
+                          batch: Any, batch_idx: int) -> None:
+        """Add one test batch's outputs."""
+        trainer.log_metrics(outputs or {})
+
+    def on_test_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Reduce all test outputs once."""
         trainer.reduce_metrics(self._process_group(trainer))

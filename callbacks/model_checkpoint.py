@@ -138,7 +138,7 @@ class ModelCheckpoint(Callback):
 
     def on_validation_end(self, trainer: Any, module: Any) -> None:
         """Save when due, after the step's validation."""
-        if trainer.state == "fit" and self._due(trainer):
+        if trainer.state == "fit" and not trainer.sanity_checking and self._due(trainer):
             self.save(trainer)
 
     def on_train_end(self, trainer: Any, module: Any) -> None:

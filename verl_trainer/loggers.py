@@ -17,15 +17,18 @@ String specs are built at ``fit`` time on global rank 0 only (other ranks log no
 
 from __future__ import annotations
 
+import importlib.util
 import netrc
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOGGER_NAMES", "build_loggers", "validate_logger_spec", "wandb_api_key_available"]
+__all__ = [
+    "LOGGER_NAMES", "TensorBoardLogger", "build_loggers", "validate_logger_spec", "wandb_api_key_available",
+]
 
-LOGGER_NAMES = ("csv", "wandb")
+LOGGER_NAMES = ("csv", "wandb", "tensorboard")
 WANDB_PROJECT = "verl-trainer"
 
 
@@ -54,6 +57,8 @@ def validate_logger_spec(spec: Any) -> None:
         TypeError: For a value that is neither a name, a bool, a Logger nor a list of those.
     """
     for item in _as_list(spec):
+        if item == "tensorboard":
+            _require_tensorboard()
         if isinstance(item, str):
             if item not in LOGGER_NAMES:
                 raise ValueError(
@@ -92,6 +97,27 @@ def make_wandb_logger(root_dir: str, **kwargs: Any) -> Any:
     return WandbLogger(save_dir=root_dir, offline=offline, **kwargs)
 
 
+def _require_tensorboard() -> None:
+    if not any(importlib.util.find_spec(name) for name in ("tensorboard", "tensorboardX")):
+        raise ValueError(
+            "logger='tensorboard' needs the tensorboard package, which is not installed; run `pip install "
+            "tensorboard` (or tensorboardX), or use logger='csv' / 'wandb'"
+        )
+
+
+def TensorBoardLogger(save_dir: str, name: str | None = "lightning_logs", version: int | str | None = None,  # noqa: N802
+                      **kwargs: Any) -> Any:
+    """Lightning's ``TensorBoardLogger`` with its arguments, after checking that tensorboard is installed.
+
+    Raises:
+        ValueError: Neither ``tensorboard`` nor ``tensorboardX`` is installed (names the package).
+    """
+    _require_tensorboard()
+    from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
+
+    return LightningTensorBoardLogger(save_dir=save_dir, name=name, version=version, **kwargs)
+
+
 def make_csv_logger(root_dir: str) -> Any:
     """``CSVLogger`` under ``root_dir/lightning_logs/version_N``."""
     from lightning.pytorch.loggers import CSVLogger
@@ -107,6 +133,8 @@ def build_loggers(spec: Any, root_dir: str) -> list[Any]:
             loggers.append(make_csv_logger(root_dir))
         elif item == "wandb":
             loggers.append(make_wandb_logger(root_dir))
+        elif item == "tensorboard":
+            loggers.append(TensorBoardLogger(root_dir))
         else:
             loggers.append(item)
     return loggers

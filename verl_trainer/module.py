@@ -19,7 +19,8 @@ What to implement::
                     "micro_batches": out["metrics"]}
 
 Required: :meth:`~TrainingModule.configure_engines`, :meth:`~TrainingModule.training_step`.
-Optional: :meth:`~TrainingModule.validation_step`, :meth:`~TrainingModule.setup`,
+Optional: :meth:`~TrainingModule.validation_step`, :meth:`~TrainingModule.test_step`,
+:meth:`~TrainingModule.predict_step`, :meth:`~TrainingModule.setup`,
 :meth:`~TrainingModule.state_dict` / :meth:`~TrainingModule.load_state_dict` (plain data: it is saved
 with ``torch.save`` and loaded with ``weights_only=True``), :attr:`~TrainingModule.hparams` (logged once),
 ``train_dataloader()`` / ``val_dataloader()`` when no datamodule is passed to ``fit``.
@@ -33,6 +34,11 @@ it over micro-batches and ranks before anything is logged):
 * a list of per-micro-batch ``{name: Metric}`` dicts (``engine.train_batch(...)["metrics"]``) — merged
   in under their own names (the key is not used);
 * anything else (tensors, batches) is passed to ``on_train_batch_end`` but not logged.
+
+**Logging from a step**: ``self.log("name", value, reduce="mean")`` (Lightning's ``self.log``) adds a value
+to the step's metrics with its reduction over micro-batches and ranks (``"mean"``, ``"sum"``, ``"min"``,
+``"max"``) — the same path as the step outputs (:meth:`Trainer.log_metrics`); call it on every rank.
+``self.log_dict({...}, reduce=...)`` logs several.
 
 **Hooks a step may dispatch** (``self.trainer``): ``call_hook("on_rollout_end", batch)`` after rollout
 and rewards; ``batch = call_before_update(batch)`` before the engine update (callbacks such as
@@ -56,14 +62,20 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from verl_trainer.engine.config import EngineSpec
 from verl_trainer.engine.hooks import StepHooks
+from verl_trainer.metrics import Metric
 
 if TYPE_CHECKING:
     from verl_trainer.engine.base import BaseEngine
     from verl_trainer.trainer import Trainer
 
 __all__ = ["EngineSpec", "StepOutput", "TrainingModule"]
+
+LOG_REDUCTIONS = ("mean", "sum", "min", "max")
+"""What :meth:`TrainingModule.log` may reduce with (``Metric``'s reductions)."""
 
 StepOutput = Mapping[str, Any]
 """What ``training_step`` / ``validation_step`` return (see the module docstring)."""
@@ -108,6 +120,52 @@ class TrainingModule:
         raise NotImplementedError(
             f"{type(self).__name__} has validation data but no validation_step(batch, batch_idx)"
         )
+
+    def test_step(self, batch: Any, batch_idx: int) -> StepOutput | None:
+        """One test batch (``Trainer.test``); the outputs of all batches are reduced together."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no test_step(batch, batch_idx) for Trainer.test"
+        )
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        """One predict batch (``Trainer.predict``); returns anything (collected per batch, not reduced)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no predict_step(batch, batch_idx) for Trainer.predict"
+        )
+
+    def log(self, name: str, value: torch.Tensor | float, reduce: str = "mean",
+            weight: torch.Tensor | float | None = None) -> None:
+        """Log ``value`` under ``name`` (this step or evaluation), reduced over micro-batches and ranks.
+
+        Args:
+            name: The metric name.
+            value: A number or a tensor (a tensor of several elements is reduced as its elements).
+            reduce: ``"mean"`` (optionally weighted by ``weight``), ``"sum"`` (over the step's calls and the
+                data-parallel ranks, as Lightning's ``reduce_fx="sum"``; ranks of one SP group log the same
+                value), ``"min"`` or ``"max"``.
+            weight: Weight of a ``"mean"`` value (e.g. its token count).
+
+        Raises:
+            ValueError: An unknown ``reduce``.
+            RuntimeError: Outside ``fit`` / ``validate`` / ``test`` (no Trainer).
+        """
+        if reduce not in LOG_REDUCTIONS:
+            raise ValueError(f"self.log({name!r}, reduce={reduce!r}); choose one of {LOG_REDUCTIONS}")
+        if weight is not None and reduce != "mean":
+            raise ValueError(f"self.log({name!r}, weight=...) needs reduce='mean', got reduce={reduce!r}")
+        if self.trainer is None:
+            raise RuntimeError(f"self.log({name!r}) outside a Trainer run: call it from the module's steps")
+        value = value.detach() if isinstance(value, torch.Tensor) else value
+        if reduce == "sum":  # Lightning's sum: over calls and data-parallel ranks (Metric.sum averages ranks)
+            metric = Metric.sum(value * self.trainer.dp_size)
+        else:
+            metric = Metric.mean(value, weight) if reduce == "mean" else getattr(Metric, reduce)(value)
+        self.trainer.log_metrics({name: metric})
+
+    def log_dict(self, metrics: Mapping[str, torch.Tensor | float], reduce: str = "mean") -> None:
+        """:meth:`log` every item of ``metrics`` with one ``reduce``."""
+        for name, value in metrics.items():
+            self.log(name, value, reduce=reduce)
 
     def state_dict(self) -> dict[str, Any]:
         """Non-engine state to checkpoint (plain data and tensors); engines are saved separately."""

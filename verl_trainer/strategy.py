@@ -19,12 +19,18 @@ precision       param_dtype  reduce_dtype  model_dtype
 ``bf16-mixed``  bfloat16     float32       float32
 ``bf16-true``   bfloat16     bfloat16      bfloat16
 ==============  ===========  ============  ===========
+
+``bf16-mixed`` runs wherever torch computes in bfloat16 (a CPU without AVX512-BF16 / AMX emulates it:
+correct but slow, so it warns); ``bf16-true`` needs native support. ``16-mixed`` (float16 with a dynamic
+gradient scaler) is named but refused for now: on CPU float16 matmuls are emulated, and the engines
+have no loss scaler yet (:func:`check_precision` says what to use).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import platform
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,14 +44,21 @@ from verl_trainer.engine.registry import BACKEND_PACKAGES, EngineRegistry
 from verl_trainer.engine.topology import Topology, build_topology, check_same_sizes
 from verl_trainer.utils.distributed import is_initialized, set_collective_timeout
 
-__all__ = ["PRECISIONS", "Strategy", "available_strategies", "normalize_precision", "resolve_strategy"]
+__all__ = [
+    "PRECISIONS", "Strategy", "available_strategies", "check_precision", "normalize_precision",
+    "resolve_strategy",
+]
 
 PRECISIONS: dict[str, dict[str, str]] = {
     "32-true": {"param_dtype": "float32", "reduce_dtype": "float32", "model_dtype": "float32"},
     "bf16-mixed": {"param_dtype": "bfloat16", "reduce_dtype": "float32", "model_dtype": "float32"},
     "bf16-true": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "model_dtype": "bfloat16"},
 }
-_PRECISION_ALIASES: dict[Any, str] = {32: "32-true", "32": "32-true", "bf16": "bf16-mixed"}
+_PRECISION_ALIASES: dict[Any, str] = {
+    32: "32-true", "32": "32-true", "bf16": "bf16-mixed",
+    16: "16-mixed", "16": "16-mixed", "fp16": "16-mixed",
+}
+_NAMED_ONLY = ("16-mixed",)  # Lightning names recognised, refused with a reason by check_precision
 
 
 def normalize_precision(precision: str | int) -> str:
@@ -55,12 +68,39 @@ def normalize_precision(precision: str | int) -> str:
         ValueError: For a precision outside :data:`PRECISIONS`.
     """
     name = _PRECISION_ALIASES.get(precision, precision)
-    if name not in PRECISIONS:
-        raise ValueError(
-            f"precision={precision!r} is not supported; choose one of {sorted(PRECISIONS)} "
-            f"(fp16 is not supported: use bf16-mixed)"
-        )
+    if name not in PRECISIONS and name not in _NAMED_ONLY:
+        raise ValueError(f"precision={precision!r} is not supported; choose one of {sorted(PRECISIONS)}")
     return str(name)
+
+
+def check_precision(precision: str, device_type: str) -> str:
+    """``precision`` if this ``device_type`` can run it; a warning when it runs slowly.
+
+    ``bf16-mixed`` is allowed wherever autocast / bfloat16 kernels run (a CPU without native bfloat16
+    emulates it, slowly: warned); ``bf16-true`` needs native bfloat16; ``16-mixed`` is refused.
+
+    Raises:
+        ValueError: The precision cannot run here; the message names what to use.
+    """
+    if precision == "16-mixed":
+        where = "CPUs have no float16 matmul units" if device_type == "cpu" else \
+            "the engines have no loss scaler yet"
+        raise ValueError(
+            f"precision='16-mixed' (float16 with a gradient scaler) is not available: {where}; use "
+            f"precision='bf16-mixed' (no scaler needed: bfloat16 has float32's range) or '32-true'"
+        )
+    if precision.startswith("bf16") and not bf16_supported(device_type):
+        if precision == "bf16-true" or device_type != "cpu":
+            raise ValueError(
+                f"precision={precision!r} needs native bfloat16, which this {device_type} lacks (CPU: "
+                f"AVX512-BF16 or AMX; GPU: Ampere or newer); use precision='32-true'"
+                + (" or 'bf16-mixed' (emulated, slow)" if device_type == "cpu" else "")
+            )
+        warnings.warn(
+            "precision='bf16-mixed' on a CPU without native bfloat16 (AVX512-BF16 / AMX): torch emulates "
+            "it, so steps are slower than precision='32-true'", stacklevel=3,
+        )
+    return precision
 
 
 def bf16_supported(device_type: str) -> bool:

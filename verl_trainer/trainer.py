@@ -20,6 +20,7 @@ checkpoint never precedes its own step in the logs.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -31,16 +32,25 @@ import torch.distributed as dist
 
 from verl_trainer import launch
 from verl_trainer.callbacks import Callback, MetricReduction, ModelCheckpoint, ProgressBar
-from verl_trainer.callbacks.base import HOOK_NAMES
+from verl_trainer.callbacks.base import HOOK_NAMES, check_callback
 from verl_trainer.engine.config import EngineSpec
 from verl_trainer.engine.hooks import StepHooks
 from verl_trainer.loggers import validate_logger_spec
 from verl_trainer.metrics import Metric
 from verl_trainer.module import TrainingModule
-from verl_trainer.strategy import Strategy, bf16_supported, normalize_precision, resolve_strategy
+from verl_trainer.strategy import Strategy, check_precision, normalize_precision, resolve_strategy
 from verl_trainer.training import failure, loops
 from verl_trainer.training.args import TrainerArgs
 from verl_trainer.training.data import ShardedLoader
+from verl_trainer.training.lightning_args import (
+    check_accumulate,
+    check_gradient_clip,
+    check_limit,
+    check_optional_count,
+    check_val_check_interval,
+    parse_max_time,
+    reject_unknown_args,
+)
 from verl_trainer.training.logging import MetricLogging
 from verl_trainer.utils.distributed import is_initialized
 
@@ -77,6 +87,14 @@ def _resolve_devices(devices: int | str, accelerator: str) -> int:
     return devices
 
 
+def _as_callback_list(callbacks: Sequence[Callback] | Callback | None) -> list[Callback]:
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, Sequence) and not isinstance(callbacks, str):
+        return list(callbacks)
+    return [callbacks]
+
+
 def _is_interactive() -> bool:
     import __main__
 
@@ -88,6 +106,10 @@ class CallbackStepHooks(StepHooks):
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
+
+    def on_before_zero_grad(self, optimizer: Any) -> None:
+        """``on_before_zero_grad`` with the engine's optimizer."""
+        self.trainer.call_hook("on_before_zero_grad", optimizer)
 
     def on_micro_batches(self, micro_batches: list[Any]) -> None:
         """``on_micro_batches`` with the planned micro-batches."""
@@ -152,7 +174,24 @@ class Trainer:
         enable_checkpointing: bool = _DEFAULTS.enable_checkpointing,
         seed: int = _DEFAULTS.seed,
         collective_timeout: float | None = _DEFAULTS.collective_timeout,
+        accumulate_grad_batches: int = _DEFAULTS.accumulate_grad_batches,
+        gradient_clip_val: float | None = _DEFAULTS.gradient_clip_val,
+        gradient_clip_algorithm: str | None = _DEFAULTS.gradient_clip_algorithm,
+        limit_train_batches: int | float | None = _DEFAULTS.limit_train_batches,
+        limit_val_batches: int | float | None = _DEFAULTS.limit_val_batches,
+        limit_test_batches: int | float | None = _DEFAULTS.limit_test_batches,
+        limit_predict_batches: int | float | None = _DEFAULTS.limit_predict_batches,
+        fast_dev_run: bool | int = _DEFAULTS.fast_dev_run,
+        max_time: str | timedelta | Mapping[str, int] | None = _DEFAULTS.max_time,
+        min_steps: int | None = _DEFAULTS.min_steps,
+        min_epochs: int | None = _DEFAULTS.min_epochs,
+        check_val_every_n_epoch: int | None = _DEFAULTS.check_val_every_n_epoch,
+        num_sanity_val_steps: int = _DEFAULTS.num_sanity_val_steps,
+        deterministic: bool | str = _DEFAULTS.deterministic,
+        **unsupported: Any,
     ) -> None:
+        names = inspect.signature(Trainer.__init__).parameters
+        reject_unknown_args(unsupported, [n for n in names if n not in ("self", "unsupported")])
         self.strategy = resolve_strategy(strategy)
         if collective_timeout is not None:
             if isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)) or \
@@ -167,12 +206,7 @@ class Trainer:
         if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
             raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
         self.num_nodes = num_nodes
-        self.precision = normalize_precision(precision)
-        if self.precision.startswith("bf16") and not bf16_supported(self.accelerator):
-            raise ValueError(
-                f"precision={self.precision!r} needs bfloat16 support, which this {self.accelerator} lacks "
-                f"(CPU: AVX512-BF16 or AMX; GPU: Ampere or newer); use precision='32-true'"
-            )
+        self.precision = check_precision(normalize_precision(precision), self.accelerator)
         if not isinstance(max_steps, int) or (max_steps < 1 and max_steps != -1):
             raise ValueError(f"max_steps must be -1 (unlimited) or >= 1, got {max_steps!r}")
         if max_epochs is not None and (not isinstance(max_epochs, int) or max_epochs < 1):
@@ -181,12 +215,34 @@ class Trainer:
         if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be an int >= 1, got {log_every_n_steps!r}")
         self.log_every_n_steps = log_every_n_steps
-        interval_ok = isinstance(val_check_interval, int) and not isinstance(val_check_interval, bool)
-        if val_check_interval is not None and not (interval_ok and val_check_interval >= 1):
-            raise ValueError(
-                f"val_check_interval must be None or an int >= 1 (trainer steps), got {val_check_interval!r}"
-            )
-        self.val_check_interval = val_check_interval
+        self.val_check_interval = check_val_check_interval(val_check_interval)
+        self.check_val_every_n_epoch = check_optional_count(
+            "check_val_every_n_epoch", check_val_every_n_epoch, 1
+        )
+        self.accumulate_grad_batches = check_accumulate(accumulate_grad_batches)
+        self.gradient_clip_val = check_gradient_clip(gradient_clip_val, gradient_clip_algorithm)
+        self.gradient_clip_algorithm = "norm"
+        self.limits = {kind: check_limit(f"limit_{kind}_batches", value) for kind, value in (
+            ("train", limit_train_batches), ("val", limit_val_batches), ("test", limit_test_batches),
+            ("predict", limit_predict_batches))}
+        self.max_time = parse_max_time(max_time)
+        self.min_steps = check_optional_count("min_steps", min_steps)
+        self.min_epochs = check_optional_count("min_epochs", min_epochs)
+        self.num_sanity_val_steps = check_optional_count("num_sanity_val_steps", num_sanity_val_steps, -1)
+        if deterministic not in (True, False, "warn"):
+            raise ValueError(f"deterministic={deterministic!r}; use True, False or 'warn' (warn only)")
+        self.deterministic = deterministic
+        if isinstance(fast_dev_run, bool) or (isinstance(fast_dev_run, int) and fast_dev_run >= 0):
+            self.fast_dev_run = int(fast_dev_run)
+        else:
+            raise ValueError(f"fast_dev_run={fast_dev_run!r}; use True (1 batch), False or an int N >= 0")
+        if self.fast_dev_run:  # Lightning's meaning: N train and N val batches, one epoch, nothing written
+            n = self.fast_dev_run
+            self.max_steps, self.max_epochs, self.max_time = n, 1, None
+            self.limits.update(train=n, val=n, test=n, predict=n)
+            self.val_check_interval, self.check_val_every_n_epoch, self.num_sanity_val_steps = None, 1, 0
+            logger, enable_checkpointing = False, False
+            callbacks = [cb for cb in _as_callback_list(callbacks) if not isinstance(cb, ModelCheckpoint)]
         if not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
         self.seed = seed
@@ -206,6 +262,8 @@ class Trainer:
         self.resume_changes: list[str] = []  # what changed since the checkpoint a fit resumed from (applied)
         self.train_loader: ShardedLoader | None = None
         self.val_loader: ShardedLoader | None = None
+        self.eval_loader: ShardedLoader | None = None  # test / predict data
+        self.sanity_checking = False
         self.step_hooks = CallbackStepHooks(self)
 
     # ----------------------------------------------------------------------------------- validation
@@ -213,12 +271,9 @@ class Trainer:
     def _order_callbacks(
         callbacks: Sequence[Callback] | Callback | None, progress_bar: bool, checkpointing: bool
     ) -> list[Callback]:
-        given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
+        given = _as_callback_list(callbacks)
         for cb in given:
-            if not isinstance(cb, Callback):
-                raise TypeError(
-                    f"callbacks must be verl_trainer.callbacks.Callback instances, got {type(cb).__name__}"
-                )
+            check_callback(cb)
         if any(isinstance(cb, ProgressBar) for cb in given) and not progress_bar:
             raise ValueError("a ProgressBar is in callbacks but enable_progress_bar=False; drop one of them")
         if any(isinstance(cb, ModelCheckpoint) for cb in given) and not checkpointing:
@@ -389,12 +444,33 @@ class Trainer:
         self._launch("fit", module, datamodule, ckpt_path)
 
     def validation_due(self) -> bool:
-        """Whether ``fit`` validates after the current step (``val_check_interval``)."""
-        interval = self.val_check_interval
-        return (
-            self.state == "fit" and self.val_loader is not None and interval is not None
-            and self.global_step % interval == 0
-        )
+        """Whether ``fit`` validates after the current step.
+
+        An int ``val_check_interval``: every N trainer steps. A float: every ``max(1, int(f * B))`` loader
+        batches of an epoch of ``B`` (after ``limit_train_batches``), in the epochs
+        ``check_val_every_n_epoch`` selects. No interval but ``check_val_every_n_epoch=N`` (or
+        ``fast_dev_run``): at the end of every N-th epoch.
+        """
+        loader = self.train_loader
+        if self.state != "fit" or self.val_loader is None or self.sanity_checking or loader is None:
+            return False
+        interval, every_epoch = self.val_check_interval, self.check_val_every_n_epoch
+        if isinstance(interval, int):
+            return self.global_step % interval == 0
+        total = loader.limited_len() if interval is not None else 0
+        if every_epoch is not None and (loader.epoch + 1) % every_epoch:
+            return False
+        if interval is None:
+            return every_epoch is not None and loader.exhausted()
+        if total is None:
+            raise ValueError(
+                f"val_check_interval={interval} is a fraction of an epoch, but the training data is a stream "
+                "of unknown length; use an int val_check_interval (trainer steps) or limit_train_batches=N"
+            )
+        every = max(1, int(interval * total)) if total else 1
+        done = loader.batches
+        crossed = done // every > (done - self.accumulate_grad_batches) // every  # one step may cross it
+        return loader.exhausted() or crossed
 
     def validate(
         self, module: Any, datamodule: Any = None, ckpt_path: str | os.PathLike | None = None
@@ -402,6 +478,28 @@ class Trainer:
         """Run the validation data once; returns ``[metrics]`` (reduced over batches and ranks)."""
         self._check_module(module)
         return self._launch("validate", module, datamodule, ckpt_path)
+
+    def test(self, module: Any, datamodule: Any = None, ckpt_path: str | os.PathLike | None = None
+             ) -> list[dict[str, float]]:
+        """Run ``module.test_step`` over the test data once; returns ``[metrics]`` (reduced over ranks).
+
+        Args:
+            module: A :class:`~verl_trainer.module.TrainingModule` with ``test_step``.
+            datamodule: An object with ``test_dataloader()``, or a DataLoader / map-style Dataset.
+            ckpt_path: A checkpoint to load first (``"last"`` or a directory).
+        """
+        self._check_module(module)
+        return self._launch("test", module, datamodule, ckpt_path)
+
+    def predict(self, module: Any, datamodule: Any = None, ckpt_path: str | os.PathLike | None = None
+                ) -> list[Any]:
+        """Run ``module.predict_step`` over the predict data; returns this rank's outputs, batch by batch.
+
+        Every rank predicts its shard of the data (the sampler's padding repeats included); with
+        ``devices > 1`` started from a plain script, rank 0's list is returned.
+        """
+        self._check_module(module)
+        return self._launch("predict", module, datamodule, ckpt_path)
 
     def check(self, module: Any, datamodule: Any = None) -> int:
         """Check a run's settings before any process starts or any model loads; returns the DP size.

@@ -73,7 +73,7 @@ def test_deepspeed_missing_names_the_extra(monkeypatch):
         Trainer(strategy="deepspeed_stage_2")
 
 
-@pytest.mark.parametrize("precision", ["16-mixed", "fp8", 16, "bf16-fancy"])
+@pytest.mark.parametrize("precision", ["fp8", 64, "bf16-fancy"])
 def test_bad_precision(precision):
     with pytest.raises(ValueError, match="precision=.*not supported; choose one of"):
         Trainer(precision=precision)
@@ -83,10 +83,18 @@ def test_precision_aliases():
     assert Trainer(precision=32).precision == "32-true"
 
 
-def test_bf16_without_support(monkeypatch):
-    monkeypatch.setattr("verl_trainer.trainer.bf16_supported", lambda device: False)
-    with pytest.raises(ValueError, match="needs bfloat16 support.*use precision='32-true'"):
-        Trainer(precision="bf16-mixed", accelerator="cpu")
+def test_bf16_without_native_support(monkeypatch):
+    monkeypatch.setattr("verl_trainer.strategy.bf16_supported", lambda device: False)
+    with pytest.warns(UserWarning, match="without native bfloat16.*slower"):
+        assert Trainer(precision="bf16-mixed", accelerator="cpu").precision == "bf16-mixed"
+    with pytest.raises(ValueError, match="needs native bfloat16.*use precision='32-true' or 'bf16-mixed'"):
+        Trainer(precision="bf16-true", accelerator="cpu")
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", 16, "16"])
+def test_fp16_is_refused_with_the_alternative(precision):
+    with pytest.raises(ValueError, match="precision='16-mixed'.*not available.*use precision='bf16-mixed'"):
+        Trainer(precision=precision, accelerator="cpu")
 
 
 @pytest.mark.parametrize("devices", [0, -2, "two", 1.5, True])
@@ -108,9 +116,9 @@ def test_gpu_without_cuda():
         ({"max_epochs": 0}, "max_epochs must be None or >= 1"),
         ({"num_nodes": 0}, "num_nodes must be an int >= 1"),
         ({"log_every_n_steps": 0}, "log_every_n_steps"),
-        ({"val_check_interval": 0.5}, "val_check_interval must be None or an int"),
+        ({"val_check_interval": 2.5}, "val_check_interval=2.5; use an int >= 1"),
         ({"accelerator": "tpu"}, "accelerator='tpu'"),
-        ({"logger": "tensorboard"}, "unknown logger 'tensorboard'"),
+        ({"logger": "tensorbored"}, "unknown logger 'tensorbored'"),
         ({"callbacks": [ProgressBar()], "enable_progress_bar": False}, "enable_progress_bar=False"),
         ({"callbacks": [ModelCheckpoint()], "enable_checkpointing": False}, "enable_checkpointing=False"),
         ({"callbacks": [LearningRateMonitor(), LearningRateMonitor()]}, "share the state key"),

@@ -17,6 +17,7 @@ from verl_trainer.testing.distributed import run_distributed
 STEP = [
     "on_train_batch_start",
     "on_before_update",
+    "on_before_zero_grad",
     "on_micro_batches",
     "on_before_backward",  # one per micro-batch (2 samples after Halve, micro-batch size 1)
     "on_before_backward",
@@ -24,19 +25,19 @@ STEP = [
     "on_before_optimizer_step",
     "on_train_batch_end",
 ]
-VALIDATION = ["on_validation_start"] + ["on_validation_batch_start", "on_validation_batch_end"] * 2 + [
-    "on_validation_end"
-]
+VALIDATION = ["on_validation_start", "on_validation_epoch_start"] + [
+    "on_validation_batch_start", "on_validation_batch_end"
+] * 2 + ["on_validation_epoch_end", "on_validation_end"]
 FIT_2_STEPS = (
-    ["setup", "on_fit_start", "on_train_start"]
+    ["setup", "on_fit_start", "on_train_start", "on_train_epoch_start"]
     + STEP + ["on_save_checkpoint"]                    # step 1: ModelCheckpoint saves in on_train_batch_end
     + STEP + VALIDATION + ["on_save_checkpoint"]       # step 2: validation first, then the save
-    + ["on_train_end", "on_fit_end", "teardown"]       # step 2 is saved already: no save at the end
+    + ["on_train_epoch_end", "on_train_end", "on_fit_end", "teardown"]  # step 2 is saved: no save at the end
 )
 RESUME_1_STEP = (
-    ["setup", "on_load_checkpoint", "on_fit_start", "on_train_start"]
+    ["setup", "on_load_checkpoint", "on_fit_start", "on_train_start", "on_train_epoch_start"]
     + STEP + ["on_save_checkpoint"]
-    + ["on_train_end", "on_fit_end", "teardown"]
+    + ["on_train_epoch_end", "on_train_end", "on_fit_end", "teardown"]
 )
 
 

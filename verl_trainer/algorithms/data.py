@@ -42,6 +42,10 @@ class DataConfig:
         max_length: Longest prompt + response in tokens (SFT).
         shuffle: Shuffle the training data every epoch.
         chat_template: ``None``: chat-list prompts use the tokenizer's template, strings are used as is.
+        prompt_key: SFT: the prompt column of pair rows.
+        response_key: SFT: the response column of pair rows.
+        messages_key: SFT: the column of multi-turn chats (loss on the assistant turns only); a row that has
+            it is a chat, any other a pair.
     """
 
     train_files: str = ""
@@ -54,6 +58,9 @@ class DataConfig:
     max_length: int = 512
     shuffle: bool = True
     chat_template: bool | None = None
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    messages_key: str = "messages"
 
     def __post_init__(self) -> None:
         if self.train_batch_size < 1:
@@ -176,7 +183,9 @@ class PromptDataModule(_DataModule):
 
 
 class SFTDataModule(_DataModule):
-    """SFT pairs (:class:`~verl_trainer.data.sft.SFTDataset`): ``loss_mask`` on the response + eos.
+    """SFT pairs or chats (:class:`~verl_trainer.data.sft.SFTDataset`).
+
+    ``loss_mask`` is on the response + eos of a pair, on the assistant turns of a chat.
 
     Args:
         config: Files and global batch sizes.
@@ -185,5 +194,7 @@ class SFTDataModule(_DataModule):
     """
 
     def _dataset(self, path: str) -> SFTDataset:
-        return SFTDataset(path, self.tokenizer, self.config.max_length,
-                          chat_template=self.config.chat_template)
+        cfg = self.config
+        return SFTDataset(path, self.tokenizer, cfg.max_length, chat_template=cfg.chat_template,
+                          prompt_key=cfg.prompt_key, response_key=cfg.response_key,
+                          messages_key=cfg.messages_key)

@@ -11,7 +11,7 @@ response tokens (``loss_mask``) of (prompt, response) pairs::
 Logged per step: ``sft/loss`` (reduced from the per-micro-batch partial losses), ``train/grad_norm``,
 ``train/lr``, ``train/update_skipped`` (1: a non-finite loss or gradient skipped the optimizer step; with
 ``non_finite.policy=error``, the default, it stops the run instead); per validation: ``val/loss`` (mean
-over validation batches).
+over validation batches); per test: ``test/loss``.
 """
 
 from __future__ import annotations
@@ -102,3 +102,7 @@ class SFT(TrainingModule):
         with actor.eval_mode():
             out = actor.infer_batch(batch, self.loss_fn)
         return {"val/loss": out["loss"]}
+
+    def test_step(self, batch: TensorDict, batch_idx: int) -> StepOutput:
+        """The loss of one test batch (global over the DP ranks), logged as ``test/loss``."""
+        return {"test/loss": self.validation_step(batch, batch_idx)["val/loss"]}

@@ -211,3 +211,36 @@ def append_padding(batch: TensorDict, count: int, first_uid: int | None = None) 
     if count <= 0:
         return batch
     return torch.cat([with_padding_tag(batch), padding_samples(batch, count, first_uid)])
+
+
+def concat_batches(batches: list[TensorDict]) -> TensorDict:
+    """One batch of several schema batches (``accumulate_grad_batches``).
+
+    Token keys are right-padded to the widest ``T`` with zeros, per-sample keys stacked; ``uid`` values
+    are offset so that samples of different batches never share a group.
+
+    Raises:
+        BatchSchemaError: The batches do not have the same keys.
+    """
+    keys = set(batches[0].keys())
+    if any(set(b.keys()) != keys for b in batches[1:]):
+        raise BatchSchemaError(
+            f"cannot join batches with different keys: {[sorted(b.keys()) for b in batches]}"
+        )
+    width = max((b[INPUT_IDS].shape[1] for b in batches if INPUT_IDS in keys), default=0)
+    parts, offset = [], 0
+    for b in batches:
+        b = b.clone(recurse=False)
+        pad = width - b[INPUT_IDS].shape[1] if INPUT_IDS in keys else 0
+        for key in keys:
+            value = b.get(key)
+            if pad and isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == width - pad:
+                widened = torch.nn.functional.pad(value, (0, 0) * (value.dim() - 2) + (0, pad))
+                b = b.exclude(key)
+                b[key] = widened
+        if UID in keys:
+            uid = b[UID]
+            b[UID] = uid + offset
+            offset += int(uid.max()) + 1 if uid.numel() else 0
+        parts.append(b)
+    return torch.cat(parts, dim=0)

@@ -1,28 +1,53 @@
-"""SFT data, one home: :class:`SFTDataset` (prompt/response pairs) and :func:`collate_sft` (schema batch).
+"""SFT data, one home: datasets of pairs or chats, in memory or streamed, and their collation.
 
-A dataset is built from an SFT file (``.jsonl`` / ``.parquet`` with ``prompt`` and ``response``; the
-prompt is encoded as the RL prompt dataset encodes it, the response gets the eos appended), from such
-rows, or from pairs that are already token ids. :func:`collate_sft` turns pairs into a schema batch
-``[B, T]`` whose ``loss_mask`` covers the response tokens (eos included); every sample is its own uid.
+:class:`SFTDataset` (in memory), :class:`IterableSFTDataset` (a stream of rows), :func:`collate_sft` (schema
+batch).
+
+A dataset is built from an SFT file (``.jsonl`` / ``.parquet``), from rows, or from examples that are
+already token ids. A row is either
+
+* a pair: ``prompt`` and ``response`` columns (names configurable: ``prompt_key``, ``response_key``);
+  the prompt is encoded as the RL prompt dataset encodes it, the response gets the eos appended, and
+  the loss covers the response (eos included); or
+* a chat: a ``messages`` column (``messages_key``) with a multi-turn list of ``{"role", "content"}``
+  (TRL's conversational format). It goes through the tokenizer's chat template and the loss covers the
+  assistant turns only (:func:`encode_chat_example`).
+
+:func:`collate_sft` turns examples into a schema batch ``[B, T]``; every sample is its own uid.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDict
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
+from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.data.prompts import encode_prompt, read_rows
 
-__all__ = ["SFTDataset", "TokenPair", "collate_sft", "encode_sft_example"]
+__all__ = [
+    "IterableSFTDataset", "SFTDataset", "TokenMask", "TokenPair", "collate_sft", "encode_chat_example",
+    "encode_sft_example",
+]
 
 TokenPair = tuple[list[int], list[int]]
 """``(prompt_ids, response_ids)`` of one SFT sample."""
+
+
+class TokenMask(NamedTuple):
+    """One SFT sample as token ids and a per-token loss mask (a chat: 1 on the assistant turns)."""
+
+    ids: list[int]
+    loss_mask: list[int]
+
+
+SFTExample = TokenPair | TokenMask
+"""What an SFT dataset item is."""
 
 
 def encode_sft_example(tokenizer: Any, prompt: str | list[dict[str, str]], response: str,
@@ -37,71 +62,197 @@ def encode_sft_example(tokenizer: Any, prompt: str | list[dict[str, str]], respo
     return prompt_ids, response_ids
 
 
+def encode_chat_example(tokenizer: Any, messages: Sequence[Mapping[str, str]], where: str = "") -> TokenMask:
+    """Token ids of a multi-turn chat with the loss on the assistant turns only.
+
+    Each assistant turn's tokens are what the chat template adds for that message after the conversation
+    before it with the generation prompt (``apply_chat_template(messages[:i], add_generation_prompt=True)``
+    → ``apply_chat_template(messages[:i + 1])``): the turn's content and its end-of-turn tokens, not the
+    role header. The template must render each prefix of the conversation as a prefix of the whole.
+
+    Raises:
+        ValueError: No chat template, a malformed message, no assistant turn, or a template that does not
+            render prefixes as prefixes (e.g. one that rewrites earlier turns).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{where}a 'messages' row needs a tokenizer with a chat_template; set one "
+                         "(tokenizer.chat_template = ...) or give prompt/response columns")
+    for j, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not {"role", "content"} <= set(m):
+            raise ValueError(f"{where}message {j} must be a mapping with 'role' and 'content', got {m!r}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{where}the chat has no assistant turn to train on (roles: "
+                         f"{[m['role'] for m in messages]})")
+
+    def render(upto: int, generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(list(messages[:upto]), add_generation_prompt=generation_prompt,
+                                             tokenize=False) if upto else ""
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    ids = render(len(messages), False)
+    mask = [0] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start, end = len(render(i, True)), len(render(i + 1, False))
+        if ids[:end] != render(i + 1, False) or render(i, True) != ids[:start]:
+            raise ValueError(
+                f"{where}the chat template does not render the conversation up to turn {i} as a prefix of "
+                "the whole, so the assistant tokens cannot be located; use a template without rewriting of "
+                "earlier turns, or split the chat into prompt/response rows"
+            )
+        mask[start:end] = [1] * (end - start)
+    return TokenMask(ids, mask)
+
+
 def _is_token_pair(item: Any) -> bool:
     return isinstance(item, (tuple, list)) and len(item) == 2 and not isinstance(item, Mapping)
 
 
-class SFTDataset(Dataset):
-    """Prompt/response pairs for SFT; :meth:`collate` builds a schema batch.
+def encode_sft_row(item: Any, i: int, tokenizer: Any, max_length: int, chat_template: bool | None = None,
+                   keys: tuple[str, str, str] = ("prompt", "response", "messages"),
+                   where: str = "") -> SFTExample:
+    """One SFT example from a row (pair or chat), a ``TokenMask`` or an id pair (see the module docstring).
 
     Args:
-        source: An SFT file, its rows (``{"prompt", "response"}`` mappings), or ``(prompt_ids,
-            response_ids)`` pairs already tokenised (then no tokenizer is needed).
-        tokenizer: A transformers tokenizer with an eos token (for files and rows).
-        max_length: Longest prompt + response of a row; longer rows raise.
-        chat_template: See :func:`verl_trainer.data.prompts.encode_prompt`.
-        pad_token_id: Padding id of :meth:`collate` (default: the tokenizer's, else 0).
+        item: The row.
+        i: Its index (for messages).
+        tokenizer: Tokenizer of text rows.
+        max_length: Longest example in tokens.
+        chat_template: See :func:`verl_trainer.data.prompts.encode_prompt` (pair rows).
+        keys: ``(prompt_key, response_key, messages_key)`` column names.
+        where: Prefix of messages (the file).
 
     Raises:
-        ValueError: A row without ``prompt``/``response``, longer than ``max_length``, or rows without a
-            tokenizer.
+        ValueError: A text row without a tokenizer, without the columns, or longer than ``max_length``.
+    """
+    if isinstance(item, TokenMask):
+        return TokenMask(list(item.ids), list(item.loss_mask))
+    if _is_token_pair(item):
+        return list(item[0]), list(item[1])
+    prompt_key, response_key, messages_key = keys
+    if tokenizer is None:
+        raise ValueError(f"{where}SFT row {i} is text: pass tokenizer= to tokenise it, or give id pairs")
+    if not isinstance(item, Mapping):
+        raise ValueError(f"{where}SFT row {i} must be a mapping of columns, got {type(item).__name__}")
+    if messages_key in item and item[messages_key] is not None:
+        example: SFTExample = encode_chat_example(tokenizer, item[messages_key], f"{where}SFT row {i}: ")
+        length = len(example.ids)
+    elif prompt_key in item and response_key in item:
+        example = encode_sft_example(tokenizer, item[prompt_key], str(item[response_key]), chat_template)
+        length = len(example[0]) + len(example[1])
+    else:
+        raise ValueError(
+            f"{where}SFT row {i} needs {prompt_key!r} and {response_key!r} columns, or a {messages_key!r} "
+            f"column (a chat); it has {sorted(item)} — set prompt_key / response_key / messages_key to your "
+            "column names"
+        )
+    if length > max_length:
+        raise ValueError(
+            f"{where}SFT row {i} has {length} tokens > max_length={max_length}; raise data.max_length or "
+            "shorten the row"
+        )
+    return example
+
+
+class SFTDataset(Dataset):
+    """SFT examples (pairs or chats, see the module docstring); :meth:`collate` builds a schema batch.
+
+    Args:
+        source: An SFT file, its rows, or examples already tokenised (``(prompt_ids, response_ids)`` pairs
+            or :class:`TokenMask` values; then no tokenizer is needed).
+        tokenizer: A transformers tokenizer with an eos token (for files and rows).
+        max_length: Longest example in tokens; longer rows raise.
+        chat_template: See :func:`verl_trainer.data.prompts.encode_prompt` (pair rows).
+        pad_token_id: Padding id of :meth:`collate` (default: the tokenizer's, else 0).
+        prompt_key: Column of the prompt (pair rows).
+        response_key: Column of the response (pair rows).
+        messages_key: Column of a multi-turn chat (chat rows; takes precedence when present).
+
+    Raises:
+        ValueError: A row without the columns, longer than ``max_length``, or text rows without a tokenizer.
     """
 
-    def __init__(self, source: str | Path | Sequence[Mapping[str, Any]] | Sequence[Sequence[Sequence[int]]],
-                 tokenizer: Any = None, max_length: int = 512, chat_template: bool | None = None,
-                 pad_token_id: int | None = None) -> None:
+    def __init__(self, source: str | Path | Sequence[Any], tokenizer: Any = None, max_length: int = 512,
+                 chat_template: bool | None = None, pad_token_id: int | None = None,
+                 prompt_key: str = "prompt", response_key: str = "response",
+                 messages_key: str = "messages") -> None:
         items = read_rows(Path(source)) if isinstance(source, (str, Path)) else list(source)
         where = f"{source}: " if isinstance(source, (str, Path)) else ""
-        if pad_token_id is None:
-            pad_token_id = getattr(tokenizer, "pad_token_id", None)
-        self.pad_token_id = int(pad_token_id or 0)
-        self.examples: list[TokenPair] = []
-        for i, item in enumerate(items):
-            if _is_token_pair(item):
-                self.examples.append((list(item[0]), list(item[1])))
-                continue
-            if tokenizer is None:
-                raise ValueError(
-                    f"{where}SFT row {i} is text: pass tokenizer= to tokenise it, or give id pairs"
-                )
-            if "prompt" not in item or "response" not in item:
-                raise ValueError(
-                    f"{where}SFT row {i} needs 'prompt' and 'response' columns; it has {sorted(item)}"
-                )
-            p, r = encode_sft_example(tokenizer, item["prompt"], str(item["response"]), chat_template)
-            if len(p) + len(r) > max_length:
-                raise ValueError(
-                    f"{where}SFT row {i} has {len(p) + len(r)} tokens > max_length={max_length}; raise "
-                    "data.max_length or shorten the row"
-                )
-            self.examples.append((p, r))
+        self.pad_token_id = _pad_id(tokenizer, pad_token_id)
+        keys = (prompt_key, response_key, messages_key)
+        self.examples: list[SFTExample] = [
+            encode_sft_row(item, i, tokenizer, max_length, chat_template, keys, where)
+            for i, item in enumerate(items)
+        ]
 
     def __len__(self) -> int:
         return len(self.examples)
 
-    def __getitem__(self, i: int) -> TokenPair:
+    def __getitem__(self, i: int) -> SFTExample:
         return self.examples[i]
 
-    def collate(self, items: Sequence[TokenPair]) -> TensorDict:
+    def collate(self, items: Sequence[SFTExample]) -> TensorDict:
         """Schema batch of ``items`` with this dataset's padding id (see :func:`collate_sft`)."""
         return collate_sft(items, self.pad_token_id)
 
 
-def collate_sft(items: Sequence[tuple[Sequence[int], Sequence[int]]], pad_token_id: int = 0) -> TensorDict:
-    """Batch ``(prompt_ids, response_ids)`` pairs into a schema ``TensorDict`` ``[B, T]``.
+def _pad_id(tokenizer: Any, pad_token_id: int | None) -> int:
+    if pad_token_id is None:
+        pad_token_id = getattr(tokenizer, "pad_token_id", None)
+    return int(pad_token_id or 0)
 
-    ``loss_mask`` is 1 on the response tokens; every sample is its own uid.
+
+class IterableSFTDataset(IterableDataset):
+    """A stream of SFT rows (e.g. ``datasets.load_dataset(..., streaming=True)``), tokenised as they come.
+
+    The Trainer shards it over the data-parallel ranks by position (rank ``r`` of ``dp`` takes rows
+    ``r, r + dp, ...``, batched by the DataLoader), every rank steps while all ranks still have a batch,
+    and a resumed run skips the batches it consumed. Columns and errors as :class:`SFTDataset`.
+
+    Args:
+        rows: An iterable of rows (re-iterated every epoch).
+        tokenizer, max_length, chat_template, pad_token_id, prompt_key, response_key, messages_key: As for
+            :class:`SFTDataset`.
     """
-    prompts = [list(p) for p, _ in items]
-    responses = [list(r) for _, r in items]
-    return make_batch(prompts, responses, uids=torch.arange(len(items)), pad_token_id=pad_token_id)
+
+    def __init__(self, rows: Iterable[Any], tokenizer: Any = None, max_length: int = 512,
+                 chat_template: bool | None = None, pad_token_id: int | None = None,
+                 prompt_key: str = "prompt", response_key: str = "response",
+                 messages_key: str = "messages") -> None:
+        self.rows = rows
+        self.tokenizer, self.max_length, self.chat_template = tokenizer, max_length, chat_template
+        self.keys = (prompt_key, response_key, messages_key)
+        self.pad_token_id = _pad_id(tokenizer, pad_token_id)
+        self.shard: tuple[int, int] = (0, 1)  # (rank, num_shards), set by the Trainer
+
+    def __iter__(self) -> Iterator[SFTExample]:
+        rank, shards = self.shard
+        for i, item in enumerate(self.rows):
+            if i % shards == rank:
+                yield encode_sft_row(item, i, self.tokenizer, self.max_length, self.chat_template, self.keys)
+
+    def collate(self, items: Sequence[SFTExample]) -> TensorDict:
+        """Schema batch of ``items`` (see :func:`collate_sft`)."""
+        return collate_sft(items, self.pad_token_id)
+
+
+def collate_sft(items: Sequence[SFTExample], pad_token_id: int = 0) -> TensorDict:
+    """Batch SFT examples into a schema ``TensorDict`` ``[B, T]``.
+
+    ``loss_mask`` is 1 on the response tokens of ``(prompt_ids, response_ids)`` pairs and follows the mask of
+    :class:`TokenMask` examples (position 0 never: it has no prediction); every sample is its own uid.
+    """
+    prompts = [[] if isinstance(it, TokenMask) else list(it[0]) for it in items]
+    responses = [list(it.ids) if isinstance(it, TokenMask) else list(it[1]) for it in items]
+    batch = make_batch(prompts, responses, uids=torch.arange(len(items)), pad_token_id=pad_token_id)
+    masked = [i for i, it in enumerate(items) if isinstance(it, TokenMask)]
+    if masked:
+        loss = batch[schema.LOSS_MASK].clone()
+        for i in masked:
+            row = torch.tensor(items[i].loss_mask, dtype=loss.dtype)
+            loss[i] = 0.0
+            loss[i, 1:row.numel()] = row[1:]
+        batch[schema.LOSS_MASK] = loss
+        batch[schema.RESPONSE_MASK] = loss.clone()
+    return batch

@@ -217,10 +217,11 @@ class BaseEngine(ABC):
     ) -> dict[str, Any]:
         """One optimizer step — the only implementation of one in the project.
 
-        Zero grads → ``hooks.on_micro_batches`` → per micro-batch forward, ``hooks.on_before_backward``,
-        backward → ``hooks.on_after_backward`` → ``hooks.on_before_optimizer_step`` → clip and step (a
-        non-finite grad norm skips the step). The LR scheduler is NOT stepped here (PPO runs several
-        ``train_batch`` per trainer step); call :meth:`lr_scheduler_step` once per trainer step.
+        ``hooks.on_before_zero_grad`` → zero grads → ``hooks.on_micro_batches`` → per micro-batch forward,
+        ``hooks.on_before_backward``, backward → ``hooks.on_after_backward`` →
+        ``hooks.on_before_optimizer_step`` → clip and step (a non-finite grad norm skips the step). The LR
+        scheduler is NOT stepped here (PPO runs several ``train_batch`` per trainer step); call
+        :meth:`lr_scheduler_step` once per trainer step.
 
         Args:
             data: This DP rank's batch ``[B, T]`` of one optimizer step.
@@ -241,6 +242,7 @@ class BaseEngine(ABC):
                 f"pass an OptimConfig to build a trainable engine"
             )
         hooks = hooks or NO_HOOKS
+        hooks.on_before_zero_grad(self.optimizer)
         self.optimizer_zero_grad()
         out = self.forward_backward_batch(data, loss_function, forward_only=False, hooks=hooks, **kwargs)
         hooks.on_after_backward()

@@ -5,6 +5,7 @@ implementation of an optimizer step (zero-grad → micro-batches → backward �
 A caller that wants to see inside it — the Trainer dispatching its callbacks — passes one
 :class:`StepHooks`; the engine calls it at fixed points::
 
+    on_before_zero_grad(optimizer)          first, before the gradients are cleared
     on_micro_batches(micro_batches)         the planned micro-batches, before the first forward
     on_before_backward(loss)                per micro-batch, before its backward
     on_after_backward()                     after the last backward
@@ -25,6 +26,9 @@ __all__ = ["StepHooks"]
 
 class StepHooks:
     """Callbacks of one optimizer step (see the module docstring); the base class does nothing."""
+
+    def on_before_zero_grad(self, optimizer: Any) -> None:
+        """Before ``optimizer``'s gradients are cleared at the start of the step."""
 
     def on_micro_batches(self, micro_batches: list[TensorDict]) -> None:
         """The micro-batches the step will run (each ``[b, T]``), before the first forward."""

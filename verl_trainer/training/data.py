@@ -27,9 +27,12 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
 
+from verl_trainer.data.hf_batch import to_schema_batch
 from verl_trainer.data.schema import mark_padding
+from verl_trainer.training.iterable_data import IterableShardedLoader
+from verl_trainer.training.lightning_args import limited_batches
 
-__all__ = ["ResumableDistributedSampler", "ShardedLoader", "as_dataloader"]
+__all__ = ["ResumableDistributedSampler", "ShardedLoader", "as_dataloader", "make_sharded_loader"]
 
 
 class ResumableDistributedSampler(Sampler[int]):
@@ -94,18 +97,20 @@ class ResumableDistributedSampler(Sampler[int]):
 
 
 def as_dataloader(source: Any, what: str) -> DataLoader:
-    """``source`` as a DataLoader: a DataLoader as is, a map-style Dataset of ready batches unbatched.
+    """``source`` as a DataLoader: a DataLoader as is, a Dataset of ready batches unbatched.
 
     Raises:
-        TypeError: For an iterable-style dataset or anything else (they cannot be sharded reproducibly).
+        TypeError: For anything else.
     """
     if isinstance(source, DataLoader):
         return source
+    if isinstance(source, IterableDataset):
+        return DataLoader(source, batch_size=None)
     if isinstance(source, Dataset) and not isinstance(source, IterableDataset) and hasattr(source, "__len__"):
         return DataLoader(source, batch_size=None, shuffle=False)
     raise TypeError(
-        f"the {what} must be a torch DataLoader over a map-style dataset (or a map-style Dataset whose items "
-        f"are batches), got {type(source).__name__}; iterable datasets cannot be sharded and resumed exactly"
+        f"the {what} must be a torch DataLoader (over a map-style or iterable dataset) or a Dataset whose "
+        f"items are batches, got {type(source).__name__}"
     )
 
 
@@ -134,13 +139,14 @@ class ShardedLoader:
         seed: Shuffle seed.
         tag_padding: Turn the rows that repeat a sample to fill the last round into padding samples
             (validation; batches must be ``TensorDict``s).
+        limit: ``limit_*_batches``: batches per epoch (an int, or a fraction of the epoch's batches).
 
     Raises:
         TypeError: For an iterable dataset or a custom batch sampler.
     """
 
     def __init__(self, loader: DataLoader, dp_rank: int, dp_size: int, seed: int,
-                 tag_padding: bool = False) -> None:
+                 tag_padding: bool = False, limit: int | float | None = None) -> None:
         dataset = loader.dataset
         if isinstance(dataset, IterableDataset):
             raise TypeError(
@@ -169,6 +175,7 @@ class ShardedLoader:
             persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
         )
         self.tag_padding = tag_padding
+        self.limit = limit
         self.epoch = 0
         self.batches = 0  # consumed this epoch, on this rank
 
@@ -180,17 +187,34 @@ class ShardedLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def limited_len(self) -> int:
+        """Batches of one whole epoch under ``limit`` (the same on every DP rank)."""
+        total = -(-self.sampler.total // self.dp_size)
+        total = total // self.batch_size if self.loader.drop_last and self.batch_size else (
+            -(-total // self.batch_size) if self.batch_size else total)
+        return int(limited_batches(total, self.limit))
+
+    def exhausted(self) -> bool:
+        """Whether the current epoch's (limited) batches are all consumed."""
+        return self.batches >= self.limited_len()
+
     def epoch_batches(self) -> Iterator[Any]:
-        """The batches left in the current epoch, from the current position."""
+        """The batches left in the current epoch (under ``limit``), from the current position.
+
+        HF-style dict batches become schema batches (``data/hf_batch.py: to_schema_batch``).
+        """
         self.sampler.set_epoch(self.epoch)
         self.sampler.set_start(self.batches * self.samples_per_batch * self.dp_size)
-        if not self.tag_padding:
-            yield from self.loader
-            return
+        left = self.limited_len() - self.batches
         repeated, per = self.sampler.repeated(), self.batch_size
         for i, batch in enumerate(self.loader):
-            rows = repeated[i * per:(i + 1) * per] if per is not None else repeated[i].expand(len(batch))
-            yield _tagged(batch, rows)
+            if i >= left:
+                return
+            batch = to_schema_batch(batch)
+            if self.tag_padding:
+                rows = repeated[i * per:(i + 1) * per] if per is not None else repeated[i].expand(len(batch))
+                batch = _tagged(batch, rows)
+            yield batch
 
     def advance(self) -> None:
         """Count one consumed batch."""
@@ -215,3 +239,15 @@ class ShardedLoader:
             )
         self.epoch = int(state["epoch"])
         self.batches = int(state["samples"]) // per_step
+
+
+def make_sharded_loader(loader: DataLoader, dp_rank: int, dp_size: int, seed: int, tag_padding: bool = False,
+                        limit: int | float | None = None) -> ShardedLoader | IterableShardedLoader:
+    """The loader of a stage, sharded over the DP ranks.
+
+    :class:`ShardedLoader` for a map-style dataset, ``IterableShardedLoader`` for an iterable one
+    (``training/iterable_data.py``).
+    """
+    if isinstance(loader.dataset, IterableDataset):
+        return IterableShardedLoader(loader, dp_rank, dp_size, limit=limit)
+    return ShardedLoader(loader, dp_rank, dp_size, seed, tag_padding=tag_padding, limit=limit)

@@ -139,6 +139,13 @@ class MetricLogging:
                 lg.log_metrics(self.logged_metrics, step=step)
         self._pending.clear()
 
+    def discard(self, callback_metrics: Mapping[str, float]) -> None:
+        """Drop what waits to be logged (reducing first) and restore ``callback_metrics`` (sanity check)."""
+        if len(self._acc):
+            self.reduce()
+        self._pending.clear()
+        self.callback_metrics = dict(callback_metrics)
+
     def finalize(self, status: str) -> None:
         """Save and close every logger (``status``: ``"success"`` or ``"failed"``)."""
         for lg in self.loggers:

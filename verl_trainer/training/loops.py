@@ -1,23 +1,38 @@
-"""The fit and validation loops of :class:`verl_trainer.Trainer`, and checkpoint save/restore.
+"""The fit loop of :class:`verl_trainer.Trainer`, stage set-up, and checkpoint save/restore.
 
-Hook order of ``fit`` (pinned by ``tests/trainer/test_hooks.py``)::
+Hook order of ``fit`` (pinned by ``tests/trainer/test_hooks.py``; validation, test and predict loops are in
+``training/evaluation.py``)::
 
-    setup(stage) → [on_load_checkpoint] → on_fit_start → on_train_start
+    setup(stage) → [on_load_checkpoint] → on_fit_start → [on_sanity_check_start → validation of
+    num_sanity_val_steps batches → on_sanity_check_end] → on_train_start
+    per epoch: on_train_epoch_start → steps → on_train_epoch_end
     per step:  on_train_batch_start → training_step (the module dispatches on_rollout_end,
                on_before_update, on_before_backward per micro-batch, on_after_backward,
                on_before_optimizer_step) → LR schedulers step → global_step += 1 → on_train_batch_end
-               → metrics logged → [validation: on_validation_start → (on_validation_batch_start →
-               validation_step → on_validation_batch_end)* → on_validation_end]
+               → metrics logged → [validation: on_validation_start → on_validation_epoch_start →
+               (on_validation_batch_start → validation_step → on_validation_batch_end)* →
+               on_validation_epoch_end → on_validation_end]
+    (inside train_batch, before the micro-batches: on_before_zero_grad)
     on_train_end → on_fit_end → teardown(stage)
 
 ``on_save_checkpoint`` runs inside a checkpoint save (``ModelCheckpoint`` saves in
 ``on_train_batch_end``, in ``on_validation_end`` when validation runs that step, and in
 ``on_train_end``). ``on_exception`` runs when the stage raises, before ``teardown``.
+
+``accumulate_grad_batches=K`` joins K consecutive loader batches into the batch of one optimizer step
+(``data/schema.py: concat_batches``) before ``training_step``: the engine then computes the global
+denominators (tokens, samples) over all K batches, splits the joined batch into its micro-batches
+(``micro_batch_size_per_gpu`` or the token budget) and steps once. So the loss and gradient equal one
+step on a K-times larger batch exactly, which summing K separately normalised backward passes would
+not (token-mean over K batches of different token counts). ``global_step`` counts optimizer steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
+import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,9 +40,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from verl_trainer.callbacks.base import HOOK_NAMES, unknown_hooks
+from verl_trainer.data.schema import concat_batches
+from verl_trainer.engine.config import EngineSpec
 from verl_trainer.training import checkpoint as ckpt
-from verl_trainer.training import resume_check
-from verl_trainer.training.data import ShardedLoader, as_dataloader
+from verl_trainer.training import evaluation, resume_check
+from verl_trainer.training.data import ShardedLoader, as_dataloader, make_sharded_loader
+from verl_trainer.training.evaluation import EVAL_STAGES
 from verl_trainer.utils.distributed import barrier, broadcast_object
 
 if TYPE_CHECKING:
@@ -48,34 +67,54 @@ def configure_engines(trainer: Trainer, module: TrainingModule) -> None:
     """Build and initialise the module's engines with the strategy (on its one topology), once per module."""
     if module.engines:
         return
+    specs = dict(module.configure_engines())
+    if trainer.gradient_clip_val is not None:  # Trainer(gradient_clip_val=) overrides OptimConfig.clip_grad
+        clip = trainer.gradient_clip_val
+        specs = {name: dataclasses.replace(spec, optim=spec.optim.replace(clip_grad=clip))
+                 if isinstance(spec, EngineSpec) and spec.optim is not None else spec
+                 for name, spec in specs.items()}
     module.engines = trainer.strategy.build_engines(
-        module.configure_engines(), trainer.precision, trainer.seed, trainer.accelerator
+        specs, trainer.precision, trainer.seed, trainer.accelerator
     )
 
 
-def _loader(trainer: Trainer, kind: str, datamodule: Any, module: Any) -> ShardedLoader | None:
+def _loader(trainer: Trainer, kind: str, datamodule: Any, module: Any, direct: bool) -> ShardedLoader | None:
+    """The ``kind`` data; ``direct``: a loader / dataset passed in place of a datamodule is this data."""
     method = f"{kind}_dataloader"
     source = None
     if datamodule is not None:
         if callable(getattr(datamodule, method, None)):
             source = getattr(datamodule, method)()
-        elif kind == "train":
+        elif direct and not _is_datamodule(datamodule):
             source = datamodule
     elif callable(getattr(module, method, None)):
         source = getattr(module, method)()
     if source is None:
         return None
     loader = as_dataloader(source, f"{kind} data")
-    return ShardedLoader(loader, trainer.dp_rank, trainer.dp_size, trainer.seed, tag_padding=kind == "val")
+    return make_sharded_loader(loader, trainer.dp_rank, trainer.dp_size, trainer.seed,
+                               tag_padding=kind in ("val", "test"), limit=trainer.limits[kind])
+
+
+def _is_datamodule(obj: Any) -> bool:
+    return any(callable(getattr(obj, f"{k}_dataloader", None)) for k in ("train", "val", "test", "predict"))
+
+
+def apply_deterministic(setting: bool | str) -> None:
+    """``Trainer(deterministic=)``: deterministic torch kernels (``"warn"``: warn where there are none)."""
+    if setting:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=setting == "warn")
 
 
 def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_path: Any) -> Any:
-    """Set everything up for ``stage`` (``"fit"`` / ``"validate"``) on this rank and run it."""
+    """Set up ``stage`` (``fit`` / ``validate`` / ``test`` / ``predict``) on this rank and run it."""
     trainer.module, trainer.state, trainer.should_stop = module, stage, False
     module.trainer = trainer
     if datamodule is not None and hasattr(datamodule, "trainer"):
         datamodule.trainer = trainer  # Lightning's attribute: the datamodule reads trainer.dp_size
     seed_everything(trainer.seed)
+    apply_deterministic(trainer.deterministic)
     trainer.logging.setup(trainer.is_global_zero)
     status = "failed"
     try:
@@ -83,18 +122,22 @@ def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_p
         module.setup(stage)
         resume = _check_resume(trainer, ckpt_path) if ckpt_path is not None else None  # before any engine
         configure_engines(trainer, module)
-        trainer.train_loader = _loader(trainer, "train", datamodule, module) if stage == "fit" else None
-        trainer.val_loader = _loader(trainer, "val", datamodule, module)
+        fit, has_val, evaluates = stage == "fit", stage in ("fit", "validate"), stage in EVAL_STAGES
+        trainer.train_loader = _loader(trainer, "train", datamodule, module, direct=True) if fit else None
+        trainer.val_loader = _loader(trainer, "val", datamodule, module, direct=not fit) if has_val else None
+        trainer.eval_loader = _loader(trainer, stage, datamodule, module, direct=True) if evaluates else None
         if stage == "fit" and trainer.train_loader is None:
             raise ValueError("fit needs training data: pass a datamodule or define module.train_dataloader()")
         if ckpt_path is not None:
             restore(trainer, ckpt_path, resume)
         if stage == "fit":
             result = fit_loop(trainer)
-        else:
+        elif stage == "validate":
             if trainer.val_loader is None:
                 raise ValueError("validate needs validation data: a datamodule with val_dataloader()")
-            result = [validation_loop(trainer)]
+            result = [evaluation.validation_loop(trainer)]
+        else:
+            result = evaluation.run_eval_stage(trainer, stage)
         status = "success"
         return result
     except BaseException as exc:
@@ -112,62 +155,100 @@ def _max_epochs_reached(trainer: Trainer) -> bool:
     return trainer.max_epochs is not None and trainer.train_loader.epoch >= trainer.max_epochs
 
 
+def _stop_allowed(trainer: Trainer) -> bool:
+    """A stop request (``should_stop``, ``max_time``) is honoured after ``min_steps`` / ``min_epochs``."""
+    steps_ok = trainer.min_steps is None or trainer.global_step >= trainer.min_steps
+    epochs_ok = trainer.min_epochs is None or trainer.train_loader.epoch >= trainer.min_epochs
+    return steps_ok and epochs_ok
+
+
 def _steps_done(trainer: Trainer) -> bool:
     reached = 0 < trainer.max_steps <= trainer.global_step
-    return trainer.should_stop or reached or _max_epochs_reached(trainer)
+    return (trainer.should_stop and _stop_allowed(trainer)) or reached or _max_epochs_reached(trainer)
 
 
 def _trainable(trainer: Trainer) -> list[Any]:
     return [e for e in trainer.module.engines.values() if getattr(e, "optimizer", None) is not None]
 
 
+def _check_time(trainer: Trainer, started: float) -> None:
+    """Stop when ``max_time`` has passed (rank 0's clock decides for every rank: one broadcast)."""
+    if trainer.max_time is None:
+        return
+    if broadcast_object(time.monotonic() - started >= trainer.max_time.total_seconds()):
+        trainer.should_stop = True
+
+
+def _step_batches(trainer: Trainer, loader: ShardedLoader) -> Any:
+    """Yield ``(batch, batch_idx)`` per optimizer step: ``accumulate_grad_batches`` loader batches joined.
+
+    ``batch_idx`` is the index of the step's last loader batch in the epoch; the loader position
+    advances by every batch taken. The last step of an epoch may join fewer batches (as in Lightning).
+    """
+    group: list[Any] = []
+    for batch in loader.epoch_batches():
+        group.append(batch)
+        loader.advance()
+        if len(group) == trainer.accumulate_grad_batches or loader.exhausted():
+            yield (group[0] if len(group) == 1 else concat_batches(group)), loader.batches - 1
+            group = []
+    if group:
+        yield concat_batches(group), loader.batches - 1
+
+
 def fit_loop(trainer: Trainer) -> None:
-    """Run training steps until ``max_steps`` / ``max_epochs`` / ``trainer.should_stop``."""
+    """Run training steps until ``max_steps`` / ``max_epochs`` / ``max_time`` / ``trainer.should_stop``."""
     module, loader = trainer.module, trainer.train_loader
+    if isinstance(trainer.val_check_interval, float) and trainer.val_loader is not None:
+        trainer.validation_due()  # a fraction of a stream of unknown length fails here, before any step
+    started = time.monotonic()
     trainer.logging.setup(trainer.is_global_zero, module.hparams)
     trainer.call_hook("on_fit_start")
+    _warn_unknown_hooks(trainer)
+    evaluation.sanity_check(trainer)
     trainer.call_hook("on_train_start")
     while not _steps_done(trainer):
-        ran = 0
-        for batch in loader.epoch_batches():
-            batch_idx = loader.batches
+        trainer.call_hook("on_train_epoch_start")
+        for batch, batch_idx in _step_batches(trainer, loader):
             trainer.call_hook("on_train_batch_start", batch, batch_idx)
             outputs = module.training_step(batch, batch_idx)
             for engine in _trainable(trainer):
                 engine.lr_scheduler_step()
             trainer.global_step += 1
-            loader.advance()
-            ran += 1
             trainer.call_hook("on_train_batch_end", outputs, batch, batch_idx)
             trainer.flush_metrics()
             if trainer.validation_due():
-                validation_loop(trainer)
+                evaluation.validation_loop(trainer)
+            _check_time(trainer, started)
             if _steps_done(trainer):
                 break
-        else:
-            if ran == 0 and loader.batches == 0:
-                raise ValueError(f"the training data yields no batch on dp rank {trainer.dp_rank}")
+        if loader.batches == 0:
+            raise ValueError(
+                f"the training data yields no batch on dp rank {trainer.dp_rank} (limit_train_batches="
+                f"{trainer.limits['train']!r})"
+            )
+        finished = loader.exhausted()
+        trainer.call_hook("on_train_epoch_end")
+        trainer.flush_metrics()
+        if finished:
             loader.next_epoch()
     trainer.call_hook("on_train_end")
     trainer.call_hook("on_fit_end")
     trainer.flush_metrics(force=True)
 
 
-def validation_loop(trainer: Trainer) -> dict[str, float]:
-    """Run every validation batch once; returns the values logged for it."""
-    module, loader = trainer.module, trainer.val_loader
-    loader.epoch, loader.batches = 0, 0
-    trainer.flush_metrics()
-    trainer.call_hook("on_validation_start")
-    with torch.no_grad():
-        for batch_idx, batch in enumerate(loader.epoch_batches()):
-            trainer.call_hook("on_validation_batch_start", batch, batch_idx)
-            outputs = module.validation_step(batch, batch_idx)
-            trainer.call_hook("on_validation_batch_end", outputs, batch, batch_idx)
-    trainer.call_hook("on_validation_end")
-    values = trainer.logging.pending()
-    trainer.flush_metrics(force=True)
-    return values
+def _warn_unknown_hooks(trainer: Trainer) -> None:
+    if not trainer.is_global_zero:
+        return
+    for cb in trainer.callbacks:
+        names = unknown_hooks(cb)
+        if names:
+            warnings.warn(
+                f"{type(cb).__name__} defines {', '.join(names)}, which the Trainer never calls (not a "
+                f"callback hook: a typo, or a LightningModule-only hook); callback hooks: "
+                f"{', '.join(sorted(HOOK_NAMES))}",
+                stacklevel=3,
+            )
 
 
 # ---------------------------------------------------------------------------------------- checkpoints
