@@ -45,6 +45,8 @@ def test_common_verl_command_line_lands_on_our_keys():
     assert list(t.logger) == ["wandb"]
     assert (t.project_name, t.experiment_name, t.ckpt_path) == ("proj", "exp", "last")
     assert cfg.data.train_batch_size == 16  # a key both spell the same passes through
+    assert grpo("trainer.logger=false")[0].trainer.logger is False  # our own values are left alone
+    assert grpo("trainer.logger=console")[0].trainer.logger is False
     assert "trainer.save_freq=3 -> trainer.checkpoint.every_n_train_steps=3" in notes
     assert "trainer.test_freq=-1 -> trainer.val_check_interval=null" in notes
 

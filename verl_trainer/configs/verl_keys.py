@@ -52,6 +52,10 @@ def _resume_mode(value: str) -> str:
 
 
 def _loggers(value: str) -> str:
+    if value.strip() == "console":
+        return "false"
+    if not value.strip().startswith("["):
+        return value  # ours: true, false, csv, wandb
     names = [v.strip().strip("'\"") for v in value.strip().strip("[]").split(",") if v.strip()]
     kept = [n for n in names if n != "console"]  # the progress bar is the console output here
     return "[" + ",".join(kept) + "]"
