@@ -50,7 +50,8 @@ def test_recipes_fail_before_any_work_for_a_model_that_is_not_there(recipe, tmp_
 def test_grpo_recipe_with_a_hub_id_not_in_the_cache_fails_before_any_work_on_every_rank(tmp_path):
     """Under torchrun (2 ranks) each rank fails with the message, before anything is written."""
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-            str(find_free_port()), str(ROOT / "recipes" / "grpo.py"), "model.path=Qwen/Qwen2.5-0.5B-Instruct"]
+            str(find_free_port()), str(ROOT / "recipes" / "grpo.py"), "model.path=Qwen/Qwen2.5-0.5B-Instruct",
+            "trainer.devices=2"]
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
