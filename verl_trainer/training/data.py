@@ -31,6 +31,7 @@ from verl_trainer.data.hf_batch import to_schema_batch
 from verl_trainer.data.schema import mark_padding
 from verl_trainer.training.iterable_data import IterableShardedLoader
 from verl_trainer.training.lightning_args import limited_batches
+from verl_trainer.training.loader_position import LoaderPosition
 
 __all__ = ["ResumableDistributedSampler", "ShardedLoader", "as_dataloader", "make_sharded_loader"]
 
@@ -128,7 +129,7 @@ def _tagged(batch: Any, rows: torch.Tensor) -> Any:
     return mark_padding(batch, rows)
 
 
-class ShardedLoader:
+class ShardedLoader(LoaderPosition):
     """A DataLoader re-created with a :class:`ResumableDistributedSampler`, plus its position.
 
     Args:
@@ -179,11 +180,6 @@ class ShardedLoader:
         self.epoch = 0
         self.batches = 0  # consumed this epoch, on this rank
 
-    @property
-    def samples_per_batch(self) -> int:
-        """Samples one rank consumes per batch (1 for a dataset of ready batches)."""
-        return self.batch_size or 1
-
     def __len__(self) -> int:
         return len(self.loader)
 
@@ -215,30 +211,6 @@ class ShardedLoader:
                 rows = repeated[i * per:(i + 1) * per] if per is not None else repeated[i].expand(len(batch))
                 batch = _tagged(batch, rows)
             yield batch
-
-    def advance(self) -> None:
-        """Count one consumed batch."""
-        self.batches += 1
-
-    def next_epoch(self) -> None:
-        """Move to the start of the next epoch."""
-        self.epoch += 1
-        self.batches = 0
-
-    def state_dict(self) -> dict[str, int]:
-        """The position, as globally consumed samples so another DP size can resume it."""
-        return {"epoch": self.epoch, "samples": self.batches * self.samples_per_batch * self.dp_size}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore the position of :meth:`state_dict`."""
-        per_step = self.samples_per_batch * self.dp_size
-        if state["samples"] % per_step:
-            raise ValueError(
-                f"cannot resume the data position: {state['samples']} samples consumed is not a multiple of "
-                f"{per_step} (batch size x DP size); resume with the settings the checkpoint was written with"
-            )
-        self.epoch = int(state["epoch"])
-        self.batches = int(state["samples"]) // per_step
 
 
 def make_sharded_loader(loader: DataLoader, dp_rank: int, dp_size: int, seed: int, tag_padding: bool = False,

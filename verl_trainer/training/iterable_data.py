@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from verl_trainer.data.hf_batch import to_schema_batch
 from verl_trainer.training.lightning_args import limited_batches
+from verl_trainer.training.loader_position import LoaderPosition
 from verl_trainer.utils.distributed import all_reduce
 
 __all__ = ["IterableShardedLoader"]
@@ -39,7 +40,7 @@ class _Strided(IterableDataset):
                 yield item
 
 
-class IterableShardedLoader:
+class IterableShardedLoader(LoaderPosition):
     """A DataLoader over an iterable dataset, re-created for one DP rank (see the module docstring).
 
     Args:
@@ -72,11 +73,6 @@ class IterableShardedLoader:
         self.epoch, self.batches = 0, 0
         self._ended = False
 
-    @property
-    def samples_per_batch(self) -> int:
-        """Samples one rank consumes per batch."""
-        return self.batch_size or 1
-
     def limited_len(self) -> int | None:
         """Batches of one epoch: the int limit, or ``None`` (unknown until the stream ends)."""
         return self.limit
@@ -98,27 +94,10 @@ class IterableShardedLoader:
                 return
             yield to_schema_batch(batch)
 
-    def advance(self) -> None:
-        """Count one consumed batch."""
-        self.batches += 1
-
     def next_epoch(self) -> None:
-        """Move to the start of the next epoch."""
-        self.epoch, self.batches, self._ended = self.epoch + 1, 0, False
-
-    def state_dict(self) -> dict[str, int]:
-        """The position as globally consumed samples (the format of ``ShardedLoader``)."""
-        return {"epoch": self.epoch, "samples": self.batches * self.samples_per_batch * self.dp_size}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore :meth:`state_dict` (the DP size and batch size must be the checkpoint's)."""
-        per_step = self.samples_per_batch * self.dp_size
-        if state["samples"] % per_step:
-            raise ValueError(
-                f"cannot resume the stream position: {state['samples']} samples consumed is not a multiple "
-                f"of {per_step} (batch size x DP size); resume with the checkpoint's settings"
-            )
-        self.epoch, self.batches = int(state["epoch"]), int(state["samples"]) // per_step
+        """Move to the start of the next epoch (the stream is read again)."""
+        super().next_epoch()
+        self._ended = False
 
 
 def _all_have(has: bool) -> bool:
