@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from verl_trainer.configs.schema_keys import default_at
 from verl_trainer.configs.verl_keys import translate_overrides
 
 __all__ = ["config_to_yaml", "load_config", "parse_recipe_args"]
@@ -33,17 +34,7 @@ T = TypeVar("T")
 
 def _valid_keys(schema: Any, full_key: str) -> list[str]:
     """The field names at the parent level of ``full_key`` in ``schema`` (for error messages)."""
-    node: Any = schema
-    parts = [p for p in full_key.split(".") if p][:-1]
-    for part in parts:
-        fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
-        if part not in fields:
-            return []
-        f = fields[part]
-        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            node = f.default_factory()  # type: ignore[misc]
-        else:
-            node = f.default
+    node = default_at(schema, full_key.rpartition(".")[0])
     return sorted(f.name for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) else []
 
 

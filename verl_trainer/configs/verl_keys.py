@@ -15,10 +15,10 @@ alias is ``docs/verl_keys.md`` (a test keeps the two in step).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from verl_trainer.configs.schema_keys import MISSING, default_at
 
 __all__ = ["UNSUPPORTED", "VERL_KEYS", "Alias", "translate_overrides"]
 
@@ -184,19 +184,7 @@ UNSUPPORTED: dict[str, str] = {
 
 
 def _has_key(schema: type, dotted: str) -> bool:
-    node: Any = schema
-    for part in dotted.split("."):
-        if not dataclasses.is_dataclass(node):
-            return False
-        fields = {f.name: f for f in dataclasses.fields(node)}
-        if part not in fields:
-            return False
-        field = fields[part]
-        if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            node = field.default_factory()  # type: ignore[misc]
-        else:
-            node = field.default
-    return True
+    return default_at(schema, dotted) is not MISSING
 
 
 def translate_overrides(schema: type, overrides: Sequence[str]) -> tuple[list[str], list[str]]:
