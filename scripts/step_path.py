@@ -1,10 +1,11 @@
 """Measure the call path of one GRPO step: which project files it runs through and how it hops between them.
 
-    python scripts/step_path.py [--list]
+    python scripts/step_path.py [--list] [--no-balancing]
 
 Builds a tiny Qwen2 and the arithmetic task in a temporary directory, fits GRPO for two steps on one
-process (with ``SequenceBalancing``, as the README's multi-rank runs use it) and traces the second step
-with ``sys.setprofile`` from ``on_train_batch_start`` to ``on_train_batch_end``. It prints two views:
+process (with ``SequenceBalancing``, as the README's multi-rank runs use it; ``--no-balancing``: the
+default recipe's step) and traces the second step with ``sys.setprofile`` from ``on_train_batch_start``
+to ``on_train_batch_end``. It prints three views:
 
 * **full depth**: every project function call; ``files`` = distinct files entered, ``hops`` = distinct
   (caller function, callee function) pairs in different files, ``back`` = hops into a file that the step
@@ -15,9 +16,11 @@ with ``sys.setprofile`` from ``on_train_batch_start`` to ``on_train_batch_end``.
   own business and are not followed. A step that moves out from the loop and back has few back-hops.
 * **step path, leaf helpers stepped over**: the step path without calls into functions that call
   nothing in another project file (value constructors such as ``Metric.mean``, masks, rank queries),
-  which a reader steps over like builtins.
+  which a reader steps over like builtins. This is the view the design is held to (``MEASURE``; issue
+  17: "~12 files and ~30 hops, moving out from the loop and back"): on 2026-12-01, 12 files / 19 hops
+  for the default recipe's step, 14 / 24 with ``SequenceBalancing``.
 
-``--list`` prints the files and hops of the step path.
+``--list`` prints the files and hops of that view.
 """
 
 from __future__ import annotations
@@ -111,8 +114,13 @@ def without_leaf_calls(edges: list[tuple[tuple[str, str], tuple[str, str]]]) -> 
     return [(a, b) for a, b in edges if b in crosses]
 
 
-def trace_one_grpo_step() -> list:
-    """Fit GRPO for two steps on a tiny model; the project calls of the second step."""
+def trace_one_grpo_step(balancing: bool = True) -> list:
+    """Fit GRPO for two steps on a tiny model; the project calls of the second step.
+
+    Args:
+        balancing: Add ``SequenceBalancing`` (the README's multi-rank runs); without it the step is the
+            default recipe's.
+    """
     sys.path.insert(0, str(ROOT / "recipes"))
     os.environ.setdefault("WANDB_MODE", "offline")
     from verl_trainer.algorithms import GRPO, PromptDataModule
@@ -147,31 +155,41 @@ def trace_one_grpo_step() -> list:
     ])
     from verl_trainer import Trainer
 
-    trainer = Trainer(max_steps=2, callbacks=[TraceSecondStep(), SequenceBalancing()], logger=False,
+    callbacks = [TraceSecondStep(), SequenceBalancing()] if balancing else [TraceSecondStep()]
+    trainer = Trainer(max_steps=2, callbacks=callbacks, logger=False,
                       enable_progress_bar=False, enable_checkpointing=False,
                       default_root_dir=str(tmp / "run"))
     trainer.fit(GRPO(cfg.algorithm), datamodule=PromptDataModule(cfg.data, load_tokenizer(tmp / "model")))
     return list(tracer.edges)
 
 
+MEASURE = "step path, leaf helpers stepped over"  # the view issue 17's bound (~12 files, ~30 hops) is read on
+
+
+def measure(edges: list[tuple[tuple[str, str], tuple[str, str]]]) -> dict[str, dict[str, object]]:
+    """The three views of one traced step, by name (``MEASURE`` is the one the design is held to)."""
+    return {
+        "full depth": summarise(edges),
+        "step path": summarise(step_path(edges)),
+        MEASURE: summarise(step_path(without_leaf_calls(edges))),
+    }
+
+
 def main() -> None:
     """Trace one step and print both views."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--list", action="store_true", help="print the files and hops of the step path")
+    parser.add_argument("--no-balancing", action="store_true",
+                        help="trace the default recipe's step, without SequenceBalancing")
     args = parser.parse_args()
-    edges = trace_one_grpo_step()
-    views = {
-        "full depth": summarise(edges),
-        "step path": summarise(step_path(edges)),
-        "step path, leaf helpers stepped over": summarise(step_path(without_leaf_calls(edges))),
-    }
+    views = measure(trace_one_grpo_step(balancing=not args.no_balancing))
     for name, view in views.items():
         print(f"{name}: {len(view['files'])} files, {len(view['hops'])} hops, {view['back']} back into "
               f"a file already entered; most entered: {view['entered']}")
-    path = views["step path"]
+    path = views[MEASURE]
     if args.list:
-        print("\nstep path files:\n  " + "\n  ".join(path["files"]))
-        print("\nstep path hops:")
+        print(f"\n{MEASURE} files:\n  " + "\n  ".join(path["files"]))
+        print(f"\n{MEASURE} hops:")
         for (a, fa), (b, fb) in path["hops"]:
             print(f"  {a}:{fa} -> {b}:{fb}")
 

@@ -9,7 +9,13 @@ first by Python's rules, not by the project's choice).
 from __future__ import annotations
 
 import ast
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,3 +132,15 @@ def test_one_implementation_of_an_optimizer_step():
                 if {"optimizer_zero_grad", "optimizer_step"} <= calls:
                     callers.append(f"{path.relative_to(ROOT)}:{node.name}")
     assert callers == ["verl_trainer/engine/base.py:train_batch"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("flags", "max_files", "max_hops"), [((), 14, 30), (("--no-balancing",), 12, 30)])
+def test_the_grpo_step_path_stays_short(flags, max_files, max_hops):
+    """Issue 17's bound on the orchestration of one GRPO step (``scripts/step_path.py``'s measured view)."""
+    script = str(ROOT / "scripts" / "step_path.py")
+    out = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True, check=True,
+                         env={**os.environ, "WANDB_MODE": "offline"}).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("step path, leaf helpers stepped over:"))
+    files, hops = (int(n) for n in re.findall(r"(\d+) (?:files|hops)", line))
+    assert files <= max_files and hops <= max_hops, line

@@ -46,7 +46,7 @@ from torchmetrics.aggregation import MaxMetric, MeanMetric, MinMetric, SumMetric
 
 from verl_trainer.utils.distributed import all_gather_object, is_initialized
 
-__all__ = ["Metric", "MetricAccumulator", "Reduction", "reduce_metrics"]
+__all__ = ["Metric", "MetricAccumulator", "Reduction", "reduce_metrics", "token_stats"]
 
 
 class Reduction(str, Enum):
@@ -301,3 +301,16 @@ def reduce_metrics(
     for micro_batch_metrics in metrics:
         acc.update(micro_batch_metrics)
     return acc.compute(process_group=process_group, sync_dist=sync_dist)
+
+
+def token_stats(values: torch.Tensor, mask: torch.Tensor, prefix: str) -> dict[str, Metric]:
+    """``{prefix}/mean``, ``/min`` and ``/max`` of ``values`` ``[B, T]`` over ``mask`` ``[B, T]``.
+
+    The mean is a token mean (:meth:`Metric.token_mean`); min and max see only masked-in tokens.
+    """
+    m = mask.bool()
+    return {
+        f"{prefix}/mean": Metric.token_mean(values, m),
+        f"{prefix}/min": Metric.min(values[m]),
+        f"{prefix}/max": Metric.max(values[m]),
+    }

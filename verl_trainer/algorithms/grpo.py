@@ -24,10 +24,11 @@ from tensordict import TensorDict
 
 from verl_trainer.algorithms.config import GRPOConfig
 from verl_trainer.algorithms.dapo import dynamic_sampling_filter
-from verl_trainer.algorithms.rl import RLModule, token_stats
+from verl_trainer.algorithms.rl import RLModule
 from verl_trainer.core_algos import get_adv_estimator_fn
 from verl_trainer.core_algos.aggregation import SEQ_MEAN_TOKEN_SUM_NORM
 from verl_trainer.data import schema
+from verl_trainer.metrics import token_stats
 
 __all__ = ["GRPO", "DrGRPO"]
 

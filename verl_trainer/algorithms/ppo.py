@@ -22,11 +22,11 @@ from tensordict import TensorDict
 
 from verl_trainer.algorithms.config import PPOConfig
 from verl_trainer.algorithms.distributed import global_masked_whiten
-from verl_trainer.algorithms.rl import RLModule, token_stats
+from verl_trainer.algorithms.rl import RLModule
 from verl_trainer.core_algos import get_adv_estimator_fn, kl_penalty
 from verl_trainer.data import schema
 from verl_trainer.losses import value_loss
-from verl_trainer.metrics import Metric
+from verl_trainer.metrics import Metric, token_stats
 from verl_trainer.module import EngineSpec
 
 __all__ = ["PPO", "compute_gae_advantages"]

@@ -45,7 +45,7 @@ from verl_trainer.rewards import RewardFunctions, score_batch, token_level_score
 from verl_trainer.rollout import BaseRollout, build_rollout
 from verl_trainer.utils.distributed import all_reduce
 
-__all__ = ["RLModule", "response_length_metrics", "token_stats"]
+__all__ = ["RLModule", "response_length_metrics"]
 
 
 def response_length_metrics(batch: TensorDict, max_len: int,
@@ -60,16 +60,6 @@ def response_length_metrics(batch: TensorDict, max_len: int,
         f"{prefix}/min": Metric.min(lens),
         f"{prefix}/max": Metric.max(lens),
         f"{prefix}/clip_ratio": Metric.mean(clipped, weight=count),
-    }
-
-
-def token_stats(values: torch.Tensor, mask: torch.Tensor, prefix: str) -> dict[str, Metric]:
-    """Token mean, min and max of ``values`` ``[B, T]`` over ``mask`` ``[B, T]``."""
-    m = mask.bool()
-    return {
-        f"{prefix}/mean": Metric.token_mean(values, m),
-        f"{prefix}/min": Metric.min(values[m]),
-        f"{prefix}/max": Metric.max(values[m]),
     }
 
 
