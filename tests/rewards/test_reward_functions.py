@@ -86,6 +86,14 @@ def test_reward_config_checks_names_and_weights():
         RewardConfig(name=["math", "format"], weights=[1.0])
     with pytest.raises(ValueError, match="give a reward name"):
         RewardConfig(name=[])
+    with pytest.raises(ValueError, match="give a reward name"):
+        RewardConfig(name=[3])
+
+    def short(completions, **kwargs):
+        return [1.0 / (1 + len(c)) for c in completions]
+
+    assert RewardConfig(name=short).name is short  # Python configs pass the function itself (TRL's way)
+    assert RewardFunctions(RewardConfig(name=[short, "math"]).name).names == ["short", "math"]
     with pytest.raises(ValueError, match="3 weights"):
         RewardFunctions(["math"], weights=[1, 2, 3])
     assert torch.equal(RewardFunctions("math")(["7"], ["7"], ["a"])[0], torch.tensor([1.0]))

@@ -158,8 +158,8 @@ class RewardConfig:
     Attributes:
         name: A reward in :mod:`verl_trainer.rewards` (``math``, ``math_exact``, ``format``) or
             ``"module:function"`` / ``"path.py:function"`` with verl's or TRL's signature
-            (:mod:`verl_trainer.rewards.signature`); or a list of them, whose scores are summed with
-            ``weights`` (TRL's ``reward_funcs``).
+            (:mod:`verl_trainer.rewards.signature`), or (in a config built in Python) the function
+            itself; or a list of them, whose scores are summed with ``weights`` (TRL's ``reward_funcs``).
         weights: One weight per function in ``name`` (TRL's ``reward_weights``); ``None``: 1.0 each.
         overlong_buffer: DAPO's overlong reward shaping.
     """
@@ -169,10 +169,11 @@ class RewardConfig:
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
     def __post_init__(self) -> None:
-        names = [self.name] if isinstance(self.name, str) else list(self.name or [])
-        if not names or not all(isinstance(n, str) and n for n in names):
+        single = isinstance(self.name, str) or callable(self.name)
+        names = [self.name] if single else list(self.name or [])
+        if not names or not all(callable(n) or (isinstance(n, str) and n) for n in names):
             raise ValueError(f"algorithm.reward.name={self.name!r}: give a reward name, 'module:function', "
-                             "'file.py:function', or a list of them")
+                             "'file.py:function', a function (Python configs), or a list of them")
         if self.weights is not None and len(self.weights) != len(names):
             raise ValueError(f"algorithm.reward.weights={list(self.weights)} has {len(self.weights)} entries "
                              f"for {len(names)} reward functions {names}; give one weight per function")
