@@ -7,6 +7,8 @@ are ``slow`` (dp=1 x pp=2 with dynamic micro-batches runs by default in the inva
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 
 import pytest
 import torch
@@ -85,6 +87,7 @@ def test_models_the_split_cannot_run_are_refused(model_path):
     config.tie_word_embeddings = True
     with pytest.raises(ValueError, match=r"tie_word_embeddings=True is not supported"):
         check_pipeline_compatible(config, 2)
+    check_pipeline_compatible(config, 2, causal_lm=False)  # a value model's score head is never tied
     config.tie_word_embeddings, config.layer_types = False, ["full_attention", "sliding_attention"]
     with pytest.raises(ValueError, match=r"mixed layer_types"):
         check_pipeline_compatible(config, 2)
@@ -112,6 +115,25 @@ def test_stages_keep_hf_names_and_padding_does_not_change_outputs(model_path):
         hidden = stages[0](padded.input_ids, mb=mb)
         (got,) = stages[1](hidden, mb=mb)
     torch.testing.assert_close(got[:, : packed.num_tokens], want, rtol=1e-6, atol=1e-6)
+
+
+def _init_rank(model_path):
+    try:
+        build_engine("fsdp2", "language_model", model_path, None, pipeline_model_parallel_size=2)
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+@pytest.mark.slow
+def test_tied_model_is_refused_on_every_rank_before_loading(model_path, tmp_path):
+    tied = tmp_path / "tied"
+    shutil.copytree(model_path, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    (tied / "model.safetensors").unlink()  # refused from config.json alone: the weights are never read
+    out = run_distributed(_init_rank, 2, str(tied))
+    assert all("tie_word_embeddings=True is not supported" in o for o in out), out
 
 
 # --------------------------------------------------------------------------------- equivalence

@@ -3,7 +3,8 @@
 :class:`FSDPEngine` composes the shared parts (topology, micro-batch loop, optimizer, DCP checkpoints)
 and adds only what is FSDP-specific: wrapping, gradient-sync control (FSDP2
 ``set_requires_gradient_sync``, FSDP1 ``no_sync``), FSDP1's grad clipping, parameter offload, the
-export of full tensors, and (fsdp2) tensor parallelism under FSDP on a ``(dp, tp)`` mesh.
+export of full tensors, and (fsdp2) tensor parallelism under FSDP on a ``(dp, tp)`` mesh or pipeline
+parallelism with FSDP within each stage on a ``(pp, dp)`` mesh (``engine/pipeline.py``).
 :class:`FSDPLanguageModelEngine` and :class:`FSDPValueModelEngine` add the model type and are registered
 for cpu, cuda and npu.
 """
@@ -108,6 +109,7 @@ class FSDPEngine(
             torch.cuda.set_device(self.device)
         torch.manual_seed(self.config.seed)
         self.topology = engine_topology(self.topology, self.config, self.device.type)
+        self.check_pipeline_model()  # before the weights load (pp > 1 only)
         model = self.build_model()  # checkpoint or factory, + LoRA adapters (engine/lora.py)
         self.model_config = model.config
         if self.config.enable_gradient_checkpointing:

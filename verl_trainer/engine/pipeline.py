@@ -71,6 +71,22 @@ class PipelineMixin:
         """True when the engine runs pipeline stages (``pipeline_model_parallel_size > 1``)."""
         return getattr(self, "topology", None) is not None and self.topology.pp_size > 1
 
+    def check_pipeline_model(self) -> None:
+        """Before the weights load: refuse a model the stage split cannot run (from its ``config.json``).
+
+        Every rank reads the same config, so every rank raises the same error together.
+        """
+        pp = self.config.pipeline_model_parallel_size
+        if pp == 1 or getattr(self, "model_factory", None) is not None:
+            return  # a factory's model is checked by make_stage, after it is built
+        from transformers import AutoConfig
+
+        from verl_trainer.engine.pipeline_stage import check_pipeline_compatible
+        from verl_trainer.models.source import resolve_model_path
+
+        config = AutoConfig.from_pretrained(resolve_model_path(self.config.model_path))
+        check_pipeline_compatible(config, pp, causal_lm=self.MODEL_TYPE == "language_model")
+
     def split_into_stage(self, model: torch.nn.Module) -> None:
         """Cut ``model`` to this rank's stage (before sharding); a collective over the pipeline group."""
         topo = self.topology

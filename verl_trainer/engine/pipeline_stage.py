@@ -45,8 +45,13 @@ def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
-def check_pipeline_compatible(model_config: Any, pp: int) -> None:
+def check_pipeline_compatible(model_config: Any, pp: int, causal_lm: bool = True) -> None:
     """Refuse a model this stage split cannot run exactly (the same on every rank, before sharding).
+
+    Args:
+        model_config: The HF config (read before the weights load).
+        pp: ``pipeline_model_parallel_size``.
+        causal_lm: The model has an LM head (a value model's ``score`` head is never tied).
 
     Raises:
         ValueError: Fewer decoder layers than stages, tied input / output embeddings (one weight on two
@@ -58,7 +63,7 @@ def check_pipeline_compatible(model_config: Any, pp: int) -> None:
             f"pipeline_model_parallel_size={pp} needs at least {pp} decoder layers, the model has "
             f"num_hidden_layers={layers}; choose pipeline_model_parallel_size <= {layers}"
         )
-    if getattr(model_config, "tie_word_embeddings", False):
+    if causal_lm and getattr(model_config, "tie_word_embeddings", False):
         raise ValueError(
             f"pipeline_model_parallel_size={pp} with tie_word_embeddings=True is not supported (the "
             f"embedding lives on the first stage and the LM head on the last); use a model with untied "
@@ -155,7 +160,9 @@ def make_stage(model: nn.Module, stage: int, num_stages: int) -> StageForward:
             f"(model.{prefix or '<base_model_prefix>'} with embed_tokens, layers, norm); "
             f"{type(model).__name__} lacks {missing or [prefix]}; use pipeline_model_parallel_size=1"
         )
-    check_pipeline_compatible(model.config, num_stages)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = head is not None and head.weight is getattr(backbone.embed_tokens, "weight", None)
+    check_pipeline_compatible(model.config, num_stages, causal_lm=tied)
     owned = stage_layers(len(backbone.layers), num_stages, stage)
     backbone.layers = OwnedLayers({i: backbone.layers[i] for i in owned})
     is_first, is_last = stage == 0, stage == num_stages - 1
