@@ -142,10 +142,11 @@ def _pp_rank(model_path, batch, optim, pp, model_type, micro):
     dp, dp_rank = engine.get_data_parallel_size(), engine.get_data_parallel_rank()
     shard = rank_shard(batch, dp_rank, dp)  # every stage of a DP rank holds the same samples
     out = {}
-    if model_type == "language_model":
-        with engine.eval_mode():
-            out["infer"] = engine.infer_batch(shard, calculate_entropy=True)["model_output"]
     loss_fn = nll_loss if model_type == "language_model" else value_loss
+    with engine.eval_mode():  # forward only, with the loss (validation): GPipe's forward with the loss
+        out["val_loss"] = engine.infer_batch(shard, loss_fn)["loss"]
+        if model_type == "language_model":
+            out["infer"] = engine.infer_batch(shard, calculate_entropy=True)["model_output"]
     with engine.train_mode():
         out["results"] = [engine.train_batch(shard, loss_fn) for _ in range(2)]
     topo = (dp, dp_rank, engine.topology.pp_rank, engine.is_mp_src_rank_with_outputs(),
@@ -156,6 +157,7 @@ def _pp_rank(model_path, batch, optim, pp, model_type, micro):
 
 def _check_steps(out, ref):
     for rank_out in out:
+        assert relative_error(torch.tensor(rank_out["val_loss"]), torch.tensor(ref["losses"][0])) < 1e-5
         last_stage = next(o for o in out if o["topo"][1] == rank_out["topo"][1] and o["topo"][3])
         for step, r in enumerate(rank_out["results"]):
             assert relative_error(torch.tensor(r["loss"]), torch.tensor(ref["losses"][step])) < 1e-5
