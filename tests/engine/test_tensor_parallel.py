@@ -55,7 +55,6 @@ def model_path(tmp_path_factory):
         ({"tensor_model_parallel_size": 2, "ulysses_sequence_parallel_size": 2},
          r"tensor_model_parallel_size=2 with ulysses_sequence_parallel_size=2 is not supported"),
         ({"tensor_model_parallel_size": 2, "lora_rank": 4}, r"tensor_model_parallel_size=2 with LoRA"),
-        ({"pipeline_model_parallel_size": 2}, r"pipeline_model_parallel_size=2 is not supported yet"),
     ],
 )
 def test_config_refuses_unsupported_combinations(kwargs, match):
