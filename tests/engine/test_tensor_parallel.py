@@ -230,5 +230,5 @@ def test_strategy_refuses_engines_with_different_mesh_sizes_before_loading():
     specs = {"actor": EngineSpec("language_model", EngineConfig(model_path="/missing",
                                                                  tensor_model_parallel_size=2)),
              "ref": EngineSpec("language_model", EngineConfig(model_path="/missing"))}
-    with pytest.raises(ValueError, match=r"\(actor: sp=1 tp=2, ref: sp=1 tp=1\); set the same"):
+    with pytest.raises(ValueError, match=r"\(actor: sp=1 tp=2 pp=1, ref: sp=1 tp=1 pp=1\); set the same"):
         resolve_strategy("fsdp2").build_engines(specs, "32-true", 0, "cpu")

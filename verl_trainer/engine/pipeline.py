@@ -163,8 +163,7 @@ class PipelineMixin:
         group; tensors come one at a time, in the unsplit model's state-dict order.
         """
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        from verl_trainer.engine.fsdp import full_tensor
+        from torch.distributed.tensor import DTensor
 
         topo = self.topology
         local = get_model_state_dict(self.module)
@@ -173,7 +172,9 @@ class PipelineMixin:
             if keep is not None and not keep(name):
                 continue
             if owner == topo.pp_rank:
-                value = full_tensor(local[name]).detach().to(self.device).contiguous()
+                value = local[name]
+                value = value.full_tensor() if isinstance(value, DTensor) else value
+                value = value.detach().to(self.device).contiguous()
             else:
                 value = torch.empty(shape, dtype=dtype, device=self.device)
             dist.broadcast(value, src=dist.get_global_rank(group, owner), group=group)
