@@ -29,14 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.engine.common import tiny_model  # noqa: E402
 from tests.invariance.batch import make_invariance_batch  # noqa: E402
-from tests.invariance.cases import SLICE, XFAIL, Case, all_cases, references, tp_cases  # noqa: E402
+from tests.invariance.cases import SLICE, XFAIL, Case, all_cases, pp_cases, references, tp_cases  # noqa: E402
 from tests.invariance.compare import CHECKED, COMPARED, RTOL, compare, failures  # noqa: E402
 from tests.invariance.plain import plain_step  # noqa: E402
 from tests.invariance.results import MatrixResults  # noqa: E402
 
 Row = tuple[str, Case, dict[str, Any]]
 AXES = (("loss", "loss"), ("agg", "loss_agg_mode"), ("dp", "dp"), ("sp", "sp (Ulysses)"), ("tp", "tp"),
-        ("micro", "micro-batching"), ("balance", "SequenceBalancing"), ("strategy", "strategy"))
+        ("pp", "pp"), ("micro", "micro-batching"), ("balance", "SequenceBalancing"), ("strategy", "strategy"))
 MICRO_NAMES = {"one": "one micro-batch", "fixed1": "fixed, 1 per micro-batch",
                "fixed2": "fixed, 2 per micro-batch", "dynamic": "dynamic, 64-token micro-batches"}
 
@@ -107,9 +107,11 @@ def main() -> int:
     parser.add_argument("--json", help="write every row's differences (and per-metric detail) to this file")
     parser.add_argument("--slice", action="store_true", help="only the default-CI slice")
     parser.add_argument("--tp", action="store_true", help="only the tensor-parallel block")
+    parser.add_argument("--pp", action="store_true", help="only the pipeline-parallel block")
     args = parser.parse_args()
 
-    wanted = list(SLICE) if args.slice else tp_cases() if args.tp else all_cases()
+    wanted = (list(SLICE) if args.slice else tp_cases() if args.tp else pp_cases() if args.pp
+              else all_cases())
     known = [c for c in wanted if c in XFAIL]  # known failures: not run, listed below the table
     cases = [c for c in wanted if MatrixResults.available(c) and c not in XFAIL]
     missing = sorted({c.strategy for c in wanted if c not in XFAIL} - {c.strategy for c in cases})

@@ -218,7 +218,7 @@ class Strategy:
         return EngineRegistry.new(spec.model_type, self.backend, config, spec.optim, topology=self.topology,
                                   model_factory=spec.model)
 
-    def setup_topology(self, sp_size: int, device_type: str, tp_size: int = 1) -> Topology:
+    def setup_topology(self, sp_size: int, device_type: str, tp_size: int = 1, pp_size: int = 1) -> Topology:
         """The run's ``(dp, sp)`` / ``(dp, tp)`` meshes, built once per process group (collective).
 
         Raises:
@@ -227,24 +227,26 @@ class Strategy:
         """
         topo = self.topology
         if topo is None or (topo.mesh is not None) != is_initialized():  # none yet, or another group state
-            topo = self.topology = build_topology(sp_size, device_type, tp_size)
+            topo = self.topology = build_topology(sp_size, device_type, tp_size, pp_size)
             for mesh in (topo.mesh, topo.shard_mesh):
                 if mesh is not None:
                     set_collective_timeout(self.timeout, mesh.get_all_groups())
-        check_same_sizes(topo, sp_size, tp_size)
+        check_same_sizes(topo, sp_size, tp_size, pp_size)
         return topo
 
     def check_mesh_sizes(self, specs: Mapping[str, EngineSpec | BaseEngine], precision: str,
                           seed: int | None) -> None:
-        """Before any model loads: every engine spec asks for the same SP and TP sizes (one mesh)."""
-        sizes = {name: (c.ulysses_sequence_parallel_size, c.tensor_model_parallel_size)
+        """Before any model loads: every engine spec asks for the same SP, TP and PP sizes (one mesh)."""
+        sizes = {name: (c.ulysses_sequence_parallel_size, c.tensor_model_parallel_size,
+                        c.pipeline_model_parallel_size)
                  for name, spec in specs.items() if isinstance(spec, EngineSpec)
                  for c in [self.engine_config(spec.config, precision, seed)]}
         if len(set(sizes.values())) > 1:
-            listed = ", ".join(f"{name}: sp={sp} tp={tp}" for name, (sp, tp) in sizes.items())
+            listed = ", ".join(f"{name}: sp={sp} tp={tp} pp={pp}" for name, (sp, tp, pp) in sizes.items())
             raise ValueError(
                 f"the engines of a run share one mesh but ask for different sizes ({listed}); set the same "
-                f"ulysses_sequence_parallel_size and tensor_model_parallel_size on every engine (e.g. "
+                f"ulysses_sequence_parallel_size, tensor_model_parallel_size and "
+                f"pipeline_model_parallel_size on every engine (e.g. "
                 f"algorithm.ref.engine.tensor_model_parallel_size as algorithm.actor.engine's)"
             )
 
@@ -267,7 +269,7 @@ class Strategy:
             if isinstance(spec, EngineSpec):
                 config = self.engine_config(spec.config, precision, seed)
                 self.setup_topology(config.ulysses_sequence_parallel_size, device_type,
-                                    config.tensor_model_parallel_size)
+                                    config.tensor_model_parallel_size, config.pipeline_model_parallel_size)
                 engine = self._new_engine(spec, config)
             else:
                 engine = spec

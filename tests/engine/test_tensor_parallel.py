@@ -55,7 +55,6 @@ def model_path(tmp_path_factory):
         ({"tensor_model_parallel_size": 2, "ulysses_sequence_parallel_size": 2},
          r"tensor_model_parallel_size=2 with ulysses_sequence_parallel_size=2 is not supported"),
         ({"tensor_model_parallel_size": 2, "lora_rank": 4}, r"tensor_model_parallel_size=2 with LoRA"),
-        ({"pipeline_model_parallel_size": 2}, r"pipeline_model_parallel_size=2 is not supported yet"),
     ],
 )
 def test_config_refuses_unsupported_combinations(kwargs, match):
@@ -231,5 +230,5 @@ def test_strategy_refuses_engines_with_different_mesh_sizes_before_loading():
     specs = {"actor": EngineSpec("language_model", EngineConfig(model_path="/missing",
                                                                  tensor_model_parallel_size=2)),
              "ref": EngineSpec("language_model", EngineConfig(model_path="/missing"))}
-    with pytest.raises(ValueError, match=r"\(actor: sp=1 tp=2, ref: sp=1 tp=1\); set the same"):
+    with pytest.raises(ValueError, match=r"\(actor: sp=1 tp=2 pp=1, ref: sp=1 tp=1 pp=1\); set the same"):
         resolve_strategy("fsdp2").build_engines(specs, "32-true", 0, "cpu")

@@ -16,6 +16,8 @@ The matrix is the union of these blocks (a full cross product would be ~1000 eng
   and fsdp, and with deepspeed at dp=1 (its dp=2 x sp=2 cases are in :data:`XFAIL` when they fail).
 * **tensor parallelism** (tp=2, fsdp2): every loss in token-mean and seq-mean-token-mean on dp in {1, 2}
   (2 and 4 ranks) x micro-batching in {one, fixed 1, dynamic} x balancing off/on.
+* **pipeline parallelism** (pp=2, fsdp2): the same block with ``pp=2`` in place of ``tp=2`` (one
+  micro-batch runs GPipe, fixed 1 and dynamic run 1F1B).
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ TP_SIZES = (2,)
 TP_DP_SIZES = (1, 2)
 TP_MICRO = ("one", "fixed1", "dynamic")
 TP_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+PP_SIZES = (2,)
+PP_DP_SIZES = (1, 2)
+PP_MICRO = ("one", "fixed1", "dynamic")
+PP_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
 REFERENCE_STRATEGY = "fsdp2"
 
@@ -59,6 +65,8 @@ class Case:
             every SP rank of a DP group holds that DP rank's samples.
         tp: Tensor-parallel size (fsdp2; sp must be 1): a ``(dp, tp)`` mesh of ``dp * tp`` ranks, every
             TP rank of a DP group holding that DP rank's samples.
+        pp: Pipeline-parallel size (fsdp2; sp and tp must be 1): a ``(pp, dp)`` mesh of ``pp * dp``
+            ranks (stages ``dp`` ranks apart), every stage of a DP rank holding its samples.
 
     """
 
@@ -70,24 +78,45 @@ class Case:
     strategy: str
     sp: int = 1
     tp: int = 1
+    pp: int = 1
 
     @property
     def id(self) -> str:
-        """A readable, unique test id (``/spN`` / ``/tpN`` only when > 1)."""
+        """A readable, unique test id (``/spN`` / ``/tpN`` / ``/ppN`` only when > 1)."""
         bal = "bal" if self.balance else "nobal"
         sp = f"/sp{self.sp}" if self.sp > 1 else ""
         tp = f"/tp{self.tp}" if self.tp > 1 else ""
-        return f"{self.loss}/{self.agg}/dp{self.dp}{sp}{tp}/{self.micro}/{bal}/{self.strategy}"
+        pp = f"/pp{self.pp}" if self.pp > 1 else ""
+        return f"{self.loss}/{self.agg}/dp{self.dp}{sp}{tp}{pp}/{self.micro}/{bal}/{self.strategy}"
 
     @property
     def mp(self) -> int:
-        """Ranks per DP rank (holding the same samples): ``sp * tp``."""
-        return self.sp * self.tp
+        """Ranks per DP rank (holding the same samples): ``sp * tp * pp``."""
+        return self.sp * self.tp * self.pp
 
     @property
     def world(self) -> int:
-        """Number of ranks: ``dp * sp * tp``."""
+        """Number of ranks: ``dp * sp * tp * pp``."""
         return self.dp * self.mp
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """``(dp rank, rank within the DP rank's model-parallel group)`` of global ``rank``.
+
+        SP / TP ranks are adjacent (``rank = dp_rank * mp + mp_rank``); pipeline stages are ``dp`` apart
+        (``rank = stage * dp + dp_rank``).
+        """
+        if self.pp > 1:
+            return rank % self.dp, rank // self.dp
+        return rank // self.mp, rank % self.mp
+
+    def rank_of(self, dp_rank: int, mp_rank: int) -> int:
+        """The global rank at :meth:`coords` ``(dp_rank, mp_rank)``."""
+        return mp_rank * self.dp + dp_rank if self.pp > 1 else dp_rank * self.mp + mp_rank
+
+    def reports_outputs(self, rank: int) -> bool:
+        """``is_mp_src_rank_with_outputs`` of ``rank``: SP / TP rank 0, the last pipeline stage."""
+        mp_rank = self.coords(rank)[1]
+        return mp_rank == (self.pp - 1 if self.pp > 1 else 0)
 
     @property
     def model_type(self) -> str:
@@ -95,8 +124,8 @@ class Case:
         return "value_model" if self.loss == "value" else "language_model"
 
     def reference(self) -> Case:
-        """The case this one must reproduce: dp=1, sp=1, tp=1, one micro-batch, no balancing, fsdp2."""
-        return replace(self, dp=1, sp=1, tp=1, micro="one", balance=False, strategy=REFERENCE_STRATEGY)
+        """The case this one must reproduce: dp=1, sp=tp=pp=1, one micro-batch, no balancing, fsdp2."""
+        return replace(self, dp=1, sp=1, tp=1, pp=1, micro="one", balance=False, strategy=REFERENCE_STRATEGY)
 
     @property
     def is_reference(self) -> bool:
@@ -132,6 +161,13 @@ def tp_cases() -> list[Case]:
             in product(LOSSES, TP_AGG_MODES, TP_DP_SIZES, TP_SIZES, TP_MICRO, (False, True))]
 
 
+def pp_cases() -> list[Case]:
+    """The pipeline-parallel block: every loss in the PP agg modes on every PP layout, fsdp2."""
+    return [Case(loss, agg, dp, micro, bal, "fsdp2", pp=pp)
+            for loss, agg, dp, pp, micro, bal
+            in product(LOSSES, PP_AGG_MODES, PP_DP_SIZES, PP_SIZES, PP_MICRO, (False, True))]
+
+
 def all_cases() -> list[Case]:
     """The whole matrix (references excluded), in a stable order."""
     cases: set[Case] = set()
@@ -143,6 +179,7 @@ def all_cases() -> list[Case]:
         cases.add(Case(loss, agg, 2, "dynamic", True, strategy))
     cases.update(sp_cases())
     cases.update(tp_cases())
+    cases.update(pp_cases())
     return sorted(c for c in cases if not c.is_reference)
 
 
@@ -159,10 +196,12 @@ SLICE: tuple[Case, ...] = (
     Case("ppo", "token-mean", 2, "dynamic", True, "fsdp2", sp=2),
     Case("ppo", "token-mean", 1, "dynamic", False, "fsdp2", tp=2),
     Case("ppo", "seq-mean-token-mean", 1, "fixed1", False, "fsdp2", tp=2),
+    Case("ppo", "token-mean", 1, "dynamic", False, "fsdp2", pp=2),
 )
 """The representative slice that runs in the default CI: the headline configuration (PPO with entropy
 and KL, dp=2, dynamic micro-batching, balancing with padding samples) in two aggregation modes, plus one
-fsdp and one deepspeed case, all on 2 ranks; dp=1 x tp=2 in both modes (2 ranks, the same spawn); and
+fsdp and one deepspeed case, all on 2 ranks; dp=1 x tp=2 in both modes and dp=1 x pp=2 with dynamic
+micro-batches (1F1B) (2 ranks, the same spawn); and
 the same headline configuration at dp=2 x sp=2 on 4 ranks. The default run costs three process spawns
 (the 1-rank references, the 2-rank cases, the 4-rank case)."""
 

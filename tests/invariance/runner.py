@@ -94,7 +94,7 @@ def engine_config(case: Case, model_path: str) -> EngineConfig:
         "dynamic": {"use_dynamic_bsz": True, "max_token_len_per_gpu": DYNAMIC_BUDGET // case.sp},
     }[case.micro]
     return EngineConfig(model_path=model_path, ulysses_sequence_parallel_size=case.sp,
-                        tensor_model_parallel_size=case.tp, **micro)
+                        tensor_model_parallel_size=case.tp, pipeline_model_parallel_size=case.pp, **micro)
 
 
 def outputs_by_uid(output: dict[str, torch.Tensor], batch: TensorDict) -> dict[int, dict[str, torch.Tensor]]:
@@ -130,9 +130,9 @@ def run_case_on_rank(case: Case, model_path: str, batch: TensorDict) -> dict[str
     engine = EngineRegistry.new(case.model_type, case.strategy, engine_config(case, model_path), OPTIM)
     engine.initialize()
     topo = engine.topology
-    if (topo.dp_size, topo.sp_size, topo.tp_size) != (case.dp, case.sp, case.tp):
+    if (topo.dp_size, topo.sp_size, topo.tp_size, topo.pp_size) != (case.dp, case.sp, case.tp, case.pp):
         raise ValueError(f"case {case.id}: the engine's mesh is dp={topo.dp_size} x sp={topo.sp_size} x "
-                         f"tp={topo.tp_size}")
+                         f"tp={topo.tp_size} x pp={topo.pp_size}")
     # every SP / TP rank of a DP group starts from (and, balanced, ends with) that DP rank's samples: the
     # starting shard is chosen by dp_rank and the exchange runs within the DP group
     shard = shard_for(batch, topo.dp_rank, case.dp, case.balance)
@@ -156,7 +156,8 @@ def run_case_on_rank(case: Case, model_path: str, batch: TensorDict) -> dict[str
         "step_skipped": out["step_skipped"],
         "num_micro_batches": out["num_micro_batches"],
         "infer_micro_batches": infer["num_micro_batches"],
-        "mesh": (topo.dp_rank, topo.sp_rank * topo.tp_size + topo.tp_rank),  # (dp rank, rank within it)
+        # (dp rank, rank within it)
+        "mesh": (topo.dp_rank, topo.sp_rank * topo.tp_size + topo.tp_rank + topo.pp_rank),
         "mp_src": engine_src,
         "uids": shard["uid"].tolist(),
         "digest": digest(shard),
@@ -180,7 +181,7 @@ def merge_outputs(per_rank: list[dict[str, Any]]) -> tuple[dict[int, dict[str, t
     relative difference between the SP / TP ranks of one DP group for the same sample (they must agree)."""
     merged: dict[int, dict[str, torch.Tensor]] = {}
     spread = 0.0
-    for r in sorted(per_rank, key=lambda r: r["mesh"][1]):  # SP / TP rank 0 first
+    for r in sorted(per_rank, key=lambda r: r["mesh"][1]):  # SP / TP rank 0 (PP: stage 0) first
         for uid, outs in r["outputs"].items():
             if uid not in merged:
                 merged[uid] = outs

@@ -41,23 +41,23 @@ def _expected_micro_batches(case: Case, samples: int) -> int | None:
 def test_case_matches_reference(case: Case, matrix: MatrixResults) -> None:
     _skip_unavailable(case)
     result = matrix.result(case)
-    # the case really ran the configuration it names, on a (dp, sp) / (dp, tp) mesh:
-    # rank = dp_rank * mp + (sp_rank or tp_rank), mp = sp * tp ranks per DP rank
-    world, mp = case.world, case.mp
-    assert result["rank_mesh"] == [(r // mp, r % mp) for r in range(world)]
-    assert result["rank_mp_src"] == [r % mp == 0 for r in range(world)], "is_mp_src_rank_with_outputs"
+    # the case really ran the configuration it names, on a (dp, sp) / (dp, tp) / (pp, dp) mesh (Case.coords)
+    world = case.world
+    assert result["rank_mesh"] == [case.coords(r) for r in range(world)]
+    assert result["rank_mp_src"] == [case.reports_outputs(r) for r in range(world)], "mp src rank"
     n = len(SEQ_LENS)
     total = n + (-n) % BATCH_MULTIPLE if case.balance else n
     assert result["rank_samples"] == [total // case.dp] * world, "equal counts on every rank"
-    dp_uids = [result["rank_uids"][d * mp] for d in range(case.dp)]  # SP / TP rank 0 of each DP group
+    dp_uids = [result["rank_uids"][case.rank_of(d, 0)] for d in range(case.dp)]  # mp rank 0 of each DP rank
     for r, uids in enumerate(result["rank_uids"]):
-        assert uids == dp_uids[r // mp], f"rank {r}: every SP / TP rank of a DP group has the same samples"
-        assert result["rank_digest"][r] == result["rank_digest"][r - r % mp], f"rank {r}: same tensors"
+        d = case.coords(r)[0]
+        assert uids == dp_uids[d], f"rank {r}: every SP / TP / PP rank of a DP group has the same samples"
+        assert result["rank_digest"][r] == result["rank_digest"][case.rank_of(d, 0)], f"rank {r}: tensors"
     assert all(m == result["rank_balance_metrics"][0] for m in result["rank_balance_metrics"])
     all_uids = sorted(u for uids in dp_uids for u in uids)
     assert all_uids == sorted(set(all_uids)) and len(all_uids) == total, "DP ranks partition the batch"
     assert set(range(n)) <= set(all_uids), "every real sample is trained on"
-    assert sum(result["rank_padding"][d * mp] for d in range(case.dp)) == total - n, (
+    assert sum(result["rank_padding"][case.rank_of(d, 0)] for d in range(case.dp)) == total - n, (
         "balancing adds the padding samples (and nothing else does)")
     samples = max(result["rank_samples"])
     want_mb = _expected_micro_batches(case, samples)
@@ -83,6 +83,7 @@ def test_slice_is_marked_and_in_the_matrix() -> None:
     assert len(sp) <= 1, "at most one SP case (one 4-rank spawn) in the default slice"
     assert all(c.world == 2 and c.sp == 1 for c in SLICE if c not in sp), "the rest: one spawn of 2 ranks"
     assert [c.loss for c in SLICE if c.tp > 1] == ["ppo", "ppo"], "TP cases join the 2-rank ppo spawn"
+    assert [c.loss for c in SLICE if c.pp > 1] == ["ppo"], "the PP case joins the 2-rank ppo spawn"
     assert UNEVEN_SIZES[2] != [6, 6]
 
 

@@ -171,3 +171,22 @@ def test_grpo_recipe_tp2_equals_one_process(assets, tmp_path):
         assert tp[step]["actor/grad_norm"] > 1e-5  # measured 3.7e-4 at step 1
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy"):
             assert tp[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-7), key
+
+
+PP_OVERRIDES = (*RL_OVERRIDES, "algorithm.rollout.n=2", "algorithm.actor.loss.use_kl_loss=true",
+                "algorithm.actor.engine.pipeline_model_parallel_size=2",
+                "algorithm.ref.engine.pipeline_model_parallel_size=2")
+
+
+@pytest.mark.slow
+def test_grpo_recipe_pp2_equals_one_process(assets, tmp_path):
+    """pp=2 on 2 ranks is dp=1: the two stages' run equals one process, the rollout gets full weights."""
+    entropy = ("algorithm.actor.calculate_entropy=true", "algorithm.actor.loss.entropy_coeff=0.01")
+    pp = run_recipe("grpo", assets, tmp_path / "pp2", *PP_OVERRIDES, *entropy)
+    one = run_recipe("grpo", assets, tmp_path / "one", *PP_OVERRIDES[:-2], *entropy, "trainer.devices=1")
+    for step in (1, 2):
+        assert pp[step]["reward/mean"] == one[step]["reward/mean"]  # the rollout got the same weights
+        assert pp[step]["actor/grad_norm"] > 1e-5
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy"):
+            assert pp[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-7), key
+    assert (tmp_path / "pp2" / "hf" / "model.safetensors").is_file()  # the final policy, exported whole

@@ -135,6 +135,8 @@ class BaseEngine(ABC):
     MODEL_TYPE: ClassVar[str] = ""
     SUPPORTS_TENSOR_PARALLEL: ClassVar[bool] = False
     """Whether the backend applies ``tensor_model_parallel_size > 1`` (else refused at construction)."""
+    SUPPORTS_PIPELINE_PARALLEL: ClassVar[bool] = False
+    """Whether the backend applies ``pipeline_model_parallel_size > 1`` (else refused at construction)."""
 
     def __init__(
         self,
@@ -159,6 +161,13 @@ class BaseEngine(ABC):
             raise ValueError(
                 f"tensor_model_parallel_size={tp} is not supported by the {backend or type(self).__name__!r} "
                 f"backend; use strategy='fsdp2' or set tensor_model_parallel_size=1"
+            )
+        pp = self.config.pipeline_model_parallel_size
+        if pp > 1 and not self.SUPPORTS_PIPELINE_PARALLEL:
+            raise ValueError(
+                f"pipeline_model_parallel_size={pp} is not supported by the "
+                f"{backend or type(self).__name__!r} backend; use strategy='fsdp2' or set "
+                f"pipeline_model_parallel_size=1"
             )
         self.device: torch.device = get_torch_device()
         self.module: torch.nn.Module | None = None

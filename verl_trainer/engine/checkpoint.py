@@ -7,7 +7,8 @@ Layout of a checkpoint directory ``path``::
     path/extra_state_rank{r}.pt      lr scheduler, RNG states, global_step (plain data and tensors;
                                      loadable with torch.load(weights_only=True))
     path/meta.json                   global_step, world_size, backend, model_type,
-                                     tensor_model_parallel_size (informative: DCP reshards on load)
+                                     tensor_model_parallel_size, pipeline_model_parallel_size
+                                     (informative: DCP reshards on load), flat_optimizer_state
     path/huggingface/                the model's HF config, tokenizer and generation config (for export)
 
     path/manifest.json               every file's size and sha256, verified before anything is loaded
@@ -220,15 +221,28 @@ class DCPCheckpointMixin:
     backend: str
     MODEL_TYPE: str
 
-    def _state_dict_options(self) -> Any:
+    @property
+    def _pipeline_size(self) -> int:
+        return getattr(getattr(self, "topology", None), "pp_size", 1)
+
+    def _state_dict_options(self, flat_optimizer: bool = False) -> Any:
+        """DCP state-dict options; ``flat_optimizer``: optimizer state keyed per parameter name.
+
+        Pipeline stages hold different parameters, so their optimizers' ``param_groups`` differ: saved
+        nested, one stage's list would stand for all. Flattened (``param_groups.<name>.lr``,
+        ``state.<name>.exp_avg``) every entry belongs to one parameter, so stages save side by side and a
+        checkpoint reshards into any pipeline layout. A checkpoint records which form it holds
+        (``meta.json: flat_optimizer_state``); loading reads that form.
+        """
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return StateDictOptions(ignore_frozen_params=self.has_adapters, strict=not self.has_adapters)
+        return StateDictOptions(ignore_frozen_params=self.has_adapters, strict=not self.has_adapters,
+                                flatten_optimizer_state_dict=flat_optimizer)
 
-    def _state_dicts(self) -> dict[str, Any]:
+    def _state_dicts(self, flat_optimizer: bool = False) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-        options = self._state_dict_options()
+        options = self._state_dict_options(flat_optimizer)
         if self.optimizer is None:
             return {"model": get_model_state_dict(self.module, options=options)}
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=options)
@@ -238,7 +252,8 @@ class DCPCheckpointMixin:
         """Save model, optimizer (DCP), scheduler and RNG atomically to the directory ``path``."""
         import torch.distributed.checkpoint as dcp
 
-        state = self._state_dicts()
+        flat = self._pipeline_size > 1
+        state = self._state_dicts(flat)
         with atomic_checkpoint_dir(path) as tmp:
             dcp.save(state, checkpoint_id=str(tmp / "dcp"))
             save_extra_state(tmp, self.lr_scheduler, global_step)
@@ -249,6 +264,8 @@ class DCPCheckpointMixin:
                 "model_type": self.MODEL_TYPE,
                 "model_path": self.config.model_path,
                 "tensor_model_parallel_size": getattr(getattr(self, "topology", None), "tp_size", 1),
+                "pipeline_model_parallel_size": self._pipeline_size,
+                "flat_optimizer_state": flat,
             }
             write_meta(tmp, meta, getattr(self.module, "config", None), self.config.model_path)
 
@@ -259,17 +276,25 @@ class DCPCheckpointMixin:
         from verl_trainer.engine.safe_dcp import safe_dcp_load
 
         directory = resolve_checkpoint_dir(path)
-        state = self._state_dicts()
+        meta = json.loads((directory / META).read_text()) if (directory / META).exists() else {}
+        flat = bool(meta.get("flat_optimizer_state", False))
+        if self.optimizer is not None and self._pipeline_size > 1 and not flat:
+            raise ValueError(
+                f"the checkpoint {str(directory)!r} holds its optimizer state per parameter group (saved "
+                f"with pipeline_model_parallel_size=1); a pipeline stage ({self._pipeline_size} stages) "
+                f"cannot take its param_groups. Resume it with pipeline_model_parallel_size=1, or export the "
+                f"weights (python -m verl_trainer.export) and start a pipelined run from them"
+            )
+        state = self._state_dicts(flat)
         safe_dcp_load(state, directory / "dcp")
         if self.optimizer is None:
-            set_model_state_dict(self.module, state["model"], options=self._state_dict_options())
+            set_model_state_dict(self.module, state["model"], options=self._state_dict_options(flat))
         else:
             set_state_dict(
                 self.module, self.optimizer,
                 model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                options=self._state_dict_options(),
+                options=self._state_dict_options(flat),
             )
         payload = load_extra_state(directory, self.lr_scheduler)
-        meta = json.loads((directory / META).read_text()) if (directory / META).exists() else {}
         meta.setdefault("global_step", payload.get("global_step", 0))
         return meta

@@ -93,9 +93,9 @@ class MicroBatchComputeMixin:
         """What the packed and Ulysses forwards call: the module, or a backend's forward wrapper."""
         return self.module
 
-    def _forward_packed(self, packed: PackedBatch) -> Any:
-        """Run the module on one packed row (HF output with ``logits [1, N, ...]``)."""
-        return packed_forward(self.forward_model, packed)
+    def _forward_packed(self, packed: PackedBatch, model: Any = None) -> Any:
+        """Run ``model`` (default :attr:`forward_model`) on one packed row (``logits [1, N, ...]``)."""
+        return packed_forward(self.forward_model if model is None else model, packed)
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss, as is."""

@@ -63,17 +63,26 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def check_parallel_sizes(sp: int, tp: int) -> None:
+def check_parallel_sizes(sp: int, tp: int, pp: int = 1) -> None:
     """Refuse a combination of model-parallel sizes this project does not build (same on every rank).
 
     Raises:
-        ValueError: ``tp > 1`` together with ``sp > 1`` (a ``(dp, sp, tp)`` mesh is not supported yet).
+        ValueError: ``tp > 1`` together with ``sp > 1`` (a ``(dp, sp, tp)`` mesh is not supported yet), or
+            ``pp > 1`` together with ``sp > 1`` or ``tp > 1`` (only the ``(pp, dp)`` mesh is built).
     """
     _check(
         tp == 1 or sp == 1,
         f"tensor_model_parallel_size={tp} with ulysses_sequence_parallel_size={sp} is not supported "
         f"(a (dp, sp, tp) mesh is not built yet); set one of them to 1",
     )
+    for name, size in (("ulysses_sequence_parallel_size", sp), ("tensor_model_parallel_size", tp)):
+        _check(
+            pp == 1 or size == 1,
+            f"pipeline_model_parallel_size={pp} with {name}={size} is not supported (only the (pp, dp) "
+            f"mesh is built: pipeline stages with FSDP over dp); set {name}=1, or "
+            f"pipeline_model_parallel_size=1 to use {name.split('_model')[0].split('_sequence')[0]} "
+            f"parallelism",
+        )
 
 
 @dataclass
@@ -154,7 +163,10 @@ class EngineConfig(_Validated):
             column- / row-wise over ``tp`` (``engine/tensor_parallel.py``), untied embeddings and the LM
             head over the vocabulary, and FSDP shards over ``dp``.
             Not combinable with ``ulysses_sequence_parallel_size > 1`` or LoRA yet.
-        pipeline_model_parallel_size: PP degree; only ``1`` is supported so far (``> 1`` is refused here).
+        pipeline_model_parallel_size: PP degree (Megatron's name; fsdp2 only): the mesh is ``(pp, dp)``
+            with ``dp = world_size // pp``; the decoder layers are split into ``pp`` contiguous stages
+            run by a ``torch.distributed.pipelining`` schedule (``engine/pipeline.py``), FSDP shards
+            each stage over ``dp``. Not combinable with sp, tp, LoRA, offload or gradient checkpointing.
         param_offload: Keep parameters (and their gradients) on CPU between phases; the mode
             contexts load them onto the device on enter and offload them again on exit.
         optimizer_offload: Keep optimizer state on CPU between train phases.
@@ -249,12 +261,21 @@ class EngineConfig(_Validated):
             isinstance(pp, int) and pp >= 1,
             f"EngineConfig.pipeline_model_parallel_size must be an int >= 1 (1 = off), got {pp!r}",
         )
-        _check(
-            pp == 1,
-            f"EngineConfig.pipeline_model_parallel_size={pp} is not supported yet (pipeline parallelism is "
-            f"not built); set it to 1 and use tensor_model_parallel_size and/or FSDP for large models",
-        )
-        check_parallel_sizes(self.ulysses_sequence_parallel_size, tp)
+        check_parallel_sizes(self.ulysses_sequence_parallel_size, tp, pp)
+        if pp > 1:
+            for name, value, off in (
+                ("LoRA (lora_rank / lora_adapter_path)", self.lora_enabled, "lora_rank=0"),
+                ("param_offload", self.param_offload, "param_offload=False"),
+                ("optimizer_offload", self.optimizer_offload, "optimizer_offload=False"),
+                ("fsdp_cpu_offload", self.fsdp_cpu_offload, "fsdp_cpu_offload=False"),
+                ("enable_gradient_checkpointing", self.enable_gradient_checkpointing,
+                 "enable_gradient_checkpointing=False"),
+            ):
+                _check(
+                    not value,
+                    f"pipeline_model_parallel_size={pp} with {name} is not supported (not proven exact "
+                    f"yet); set {off}, or pipeline_model_parallel_size=1",
+                )
         _check(
             tp == 1 or not self.lora_enabled,
             f"tensor_model_parallel_size={tp} with LoRA (lora_rank={self.lora_rank}, lora_adapter_path="
@@ -297,8 +318,9 @@ class EngineConfig(_Validated):
 
     @property
     def model_parallel_size(self) -> int:
-        """Ranks that hold the same samples: the SP size times the TP size."""
-        return self.ulysses_sequence_parallel_size * self.tensor_model_parallel_size
+        """Ranks that hold the same samples: the SP size times the TP size times the PP size."""
+        return (self.ulysses_sequence_parallel_size * self.tensor_model_parallel_size
+                * self.pipeline_model_parallel_size)
 
     def dp_size(self, world_size: int) -> int:
         """Data-parallel size for ``world_size`` ranks.
@@ -311,7 +333,8 @@ class EngineConfig(_Validated):
         if world_size % mp:
             raise ValueError(
                 f"world_size={world_size} is not divisible by ulysses_sequence_parallel_size x "
-                f"tensor_model_parallel_size={mp}; choose sizes whose product divides the number of ranks"
+                f"tensor_model_parallel_size x pipeline_model_parallel_size={mp}; choose sizes whose "
+                f"product divides the number of ranks"
             )
         return world_size // mp
 

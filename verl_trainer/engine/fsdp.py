@@ -3,7 +3,8 @@
 :class:`FSDPEngine` composes the shared parts (topology, micro-batch loop, optimizer, DCP checkpoints)
 and adds only what is FSDP-specific: wrapping, gradient-sync control (FSDP2
 ``set_requires_gradient_sync``, FSDP1 ``no_sync``), FSDP1's grad clipping, parameter offload, the
-export of full tensors, and (fsdp2) tensor parallelism under FSDP on a ``(dp, tp)`` mesh.
+export of full tensors, and (fsdp2) tensor parallelism under FSDP on a ``(dp, tp)`` mesh or pipeline
+parallelism with FSDP within each stage on a ``(pp, dp)`` mesh (``engine/pipeline.py``).
 :class:`FSDPLanguageModelEngine` and :class:`FSDPValueModelEngine` add the model type and are registered
 for cpu, cuda and npu.
 """
@@ -26,6 +27,7 @@ from verl_trainer.engine.lora import LoRAMixin
 from verl_trainer.engine.offload import move_grads, move_module, move_optimizer_state
 from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler, build_optimizer
 from verl_trainer.engine.parallelize import apply_fsdp1, apply_fsdp2
+from verl_trainer.engine.pipeline import PipelineMixin
 from verl_trainer.engine.registry import EngineRegistry
 from verl_trainer.engine.tensor_parallel import apply_tensor_parallel
 from verl_trainer.engine.topology import TopologyMixin, engine_topology
@@ -42,7 +44,8 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 class FSDPEngine(
-    TopologyMixin, MicroBatchComputeMixin, OptimizerMixin, DCPCheckpointMixin, LoRAMixin, BaseEngine
+    TopologyMixin, PipelineMixin, MicroBatchComputeMixin, OptimizerMixin, DCPCheckpointMixin, LoRAMixin,
+    BaseEngine
 ):
     """FSDP1 / FSDP2 engine; the model type comes from a mixin (see the registered subclasses).
 
@@ -56,6 +59,7 @@ class FSDPEngine(
 
     SUPPORTS_SEQUENCE_PARALLEL = True  # Ulysses: gathered outputs' grads x sp, FSDP averages over dp x sp
     SUPPORTS_TENSOR_PARALLEL = True  # fsdp2 only (checked below): DTensor TP, then fully_shard over dp
+    SUPPORTS_PIPELINE_PARALLEL = True  # fsdp2 only (checked below): pipelining stages, fully_shard over dp
 
     def __init__(
         self,
@@ -72,6 +76,12 @@ class FSDPEngine(
             raise ValueError(
                 f"tensor_model_parallel_size={self.config.tensor_model_parallel_size} needs the 'fsdp2' "
                 f"backend (FSDP2 composes with DTensor TP on a (dp, tp) mesh), got {backend!r}; use "
+                f"strategy='fsdp2'"
+            )
+        if self.config.pipeline_model_parallel_size > 1 and backend != "fsdp2":
+            raise ValueError(
+                f"pipeline_model_parallel_size={self.config.pipeline_model_parallel_size} needs the 'fsdp2' "
+                f"backend (torch.distributed.pipelining drives FSDP2 modules), got {backend!r}; use "
                 f"strategy='fsdp2'"
             )
         if self.config.param_offload and self.config.fsdp_cpu_offload:
@@ -99,10 +109,13 @@ class FSDPEngine(
             torch.cuda.set_device(self.device)
         torch.manual_seed(self.config.seed)
         self.topology = engine_topology(self.topology, self.config, self.device.type)
+        self.check_pipeline_model()  # before the weights load (pp > 1 only)
         model = self.build_model()  # checkpoint or factory, + LoRA adapters (engine/lora.py)
         self.model_config = model.config
         if self.config.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.topology.pp_size > 1:
+            self.split_into_stage(model)  # this rank's stage, HF names kept (engine/pipeline_stage.py)
         if self.topology.tp_mesh is not None:
             # then FSDP over dp (a 2-D layout); the LM head may now yield this rank's vocabulary slice
             self.vocab_parallel_head = apply_tensor_parallel(model, self.topology.tp_mesh)
@@ -163,6 +176,9 @@ class FSDPEngine(
         """
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+        if self.pipelined:
+            yield from self.pipeline_full_tensors(keep)
+            return
         offloaded = self.config.param_offload and self.mode is None
         if offloaded:
             self.to(self.device, model=True, optimizer=False, grad=False)

@@ -83,12 +83,16 @@ class LanguageModelMixin:
         )
         return _checked(model, self.config)
 
-    def _forward_packed(self, packed: PackedBatch) -> Any:
-        """Run the model on one packed row, the LM head only at :func:`head_positions` (all when ``None``)."""
+    def _forward_packed(self, packed: PackedBatch, model: Any = None) -> Any:
+        """Run ``model`` (default: the engine's forward model) on one packed row.
+
+        The LM head runs only at :func:`head_positions` (everywhere when ``None``).
+        """
+        model = self.forward_model if model is None else model
         positions = head_positions(packed)
         if positions is None:
-            return packed_forward(self.forward_model, packed)  # type: ignore[attr-defined]
-        return packed_forward(self.forward_model, packed, logits_to_keep=positions)  # type: ignore[attr-defined]
+            return packed_forward(model, packed)
+        return packed_forward(model, packed, logits_to_keep=positions)
 
     def compute_packed_outputs(
         self,

@@ -11,10 +11,12 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from verl_trainer.engine.config import OptimConfig
+from verl_trainer.utils.distributed import all_reduce
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -> torch.optim.AdamW:
@@ -82,39 +84,49 @@ def _mesh_of(t: torch.Tensor) -> object:
     return t.device_mesh if isinstance(t, DTensor) else None
 
 
-def total_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
+def total_grad_norm(
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float | None,
+    sum_over: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """Total L2 norm of the gradients (over all shards for DTensor grads), clipping to ``max_norm``.
 
     Under TP + FSDP the gradients live on two meshes (the ``(dp, tp)`` mesh of the split projections
     and the ``dp`` mesh of the replicated rest), which one ``clip_grad_norm_`` cannot stack: the norm
     of each mesh's group is reduced to a plain number first, then combined, then every gradient is
-    scaled by the same clip coefficient.
+    scaled by the same clip coefficient. Under PP each stage holds other parameters: its squared norm
+    is summed over the pipeline group (``sum_over``) before the coefficient is taken.
 
     Args:
         parameters: Parameters whose ``.grad`` count.
         max_norm: Clip threshold; ``None`` only measures.
+        sum_over: The group whose ranks hold disjoint parameters (the pipeline stages), or ``None``.
 
     Returns:
-        A plain scalar tensor (the norm before clipping).
+        A plain scalar tensor (the norm before clipping), the same on every rank of ``sum_over``.
 
     """
     params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return torch.zeros(())
     clip = float("inf") if max_norm is None else float(max_norm)
     groups: dict[int, list[torch.Tensor]] = {}  # by the id of the gradients' mesh (None: plain)
     for p in params:
         groups.setdefault(id(_mesh_of(p.grad)), []).append(p.grad)  # type: ignore[arg-type]
-    if len(groups) == 1:
-        norm = torch.nn.utils.clip_grad_norm_(params, clip, error_if_nonfinite=False, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return norm
-    norms = []
+    if sum_over is None:
+        if not params:
+            return torch.zeros(())
+        if len(groups) == 1:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip, error_if_nonfinite=False, foreach=True)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            return norm
+    dtype = torch.float32 if sum_over is None else torch.float64  # a stage may hold no gradient at all
+    norms = [torch.zeros((), dtype=dtype)]
     for grads in groups.values():
         group_norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=True)
         norms.append(group_norm.full_tensor() if isinstance(group_norm, DTensor) else group_norm)
-    norm = torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms]))
+    norm = torch.linalg.vector_norm(torch.stack([n.to(dtype).cpu() for n in norms]))
+    if sum_over is not None:
+        norm = all_reduce(norm * norm, sum_over).sqrt().float()
     if clip != float("inf"):
         coef = min(1.0, clip / (float(norm) + 1e-6))  # clip_grad_norm_'s coefficient, clamped at 1
         for grads in groups.values():

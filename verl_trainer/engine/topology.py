@@ -1,11 +1,14 @@
-"""Process topology of an engine: the ``(dp, sp)`` or ``(dp, tp)`` device mesh and its groups.
+"""Process topology of an engine: the ``(dp, sp)``, ``(dp, tp)`` or ``(pp, dp)`` device mesh and its groups.
 
-``dp_size = world_size // (ulysses_sequence_parallel_size * tensor_model_parallel_size)``. Ranks of one
-SP or TP group hold the same samples, so data-parallel collectives (denominators, the global loss) use the
-dp group only. Without TP, parameters are sharded over the whole world (the flattened 1-D ``"fsdp"``
-mesh); with TP (``tp > 1``, sp must be 1) the mesh is ``(dp, tp)``, the TP plan shards the projections
-over ``tp`` and FSDP shards over ``dp`` (``shard_mesh = mesh["dp"]``, a sub-mesh of the same root, as
-FSDP2's 2-D composition requires). TP ranks are adjacent (rank = dp_rank * tp + tp_rank).
+``dp_size = world_size // (sp * tp * pp)`` (the ulysses / tensor / pipeline model-parallel sizes; at most
+one of them is above 1). Ranks of one SP, TP or PP group hold the same samples, so data-parallel
+collectives (denominators, the global loss) use the dp group only. Without TP / PP, parameters are
+sharded over the whole world (the flattened 1-D ``"fsdp"`` mesh); with TP (``tp > 1``, sp must be 1)
+the mesh is ``(dp, tp)``, the TP plan shards the projections over ``tp`` and FSDP shards over ``dp``
+(``shard_mesh = mesh["dp"]``, a sub-mesh of the same root, as FSDP2's 2-D composition requires). TP
+ranks are adjacent (rank = dp_rank * tp + tp_rank). With PP (``pp > 1``) the mesh is ``(pp, dp)``: each
+pipeline stage is a dp group sharded by FSDP over ``mesh["dp"]``, and the stages of one dp rank are
+``dp`` ranks apart (rank = pp_rank * dp + dp_rank).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Topology:
         shard_mesh: The 1-D mesh FSDP shards parameters on: all ranks (``"fsdp"``), or ``mesh["dp"]``
             with TP.
         tp_size: Tensor-parallel size (``tensor_model_parallel_size``).
+        pp_size: Pipeline-parallel size (``pipeline_model_parallel_size``): the mesh is ``(pp, dp)``.
 
     """
 
@@ -43,6 +47,10 @@ class Topology:
     mesh: DeviceMesh | None = None
     shard_mesh: DeviceMesh | None = None
     tp_size: int = 1
+    pp_size: int = 1
+
+    def _has(self, name: str) -> bool:
+        return self.mesh is not None and name in (self.mesh.mesh_dim_names or ())
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -51,8 +59,8 @@ class Topology:
 
     @property
     def sp_group(self) -> dist.ProcessGroup | None:
-        """The SP process group, or ``None`` when not distributed or under TP (which has no SP dim)."""
-        return None if self.mesh is None or self.tp_size > 1 else self.mesh.get_group("sp")
+        """The SP process group, or ``None`` when not distributed or under TP / PP (no SP dim)."""
+        return self.mesh.get_group("sp") if self._has("sp") else None  # type: ignore[union-attr]
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
@@ -71,15 +79,27 @@ class Topology:
 
     @property
     def sp_rank(self) -> int:
-        """Coordinate of this rank on the sp dimension (0 under TP)."""
-        return 0 if self.mesh is None or self.tp_size > 1 else self.mesh.get_local_rank("sp")
+        """Coordinate of this rank on the sp dimension (0 under TP / PP)."""
+        return self.mesh.get_local_rank("sp") if self._has("sp") else 0  # type: ignore[union-attr]
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The pipeline group (this dp rank's stages, in stage order), or ``None`` without PP."""
+        return self.mesh.get_group("pp") if self._has("pp") else None  # type: ignore[union-attr]
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (0 without PP)."""
+        return self.mesh.get_local_rank("pp") if self._has("pp") else 0  # type: ignore[union-attr]
 
 
-def _first_parallel(sp: int, tp: int) -> tuple[str, int]:
-    return ("ulysses_sequence_parallel_size", sp) if sp != 1 else ("tensor_model_parallel_size", tp)
+def _first_parallel(sp: int, tp: int, pp: int = 1) -> tuple[str, int]:
+    if sp != 1:
+        return "ulysses_sequence_parallel_size", sp
+    return ("tensor_model_parallel_size", tp) if tp != 1 else ("pipeline_model_parallel_size", pp)
 
 
-def build_topology(sp: int, device_type: str, tp: int = 1) -> Topology:
+def build_topology(sp: int, device_type: str, tp: int = 1, pp: int = 1) -> Topology:
     """Build the meshes for the current process group (or a single-process topology).
 
     The Trainer's strategy builds one per run and hands it to every engine it builds; an engine built
@@ -89,28 +109,33 @@ def build_topology(sp: int, device_type: str, tp: int = 1) -> Topology:
         sp: The Ulysses sequence-parallel size.
         device_type: ``"cpu"``, ``"cuda"`` or ``"npu"``.
         tp: The tensor-parallel size.
+        pp: The pipeline-parallel size.
 
     Raises:
-        ValueError: If the world size is not divisible by ``sp * tp``, or for ``sp > 1`` with ``tp > 1``.
+        ValueError: If the world size is not divisible by ``sp * tp * pp``, or for more than one of them
+            above 1.
 
     """
-    check_parallel_sizes(sp, tp)
+    check_parallel_sizes(sp, tp, pp)
     if not is_initialized():
-        if sp != 1 or tp != 1:
-            name, size = _first_parallel(sp, tp)
+        if sp != 1 or tp != 1 or pp != 1:
+            name, size = _first_parallel(sp, tp, pp)
             raise ValueError(
                 f"{name}={size} needs an initialised process group with a multiple of {size} ranks; "
                 f"start with torchrun or Trainer(devices=...)"
             )
         return Topology(world_size=1, rank=0, dp_size=1, sp_size=1)
     world = dist.get_world_size()
-    if world % (sp * tp):
-        name, size = _first_parallel(sp, tp)
+    if world % (sp * tp * pp):
+        name, size = _first_parallel(sp, tp, pp)
         raise ValueError(
             f"world_size={world} is not divisible by {name}={size}; choose a size that divides the number "
             f"of ranks"
         )
-    dp = world // (sp * tp)
+    dp = world // (sp * tp * pp)
+    if pp > 1:
+        mesh = init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
+        return Topology(world, dist.get_rank(), dp, 1, mesh, mesh["dp"], pp_size=pp)
     if tp > 1:
         mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
         return Topology(world, dist.get_rank(), dp, 1, mesh, mesh["dp"], tp_size=tp)
@@ -126,20 +151,22 @@ def engine_topology(given: Topology | None, config: EngineConfig, device_type: s
         ValueError: The handed-over topology's SP or TP size is not the engine config's.
     """
     sp, tp = config.ulysses_sequence_parallel_size, config.tensor_model_parallel_size
+    pp = config.pipeline_model_parallel_size
     if given is None:
-        return build_topology(sp, device_type, tp)
-    check_same_sizes(given, sp, tp)
+        return build_topology(sp, device_type, tp, pp)
+    check_same_sizes(given, sp, tp, pp)
     return given
 
 
-def check_same_sizes(given: Topology, sp: int, tp: int) -> None:
-    """Every engine of a run shares one mesh: refuse an engine whose SP / TP size differs from it.
+def check_same_sizes(given: Topology, sp: int, tp: int, pp: int = 1) -> None:
+    """Every engine of a run shares one mesh: refuse an engine whose SP / TP / PP size differs from it.
 
     Raises:
         ValueError: Naming the size that differs.
     """
     for name, have, want in (("ulysses_sequence_parallel_size", given.sp_size, sp),
-                             ("tensor_model_parallel_size", given.tp_size, tp)):
+                             ("tensor_model_parallel_size", given.tp_size, tp),
+                             ("pipeline_model_parallel_size", given.pp_size, pp)):
         if have != want:
             raise ValueError(
                 f"the run's topology has {name}={have} but an engine asks for {name}={want}; every "
@@ -153,7 +180,7 @@ class TopologyMixin:
     topology: Topology
 
     def get_data_parallel_size(self) -> int:
-        """Return the number of DP ranks (world_size // (sp_size * tp_size))."""
+        """Return the number of DP ranks (world_size // (sp_size * tp_size * pp_size))."""
         return self.topology.dp_size
 
     def get_data_parallel_rank(self) -> int:
@@ -165,5 +192,9 @@ class TopologyMixin:
         return self.topology.dp_group
 
     def is_mp_src_rank_with_outputs(self) -> bool:
-        """Only SP / TP rank 0 of each DP group reports outputs (all SP / TP ranks hold the same ones)."""
-        return self.topology.sp_rank == 0 and self.topology.tp_rank == 0
+        """One rank per DP rank reports outputs: SP / TP rank 0, and under PP the last stage (verl's choice).
+
+        Every SP / TP / PP rank of a DP rank returns the same outputs (PP broadcasts the last stage's).
+        """
+        topo = self.topology
+        return topo.sp_rank == 0 and topo.tp_rank == 0 and topo.pp_rank == topo.pp_size - 1

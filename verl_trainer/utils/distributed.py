@@ -92,12 +92,12 @@ def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> li
     return out
 
 
-def broadcast_object(obj: object, src: int = 0) -> object:
-    """``obj`` of global rank ``src`` on every rank (plain data only; identity without a group)."""
-    if not is_distributed():
+def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None = None) -> object:
+    """``obj`` of global rank ``src`` on every rank of ``group`` (plain data only; identity without one)."""
+    if not is_distributed(group):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
