@@ -68,8 +68,12 @@ def test_agg_loss_dp_without_global_denominator_raises(mode, missing):
 
 
 def test_agg_loss_errors():
-    with pytest.raises(ValueError, match="loss_scale_factor"):
-        agg_loss(LOSS, MASK, "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="loss_scale_factor"):  # global denominators: a constant is needed
+        agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", global_batch_size=LOSS.shape[0])
+    # a one-piece call keeps verl's fallback, the padded width
+    width = LOSS.shape[-1]
+    torch.testing.assert_close(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm"),
+                               agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", loss_scale_factor=width))
     with pytest.raises(ValueError, match="token-mean"):
         agg_loss(LOSS, MASK, "mean")
     with pytest.raises(ValueError, match="dp_size"):

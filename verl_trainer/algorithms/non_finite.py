@@ -83,8 +83,10 @@ def _losses(metrics: Mapping[str, Any]) -> dict[str, float]:
     """The scalar ``*loss`` values of one micro-batch's metrics."""
     out = {}
     for key, value in metrics.items():
-        value = value.value if isinstance(value, Metric) else value
-        if key.endswith("loss") and (not isinstance(value, torch.Tensor) or value.numel() == 1):
+        if not key.endswith("loss"):
+            continue
+        value = value.aggregate() if isinstance(value, Metric) else value
+        if not isinstance(value, torch.Tensor) or value.numel() == 1:
             out[key] = float(value)
     return out
 

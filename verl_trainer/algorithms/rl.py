@@ -68,7 +68,7 @@ def _mean_over_updates(metrics: list[dict[str, Any]], num_updates: int) -> list[
     if num_updates <= 1:
         return metrics
     return [
-        {k: Metric.sum(v.value / num_updates) if isinstance(v, Metric) and v.reduction is Reduction.SUM else v
+        {k: v.scale(1 / num_updates) if isinstance(v, Metric) and v.reduction is Reduction.SUM else v
          for k, v in mb.items()}
         for mb in metrics
     ]

@@ -11,7 +11,9 @@ says so in its docstring. The package's modules:
 * ``policy_losses``: :func:`register_policy_loss` / :func:`get_policy_loss_fn` with ``vanilla``
   (dual-clip PPO, clip-higher), ``gspo``, ``gpg``, ``geo_mean`` (GMPO).
 * ``advantages``: :func:`register_adv_est` / :func:`get_adv_estimator_fn` with ``gae``, ``grpo``,
-  ``rloo``, ``reinforce_plus_plus``, ``remax``.
+  ``rloo`` (also under verl's ``grpo_vectorized`` / ``rloo_vectorized``), ``reinforce_plus_plus``,
+  ``remax``. Both registries are dict-like; like verl's, ``ADV_ESTIMATOR_REGISTRY`` may be rebound to a
+  dict of one's own (``core_algos.ADV_ESTIMATOR_REGISTRY = {...}``) and the functions use the new one.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from verl_trainer.core_algos.advantages import (
     AdvantageEstimator,
     compute_gae_advantage_return,
     compute_grpo_outcome_advantage,
+    compute_grpo_vectorized_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
     compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage,
+    compute_rloo_vectorized_outcome_advantage,
     get_adv_estimator_fn,
     register_adv_est,
 )
@@ -62,6 +66,7 @@ __all__ = [
     "agg_loss",
     "compute_gae_advantage_return",
     "compute_grpo_outcome_advantage",
+    "compute_grpo_vectorized_outcome_advantage",
     "compute_policy_loss_geo_mean",
     "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
@@ -69,6 +74,7 @@ __all__ = [
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
+    "compute_rloo_vectorized_outcome_advantage",
     "compute_value_loss",
     "get_adv_estimator_fn",
     "get_policy_loss_fn",

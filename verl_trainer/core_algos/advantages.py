@@ -13,7 +13,7 @@ on the dp size, call the estimator on the whole (gathered) batch, as verl's driv
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from enum import Enum
 from typing import Any
 
@@ -22,11 +22,12 @@ import torch
 
 from verl_trainer.core_algos.aggregation import masked_whiten
 from verl_trainer.core_algos.policy_losses import config_get
-from verl_trainer.utils.registry import Registry
+from verl_trainer.utils.registry import Registry, UnknownKeyError, keys_repr, rebound
 
 ADV_ESTIMATOR_REGISTRY: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = Registry(
     "advantage estimator"
 )
+_BUILTIN_REGISTRY = ADV_ESTIMATOR_REGISTRY
 
 
 class AdvantageEstimator(str, Enum):
@@ -34,7 +35,9 @@ class AdvantageEstimator(str, Enum):
 
     GAE = "gae"
     GRPO = "grpo"
+    GRPO_VECTORIZED = "grpo_vectorized"
     RLOO = "rloo"
+    RLOO_VECTORIZED = "rloo_vectorized"
     REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
     REMAX = "remax"
 
@@ -43,16 +46,54 @@ def _name(name_or_enum: str | Enum) -> str:
     return name_or_enum.value if isinstance(name_or_enum, Enum) else name_or_enum
 
 
+def _registry() -> MutableMapping[Any, Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
+    """The registry in force (built-in, or a mapping code bound in its place, as verl allows).
+
+    Code may rebind ``ADV_ESTIMATOR_REGISTRY`` of this module or of ``verl_trainer.core_algos``.
+    """
+    return rebound(_BUILTIN_REGISTRY, "ADV_ESTIMATOR_REGISTRY", __name__, __package__)
+
+
 def register_adv_est(name_or_enum: str | AdvantageEstimator) -> Callable[[Callable], Callable]:
-    """Register an advantage estimator under a name (decorator; a duplicate name raises ``ValueError``)."""
-    return ADV_ESTIMATOR_REGISTRY.register(_name(name_or_enum))
+    """Register an advantage estimator under a name or enum (decorator).
+
+    Registering the same function again is a no-op; another function under a taken name raises
+    ``ValueError`` (verl's rule). The decorated function is returned unchanged.
+    """
+    name = _name(name_or_enum)
+
+    def deco(fn: Callable) -> Callable:
+        registry = _registry()
+        if name in registry and registry[name] is not fn:
+            raise ValueError(
+                f"advantage estimator {name!r} is already registered (by {registry[name]!r}); "
+                "choose another name or remove the earlier registration."
+            )
+        registry[name] = fn
+        return fn
+
+    return deco
 
 
 def get_adv_estimator_fn(
     name_or_enum: str | AdvantageEstimator,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """Return the estimator registered under a name or enum; an unknown name lists the choices."""
-    return ADV_ESTIMATOR_REGISTRY.get(_name(name_or_enum))
+    """Return the estimator registered under a name or enum (case-sensitive).
+
+    Raises:
+        UnknownKeyError: (a ``ValueError`` and a ``KeyError``) for an unknown name, listing the registered
+            ones. The message starts with verl's words (``Unknown advantage estimator simply: <name>``),
+            which code written against verl matches on.
+
+    """
+    name = _name(name_or_enum)
+    registry = _registry()
+    if name not in registry:
+        raise UnknownKeyError(
+            f"Unknown advantage estimator simply: {name}; registered: {keys_repr(registry)}. "
+            "Use one of these or register your own with register_adv_est."
+        )
+    return registry[name]
 
 
 def _group_inverse(index: Sequence[Any] | np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -116,6 +157,7 @@ def compute_gae_advantage_return(
     return advantages, returns
 
 
+@register_adv_est(AdvantageEstimator.GRPO_VECTORIZED)  # verl's name of its batched version: ours is batched
 @register_adv_est(AdvantageEstimator.GRPO)
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -157,6 +199,7 @@ def compute_grpo_outcome_advantage(
     return adv, adv
 
 
+@register_adv_est(AdvantageEstimator.RLOO_VECTORIZED)
 @register_adv_est(AdvantageEstimator.RLOO)
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -267,3 +310,9 @@ def compute_remax_outcome_advantage(
         advantages = (returns - reward_baselines.unsqueeze(-1) * mask) * mask
         returns = returns * mask
     return advantages, returns
+
+
+compute_grpo_vectorized_outcome_advantage = compute_grpo_outcome_advantage
+"""verl's name of its batched GRPO estimator; :func:`compute_grpo_outcome_advantage` is batched already."""
+compute_rloo_vectorized_outcome_advantage = compute_rloo_outcome_advantage
+"""verl's name of its batched RLOO estimator; :func:`compute_rloo_outcome_advantage` is batched already."""

@@ -132,10 +132,10 @@ def _denominator(given: Number | None, local: torch.Tensor, dp_size: int, name: 
     if given is None:
         if dp_size > 1:
             raise ValueError(
-                f"loss_agg_mode={mode!r} with dp_size={dp_size} needs the global {name} of the step "
-                f"(all micro-batches on all DP ranks); got {name}=None. Pass the engine's GlobalBatchInfo "
-                "(or global_batch_kwargs(info)) to agg_loss: a local denominator would make the loss "
-                "depend on how the batch is split."
+                f"loss_agg_mode={mode!r} with dp_size={dp_size}: {name} is required, the global count of "
+                f"the step (all micro-batches on all DP ranks); got {name}=None. Pass the engine's "
+                "GlobalBatchInfo (or global_batch_kwargs(info)) to agg_loss: a local denominator would make "
+                "the loss depend on how the batch is split."
             )
         return local
     return given
@@ -172,10 +172,11 @@ def agg_loss(
     tokens, or the number of rows with at least one token), which is verl's local behaviour.
 
     Deviation from verl 0.9.1: verl defaults ``loss_scale_factor`` to ``loss_mask.shape[-1]``, the padded
-    width of the current (micro-)batch, so the loss changes with micro-batching and padding; here a
-    missing ``loss_scale_factor`` in ``seq-mean-token-sum-norm`` is a ``ValueError`` (Dr.GRPO uses a
-    constant, the maximum response length). A denominator of 0 (a step without tokens) yields 0,
-    not NaN.
+    width of the current (micro-)batch, so the loss changes with micro-batching and padding; here that
+    fallback applies only to a one-piece call (``dp_size == 1`` and no ``global_batch_size``: the whole
+    batch is at hand). With global denominators a missing ``loss_scale_factor`` in
+    ``seq-mean-token-sum-norm`` is a ``ValueError`` (Dr.GRPO uses a constant, the maximum response
+    length). A denominator of 0 (a step without tokens) yields 0, not NaN.
 
     Args:
         loss_mat: Per-token losses, ``[b, t]``.
@@ -191,7 +192,7 @@ def agg_loss(
 
     Raises:
         ValueError: Unknown mode; ``dp_size > 1`` without the needed global denominator;
-            ``seq-mean-token-sum-norm`` without ``loss_scale_factor``.
+            ``seq-mean-token-sum-norm`` with global denominators but without ``loss_scale_factor``.
 
     """
     if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
@@ -205,14 +206,17 @@ def agg_loss(
         return row_sums.sum() * dp_size
     if loss_agg_mode in (SEQ_MEAN_TOKEN_SUM, SEQ_MEAN_TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM_NORM):
         row_counts = mask.sum(dim=-1)  # [b]
-        if loss_agg_mode == SEQ_MEAN_TOKEN_SUM_NORM and loss_scale_factor is None:
-            raise ValueError(
-                "loss_agg_mode='seq-mean-token-sum-norm' (Dr.GRPO) needs a constant loss_scale_factor, "
-                "e.g. the maximum response length; got None. verl's fallback, the padded width of the "
-                "current micro-batch, changes with micro-batching, so it is not used here."
-            )
         denom = _denominator(global_batch_size, (row_counts > 0).sum(), dp_size, "global_batch_size",
                              loss_agg_mode)
+        if loss_agg_mode == SEQ_MEAN_TOKEN_SUM_NORM and loss_scale_factor is None:
+            if dp_size > 1 or global_batch_size is not None:
+                raise ValueError(
+                    "loss_agg_mode='seq-mean-token-sum-norm' (Dr.GRPO) with global denominators needs a "
+                    "constant loss_scale_factor, e.g. the maximum response length; got None. verl's "
+                    "fallback, the padded width of the current micro-batch, changes with micro-batching, "
+                    "so it is used only for a one-piece call (dp_size=1, no global_batch_size)."
+                )
+            loss_scale_factor = loss_mask.shape[-1]  # a one-piece call: verl's padded-width fallback
         if loss_agg_mode == SEQ_MEAN_TOKEN_MEAN:
             row_sums = row_sums / row_counts.clamp_min(1).to(row_sums.dtype)
         loss = _safe_div(row_sums.sum(), denom) * dp_size

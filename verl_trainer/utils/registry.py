@@ -8,6 +8,7 @@ The engine registry keys on a tuple (model_type, backend, device, vendor) and bu
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Hashable, Iterable, Iterator, MutableMapping
 from typing import Any, Generic, TypeVar
 
@@ -39,8 +40,12 @@ class Registry(MutableMapping[Hashable, T], Generic[T]):
         self._entries: dict[Hashable, T] = {}
 
     def add(self, key: Hashable, obj: T) -> T:
-        """Register ``obj`` under ``key``; a duplicate key raises ``ValueError``."""
-        if key in self._entries:
+        """Register ``obj`` under ``key``; another object under a taken key raises ``ValueError``.
+
+        Registering the same object again under its key changes nothing (as verl's registries allow:
+        a module imported twice registers its functions twice).
+        """
+        if key in self._entries and self._entries[key] is not obj:
             raise ValueError(
                 f"{self.kind} {key!r} is already registered (by {self._entries[key]!r}); "
                 f"choose another name or remove the earlier registration."
@@ -97,11 +102,35 @@ class Registry(MutableMapping[Hashable, T], Generic[T]):
 
     def keys_repr(self) -> str:
         """The registered keys as a sorted, comma-separated string."""
-        return ", ".join(sorted(repr(k) for k in self._entries)) or "(none)"
+        return keys_repr(self._entries)
 
     def remove(self, key: Hashable) -> Any:
         """Unregister ``key`` (for tests and plugins); returns the removed object."""
         return self._entries.pop(key)
+
+
+def keys_repr(mapping: Iterable[Hashable]) -> str:
+    """The keys of a registry or a plain dict as a sorted, comma-separated string."""
+    return ", ".join(sorted(repr(k) for k in mapping)) or "(none)"
+
+
+def rebound(original: Any, attr: str, *modules: str) -> Any:
+    """The object now bound to ``attr``: the first of ``modules`` that rebinds it, else ``original``.
+
+    verl's registries are module-level dicts that code (verl's own tests among it) may replace
+    (``core_algos.ADV_ESTIMATOR_REGISTRY = {...}``); a registry function that looks its registry up
+    through this sees the replacement, as verl's functions do.
+
+    Args:
+        original: The object the modules were created with.
+        attr: The module attribute's name.
+        modules: Names of modules (in ``sys.modules``) that expose ``attr``.
+    """
+    for name in modules:
+        bound = getattr(sys.modules.get(name), attr, original)
+        if bound is not original:
+            return bound
+    return original
 
 
 def as_list(value: str | Iterable[str] | None) -> list[str | None]:
