@@ -257,3 +257,23 @@ def test_pp_checkpoint_reloads_bitwise_and_into_another_layout_and_exports(model
         exported = load_causal_lm(directory).state_dict()
         assert exported.keys() == out[0]["saved"].keys()
         assert all(torch.equal(exported[k], out[0]["saved"][k]) for k in exported)
+
+
+def _from_pp1_rank(model_path, batches, optim, ckpt):
+    a = build_engine("fsdp2", "language_model", model_path, optim, micro_batch_size_per_gpu=2)
+    a.train_batch(rank_shard(batches[0], dist.get_rank(), 2), nll_loss)
+    a.save_checkpoint(ckpt, global_step=1)  # dp=2 x pp=1: grouped optimizer state
+    a.train_batch(rank_shard(batches[1], dist.get_rank(), 2), nll_loss)
+    b = build_engine("fsdp2", "language_model", model_path, optim, micro_batch_size_per_gpu=2,
+                     pipeline_model_parallel_size=2)
+    b.load_checkpoint(ckpt)
+    b.train_batch(batches[1], nll_loss)  # dp=1 x pp=2: the same step
+    return {"a": collect_params(a), "b": collect_params(b)}
+
+
+@pytest.mark.slow
+def test_pp1_checkpoint_resumes_into_pipeline_stages(model_path, tmp_path):
+    batches = [random_batch(8, seed=s) for s in (10, 11)]
+    out = run_distributed(_from_pp1_rank, 2, model_path, batches, OPTIM, str(tmp_path / "ckpt"))
+    for r in out:
+        assert_close_params(r["b"], r["a"])
