@@ -277,3 +277,20 @@ def test_pp1_checkpoint_resumes_into_pipeline_stages(model_path, tmp_path):
     out = run_distributed(_from_pp1_rank, 2, model_path, batches, OPTIM, str(tmp_path / "ckpt"))
     for r in out:
         assert_close_params(r["b"], r["a"])
+
+
+def _bf16_rank(model_path, batch, pp):
+    engine = build_engine("fsdp2", "language_model", model_path, OPTIM, micro_batch_size_per_gpu=2,
+                          pipeline_model_parallel_size=pp, param_dtype="bfloat16")
+    shard = batch if pp == 2 else rank_shard(batch, dist.get_rank(), 2)
+    result = engine.train_batch(shard, nll_loss)
+    return result["loss"], result["grad_norm"]
+
+
+@pytest.mark.slow
+def test_pp2_bf16_mixed_equals_dp2(model_path):
+    """bf16 compute (stage-to-stage activations in bfloat16) gives the dp=2 run's loss and grad norm."""
+    batch = random_batch(8)
+    pp, dp = (run_distributed(_bf16_rank, 2, model_path, batch, size) for size in (2, 1))
+    for got in pp:
+        assert got[0] == pytest.approx(dp[0][0], rel=1e-5) and got[1] == pytest.approx(dp[0][1], rel=1e-5)
