@@ -257,3 +257,40 @@ def test_pp_checkpoint_reloads_bitwise_and_into_another_layout_and_exports(model
         exported = load_causal_lm(directory).state_dict()
         assert exported.keys() == out[0]["saved"].keys()
         assert all(torch.equal(exported[k], out[0]["saved"][k]) for k in exported)
+
+
+def _from_pp1_rank(model_path, batches, optim, ckpt):
+    a = build_engine("fsdp2", "language_model", model_path, optim, micro_batch_size_per_gpu=2)
+    a.train_batch(rank_shard(batches[0], dist.get_rank(), 2), nll_loss)
+    a.save_checkpoint(ckpt, global_step=1)  # dp=2 x pp=1: grouped optimizer state
+    a.train_batch(rank_shard(batches[1], dist.get_rank(), 2), nll_loss)
+    b = build_engine("fsdp2", "language_model", model_path, optim, micro_batch_size_per_gpu=2,
+                     pipeline_model_parallel_size=2)
+    b.load_checkpoint(ckpt)
+    b.train_batch(batches[1], nll_loss)  # dp=1 x pp=2: the same step
+    return {"a": collect_params(a), "b": collect_params(b)}
+
+
+@pytest.mark.slow
+def test_pp1_checkpoint_resumes_into_pipeline_stages(model_path, tmp_path):
+    batches = [random_batch(8, seed=s) for s in (10, 11)]
+    out = run_distributed(_from_pp1_rank, 2, model_path, batches, OPTIM, str(tmp_path / "ckpt"))
+    for r in out:
+        assert_close_params(r["b"], r["a"])
+
+
+def _bf16_rank(model_path, batch, pp):
+    engine = build_engine("fsdp2", "language_model", model_path, OPTIM, micro_batch_size_per_gpu=2,
+                          pipeline_model_parallel_size=pp, param_dtype="bfloat16")
+    shard = batch if pp == 2 else rank_shard(batch, dist.get_rank(), 2)
+    result = engine.train_batch(shard, nll_loss)
+    return result["loss"], result["grad_norm"]
+
+
+@pytest.mark.slow
+def test_pp2_bf16_mixed_equals_dp2(model_path):
+    """bf16 compute (stage-to-stage activations in bfloat16) gives the dp=2 run's loss and grad norm."""
+    batch = random_batch(8)
+    pp, dp = (run_distributed(_bf16_rank, 2, model_path, batch, size) for size in (2, 1))
+    for got in pp:
+        assert got[0] == pytest.approx(dp[0][0], rel=1e-5) and got[1] == pytest.approx(dp[0][1], rel=1e-5)

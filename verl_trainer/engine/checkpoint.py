@@ -232,7 +232,8 @@ class DCPCheckpointMixin:
         nested, one stage's list would stand for all. Flattened (``param_groups.<name>.lr``,
         ``state.<name>.exp_avg``) every entry belongs to one parameter, so stages save side by side and a
         checkpoint reshards into any pipeline layout. A checkpoint records which form it holds
-        (``meta.json: flat_optimizer_state``); loading reads that form.
+        (``meta.json: flat_optimizer_state``); loading reads that form (a grouped one also loads into
+        pipeline stages: its state is keyed by parameter name, and the engines build one group).
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -278,13 +279,6 @@ class DCPCheckpointMixin:
         directory = resolve_checkpoint_dir(path)
         meta = json.loads((directory / META).read_text()) if (directory / META).exists() else {}
         flat = bool(meta.get("flat_optimizer_state", False))
-        if self.optimizer is not None and self._pipeline_size > 1 and not flat:
-            raise ValueError(
-                f"the checkpoint {str(directory)!r} holds its optimizer state per parameter group (saved "
-                f"with pipeline_model_parallel_size=1); a pipeline stage ({self._pipeline_size} stages) "
-                f"cannot take its param_groups. Resume it with pipeline_model_parallel_size=1, or export the "
-                f"weights (python -m verl_trainer.export) and start a pipelined run from them"
-            )
         state = self._state_dicts(flat)
         safe_dcp_load(state, directory / "dcp")
         if self.optimizer is None:

@@ -196,7 +196,7 @@ class _PipelineStep:
         self.temperature = temperature
         self.hooks = hooks
         self.packed = [pack_batch(mb, keys=()) for mb in micro_batches]
-        self.total = max(1, *(p.num_tokens for p in self.packed))
+        self.total = max([1, *(p.num_tokens for p in self.packed)])
         self.padded = [pad_packed(p, self.total) for p in self.packed]
         self.keys = engine.output_keys(calculate_entropy)
         self.losses: list[float] = []
