@@ -4,8 +4,8 @@ Layout of a checkpoint directory ``path``::
 
     path/dcp/...                     model + optimizer, torch.distributed.checkpoint (sharded, any backend
                                      may use its own sub-directory instead, e.g. DeepSpeed's format)
-    path/extra_state_rank{r}.pt      lr scheduler, RNG states, global_step (plain data and tensors;
-                                     loadable with torch.load(weights_only=True))
+    path/extra_state_rank{r}.pt      lr scheduler, RNG states, global_step, float16 loss scaler (plain
+                                     data and tensors; loadable with torch.load(weights_only=True))
     path/meta.json                   global_step, world_size, backend, model_type,
                                      tensor_model_parallel_size (informative: DCP reshards on load)
     path/huggingface/                the model's HF config, tokenizer and generation config (for export)
@@ -241,7 +241,9 @@ class DCPCheckpointMixin:
         state = self._state_dicts()
         with atomic_checkpoint_dir(path) as tmp:
             dcp.save(state, checkpoint_id=str(tmp / "dcp"))
-            save_extra_state(tmp, self.lr_scheduler, global_step)
+            scaler = getattr(self, "grad_scaler", None)  # float16: the loss scale and its growth tracker
+            extra = {} if scaler is None else {"grad_scaler": scaler.state_dict()}
+            save_extra_state(tmp, self.lr_scheduler, global_step, extra)
             meta = {
                 "global_step": int(global_step),
                 "world_size": get_world_size(),
@@ -270,6 +272,9 @@ class DCPCheckpointMixin:
                 options=self._state_dict_options(),
             )
         payload = load_extra_state(directory, self.lr_scheduler)
+        scaler = getattr(self, "grad_scaler", None)
+        if scaler is not None and payload.get("extra", {}).get("grad_scaler"):
+            scaler.load_state_dict(payload["extra"]["grad_scaler"])
         meta = json.loads((directory / META).read_text()) if (directory / META).exists() else {}
         meta.setdefault("global_step", payload.get("global_step", 0))
         return meta
