@@ -18,12 +18,14 @@ precision       param_dtype  reduce_dtype  model_dtype
 ``32-true``     float32      float32       float32
 ``bf16-mixed``  bfloat16     float32       float32
 ``bf16-true``   bfloat16     bfloat16      bfloat16
+``16-mixed``    float16      float32       float32
 ==============  ===========  ============  ===========
 
 ``bf16-mixed`` runs wherever torch computes in bfloat16 (a CPU without AVX512-BF16 / AMX emulates it:
-correct but slow, so it warns); ``bf16-true`` needs native support. ``16-mixed`` (float16 with a dynamic
-gradient scaler) is named but refused for now: on CPU float16 matmuls are emulated, and the engines
-have no loss scaler yet (:func:`check_precision` says what to use).
+correct but slow, so it warns); ``bf16-true`` needs native support. ``16-mixed`` computes in float16 with
+float32 master weights and a dynamic loss scale (``engine/loss_scale.py``: torch's ``GradScaler`` for fsdp2,
+``ShardedGradScaler`` for fsdp, DeepSpeed's own fp16 loss scaler); on a CPU without float16 units it is
+emulated (slow: warned), and DeepSpeed's CPU accelerator refuses it (:func:`check_precision` says so).
 """
 
 from __future__ import annotations
@@ -53,12 +55,12 @@ PRECISIONS: dict[str, dict[str, str]] = {
     "32-true": {"param_dtype": "float32", "reduce_dtype": "float32", "model_dtype": "float32"},
     "bf16-mixed": {"param_dtype": "bfloat16", "reduce_dtype": "float32", "model_dtype": "float32"},
     "bf16-true": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "model_dtype": "bfloat16"},
+    "16-mixed": {"param_dtype": "float16", "reduce_dtype": "float32", "model_dtype": "float32"},
 }
 _PRECISION_ALIASES: dict[Any, str] = {
     32: "32-true", "32": "32-true", "bf16": "bf16-mixed",
     16: "16-mixed", "16": "16-mixed", "fp16": "16-mixed",
 }
-_NAMED_ONLY = ("16-mixed",)  # Lightning names recognised, refused with a reason by check_precision
 
 
 def normalize_precision(precision: str | int) -> str:
@@ -68,27 +70,35 @@ def normalize_precision(precision: str | int) -> str:
         ValueError: For a precision outside :data:`PRECISIONS`.
     """
     name = _PRECISION_ALIASES.get(precision, precision)
-    if name not in PRECISIONS and name not in _NAMED_ONLY:
+    if name not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported; choose one of {sorted(PRECISIONS)}")
     return str(name)
 
 
-def check_precision(precision: str, device_type: str) -> str:
-    """``precision`` if this ``device_type`` can run it; a warning when it runs slowly.
+def check_precision(precision: str, device_type: str, backend: str | None = None) -> str:
+    """``precision`` if this ``device_type`` (and strategy ``backend``) can run it; a warning when slow.
 
     ``bf16-mixed`` is allowed wherever autocast / bfloat16 kernels run (a CPU without native bfloat16
-    emulates it, slowly: warned); ``bf16-true`` needs native bfloat16; ``16-mixed`` is refused.
+    emulates it, slowly: warned); ``bf16-true`` needs native bfloat16. ``16-mixed`` runs on CUDA and, with
+    the FSDP strategies, on CPU (emulated float16 without AVX512-FP16 / AMX-FP16: warned); DeepSpeed's CPU
+    accelerator refuses float16 there.
 
     Raises:
         ValueError: The precision cannot run here; the message names what to use.
     """
     if precision == "16-mixed":
-        where = "CPUs have no float16 matmul units" if device_type == "cpu" else \
-            "the engines have no loss scaler yet"
-        raise ValueError(
-            f"precision='16-mixed' (float16 with a gradient scaler) is not available: {where}; use "
-            f"precision='bf16-mixed' (no scaler needed: bfloat16 has float32's range) or '32-true'"
-        )
+        if device_type == "cpu" and not fp16_supported_on_cpu():
+            if backend is not None and backend.startswith("deepspeed"):
+                raise ValueError(
+                    f"precision='16-mixed' with strategy={backend!r} on this CPU: DeepSpeed's CPU "
+                    f"accelerator has no float16 support here (no AVX512-FP16 / AMX-FP16); use "
+                    f"strategy='fsdp2' (torch emulates float16) or precision='bf16-mixed' / '32-true'"
+                )
+            warnings.warn(
+                "precision='16-mixed' on a CPU without native float16 (AVX512-FP16 / AMX-FP16): torch "
+                "emulates it, so steps are slower than precision='32-true'", stacklevel=3,
+            )
+        return precision
     if precision.startswith("bf16") and not bf16_supported(device_type):
         if precision == "bf16-true" or device_type != "cpu":
             raise ValueError(
@@ -101,6 +111,14 @@ def check_precision(precision: str, device_type: str) -> str:
             "it, so steps are slower than precision='32-true'", stacklevel=3,
         )
     return precision
+
+
+def fp16_supported_on_cpu() -> bool:
+    """Whether this CPU computes float16 natively (oneDNN's probe, as DeepSpeed's CPU accelerator)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def bf16_supported(device_type: str) -> bool:

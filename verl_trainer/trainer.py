@@ -206,7 +206,8 @@ class Trainer:
         if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
             raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
         self.num_nodes = num_nodes
-        self.precision = check_precision(normalize_precision(precision), self.accelerator)
+        self.precision = check_precision(normalize_precision(precision), self.accelerator,
+                                         self.strategy.backend)
         if not isinstance(max_steps, int) or (max_steps < 1 and max_steps != -1):
             raise ValueError(f"max_steps must be -1 (unlimited) or >= 1, got {max_steps!r}")
         if max_epochs is not None and (not isinstance(max_epochs, int) or max_epochs < 1):

@@ -140,3 +140,16 @@ def test_dataloader_shards(tok):
     again = [u for b in make_prompt_dataloader(ds, batch_size=2, seed=3, rank=0, world_size=2)
              for u in b[schema.UID].tolist()]
     assert again == seen[:4]
+
+
+def test_prompt_key_is_honoured_before_any_model_loads(tmp_path, tok):
+    from verl_trainer.algorithms.data import DataConfig, PromptDataModule
+
+    rows = [{("question" if k == "prompt" else k): v for k, v in row.items()} for row in _rows()]
+    path = save_rows(rows, tmp_path / "q.jsonl")
+    data = PromptDataModule(DataConfig(train_files=str(path), train_batch_size=3, prompt_key="question"), tok)
+    data.check(dp_size=1)
+    want = PromptDataset(load_prompts(save_rows(_rows(), tmp_path / "p.jsonl")), tok)
+    assert [it["input_ids"] for it in data._train.items] == [it["input_ids"] for it in want.items]
+    with pytest.raises(ValueError, match=r"no 'prompt' column.*'question'.*Set data.prompt_key"):
+        PromptDataModule(DataConfig(train_files=str(path), train_batch_size=3), tok).check(dp_size=1)

@@ -92,9 +92,16 @@ def test_bf16_without_native_support(monkeypatch):
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", 16, "16"])
-def test_fp16_is_refused_with_the_alternative(precision):
-    with pytest.raises(ValueError, match="precision='16-mixed'.*not available.*use precision='bf16-mixed'"):
-        Trainer(precision=precision, accelerator="cpu")
+def test_fp16_mixed_on_cpu(precision, monkeypatch):
+    monkeypatch.setattr("verl_trainer.strategy.fp16_supported_on_cpu", lambda: False)
+    with pytest.warns(UserWarning, match="without native float16.*slower"):
+        assert Trainer(precision=precision, accelerator="cpu").precision == "16-mixed"
+    with pytest.raises(ValueError, match="16-mixed.*'deepspeed'.*no float16.*use strategy='fsdp2'"):
+        Trainer(precision=precision, accelerator="cpu", strategy="deepspeed")
+    config = Strategy("fsdp2").engine_config(EngineConfig(), "16-mixed", seed=None)
+    assert (config.param_dtype, config.reduce_dtype, config.model_dtype) == ("float16", "float32", "float32")
+    with pytest.raises(ValueError, match="float16 compute.*tensor_model_parallel_size=2"):
+        config.replace(tensor_model_parallel_size=2)
 
 
 @pytest.mark.parametrize("devices", [0, -2, "two", 1.5, True])

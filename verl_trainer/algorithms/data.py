@@ -42,7 +42,7 @@ class DataConfig:
         max_length: Longest prompt + response in tokens (SFT).
         shuffle: Shuffle the training data every epoch.
         chat_template: ``None``: chat-list prompts use the tokenizer's template, strings are used as is.
-        prompt_key: SFT: the prompt column of pair rows.
+        prompt_key: The prompt column (verl's name): of RL prompt files, and of SFT pair rows.
         response_key: SFT: the response column of pair rows.
         messages_key: SFT: the column of multi-turn chats (loss on the assistant turns only); a row that has
             it is a chat, any other a pair.
@@ -179,7 +179,7 @@ class PromptDataModule(_DataModule):
         cfg = self.config
         return PromptDataset(path, self.tokenizer, cfg.max_prompt_length, truncation=cfg.truncation,
                              chat_template=cfg.chat_template,
-                             filter_overlong_prompts=cfg.filter_overlong_prompts)
+                             filter_overlong_prompts=cfg.filter_overlong_prompts, prompt_key=cfg.prompt_key)
 
 
 class SFTDataModule(_DataModule):

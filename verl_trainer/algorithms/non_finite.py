@@ -15,7 +15,10 @@ rank alike; the counts are all-reduced over the DP group):
 
 * **losses**: a non-finite loss gives a non-finite grad norm, and the engine skips that optimizer step.
   ``error``: :class:`NonFiniteError` naming the step, the engine and the loss values; ``drop_samples``:
-  the step stays skipped (``actor/update_skipped = 1``).
+  the step stays skipped (``actor/update_skipped = 1``). With ``precision="16-mixed"`` a step whose
+  losses are finite but whose scaled gradients overflowed is skipped by the loss scaler (the scale is
+  halved): reported (``update_skipped``, ``<engine>/loss_scale``, ``<engine>/loss_scale_overflows``), never
+  an error, and not counted toward ``max_consecutive_skipped_steps``.
 
 A step whose update was skipped for non-finite values (every sample dropped, or a skipped optimizer step)
 counts; more than ``algorithm.non_finite.max_consecutive_skipped_steps`` in a row stop the run with a
@@ -170,14 +173,18 @@ class NonFiniteGuard:
         return ", ".join(parts[:MAX_LISTED]) + (", ..." if len(parts) > MAX_LISTED else "")
 
     def check_update(self, engine_name: str, grad_norm: float, micro_batch_metrics: list[Mapping[str, Any]],
-                     step: int) -> bool:
+                     step: int, loss_scale_overflow: bool = False) -> bool:
         """After an engine's updates: ``True`` when one was skipped for a non-finite loss / grad norm.
 
         The grad norm is the same on every rank (reduced over the engine's group), so every rank decides
-        alike. Raises :class:`NonFiniteError` under ``policy=error``.
+        alike. Raises :class:`NonFiniteError` under ``policy=error``, except for a float16 loss-scale
+        overflow (``loss_scale_overflow``: finite losses, the scaled gradients overflowed; the scaler
+        lowers the scale and training goes on), which is only reported.
         """
         if math.isfinite(grad_norm):
             return False
+        if loss_scale_overflow:
+            return True
         if self.config.policy == "error":
             losses = sorted({f"{k}={v:.4g}" for mb in micro_batch_metrics for k, v in _losses(mb).items()
                              if not math.isfinite(v)})

@@ -234,14 +234,23 @@ class RLModule(TrainingModule):
             if key in batch.keys():  # a masked NaN still poisons a loss (NaN * 0 = NaN)
                 batch[key] = torch.where(real, batch[key], torch.zeros((), dtype=batch[key].dtype))
 
-    def _updates_skipped(self, metrics: dict[str, Any]) -> bool:
-        """Whether an engine skipped an optimizer step of this step for a non-finite grad norm."""
-        skipped = False
+    def _updates_skipped(self, metrics: dict[str, Any]) -> tuple[bool, bool]:
+        """Whether an engine skipped an update of this step, and whether all skips were loss-scale overflows.
+
+        A skip is a non-finite grad norm; float16 overflows are expected with ``precision="16-mixed"``
+        (not an error).
+        """
+        skipped, overflow_only = False, True
         for name in ("critic", "actor"):
             if f"{name}/grad_norm" in metrics:
-                skipped |= self.non_finite.check_update(name, float(metrics[f"{name}/grad_norm"]),
-                                                        metrics.get(f"{name}_micro_batches", []), self._step)
-        return skipped
+                overflows = metrics.get(f"{name}/loss_scale_overflows", 0)
+                only = overflows > 0 and overflows == metrics.get(f"{name}/skipped_updates", 0)
+                engine_skipped = self.non_finite.check_update(
+                    name, float(metrics[f"{name}/grad_norm"]), metrics.get(f"{name}_micro_batches", []),
+                    self._step, loss_scale_overflow=only)
+                skipped |= engine_skipped
+                overflow_only &= only or not engine_skipped
+        return skipped, skipped and overflow_only
 
     def compute_log_probs(self, batch: TensorDict, actor: bool = True) -> None:
         """``old_log_probs`` (unless ``actor=False``) and the reference's ``ref_log_prob``, ``[B, T]``."""
@@ -261,12 +270,15 @@ class RLModule(TrainingModule):
 
         Returns:
             Step outputs: ``{name}_micro_batches`` (loss metrics, SUMs averaged over the updates),
-            ``{name}/grad_norm`` (mean over the updates), ``{name}/lr``.
+            ``{name}/grad_norm`` (mean over the updates), ``{name}/lr``; with float16 loss scaling also
+            ``{name}/loss_scale`` (after the last update), ``{name}/loss_scale_overflows`` and
+            ``{name}/skipped_updates`` (counts of this step's updates).
         """
         engine = self.engines[name]
         metrics: list[dict[str, Any]] = []
         grad_norms: list[float] = []
         lr = 0.0
+        skipped = overflows = 0
         with engine.train_mode():
             for _ in range(epochs):
                 for mini_batch in mini_batches:
@@ -274,12 +286,18 @@ class RLModule(TrainingModule):
                     metrics.extend(out["metrics"])
                     grad_norms.append(float(out["grad_norm"]))
                     lr = float(out["lr"])
+                    skipped += int(out["step_skipped"])
+                    overflows += int(out.get("loss_scale_overflow", False))
         num_updates = epochs * len(mini_batches)
-        return {
+        outputs = {
             f"{name}_micro_batches": _mean_over_updates(metrics, num_updates),
             f"{name}/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             f"{name}/lr": lr,
         }
+        if engine.loss_scale is not None:
+            outputs.update({f"{name}/loss_scale": engine.loss_scale,
+                            f"{name}/loss_scale_overflows": overflows, f"{name}/skipped_updates": skipped})
+        return outputs
 
     @property
     def mini_batch_samples(self) -> int | None:
@@ -349,8 +367,9 @@ class RLModule(TrainingModule):
                 metrics.update(self.run_updates("actor", actor_loss, mini_batches, actor_cfg.ppo_epochs,
                                                 calculate_entropy=actor_cfg.calculate_entropy))
                 self.sync_rollout()
-        engine_skipped = do_update and self._updates_skipped(metrics)
-        self.non_finite.end_step(all_dropped or engine_skipped, self._step)
+        engine_skipped, overflow_only = self._updates_skipped(metrics) if do_update else (False, False)
+        # a float16 overflow skip is reported (update_skipped) but is no sign of a broken run
+        self.non_finite.end_step(all_dropped or (engine_skipped and not overflow_only), self._step)
         metrics["actor/update_skipped"] = 0.0 if do_update and not engine_skipped else 1.0
         metrics["timing/rollout_s"] = t_rollout
         metrics["timing/update_s"] = time.perf_counter() - t1

@@ -110,7 +110,10 @@ def normalize_record(row: Mapping[str, Any], index: int, prompt_key: str = "prom
     """
     where = f"prompt row {index}"
     if prompt_key not in row:
-        raise ValueError(f"{where} has no {prompt_key!r} column; columns present: {sorted(row)}")
+        raise ValueError(
+            f"{where} has no {prompt_key!r} column (the prompt column, data.prompt_key); columns present: "
+            f"{sorted(row)}. Set data.prompt_key to the column that holds the prompt."
+        )
     extra = row.get(EXTRA_INFO)
     prompt = _check_prompt(row[prompt_key], where)
     known = {prompt_key, "reward_model", f"reward_model.{GROUND_TRUTH}", GROUND_TRUTH, DATA_SOURCE,
@@ -244,6 +247,8 @@ class PromptDataset(Dataset):
         filter_overlong_prompts: Drop longer prompts instead (verl's ``data.filter_overlong_prompts``);
             ``truncation`` then never applies.
         name: What the messages call the source (e.g. the file's path).
+        prompt_key: The prompt column of a file (verl's ``data.prompt_key``); records given as a list are
+            already normalised.
 
     Raises:
         ValueError: A prompt longer than ``max_prompt_length`` with ``truncation="error"`` (the message
@@ -253,10 +258,10 @@ class PromptDataset(Dataset):
     def __init__(self, source: str | Path | Sequence[Mapping[str, Any]], tokenizer: Any,
                  max_prompt_length: int = 512, truncation: str = "error",
                  chat_template: bool | None = None, filter_overlong_prompts: bool = False,
-                 name: str | None = None) -> None:
+                 name: str | None = None, prompt_key: str = "prompt") -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation={truncation!r}; choose one of {TRUNCATION_MODES}")
-        records = load_prompts(source) if isinstance(source, (str, Path)) else list(source)
+        records = load_prompts(source, prompt_key) if isinstance(source, (str, Path)) else list(source)
         name = name or (str(source) if isinstance(source, (str, Path)) else "the prompts")
         self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.max_prompt_length = max_prompt_length

@@ -239,8 +239,10 @@ class BaseEngine(ABC):
             **kwargs: Passed to :meth:`forward_backward_batch` (``calculate_entropy``, ``temperature``).
 
         Returns:
-            ``{"loss", "grad_norm", "lr", "step_skipped", "metrics", "num_micro_batches"}``;
-            ``lr`` is the learning rate this step used.
+            ``{"loss", "grad_norm", "lr", "step_skipped", "loss_scale", "loss_scale_overflow", "metrics",
+            "num_micro_batches"}``; ``lr`` is the learning rate this step used; ``loss_scale`` the float16
+            loss scale after the step (``None`` without loss scaling), ``loss_scale_overflow`` whether the
+            step was skipped because the scaled gradients overflowed (the loss itself finite).
 
         Raises:
             RuntimeError: The engine was built without an optimizer.
@@ -259,11 +261,16 @@ class BaseEngine(ABC):
         lr = self.get_lr()
         grad_norm = self.optimizer_step()
         finite = math.isfinite(grad_norm)
+        loss_scale = self.loss_scale
         return {
             "loss": out["loss"],
             "grad_norm": grad_norm,
             "lr": lr,
             "step_skipped": not finite,
+            # float16: the scaled gradients overflowed (the loss is finite): the step is skipped, the
+            # scale lowered; the same on every rank (the loss and the grad norm are global)
+            "loss_scale_overflow": loss_scale is not None and not finite and math.isfinite(out["loss"]),
+            "loss_scale": loss_scale,
             "metrics": out["metrics"],
             "num_micro_batches": out["num_micro_batches"],
         }
@@ -288,6 +295,11 @@ class BaseEngine(ABC):
             The total grad norm before clipping.
 
         """
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The float16 loss scale (``precision="16-mixed"``); ``None`` when the engine does not scale."""
+        return None
 
     @abstractmethod
     def lr_scheduler_step(self) -> float:

@@ -4,8 +4,8 @@ Layout of a checkpoint directory ``path``::
 
     path/dcp/...                     model + optimizer, torch.distributed.checkpoint (sharded, any backend
                                      may use its own sub-directory instead, e.g. DeepSpeed's format)
-    path/extra_state_rank{r}.pt      lr scheduler, RNG states, global_step (plain data and tensors;
-                                     loadable with torch.load(weights_only=True))
+    path/extra_state_rank{r}.pt      lr scheduler, RNG states, global_step, float16 loss scaler (plain
+                                     data and tensors; loadable with torch.load(weights_only=True))
     path/meta.json                   global_step, world_size, backend, model_type,
                                      tensor_model_parallel_size, pipeline_model_parallel_size
                                      (informative: DCP reshards on load), flat_optimizer_state
@@ -257,7 +257,9 @@ class DCPCheckpointMixin:
         state = self._state_dicts(flat)
         with atomic_checkpoint_dir(path) as tmp:
             dcp.save(state, checkpoint_id=str(tmp / "dcp"))
-            save_extra_state(tmp, self.lr_scheduler, global_step)
+            scaler = getattr(self, "grad_scaler", None)  # float16: the loss scale and its growth tracker
+            extra = {} if scaler is None else {"grad_scaler": scaler.state_dict()}
+            save_extra_state(tmp, self.lr_scheduler, global_step, extra)
             meta = {
                 "global_step": int(global_step),
                 "world_size": get_world_size(),
@@ -290,5 +292,8 @@ class DCPCheckpointMixin:
                 options=self._state_dict_options(flat),
             )
         payload = load_extra_state(directory, self.lr_scheduler)
+        scaler = getattr(self, "grad_scaler", None)
+        if scaler is not None and payload.get("extra", {}).get("grad_scaler"):
+            scaler.load_state_dict(payload["extra"]["grad_scaler"])
         meta.setdefault("global_step", payload.get("global_step", 0))
         return meta

@@ -246,6 +246,13 @@ class EngineConfig(_Validated):
             except ValueError as e:
                 raise ValueError(f"EngineConfig.{name}: {e}") from None
         _check(
+            self.tensor_model_parallel_size == 1 or to_dtype(self.param_dtype) != torch.float16,
+            f"float16 compute (precision='16-mixed', param_dtype={self.param_dtype!r}) with "
+            f"tensor_model_parallel_size={self.tensor_model_parallel_size} is not supported yet (the loss "
+            f"scaler's overflow check would not span the (dp, tp) mesh); use precision='bf16-mixed' or "
+            f"tensor_model_parallel_size=1",
+        )
+        _check(
             self.zero_stage in (1, 2, 3),
             f"EngineConfig.zero_stage must be 1, 2 or 3, got {self.zero_stage}",
         )

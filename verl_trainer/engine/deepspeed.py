@@ -245,6 +245,14 @@ class DeepSpeedEngine(
             block.__exit__(None, None, None)
 
     # ----------------------------------------------------------------------------------- optimizer
+    @property
+    def loss_scale(self) -> float | None:
+        """DeepSpeed's dynamic fp16 loss scale (``None`` unless fp16 is enabled)."""
+        ds = getattr(self, "ds_engine", None)
+        if ds is None or not ds.fp16_enabled():
+            return None
+        return float(ds.optimizer.loss_scale)
+
     def optimizer_zero_grad(self) -> None:
         """Clear the gradients (the ZeRO optimizer's and the module's)."""
         self._require_optimizer()

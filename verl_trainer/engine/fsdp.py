@@ -1,7 +1,8 @@
 """FSDP engines: ``fsdp2`` (``fully_shard`` on a DeviceMesh) and ``fsdp`` (FSDP1), one implementation.
 
 :class:`FSDPEngine` composes the shared parts (topology, micro-batch loop, optimizer, DCP checkpoints)
-and adds only what is FSDP-specific: wrapping, gradient-sync control (FSDP2
+and adds only what is FSDP-specific: wrapping, the float16 loss scaler (``engine/loss_scale.py``),
+gradient-sync control (FSDP2
 ``set_requires_gradient_sync``, FSDP1 ``no_sync``), FSDP1's grad clipping, parameter offload, the
 export of full tensors, and (fsdp2) tensor parallelism under FSDP on a ``(dp, tp)`` mesh or pipeline
 parallelism with FSDP within each stage on a ``(pp, dp)`` mesh (``engine/pipeline.py``).
@@ -24,6 +25,7 @@ from verl_trainer.engine.compute import MicroBatchComputeMixin
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.heads import LanguageModelMixin, ValueModelMixin
 from verl_trainer.engine.lora import LoRAMixin
+from verl_trainer.engine.loss_scale import build_grad_scaler, uses_loss_scaling
 from verl_trainer.engine.offload import move_grads, move_module, move_optimizer_state
 from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler, build_optimizer
 from verl_trainer.engine.parallelize import apply_fsdp1, apply_fsdp2
@@ -127,6 +129,8 @@ class FSDPEngine(
         if self.optim_config is not None:
             self.optimizer = build_optimizer(self.module.parameters(), self.optim_config)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim_config)
+            if uses_loss_scaling(self.config):
+                self.grad_scaler = build_grad_scaler(self.device.type, fsdp1=self.is_fsdp1)
         self.initialized = True
         if self.config.param_offload:
             self.to("cpu", model=True, optimizer=False, grad=False)
@@ -146,6 +150,10 @@ class FSDPEngine(
             move_optimizer_state(self.optimizer, device)
 
     # ------------------------------------------------------------------------------------- compute
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backward of the micro-batch's loss, times the loss scale under float16 compute."""
+        self.scale_loss(loss).backward()
+
     def _grad_sync_context(self, is_last: bool) -> contextlib.AbstractContextManager:
         """FSDP2: reduce-scatter only on the last micro-batch; FSDP1: ``no_sync`` on the others."""
         assert self.module is not None

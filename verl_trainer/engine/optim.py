@@ -1,7 +1,8 @@
 """Optimizer part: AdamW and the LR schedule built from :class:`OptimConfig`, and the step logic.
 
 :class:`OptimizerMixin` gives an engine ``optimizer_zero_grad``, ``optimizer_step`` (clip; a non-finite
-total grad norm zeroes the grads and skips the step) and ``lr_scheduler_step``. Backends override
+total grad norm zeroes the grads and skips the step; float16 compute: loss scaling, ``engine/loss_scale.py``)
+and ``lr_scheduler_step``. Backends override
 :meth:`OptimizerMixin._clip_grad_norm` (e.g. FSDP1's own ``clip_grad_norm_``).
 """
 
@@ -137,7 +138,8 @@ def total_grad_norm(
 class OptimizerMixin:
     """``optimizer_zero_grad`` / ``optimizer_step`` / ``lr_scheduler_step`` for a torch optimizer.
 
-    Attributes read: ``optimizer``, ``lr_scheduler``, ``optim_config``, ``module``.
+    Attributes read: ``optimizer``, ``lr_scheduler``, ``optim_config``, ``module``, ``grad_scaler``
+    (float16 compute: a ``torch.amp.GradScaler`` / ``ShardedGradScaler``, see ``engine/loss_scale.py``).
     Attributes written: ``skipped_steps`` (number of steps skipped for a non-finite grad norm).
     """
 
@@ -145,7 +147,17 @@ class OptimizerMixin:
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
     optim_config: OptimConfig | None
     module: torch.nn.Module | None
+    grad_scaler: torch.amp.GradScaler | None = None
     skipped_steps: int = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (float16 compute), else ``loss``; call it before ``backward``."""
+        return loss if self.grad_scaler is None else self.grad_scaler.scale(loss)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current loss scale (``None`` without loss scaling)."""
+        return None if self.grad_scaler is None else float(self.grad_scaler.get_scale())
 
     def _require_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -165,21 +177,32 @@ class OptimizerMixin:
         self._require_optimizer().zero_grad(set_to_none=True)
 
     def optimizer_step(self) -> float:
-        """Clip and step; a non-finite grad norm zeroes the grads and skips the step.
+        """Unscale (float16), clip and step; a non-finite grad norm zeroes the grads and skips the step.
+
+        With a loss scaler the gradients are unscaled first, so the norm and the clipping see the true
+        gradients; the norm is global (all shards, all ranks), so every rank skips alike. The scaler's
+        ``update`` then halves the scale after an inf/NaN gradient, or grows it after enough clean steps.
 
         Returns:
             The total grad norm before clipping (``nan``/``inf`` when the step was skipped).
 
         """
         optimizer = self._require_optimizer()
+        scaler = self.grad_scaler
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         cfg = self.optim_config
         max_norm = cfg.clip_grad if cfg is not None and cfg.clipping_enabled else None
         norm = float(self._clip_grad_norm(max_norm))
         if not math.isfinite(norm):
             optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
-            return norm
-        optimizer.step()
+        else:
+            # the gradients are unscaled and all finite, so a plain step is what scaler.step would do
+            # (and it keeps fused AdamW off the scaler's found-inf path, whose shapes FSDP1's differ)
+            optimizer.step()
+        if scaler is not None:
+            scaler.update()  # from the inf check unscale_ recorded: halve, or grow after enough clean steps
         return norm
 
     def apply_optim_config(self) -> None:
