@@ -40,6 +40,10 @@ class RolloutConfig:
             what compiled decoding needs) or ``"auto"`` (static on CUDA, dynamic elsewhere).
         compile_decoding: hf ``generate`` with a static cache only: compile the decoding forward
             (transformers' ``CompileConfig``); ``None``: on CUDA with a static cache.
+        share_weights: hf only: where the actor engine holds its parameters whole on this rank (one
+            shard rank, no TP / LoRA / offload: ``engine.get_shareable_params()``) in the rollout's
+            device and dtype, the rollout model uses that storage itself (no second copy of the weights,
+            no per-step copy); ``False``: a private copy, synced after every update.
         gpu_memory_utilization: vLLM only: fraction of GPU memory vLLM may take.
         tensor_parallel_size: vLLM only.
         enforce_eager: vLLM only: disable CUDA graphs.
@@ -61,6 +65,7 @@ class RolloutConfig:
     decoding: str = "auto"
     cache_implementation: str = "auto"
     compile_decoding: bool | None = None
+    share_weights: bool = True
     gpu_memory_utilization: float = 0.5
     tensor_parallel_size: int = 1
     enforce_eager: bool = True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +169,53 @@ class HFRollout(BaseRollout):
                 out.extend(sequences[:, input_ids.shape[1]:].tolist())
         return out
 
+    def share_weights(self, params: Mapping[str, torch.Tensor]) -> int:
+        """Make the rollout model's parameters aliases of ``params`` (the actor's own storage).
+
+        A tensor on another device or in another dtype than the rollout's parameter is copied instead.
+        Tied parameters (one parameter under several names) take the tensor of any of their names.
+        Once aliased, later calls find the same storage and copy nothing.
+
+        Args:
+            params: ``{hf_name: tensor}``, e.g. ``engine.get_shareable_params()``; every parameter of the
+                rollout model must be there (buffers keep the rollout's own values).
+
+        Returns:
+            The number of parameters aliased or copied.
+
+        Raises:
+            ValueError: Unknown or missing names or shape mismatches (as :meth:`update_weights`).
+        """
+        owners = list(self.model.named_parameters(remove_duplicate=False))
+        names_of: dict[int, list[str]] = {}
+        for name, p in owners:
+            names_of.setdefault(id(p), []).append(name)
+        unknown = sorted(set(params) - {name for name, _ in owners})
+        missing: list[str] = []
+        shapes: list[str] = []
+        count = 0
+        for names in names_of.values():
+            source = next((params[n] for n in names if n in params), None)
+            target = self.model.get_parameter(names[0])
+            if source is None:
+                missing.append(names[0])
+            elif tuple(source.shape) != tuple(target.shape):
+                shapes.append(f"{names[0]} {tuple(source.shape)} vs {tuple(target.shape)}")
+            elif source.device != target.device or source.dtype != target.dtype:
+                with torch.no_grad():
+                    target.copy_(source)
+                count += 1
+            else:
+                if source.data_ptr() != target.data_ptr():
+                    shared = torch.nn.Parameter(source.detach(), requires_grad=False)
+                    for name in names:
+                        module_name, _, attr = name.rpartition(".")
+                        setattr(self.model.get_submodule(module_name), attr, shared)
+                count += 1
+        if unknown or missing or shapes:
+            raise ValueError(_mismatch_report(unknown, missing, shapes))
+        return count
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy full tensors into the rollout model's parameters and buffers, one at a time.
 
@@ -199,7 +246,8 @@ class HFRollout(BaseRollout):
                 if tuple(target.shape) != tuple(tensor.shape):
                     shapes.append(f"{name} {tuple(tensor.shape)} vs {tuple(target.shape)}")
                     continue
-                target.copy_(tensor.detach())
+                if tensor.data_ptr() != target.data_ptr() or tensor.dtype != target.dtype:  # not an alias
+                    target.copy_(tensor.detach())
                 written.add(target.data_ptr())
                 count += 1
         missing = [name for name, t in targets.items() if t.data_ptr() not in written]
