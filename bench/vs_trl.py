@@ -36,8 +36,9 @@ time over its response tokens):
 
 Target (issue 9): TRL step / our step >= 1.5.
 
-TRL is not a dependency of this project: ``pip install trl`` (measured with trl 1.16.0). Without it the
-script says so and exits 0.
+TRL is not a dependency of this project. Install it without letting pip touch torch:
+``pip install datasets && pip install --no-deps trl`` (trl 1.16.0 needs accelerate, datasets, transformers,
+pandas, all present then). Without it the script says so and exits 0.
 
 Usage: python bench/vs_trl.py [--steps 8] [--warmup 2] [--rounds 2] [--prompts 32] [--n 8]
                               [--hidden 256] [--layers 4] [--max-new-tokens 8] [--threads 1] [--lr 1e-6]
@@ -381,7 +382,7 @@ def main() -> None:
     try:
         import trl  # noqa: F401
     except ImportError:
-        print("trl is not installed; `pip install trl` to run this benchmark")
+        print("trl is not installed; `pip install datasets && pip install --no-deps trl` to run this")
         return
     if args.side:
         run_child(args)
