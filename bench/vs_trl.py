@@ -31,8 +31,9 @@ time over its response tokens):
   * scoring: reward + group advantages (ours ``step_s - rollout_s - update_s``; TRL
     ``_generate_and_score_completions`` minus ``_generate``, decoding included);
   * update: step - generation - scoring, the same definition on both sides (ours: old log-probs,
-    forward/backward, optimizer, weight sync to the rollout copy; TRL: forward/backward, optimizer;
-    each plus its loop's per-step overhead). Ours' ``timing/update_s`` (no loop overhead) is shown too.
+    forward/backward, optimizer, weight sync (here a no-op: the rollout shares the weights); TRL:
+    forward/backward, optimizer; each plus its loop's per-step overhead). Ours' ``timing/update_s``
+    (no loop overhead) is shown too.
 
 Target (issue 9): TRL step / our step >= 1.5.
 
@@ -76,8 +77,9 @@ What each side computes differently (the model, prompts, reward, n, lengths, bat
     use the update's own detached log-probs (ours: actor.reuse_log_probs_on_policy, on by default;
     TRL: num_iterations=1 and steps_per_generation = gradient_accumulation_steps). With several
     updates per step both recompute them (ours as verl does).
-  * Rollout: ours samples with a separate eval copy and streams the updated weights into it after
-    each step; TRL generates with the policy itself (no copy, no sync). Ours (on CPU) drops finished
+  * Rollout: ours samples with an eval-mode model whose parameters are the actor's own tensors (one
+    fsdp2 rank: RolloutConfig.share_weights, no copy or sync); TRL generates with the policy itself.
+    Ours (on CPU) drops finished
     rows from the batch and the KV cache as they pile up; HF generate (TRL) runs every row through
     every step until the last one stops. Same warpers, same eos, same random draws while no row
     is dropped.
