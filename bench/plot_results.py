@@ -2,7 +2,7 @@
 
     python bench/step_throughput.py --json bench/results/step_throughput.json
     python bench/overhead.py --json bench/results/overhead.json
-    python bench/vs_trl.py --json bench/results/vs_trl.json
+    python bench/vs_trl.py --max-new-tokens 128 --prompts 16 --n 8 --json bench/results/vs_trl.json
     python bench/plot_results.py                      # -> docs/benchmarks.png
 
 One panel per result file found: tokens/s of each side of the step benchmark (with MFU), the median
@@ -63,7 +63,8 @@ def panel_trl(ax, r: dict) -> None:
         ratio = r["phases"][p]["trl"] / r["phases"][p]["ours"]
         ax.annotate(f"{ratio:.2f}x", (i, max(ours[i], trl[i])), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), phases)
-    ax.set_title("GRPO step vs TRL (same model, prompts, reward, batch)\ntrl time / our time per phase",
+    ax.set_title("GRPO step vs TRL, lengths 1-128 (same model, prompts, reward, lengths)\n"
+                 "trl time / our time per phase",
                  fontsize=9)
     ax.set_ylabel("median time, s (lower is better)")
     ax.legend(fontsize=8)

@@ -3,37 +3,56 @@
 Both sides train a randomly initialised Qwen2 (``--hidden``, ``--layers``, heads of 64, half as many
 KV heads; made with ``make_tiny_model``) with GRPO on the arithmetic task's prompts (``"a+b="``), our
 registered ``math`` reward (TRL gets it wrapped: completion text -> score), ``--n`` samples per prompt,
-``--prompts`` prompts per step, ``--max-new-tokens``, temperature 1, fp32, AdamW lr 1e-3 constant, no
+``--prompts`` prompts per step, ``--max-new-tokens``, temperature 1 (top-p 1, no top-k), eos = the
+tokenizer's eos on both sides, fp32, AdamW ``--lr`` (default 1e-6, verl's actor default) constant, no
 weight decay, grad clip 1.0, no KL / reference model, group mean/std advantages, token-mean loss over
 the step (TRL ``loss_type="dapo"``), clip 0.2, one optimizer step per generation batch, the whole step
 in one micro-batch, one process and ``--threads`` torch threads per side (default 1: with other work
 on the machine, more OpenMP threads than free cores slow both sides several-fold, ours more).
 
+**Equal length distributions.** Both sides sample with the same settings from the same weights (checked:
+token for token the same samples from the same seed). What can still make their lengths differ is
+learning: at lr 1e-3 on this random model a few lucky rewards move the policy within 2-3 steps, and
+where it goes depends on which responses were drawn (our side alone, three seeds: mean lengths 33, 91
+and 108 by step 4), so the two sides' lengths drift apart by chance, which is what the old 108.8 vs
+66.2 was. At the default lr 1e-6 the policy stays where it started and both sides sample the same
+length distribution every step; the work of a step (sampling, forward, backward, optimizer) does not
+depend on the lr. The script prints both sides' per-sample length histograms, means and the
+two-sample Kolmogorov-Smirnov distance with its 5% critical value.
+
 Each side runs in its own subprocess, the sides alternating (ours, trl, ours, trl, ...: ``--rounds``
 pairs) so the machine's load hits both alike; each run warms up ``--warmup`` steps, then times
-``--steps``. Medians over all timed steps of all rounds, per step:
+``--steps``. Medians over all timed steps of all rounds, per step (and per response token: the step's
+time over its response tokens):
   * step: wall time between the ends of consecutive steps (all each loop does: data, metrics, logging);
-  * generation: ours ``timing/rollout_s`` (HF ``generate`` on the rollout copy, decode, batch);
+  * generation: ours ``timing/rollout_s`` (sampling on the rollout copy, decode, batch; on CPU the
+    loop that drops finished rows, ``RolloutConfig.decoding``);
     TRL ``GRPOTrainer._generate`` (tokenise, HF ``generate`` on the policy, cut at eos);
   * scoring: reward + group advantages (ours ``step_s - rollout_s - update_s``; TRL
     ``_generate_and_score_completions`` minus ``_generate``, decoding included);
   * update: step - generation - scoring, the same definition on both sides (ours: old log-probs,
-    forward/backward, optimizer, weight sync to the rollout copy; TRL: forward/backward, optimizer;
-    each plus its loop's per-step overhead). Ours' ``timing/update_s`` (no loop overhead) is shown too.
+    forward/backward, optimizer, weight sync (here a no-op: the rollout shares the weights); TRL:
+    forward/backward, optimizer; each plus its loop's per-step overhead). Ours' ``timing/update_s``
+    (no loop overhead) is shown too.
 
 Target (issue 9): TRL step / our step >= 1.5.
 
-TRL is not a dependency of this project: ``pip install trl`` (measured with trl 1.16.0). Without it the
-script says so and exits 0.
+TRL is not a dependency of this project. Install it without letting pip touch torch:
+``pip install datasets && pip install --no-deps trl`` (trl 1.16.0 needs accelerate, datasets, transformers,
+pandas, all present then). Without it the script says so and exits 0.
 
 Usage: python bench/vs_trl.py [--steps 8] [--warmup 2] [--rounds 2] [--prompts 32] [--n 8]
-                              [--hidden 256] [--layers 4] [--max-new-tokens 8] [--threads 1]
+                              [--hidden 256] [--layers 4] [--max-new-tokens 8] [--threads 1] [--lr 1e-6]
+                              [--decoding auto]
+Variable lengths (issue 19): python bench/vs_trl.py --max-new-tokens 128 --prompts 16 --n 8
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -46,25 +65,29 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TARGET = 1.5
-LR = 1e-3
 SEED = 0
 PHASES = ("step", "generation", "scoring", "update")
 TIMED = ("rollout", "update", "step")
-RUN_FLAGS = ("steps", "warmup", "prompts", "n", "hidden", "layers", "max_new_tokens", "threads")
+RUN_FLAGS = ("steps", "warmup", "prompts", "n", "hidden", "layers", "max_new_tokens", "threads", "lr",
+             "decoding")
+BIN = 16
 DIFFERENCES = """\
 What each side computes differently (the model, prompts, reward, n, lengths, batch and optimizer match):
   * Old log-probs: with one optimizer update per step both sides skip the extra no-grad forward and
     use the update's own detached log-probs (ours: actor.reuse_log_probs_on_policy, on by default;
     TRL: num_iterations=1 and steps_per_generation = gradient_accumulation_steps). With several
     updates per step both recompute them (ours as verl does).
-  * Rollout model: ours generates with a separate eval copy and streams the updated weights into it
-    after each step; TRL generates with the policy itself (no copy, no sync).
+  * Rollout: ours samples with an eval-mode model whose parameters are the actor's own tensors (one
+    fsdp2 rank: RolloutConfig.share_weights, no copy or sync); TRL generates with the policy itself.
+    Ours (on CPU) drops finished
+    rows from the batch and the KV cache as they pile up; HF generate (TRL) runs every row through
+    every step until the last one stops. Same warpers, same eos, same random draws while no row
+    is dropped.
   * Padding: ours packs the samples into one row without padding (position ids per sample) and, on
-    CPU, runs one SDPA call per sample per layer (flash-attn varlen is CUDA only); TRL forwards the
+    CPU, runs one SDPA call per group of equal-length samples per layer; TRL forwards the
     [B, P + C] batch, prompts left- and completions right-padded, with one masked SDPA per layer.
-  * LM head: TRL patches a fused, tiled head that projects only the completion positions and returns
-    log-probs and entropy; ours projects every packed position and takes the log-softmax of the full
-    logits (no entropy unless calculate_entropy).
+  * LM head: both project only the completion positions (TRL: a fused, tiled head that also returns
+    entropy; ours: response positions, chunked log-softmax, no entropy unless calculate_entropy).
   * Optimizer: both AdamW, clip_grad_norm_ at 1.0; TRL (HF Trainer) uses the fused AdamW kernel
     (adamw_torch_fused); ours the multi-tensor one (foreach=True) on FSDP2's DTensor parameters.
   * Activation checkpointing: TRL's GRPOConfig turns it on by default; it is off here, as in ours
@@ -77,7 +100,7 @@ What each side computes differently (the model, prompts, reward, n, lengths, bat
     num_items_in_batch of the generation batch); advantages (r - mean) / (std + eps), eps 1e-4 in TRL
     and 1e-6 in ours.
   * Sampling: each side is seeded, but their random streams differ, so responses differ sample by
-    sample; the length distributions are the same (mean response lengths are printed above)."""
+    sample; the length distributions are the same (histograms and the KS distance above)."""
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -104,12 +127,13 @@ def our_config(args: argparse.Namespace, model: str) -> Any:
         model_path=model,
         actor=ActorConfig(
             engine=EngineConfig(micro_batch_size_per_gpu=args.prompts * args.n, seed=SEED),
-            optim=OptimConfig(lr=LR, weight_decay=0.0, clip_grad=1.0, lr_scheduler="constant"),
+            optim=OptimConfig(lr=args.lr, weight_decay=0.0, clip_grad=1.0, lr_scheduler="constant"),
             loss=PPOLossConfig(clip_ratio=0.2, loss_agg_mode="token-mean", use_kl_loss=False),
             ppo_mini_batch_size=args.prompts,
             ppo_epochs=1,
         ),
-        rollout=RolloutConfig(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0, seed=SEED),
+        rollout=RolloutConfig(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0,
+                              top_k=-1, seed=SEED, decoding=args.decoding),
         reward=RewardConfig(name="math"),
         norm_adv_by_std_in_grpo=True,
     )
@@ -123,10 +147,14 @@ def run_ours(args: argparse.Namespace, model: str, train_file: str) -> list[dict
     from verl_trainer.models.loading import load_tokenizer
     from verl_trainer.trainer import Trainer
 
-    rows: list[dict[str, float]] = []
+    rows: list[dict[str, Any]] = []
 
     class StepTimes(Callback):
         last_end: float | None = None
+        lengths: list[int] = []
+
+        def on_rollout_end(self, trainer: Any, module: Any, batch: Any) -> None:
+            self.lengths = [int(x) for x in batch["response_len"].tolist()]
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, idx: int) -> None:
             now = time.perf_counter()
@@ -134,7 +162,7 @@ def run_ours(args: argparse.Namespace, model: str, train_file: str) -> list[dict
                 rollout, update, step = (float(outputs[f"timing/{k}_s"]) for k in TIMED)
                 rows.append({"step": now - self.last_end, "generation": rollout,
                              "scoring": step - rollout - update, "update_s": update,
-                             "response_len": float(outputs["response_length/mean"].value)})
+                             "lengths": self.lengths})
             self.last_end = now
 
     data = PromptDataModule(DataConfig(train_files=train_file, train_batch_size=args.prompts,
@@ -181,7 +209,7 @@ def trl_config(args: argparse.Namespace, out_dir: str) -> Any:
     return GRPOConfig(
         output_dir=out_dir, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
         logging_steps=1, disable_tqdm=True, gradient_checkpointing=False, seed=SEED, data_seed=SEED,
-        max_steps=args.warmup + args.steps, learning_rate=LR, lr_scheduler_type="constant",
+        max_steps=args.warmup + args.steps, learning_rate=args.lr, lr_scheduler_type="constant",
         weight_decay=0.0, max_grad_norm=1.0, warmup_steps=0,
         per_device_train_batch_size=args.prompts * args.n, gradient_accumulation_steps=1,
         num_generations=args.n, num_iterations=1, max_completion_length=args.max_new_tokens,
@@ -197,13 +225,14 @@ def run_trl(args: argparse.Namespace, model: str, train_file: str) -> list[dict[
 
     from verl_trainer.models.loading import load_causal_lm, load_tokenizer
 
-    spent = {"generation": 0.0, "generate_and_score": 0.0, "response_len": 0.0}
+    spent: dict[str, Any] = {"generation": 0.0, "generate_and_score": 0.0, "lengths": []}
 
     class TimedGRPOTrainer(GRPOTrainer):
         def _generate(self, *a: Any, **kw: Any) -> Any:
             t0 = time.perf_counter()
             out = super()._generate(*a, **kw)
             spent["generation"] += time.perf_counter() - t0
+            spent["lengths"] = spent["lengths"] + [len(ids) for ids in out[1]]  # completion ids, eos kept
             return out
 
         def _generate_and_score_completions(self, *a: Any, **kw: Any) -> Any:
@@ -212,23 +241,19 @@ def run_trl(args: argparse.Namespace, model: str, train_file: str) -> list[dict[
             spent["generate_and_score"] += time.perf_counter() - t0
             return out
 
-    rows: list[dict[str, float]] = []
+    rows: list[dict[str, Any]] = []
 
     class StepTimes(TrainerCallback):
         last_end: float | None = None
-
-        def on_log(self, *a: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
-            if logs and "completions/mean_length" in logs and rows:
-                rows[-1]["response_len"] = float(logs["completions/mean_length"])
 
         def on_step_end(self, *a: Any, **kw: Any) -> None:
             now = time.perf_counter()
             if self.last_end is not None:
                 gen, gen_score = spent["generation"], spent["generate_and_score"]
                 rows.append({"step": now - self.last_end, "generation": gen, "scoring": gen_score - gen,
-                             "response_len": float("nan")})
+                             "lengths": spent["lengths"]})
             self.last_end = now
-            spent.update(generation=0.0, generate_and_score=0.0)
+            spent.update(generation=0.0, generate_and_score=0.0, lengths=[])
 
     with tempfile.TemporaryDirectory() as out_dir:
         trainer = TimedGRPOTrainer(
@@ -255,35 +280,69 @@ def run_side(side: str, args: argparse.Namespace, workdir: Path) -> list[dict[st
     return json.loads(lines[-1][len("ROWS "):])
 
 
-def medians(rows: list[dict[str, float]]) -> dict[str, float]:
-    """Median of every column, and of ``update`` = step - generation - scoring."""
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+def medians(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Median of every timing column, of ``update`` = step - generation - scoring, and per token."""
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "lengths"}
     med["update"] = statistics.median(r["step"] - r["generation"] - r["scoring"] for r in rows)
+    med["step_per_token"] = statistics.median(r["step"] / max(1, sum(r["lengths"])) for r in rows)
+    med["response_len"] = statistics.mean(x for r in rows for x in r["lengths"])
     return med
 
 
-def report(args: argparse.Namespace, ours: list[dict[str, float]], trl: list[dict[str, float]]) -> dict:
+def ks_distance(a: list[int], b: list[int]) -> float:
+    """Two-sample Kolmogorov-Smirnov distance: the largest gap between the empirical CDFs."""
+    values = sorted(set(a) | set(b))
+    sa, sb = sorted(a), sorted(b)
+    cdf = lambda s, v: bisect.bisect_right(s, v) / len(s)  # noqa: E731
+    return max(abs(cdf(sa, v) - cdf(sb, v)) for v in values)
+
+
+def print_lengths(ours: list[int], trl: list[int], max_new: int) -> dict[str, float]:
+    """Both sides' response-length histograms (bins of BIN tokens; ``max_new`` alone: cut), means, KS."""
+    print(f"response lengths, all timed steps ({len(ours)} ours / {len(trl)} trl samples): fraction per bin")
+    print(f"{'tokens':<12}{'ours':>8}{'trl':>8}")
+    edges = [(lo, min(lo + BIN - 1, max_new - 1)) for lo in range(1, max_new, BIN)] + [(max_new, max_new)]
+    for lo, hi in edges:
+        label = f"{lo}" if lo == hi else f"{lo}-{hi}"
+        fo = sum(lo <= x <= hi for x in ours) / len(ours)
+        ft = sum(lo <= x <= hi for x in trl) / len(trl)
+        print(f"{label:<12}{fo:>8.3f}{ft:>8.3f}")
+    ks = ks_distance(ours, trl)
+    critical = 1.36 * math.sqrt((len(ours) + len(trl)) / (len(ours) * len(trl)))
+    same = "same distribution (not rejected at 5%)" if ks <= critical else "DIFFERENT distributions"
+    mo, mt = statistics.mean(ours), statistics.mean(trl)
+    print(f"mean {mo:.2f} (ours) / {mt:.2f} (trl); KS distance {ks:.3f}, 5% critical value {critical:.3f}: "
+          f"{same}\n")
+    return {"mean_ours": mo, "mean_trl": mt, "ks": ks, "ks_critical": critical}
+
+
+def report(args: argparse.Namespace, ours: list[dict[str, Any]], trl: list[dict[str, Any]]) -> dict:
     """Print the comparison; return the results for ``--json``."""
     import torch
     import trl as trl_pkg
 
     o, t = medians(ours), medians(trl)
     print(f"\nGRPO, Qwen2 hidden {args.hidden} x {args.layers} layers, {args.prompts} prompts x n={args.n}, "
-          f"max_new_tokens {args.max_new_tokens}, fp32 CPU, {args.threads} thread(s) per side; "
-          f"trl {trl_pkg.__version__}, torch {torch.__version__}")
+          f"max_new_tokens {args.max_new_tokens}, lr {args.lr:g}, fp32 CPU, {args.threads} thread(s) "
+          f"per side; trl {trl_pkg.__version__}, torch {torch.__version__}; our decoding: {args.decoding}")
     print(f"medians over {len(ours)} (ours) / {len(trl)} (trl) timed steps of {args.rounds} alternating "
-          f"rounds; mean response length {o['response_len']:.2f} (ours) / {t['response_len']:.2f} (trl)\n")
+          "rounds\n")
+    lengths = print_lengths([x for r in ours for x in r["lengths"]], [x for r in trl for x in r["lengths"]],
+                            args.max_new_tokens)
     print(f"{'phase':<12}{'ours (s)':>10}{'trl (s)':>10}{'trl/ours':>10}")
     for phase in PHASES:
         print(f"{phase:<12}{o[phase]:>10.3f}{t[phase]:>10.3f}{t[phase] / o[phase]:>9.2f}x")
     print(f"{'update_s':<12}{o['update_s']:>10.3f}{t['update']:>10.3f}{t['update'] / o['update_s']:>9.2f}x"
           "   (ours: timing/update_s, without loop overhead)")
+    per_token = t["step_per_token"] / o["step_per_token"]
+    print(f"{'ms/token':<12}{1e3 * o['step_per_token']:>10.3f}{1e3 * t['step_per_token']:>10.3f}"
+          f"{per_token:>9.2f}x   (step time per response token)")
     ratio = t["step"] / o["step"]
     verdict = "met" if ratio >= TARGET else "NOT met"
     print(f"\ntarget: trl step / our step >= {TARGET}x -> {ratio:.2f}x, {verdict}\n")
     print(DIFFERENCES)
-    return {"benchmark": "vs_trl", "ratio": ratio, "target": TARGET,
-            "phases": {p: {"ours": o[p], "trl": t[p]} for p in PHASES}}
+    return {"benchmark": "vs_trl", "ratio": ratio, "target": TARGET, "per_token_ratio": per_token,
+            "lengths": lengths, "phases": {p: {"ours": o[p], "trl": t[p]} for p in PHASES}}
 
 
 def parse_args() -> argparse.Namespace:
@@ -297,6 +356,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the tiny Qwen2")
     p.add_argument("--max-new-tokens", type=int, default=8, help="longest response")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per side")
+    p.add_argument("--lr", type=float, default=1e-6,
+                   help="AdamW lr of both sides (default 1e-6: the policy, and so the lengths, stay put)")
+    p.add_argument("--decoding", default="auto", choices=("auto", "generate", "drop_finished"),
+                   help="our RolloutConfig.decoding (generate: HF generate, as TRL)")
     p.add_argument("--json", type=str, default=None, help="also write the results here (for plot_results.py)")
     p.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)
     p.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
@@ -321,7 +384,7 @@ def main() -> None:
     try:
         import trl  # noqa: F401
     except ImportError:
-        print("trl is not installed; `pip install trl` to run this benchmark")
+        print("trl is not installed; `pip install datasets && pip install --no-deps trl` to run this")
         return
     if args.side:
         run_child(args)

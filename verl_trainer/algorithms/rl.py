@@ -322,10 +322,19 @@ class RLModule(TrainingModule):
         return on_policy and num_mini_batches == 1
 
     def sync_rollout(self) -> None:
-        """Stream the actor's weights into the rollout copy (a collective: call on every rank)."""
+        """The actor's weights into the rollout (a collective: call on every rank).
+
+        Where the actor holds its parameters whole on this rank (``engine.get_shareable_params()``) and
+        ``rollout.share_weights`` is on, the rollout aliases them (no copy; a no-op after the first
+        call); else every tensor is streamed into the rollout's copy.
+        """
         actor = self.engines["actor"]
         with actor.eval_mode():
-            self.rollout.update_weights(actor.get_per_tensor_param())
+            shareable = actor.get_shareable_params() if self.config.rollout.share_weights else None
+            if shareable is not None:
+                self.rollout.share_weights(shareable)
+            else:
+                self.rollout.update_weights(actor.get_per_tensor_param())
         if self.trainer is not None:  # SP / TP ranks of one DP rank sample the same responses
             self.rollout.data_rank = self.trainer.dp_rank
         self._rollout_stale = False

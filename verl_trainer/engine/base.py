@@ -337,6 +337,17 @@ class BaseEngine(ABC):
         adapter tensors under peft's names instead (``engine/lora.py``).
         """
 
+    def get_shareable_params(self) -> dict[str, torch.Tensor] | None:
+        """The parameters' own storage under HF names, when a consumer may alias them instead of copying.
+
+        Only where this rank holds every parameter whole, always in the same storage, under the HF name
+        (no sharding over more than one rank, no TP, no LoRA merge, no offload); the optimizer updates
+        them in place, so an alias (the HF rollout's, ``RolloutConfig.share_weights``) sees every update
+        without a copy. Not a collective. ``None`` (the default) where that does not hold: copy
+        :meth:`get_per_tensor_param` instead.
+        """
+        return None
+
     def save_hf(
         self,
         path: str | os.PathLike,

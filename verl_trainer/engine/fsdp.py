@@ -170,6 +170,24 @@ class FSDPEngine(
         return super()._clip_grad_norm(max_norm)
 
     # ------------------------------------------------------------------------------- weight export
+    def get_shareable_params(self) -> dict[str, torch.Tensor] | None:
+        """FSDP2 on one shard rank without TP, LoRA or offload: the local tensors (see ``BaseEngine``).
+
+        There each parameter's local tensor is the whole parameter and what the optimizer updates in
+        place; anywhere else ``None``.
+        """
+        offload = self.config.param_offload or self.config.fsdp_cpu_offload
+        mesh = self.topology.shard_mesh
+        sharded = mesh is not None and mesh.size() > 1  # the same answer on every rank
+        if self.is_fsdp1 or self.peft_model is not None or offload or self.topology.tp_mesh is not None \
+                or sharded:
+            return None
+        params: dict[str, torch.Tensor] = {}
+        for name, param in self.module.named_parameters():  # FSDP2 keeps the model's own names
+            local = param.to_local() if isinstance(param, DTensor) else param
+            params[name] = local.detach()
+        return params
+
     def named_full_tensors(
         self, keep: Callable[[str], bool] | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -126,6 +126,17 @@ class BaseRollout(ABC):
 
         """
 
+    def share_weights(self, params: Mapping[str, torch.Tensor]) -> int:
+        """Use the actor's parameter storage itself where the backend can (``engine.get_shareable_params()``).
+
+        The default copies (:meth:`update_weights`); the HF rollout aliases the tensors instead, so the
+        optimizer's in-place updates reach it without a per-step copy.
+
+        Returns:
+            The number of tensors aliased or copied.
+        """
+        return self.update_weights(params.items())
+
     # ------------------------------------------------------------------------------------ shared
     def generate(self, prompt_batch: TensorDict | Sequence[Mapping[str, Any]],
                  **overrides: Any) -> TensorDict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 ROLLOUT_NAMES = ("auto", "hf", "vllm")
+DECODINGS = ("auto", "generate", "drop_finished")
+CACHE_IMPLEMENTATIONS = ("auto", "dynamic", "static")
 
 
 @dataclass
@@ -30,6 +32,18 @@ class RolloutConfig:
         device: ``"auto"`` (this process's accelerator, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
         dtype: Parameter dtype of the rollout copy: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         attn_implementation: Passed to ``from_pretrained`` (``None`` = transformers' default, sdpa).
+        decoding: hf only. ``"generate"``: transformers' ``model.generate``; ``"drop_finished"``: our
+            loop that removes finished sequences from the batch and the KV cache
+            (:mod:`verl_trainer.rollout.decoding`; same sampling, less work when lengths vary);
+            ``"auto"``: ``drop_finished`` on CPU, ``generate`` on CUDA (static cache, compiled).
+        cache_implementation: hf ``generate`` only: ``"dynamic"``, ``"static"`` (preallocated KV cache,
+            what compiled decoding needs) or ``"auto"`` (static on CUDA, dynamic elsewhere).
+        compile_decoding: hf ``generate`` with a static cache only: compile the decoding forward
+            (transformers' ``CompileConfig``); ``None``: on CUDA with a static cache.
+        share_weights: hf only: where the actor engine holds its parameters whole on this rank (one
+            shard rank, no TP / LoRA / offload: ``engine.get_shareable_params()``) in the rollout's
+            device and dtype, the rollout model uses that storage itself (no second copy of the weights,
+            no per-step copy); ``False``: a private copy, synced after every update.
         gpu_memory_utilization: vLLM only: fraction of GPU memory vLLM may take.
         tensor_parallel_size: vLLM only.
         enforce_eager: vLLM only: disable CUDA graphs.
@@ -48,6 +62,10 @@ class RolloutConfig:
     device: str = "auto"
     dtype: str = "float32"
     attn_implementation: str | None = None
+    decoding: str = "auto"
+    cache_implementation: str = "auto"
+    compile_decoding: bool | None = None
+    share_weights: bool = True
     gpu_memory_utilization: float = 0.5
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
@@ -77,6 +95,22 @@ class RolloutConfig:
                 f"rollout generation_batch_size={self.generation_batch_size} must be >= 1, "
                 "or None (all at once)"
             )
+        if self.decoding not in DECODINGS:
+            raise ValueError(f"rollout decoding={self.decoding!r} is unknown; choose one of {DECODINGS}")
+        if self.cache_implementation not in CACHE_IMPLEMENTATIONS:
+            raise ValueError(f"rollout cache_implementation={self.cache_implementation!r} is unknown; "
+                             f"choose one of {CACHE_IMPLEMENTATIONS}")
+        static = self.cache_implementation == "static"
+        if self.decoding == "drop_finished" and (static or self.compile_decoding):
+            raise ValueError(
+                f"rollout decoding='drop_finished' shrinks the batch and its dynamic KV cache as sequences "
+                f"finish, so it cannot use cache_implementation={self.cache_implementation!r} / "
+                f"compile_decoding={self.compile_decoding}; use decoding='generate' for a static cache or "
+                "compiled decoding"
+            )
+        if self.compile_decoding and self.cache_implementation == "dynamic":
+            raise ValueError("rollout compile_decoding=True needs cache_implementation='static' (or 'auto'): "
+                             "transformers compiles decoding only over a static KV cache")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"rollout dtype={self.dtype!r}; choose float32, bfloat16 or float16")
 

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 
 from verl_trainer.models.loading import load_causal_lm, load_tokenizer
 from verl_trainer.rollout.base import BaseRollout
 from verl_trainer.rollout.config import RolloutConfig
+from verl_trainer.rollout.decoding import sample_dropping_finished
 from verl_trainer.utils.device import get_torch_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -21,6 +22,29 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def resolve_device(device: str) -> torch.device:
     """``"auto"`` -> this process's accelerator (local rank) or CPU; anything else as given."""
     return get_torch_device() if device == "auto" else torch.device(device)
+
+
+def resolve_decoding(config: RolloutConfig, device: torch.device) -> tuple[str, str, bool]:
+    """The decoding loop, KV cache and compilation a call uses: ``(decoding, cache, compile)``.
+
+    ``decoding="auto"``: ``"generate"`` on CUDA or when a static cache / compilation is asked for, else
+    ``"drop_finished"`` (on CPU the compute of finished rows is the cost; on CUDA the per-step launches
+    are, which a static cache and compiled decoding remove). ``cache_implementation="auto"``: static on
+    CUDA. ``compile_decoding=None``: compile when the cache is static on CUDA.
+    """
+    cuda = device.type == "cuda"
+    decoding = config.decoding
+    if decoding == "auto":
+        wants_generate = cuda or config.cache_implementation == "static" or bool(config.compile_decoding)
+        decoding = "generate" if wants_generate else "drop_finished"
+    if decoding == "drop_finished":
+        return decoding, "dynamic", False
+    cache = config.cache_implementation
+    if cache == "auto":
+        cache = "static" if cuda or config.compile_decoding else "dynamic"
+    if config.compile_decoding is not None:
+        return decoding, cache, config.compile_decoding
+    return decoding, cache, cache == "static" and cuda
 
 
 def _mismatch_report(unknown: list[str], missing: list[str], shapes: list[str]) -> str:
@@ -74,13 +98,24 @@ class HFRollout(BaseRollout):
         self.eos_token_ids = self._eos_ids(tokenizer, self.model.generation_config.eos_token_id)
 
     def generation_config(self, config: RolloutConfig) -> GenerationConfig:
-        """The ``GenerationConfig`` of one call (every sampling field set explicitly)."""
-        common = dict(
+        """The ``GenerationConfig`` of one call (every sampling field set explicitly).
+
+        With ``decoding="generate"`` it carries the KV cache kind and, when compiled, a
+        ``CompileConfig`` (also on devices transformers would not compile on by itself).
+        """
+        decoding, cache, compile_ = resolve_decoding(config, self.device)
+        common: dict[str, Any] = dict(
             max_new_tokens=config.max_new_tokens,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             use_cache=True,
         )
+        if decoding == "generate":
+            common.update(cache_implementation=cache, disable_compile=not compile_)
+            if compile_:
+                compile_config = CompileConfig()
+                compile_config._compile_all_devices = self.device.type != "cuda"  # transformers' own switch
+                common["compile_config"] = compile_config
         if not config.do_sample:
             return GenerationConfig(do_sample=False, **common)
         return GenerationConfig(
@@ -104,6 +139,9 @@ class HFRollout(BaseRollout):
                            seed: int) -> list[list[int]]:
         """Sample one response per prompt, in chunks of ``config.generation_batch_size`` sequences.
 
+        Each chunk is one ``model.generate`` call, or one :func:`sample_dropping_finished` loop
+        (``config.decoding``, see :func:`resolve_decoding`).
+
         Args:
             prompts: ``N`` prompt id lists (each prompt already repeated ``n`` times).
             config: This call's sampling settings.
@@ -114,6 +152,7 @@ class HFRollout(BaseRollout):
 
         """
         gen_config = self.generation_config(config)
+        drop_finished = resolve_decoding(config, self.device)[0] == "drop_finished"
         chunk = config.generation_batch_size or len(prompts)
         devices = [self.device] if self.device.type == "cuda" else []
         out: list[list[int]] = []
@@ -121,11 +160,61 @@ class HFRollout(BaseRollout):
             torch.manual_seed(seed)
             for start in range(0, len(prompts), chunk):
                 input_ids, attention_mask = self._left_pad(prompts[start: start + chunk])
+                if drop_finished:
+                    out.extend(sample_dropping_finished(self.model, input_ids, attention_mask, gen_config))
+                    continue
                 sequences = self.model.generate(
                     input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config
                 )
                 out.extend(sequences[:, input_ids.shape[1]:].tolist())
         return out
+
+    def share_weights(self, params: Mapping[str, torch.Tensor]) -> int:
+        """Make the rollout model's parameters aliases of ``params`` (the actor's own storage).
+
+        A tensor on another device or in another dtype than the rollout's parameter is copied instead.
+        Tied parameters (one parameter under several names) take the tensor of any of their names.
+        Once aliased, later calls find the same storage and copy nothing.
+
+        Args:
+            params: ``{hf_name: tensor}``, e.g. ``engine.get_shareable_params()``; every parameter of the
+                rollout model must be there (buffers keep the rollout's own values).
+
+        Returns:
+            The number of parameters aliased or copied.
+
+        Raises:
+            ValueError: Unknown or missing names or shape mismatches (as :meth:`update_weights`).
+        """
+        owners = list(self.model.named_parameters(remove_duplicate=False))
+        names_of: dict[int, list[str]] = {}
+        for name, p in owners:
+            names_of.setdefault(id(p), []).append(name)
+        unknown = sorted(set(params) - {name for name, _ in owners})
+        missing: list[str] = []
+        shapes: list[str] = []
+        count = 0
+        for names in names_of.values():
+            source = next((params[n] for n in names if n in params), None)
+            target = self.model.get_parameter(names[0])
+            if source is None:
+                missing.append(names[0])
+            elif tuple(source.shape) != tuple(target.shape):
+                shapes.append(f"{names[0]} {tuple(source.shape)} vs {tuple(target.shape)}")
+            elif source.device != target.device or source.dtype != target.dtype:
+                with torch.no_grad():
+                    target.copy_(source)
+                count += 1
+            else:
+                if source.data_ptr() != target.data_ptr():
+                    shared = torch.nn.Parameter(source.detach(), requires_grad=False)
+                    for name in names:
+                        module_name, _, attr = name.rpartition(".")
+                        setattr(self.model.get_submodule(module_name), attr, shared)
+                count += 1
+        if unknown or missing or shapes:
+            raise ValueError(_mismatch_report(unknown, missing, shapes))
+        return count
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy full tensors into the rollout model's parameters and buffers, one at a time.
@@ -157,7 +246,8 @@ class HFRollout(BaseRollout):
                 if tuple(target.shape) != tuple(tensor.shape):
                     shapes.append(f"{name} {tuple(tensor.shape)} vs {tuple(target.shape)}")
                     continue
-                target.copy_(tensor.detach())
+                if tensor.data_ptr() != target.data_ptr() or tensor.dtype != target.dtype:  # not an alias
+                    target.copy_(tensor.detach())
                 written.add(target.data_ptr())
                 count += 1
         missing = [name for name, t in targets.items() if t.data_ptr() not in written]

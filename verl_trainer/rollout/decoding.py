@@ -1,0 +1,154 @@
+"""Sampling that drops finished sequences from the batch (the CPU rollout's decoding loop).
+
+``model.generate`` keeps every sequence of a batch in every decoding step until the last one stops: a
+finished row keeps running through all layers (its new tokens are replaced by padding afterwards). In
+RL the response lengths vary widely (eos anywhere in 1..max_new_tokens), so most of that work is
+wasted: with lengths spread like a geometric distribution capped at 128, about 44% of the rows of a
+128-step decode are finished. Where the compute is the cost (CPU), :func:`sample_dropping_finished`
+removes finished rows from the batch and from the KV cache (``Cache.batch_select_indices``), in groups
+(once they are ``drop_at`` of the live rows) so the cache is not re-gathered at every step.
+
+It samples exactly as ``generate`` does for the fields :class:`~verl_trainer.rollout.hf.HFRollout` sets:
+float32 logits of the last position, then transformers' own ``TemperatureLogitsWarper``,
+``TopKLogitsWarper`` and ``TopPLogitsWarper`` in ``generate``'s order, then ``softmax`` and one
+``torch.multinomial`` draw per live row (greedy: ``argmax``); position ids from the left-padded
+attention mask as ``generate`` computes them. While no row is dropped it draws the same random numbers
+as ``generate`` and returns the same tokens (``drop_at=float("inf")``: always); dropping rows changes which
+random numbers a row gets, not the distribution it samples from (tests: ``tests/rollout/test_decoding.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessorList,
+    PreTrainedModel,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+DROP_AT = 0.125
+"""Drop finished rows once they are at least this fraction of the live rows (measured on the CPU
+benchmark of ``bench/vs_trl.py``: 0.125 beat dropping at every finish, which re-gathers the cache at
+almost every step, and dropping only at 0.25)."""
+
+_SUPPORTED = ("max_new_tokens", "eos_token_id", "pad_token_id", "do_sample", "temperature", "top_k",
+              "top_p", "use_cache", "bos_token_id", "cache_implementation", "disable_compile")
+
+
+def _check_supported(config: GenerationConfig) -> None:
+    """Refuse generation settings this loop does not implement (instead of ignoring them)."""
+    defaults = GenerationConfig()
+    changed = [k for k, v in config.to_diff_dict().items()
+               if k not in _SUPPORTED and not k.startswith("_") and getattr(defaults, k, None) != v
+               and k != "transformers_version"]
+    if changed:
+        raise ValueError(
+            f"sample_dropping_finished supports {', '.join(_SUPPORTED)}; the generation config also sets "
+            f"{changed}. Use decoding='generate' (model.generate) for those settings."
+        )
+    if config.max_new_tokens is None or config.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={config.max_new_tokens} must be >= 1")
+
+
+def logits_warpers(config: GenerationConfig) -> LogitsProcessorList:
+    """The warpers ``generate`` applies for temperature, top-k and top-p, in its order."""
+    warpers = LogitsProcessorList()
+    if not config.do_sample:
+        return warpers
+    if config.temperature is not None and config.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(config.temperature))
+    if config.top_k is not None and config.top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
+    if config.top_p is not None and config.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
+    return warpers
+
+
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    """``cache`` (transformers >= 5.24 names the KV cache argument so) or ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _eos_tensor(config: GenerationConfig, device: torch.device) -> torch.Tensor:
+    eos = config.eos_token_id
+    if eos is None:
+        raise ValueError("the generation config has no eos_token_id; sequences could never finish early")
+    return torch.as_tensor([eos] if isinstance(eos, int) else list(eos), dtype=torch.long, device=device)
+
+
+@torch.no_grad()
+def sample_dropping_finished(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    config: GenerationConfig,
+    drop_at: float = DROP_AT,
+) -> list[list[int]]:
+    """Sample up to ``config.max_new_tokens`` tokens per row, removing finished rows as they pile up.
+
+    Args:
+        model: A causal LM in eval mode.
+        input_ids: ``[B, P]`` left-padded prompts.
+        attention_mask: ``[B, P]`` 1 on prompt tokens, 0 on the left padding.
+        config: ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``eos_token_id`` (an id or a list),
+            ``max_new_tokens``; anything else set is refused.
+        drop_at: Drop finished rows once they are at least this fraction of the live rows (> 0;
+            ``float("inf")``: never, which samples token for token as ``generate``).
+
+    Returns:
+        ``B`` lists of generated ids, each ending at its first eos (kept) or at ``max_new_tokens``.
+
+    """
+    _check_supported(config)
+    if not drop_at > 0:
+        raise ValueError(f"drop_at={drop_at} must be > 0 (a fraction of the live rows; inf: never)")
+    max_new = int(config.max_new_tokens)
+    eos = _eos_tensor(config, input_ids.device)
+    pad = int(config.pad_token_id if config.pad_token_id is not None else 0)
+    warpers = logits_warpers(config)
+    batch = input_ids.shape[0]
+    out = torch.full((batch, max_new), pad, dtype=torch.long, device=input_ids.device)
+    lengths = torch.full((batch,), max_new, dtype=torch.long, device=input_ids.device)
+
+    cache = DynamicCache(config=model.config)
+    cache_arg = {_cache_kwarg(model): cache}
+    positions = attention_mask.long().cumsum(-1) - 1
+    positions.masked_fill_(attention_mask == 0, 1)  # as generate: padding positions hold 1
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                   use_cache=True, logits_to_keep=1, **cache_arg).logits
+    rows = torch.arange(batch, device=input_ids.device)  # original row of each live row
+    next_pos = positions[:, -1:] + 1
+    finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    for step in range(max_new):
+        scores = warpers(input_ids, logits[:, -1, :].to(dtype=torch.float32))
+        if config.do_sample:
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            tokens = scores.argmax(dim=-1)
+        tokens = torch.where(finished, torch.full_like(tokens, pad), tokens)
+        out[rows, step] = tokens
+        ends = torch.isin(tokens, eos) & ~finished
+        lengths[rows[ends]] = step + 1
+        finished |= ends
+        n_finished = int(finished.sum())
+        if step == max_new - 1 or n_finished == len(rows):
+            break
+        if n_finished and n_finished >= drop_at * len(rows):
+            keep = (~finished).nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            rows, tokens, attention_mask = rows[keep], tokens[keep], attention_mask[keep]
+            next_pos, finished = next_pos[keep], finished[keep]
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=-1)
+        logits = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_pos,
+                       use_cache=True, **cache_arg).logits
+        next_pos = next_pos + 1
+    return [row[:n] for row, n in zip(out.tolist(), lengths.tolist())]
+
+
+__all__ = ["DROP_AT", "logits_warpers", "sample_dropping_finished"]
