@@ -17,6 +17,7 @@ from verl_trainer.data.packing import make_batch
 
 MAX_LEN = 2048
 MIN_LEN = 20
+MIB = 2**20
 
 
 def init_single_process(device: torch.device) -> None:
@@ -26,6 +27,15 @@ def init_single_process(device: torch.device) -> None:
         port = s.getsockname()[1]
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def local_param_mib(module: torch.nn.Module) -> float:
+    """MiB of ``module``'s parameters held by this rank (a DTensor counts its local shard)."""
+    total = 0
+    for p in module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total / MIB
 
 
 def sync(device: torch.device) -> None:

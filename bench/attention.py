@@ -2,7 +2,7 @@
 
 Usage::
 
-    python bench/attention.py [--heads 4] [--kv-heads 2] [--head-dim 64] [--reps 7] [--call-cost 0]
+    python bench/attention.py [--heads 4] [--kv-heads 2] [--head-dim 64] [--reps 7]
                               [--contiguous]
 
 The baseline is ``reference_varlen_attention``: inputs split with ``torch.split`` into per-segment views,
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verl_trainer.models.bucketed_attention import CALL_COST, bucketed_varlen_attention  # noqa: E402
+from verl_trainer.models.bucketed_attention import bucketed_varlen_attention  # noqa: E402
 from verl_trainer.models.varlen_kernels import reference_varlen_attention  # noqa: E402
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -106,16 +106,13 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--call-cost", type=int, default=CALL_COST)
     parser.add_argument("--contiguous", action="store_true",
                         help="contiguous [1, H, N, D] q/k/v (the loop's best case) instead of HF's layout")
     args = parser.parse_args()
 
-    def new(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
-        return bucketed_varlen_attention(q, k, v, lens, call_cost=args.call_cost)
-
+    new = bucketed_varlen_attention
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, heads {args.heads} "
-          f"(kv {args.kv_heads}) x {args.head_dim}, call_cost {args.call_cost}, "
+          f"(kv {args.kv_heads}) x {args.head_dim}, "
           f"{'contiguous' if args.contiguous else 'HF (transposed)'} q/k/v")
     for name, lens in workloads().items():
         inputs = make_inputs(lens, args.heads, args.kv_heads, args.head_dim, not args.contiguous)

@@ -37,12 +37,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import write_model  # noqa: E402
+from bench._common import MIB, local_param_mib, write_model  # noqa: E402
 from verl_trainer.data.packing import make_batch  # noqa: E402
 from verl_trainer.engine import EngineConfig, EngineRegistry  # noqa: E402
 from verl_trainer.testing import run_distributed  # noqa: E402
-
-MIB = 2**20
 
 
 def _batch(samples: int, tokens: int, vocab: int) -> Any:
@@ -56,14 +54,6 @@ def _batch(samples: int, tokens: int, vocab: int) -> Any:
 def _nll(model_output: dict[str, torch.Tensor], micro_batch: Any, info: Any) -> tuple[torch.Tensor, dict]:
     mask = micro_batch["loss_mask"].float()
     return -(model_output["log_probs"] * mask).sum() / info.batch_num_tokens * info.dp_size, {}
-
-
-def _param_mib(module: torch.nn.Module) -> float:
-    total = 0
-    for p in module.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * local.element_size()
-    return total / MIB
 
 
 def _tracker() -> Any:
@@ -109,7 +99,7 @@ def _measure(path: str, pp: int, samples: int, tokens: int) -> dict[str, float]:
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     by_kind = {str(k).rsplit(".", 1)[-1]: v for k, v in peak.items() if k != "Total"}
     fixed = sum(by_kind.get(k, 0) for k in ("PARAM", "BUFFER", "GRAD", "OPT"))
-    return {"param_mib": _param_mib(engine.module), "activation_mib": (peak["Total"] - fixed) / MIB,
+    return {"param_mib": local_param_mib(engine.module), "activation_mib": (peak["Total"] - fixed) / MIB,
             "seconds": seconds, "stage": engine.topology.pp_rank}
 
 

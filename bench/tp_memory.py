@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import write_model  # noqa: E402
+from bench._common import MIB, local_param_mib, write_model  # noqa: E402
 from verl_trainer.data.packing import (  # noqa: E402
     head_positions,
     make_batch,
@@ -49,8 +49,6 @@ from verl_trainer.engine.vocab_parallel import vocab_parallel_log_probs_and_entr
 from verl_trainer.models import load_causal_lm  # noqa: E402
 from verl_trainer.models.attention import VARLEN_ATTENTION, packed_forward  # noqa: E402
 from verl_trainer.testing import run_distributed  # noqa: E402
-
-MIB = 2**20
 
 
 def _packed_row(tokens: int, samples: int, vocab: int) -> Any:
@@ -72,14 +70,6 @@ def _step(model: torch.nn.Module, packed: Any, vocab_parallel: bool = False) -> 
     else:
         log_probs, _ = token_log_probs_and_entropy(logits, targets)
     log_probs.sum().backward()
-
-
-def _param_mib(model: torch.nn.Module) -> float:
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * local.element_size()
-    return total / MIB
 
 
 def _activation_peak(model: torch.nn.Module, packed: Any, vocab_parallel: bool) -> dict[str, float]:
@@ -113,7 +103,7 @@ def _measure(path: str, tokens: int, samples: int) -> dict[str, dict[str, float]
         _step(model, _packed_row(64, 1, model.config.vocab_size), vocab)  # warm-up: allocates every .grad
         model.zero_grad(set_to_none=False)
         dist.barrier()
-        results[name] = {"param_mib": _param_mib(model), **_activation_peak(model, packed, vocab)}
+        results[name] = {"param_mib": local_param_mib(model), **_activation_peak(model, packed, vocab)}
         del model
     return results
 

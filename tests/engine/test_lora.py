@@ -16,13 +16,14 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.utils import get_peft_model_state_dict
 from torch.distributed.checkpoint import FileSystemReader
 
-from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
+from verl_trainer.engine import EngineConfig, EngineRegistry
 from verl_trainer.engine.lora import apply_lora
 from verl_trainer.engine.lora_export import lora_targets, merged_hf_tensors
 from verl_trainer.models.loading import load_causal_lm
 from verl_trainer.testing.distributed import run_distributed
 
 from .common import (
+    OPTIM,
     collect_params,
     nll_loss,
     padded_log_probs,
@@ -33,7 +34,6 @@ from .common import (
 )
 
 LORA = {"lora_rank": 4, "lora_alpha": 8.0, "target_modules": "all-linear"}
-OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0)
 
 
 @pytest.fixture(scope="module")

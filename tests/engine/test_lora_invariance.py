@@ -15,10 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
+from verl_trainer.engine import EngineConfig, EngineRegistry
 from verl_trainer.testing.distributed import run_distributed
 
 from .common import (
+    OPTIM,
     assert_close_params,
     collect_params,
     nll_loss,
@@ -32,7 +33,6 @@ from .common import (
 pytestmark = pytest.mark.slow
 
 LORA = {"lora_rank": 4, "lora_alpha": 8.0, "target_modules": "all-linear"}
-OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0)
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 CASES = {  # name: (world size, backend, engine config overrides)

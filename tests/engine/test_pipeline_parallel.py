@@ -15,13 +15,15 @@ import torch
 import torch.distributed as dist
 
 from verl_trainer.data.packing import pack_batch
-from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
+from verl_trainer.engine import EngineConfig, EngineRegistry
 from verl_trainer.engine.pipeline_stage import check_pipeline_compatible, make_stage, pad_packed, stage_layers
 from verl_trainer.models.attention import VARLEN_ATTENTION, packed_forward
 from verl_trainer.models.loading import load_causal_lm
 from verl_trainer.testing.distributed import run_distributed
 
 from .common import (
+    OPTIM,
+    VALUE_OPTIM,
     assert_close_params,
     build_engine,
     collect_params,
@@ -36,8 +38,6 @@ from .common import (
     value_loss,
 )
 
-OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0)
-VALUE_OPTIM = OptimConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0)  # see test_fsdp_engine.py
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
+from verl_trainer.engine import EngineConfig, EngineRegistry
 from verl_trainer.engine.tensor_parallel import (
     DEFAULT_TP_PLAN,
     check_tp_compatible,
@@ -24,6 +24,8 @@ from verl_trainer.models.loading import load_causal_lm
 from verl_trainer.testing.distributed import run_distributed
 
 from .common import (
+    OPTIM,
+    VALUE_OPTIM,
     assert_close_params,
     build_engine,
     collect_params,
@@ -37,9 +39,6 @@ from .common import (
     used_targets,
     value_loss,
 )
-
-OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0)
-VALUE_OPTIM = OptimConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0)  # see test_fsdp_engine.py
 
 
 @pytest.fixture(scope="module")

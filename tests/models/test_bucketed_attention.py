@@ -40,17 +40,17 @@ def _run(fn, inputs, lengths, **kwargs):
 def _assert_matches_reference(lengths, heads=4, kv_heads=2, hf_layout=True, **kwargs):
     inputs = _inputs(lengths, heads, kv_heads, hf_layout)
     got = _run(bucketed_varlen_attention, inputs, lengths, **kwargs)
-    ref_kwargs = {k: v for k, v in kwargs.items() if k != "call_cost"}
-    want = _run(reference_varlen_attention, inputs, lengths, **ref_kwargs)
+    want = _run(reference_varlen_attention, inputs, lengths, **kwargs)
     assert got[0].shape == (1, sum(lengths), heads, inputs[2].shape[3])
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
-@pytest.mark.parametrize("call_cost", [0, 4096, 10**9])
-def test_matches_reference_across_length_mixes(mix, call_cost):
-    _assert_matches_reference(MIXES[mix], call_cost=call_cost)
+@pytest.mark.parametrize("in_length_order", [False, True])
+def test_matches_reference_across_length_mixes(mix, in_length_order):
+    """Whether buckets are gathered (any order) or views of the row (length order)."""
+    _assert_matches_reference(sorted(MIXES[mix]) if in_length_order else MIXES[mix])
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
@@ -61,11 +61,11 @@ def test_gqa_and_layouts(kv_heads, hf_layout):
 
 @pytest.mark.parametrize("window", [1, 3, 16])
 def test_sliding_window(window):
-    _assert_matches_reference(MIXES["long_tailed"], window=window, call_cost=10**9)
+    _assert_matches_reference(MIXES["short_rl"] + MIXES["long_tailed"], window=window)
 
 
 def test_not_causal_and_scaling():
-    _assert_matches_reference(MIXES["with_ones_and_empty"], is_causal=False, scaling=0.3, call_cost=10**9)
+    _assert_matches_reference(MIXES["with_ones_and_empty"], is_causal=False, scaling=0.3)
 
 
 def test_window_needs_causal():
@@ -74,26 +74,20 @@ def test_window_needs_causal():
         bucketed_varlen_attention(*inputs[:3], [3, 4], is_causal=False, window=2)
 
 
-def test_plan_maps_every_token_to_one_real_row():
-    lengths = MIXES["with_ones_and_empty"]  # 1 x3, 5, 9, 3, 12 and two empty segments
-    plan = plan_buckets(lengths, call_cost=0)
-    assert plan.shapes == ((3, 1),)  # one bucket per distinct length; segments alone run on views
-    assert plan.singles == ((16, 3), (1, 5), (7, 9), (20, 12))  # (start, length), shortest first
-    assert sum(c * w for c, w in plan.shapes) == plan.gather.numel() == plan.valid.numel()
-    assert torch.equal(plan.gather[plan.rows], plan.tokens) and bool(plan.valid[plan.rows].all())
-    covered = torch.cat([plan.tokens, *(torch.arange(s, s + n) for s, n in plan.singles)])
+def test_plan_groups_segments_by_length():
+    lengths = [1, 5, 0, 1, 9, 3, 1, 0, 12, 5, 5]  # 1 x3, 5 x3 (the last two side by side), 9, 3, 12
+    plan = plan_buckets(lengths)
+    assert plan.shapes == ((3, 1), (1, 3), (3, 5), (1, 9), (1, 12))  # one bucket per length, shortest first
+    assert plan.starts == (None, 16, None, 7, 20)  # segments alone (or side by side) run on views
+    assert plan.indices(0).tolist() == [0, 6, 19] and plan.indices(2).tolist()[:5] == [1, 2, 3, 4, 5]
+    views = [torch.arange(s, s + c * n) for (c, n), s in zip(plan.shapes, plan.starts) if s is not None]
+    covered = torch.cat([plan.gather, *views])
     assert torch.equal(covered.sort().values, torch.arange(sum(lengths)))  # every token exactly once
-
-
-def test_plan_buckets_short_segments_together_and_long_apart():
-    assert len(plan_buckets(MIXES["short_rl"] * 10).shapes) == 9  # one call per distinct length
-    assert len(plan_buckets(MIXES["short_rl"] * 10, call_cost=65536).shapes) == 1  # padded into one
-    plan = plan_buckets([2000, 1900, 10, 12], call_cost=65536)
-    assert plan.shapes == ((2, 12),) and plan.singles == ((0, 2000), (2000, 1900))[::-1]
+    assert len(plan_buckets(MIXES["short_rl"] * 10).shapes) == 9  # 960 segments of 8-16 tokens: 9 calls
+    in_order = plan_buckets(sorted(MIXES["short_rl"]))
+    assert all(s is not None for s in in_order.starts) and in_order.gather.numel() == 0
     with pytest.raises(ValueError, match="lengths must be >= 0"):
         plan_buckets([3, -1])
-    with pytest.raises(ValueError, match="call_cost"):
-        plan_buckets([3], call_cost=-1)
 
 
 def test_varlen_attention_dispatch_on_cpu():

@@ -1,24 +1,22 @@
-"""Packed (varlen) attention without a Python loop per segment: segments bucketed by length.
+"""Packed (varlen) attention without a Python loop per segment: one sdpa call per segment length.
 
 Where no fused varlen kernel exists (CPU; CUDA in fp32 or without one), the segments of a packed row are
-sorted by length and grouped into a few buckets; each bucket is one batched ``scaled_dot_product_attention``
-call over its segments, right-padded to the bucket's longest segment. With right padding, causal attention
-needs no extra mask: a real query ``i`` only reads keys ``<= i``, which are real tokens of its own segment.
-The padded query rows compute something and are dropped.
+grouped by length; each group (a *bucket*) is one batched ``scaled_dot_product_attention`` call over
+``[count, H, length, D]``. Segments of one bucket have equal lengths, so there is no padding and no mask
+beyond the causal (or sliding-window) one; the results equal a per-segment loop to round-off (bitwise in
+``bench/attention.py``'s workloads).
 
-A segment alone in its bucket runs on a view of the row (no copy), as in a per-segment loop. The
-buckets of several segments move their tokens with one row gather each way (:class:`_Split`,
-:class:`_Merge`), and the backward writes every token's gradient once (never a scatter-add): every
-packed token owns exactly one padded row, and the gradient reaching a padding row is exactly zero
-(padding queries get a zero output gradient; no real query attends to a padding key), so dropping it
-is exact. The inputs are read as rows ``[N, H * D]``: free for HF's layout (a transposed
-``[1, N, H, D]``), one copy otherwise.
+Data movement is one pass each way per tensor. A bucket whose segments lie side by side in the row (one
+segment alone, or a row packed in length order) runs on a view of the row; the others are read with one
+row gather per input (:class:`_Gather`) and written back with one ``index_copy_`` per bucket
+(:class:`_Scatter`). Every packed token belongs to exactly one bucket, so both backwards write each
+gradient row once: never a scatter-add, never a zero fill. The inputs are read as rows ``[N, H * D]``:
+free for HF's layout (a transposed ``[1, N, H, D]``), one copy otherwise; the sdpa outputs and input
+gradients come back in the ``[count, length, H, D]`` layout, so reading them as rows is free too.
 
-How segments are bucketed (:func:`plan_buckets`): greedily over the sorted lengths, a segment joins the
-current bucket while the padded work it adds to the bucket (``count * (L_new^2 - L_old^2)`` score
-entries) stays below the cost of one more sdpa call (``call_cost``, in score entries, measured with
-``bench/attention.py``; :data:`CALL_COST`). With the default 0, segments of equal length share a call:
-1,024 segments of 8-16 tokens become 9 calls.
+Measured with ``bench/attention.py`` (fwd+bwd, CPU): padding segments of similar lengths into one call
+(fewer, larger calls) lost to one call per distinct length on every workload — 1,024 segments of 8-16
+tokens take 9 calls here.
 """
 
 from __future__ import annotations
@@ -32,162 +30,137 @@ import torch.nn.functional as F  # noqa: N812
 
 from verl_trainer.models.varlen_kernels import sliding_window_mask
 
-CALL_COST = 0
-"""Padded score entries one extra sdpa call is worth. Measured with ``bench/attention.py`` (fwd+bwd, CPU,
-2 cores): 0 — one bucket per distinct length, no padding — beat 4,096 and 65,536 on every workload (the
-padding costs more than the calls it saves here), and gives results bitwise equal to the per-segment loop."""
-
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """How the segments of a packed row map onto padded buckets (and segments alone in theirs).
+    """The segments of a packed row grouped by length.
 
     Attributes:
-        shapes: ``(count, padded_length)`` of each bucket of two or more segments, in padded-row order.
-        gather: ``[P]`` long, the packed token read into each padded row (a padding row reads its
-            segment's first token; its result is dropped).
-        valid: ``[P]`` bool, True at the padded rows that hold a real token.
-        tokens: ``[T]`` long, the packed tokens of the buckets, in padded-row order (``gather[valid]``).
-        rows: ``[T]`` long, the padded row of each of ``tokens``.
-        singles: ``(start, length)`` of each segment alone in its bucket: it runs on a view of the row.
+        shapes: ``(count, length)`` of each bucket, shortest length first.
+        starts: Per bucket, the first token when its ``count * length`` tokens are one run of the row
+            (it runs on a view), else ``None`` (its tokens are gathered).
+        gather: ``[G]`` long, the tokens of the gathered buckets, bucket after bucket, each bucket's
+            segments in row order (``G`` = their tokens).
+        offsets: Per bucket, where its tokens start in ``gather`` (``None`` for a run).
 
     """
 
     shapes: tuple[tuple[int, int], ...]
+    starts: tuple[int | None, ...]
     gather: torch.Tensor
-    valid: torch.Tensor
-    tokens: torch.Tensor
-    rows: torch.Tensor
-    singles: tuple[tuple[int, int], ...]
+    offsets: tuple[int | None, ...]
 
+    def sizes(self) -> list[int]:
+        """Tokens of each bucket."""
+        return [count * length for count, length in self.shapes]
 
-def _group(lengths: Sequence[int], call_cost: int) -> list[list[int]]:
-    """Segment indices (non-empty segments only) grouped into buckets, shortest first."""
-    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lengths.__getitem__)
-    groups: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i in order:
-        n = lengths[i]
-        if current and len(current) * (n * n - longest * longest) > call_cost:
-            groups.append(current)
-            current = []
-        current.append(i)
-        longest = n
-    if current:
-        groups.append(current)
-    return groups
+    def indices(self, i: int) -> torch.Tensor:
+        """``[count * length]`` long, the tokens of gathered bucket ``i`` (a view of ``gather``)."""
+        start = self.offsets[i]
+        assert start is not None, f"bucket {i} is a run of the row, not gathered"
+        return self.gather[start : start + self.sizes()[i]]
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_plan(lengths: tuple[int, ...], call_cost: int, device: torch.device) -> BucketPlan:
-    starts = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0)[:-1]
-    lens = torch.tensor(lengths, dtype=torch.long)
-    shapes, gathers, valids, singles = [], [], [], []
-    for group in _group(lengths, call_cost):
-        if len(group) == 1:
-            singles.append((int(starts[group[0]]), lengths[group[0]]))
+def _cached_plan(lengths: tuple[int, ...], device: torch.device) -> BucketPlan:
+    first = [0]
+    for n in lengths[:-1]:
+        first.append(first[-1] + n)
+    by_length: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        if n > 0:
+            by_length.setdefault(n, []).append(i)
+    shapes, starts, offsets, gathered = [], [], [], []
+    taken = 0
+    for length in sorted(by_length):
+        segments = by_length[length]
+        shapes.append((len(segments), length))
+        run = all(first[b] == first[a] + length for a, b in zip(segments, segments[1:]))
+        if run:
+            starts.append(first[segments[0]])
+            offsets.append(None)
             continue
-        idx = torch.tensor(group, dtype=torch.long)
-        width = int(lens[idx].max())
-        col = torch.arange(width)[None, :]
-        real = col < lens[idx][:, None]  # [count, width]
-        gathers.append(torch.where(real, starts[idx][:, None] + col, starts[idx][:, None]).reshape(-1))
-        valids.append(real.reshape(-1))
-        shapes.append((len(group), width))
-    gather = torch.cat(gathers) if gathers else torch.zeros(0, dtype=torch.long)
-    valid = torch.cat(valids) if valids else torch.zeros(0, dtype=torch.bool)
-    tokens, rows = gather[valid], torch.nonzero(valid).reshape(-1)
-    moved = (t.to(device) for t in (gather, valid, tokens, rows))
-    return BucketPlan(tuple(shapes), *moved, singles=tuple(singles))
+        starts.append(None)
+        offsets.append(taken)
+        tokens = torch.tensor([first[i] for i in segments])[:, None] + torch.arange(length)[None, :]
+        gathered.append(tokens.reshape(-1))
+        taken += len(segments) * length
+    gather = torch.cat(gathered) if gathered else torch.zeros(0, dtype=torch.long)
+    return BucketPlan(tuple(shapes), tuple(starts), gather.to(device), tuple(offsets))
 
 
-def plan_buckets(
-    lengths: Sequence[int], device: torch.device | str = "cpu", call_cost: int = CALL_COST
-) -> BucketPlan:
-    """Bucket the segments of a packed row (cached: every layer of a forward reuses the plan).
+def plan_buckets(lengths: Sequence[int], device: torch.device | str = "cpu") -> BucketPlan:
+    """Group the segments of a packed row by length (cached: every layer of a forward reuses the plan).
 
     Args:
         lengths: Length of each segment (0 allowed: empty segments are skipped).
-        device: Device of the index tensors.
-        call_cost: Padded score entries one more sdpa call is worth (``0``: one bucket per distinct length).
+        device: Device of the index tensor.
 
     Returns:
         The :class:`BucketPlan`.
 
     """
-    if call_cost < 0:
-        raise ValueError(f"call_cost must be >= 0, got {call_cost}")
     if any(n < 0 for n in lengths):
         raise ValueError(f"segment lengths must be >= 0, got {list(lengths)}")
-    return _cached_plan(tuple(int(n) for n in lengths), int(call_cost), torch.device(device))
+    return _cached_plan(tuple(int(n) for n in lengths), torch.device(device))
 
 
-class _Split(torch.autograd.Function):
-    """Rows ``[N, F]`` -> (the buckets' padded rows ``[P, F]``, a view per single segment ``[L, F]``).
-
-    Backward writes every token's gradient once (a copy for single segments, one gather for the
-    buckets): the gradient of a padding row is exactly zero, so it is dropped, not added.
-    """
+class _Gather(torch.autograd.Function):
+    """Rows ``[N, F]`` -> one ``[count * length, F]`` tensor per bucket (a view for a run of the row)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, plan: BucketPlan
     ) -> tuple[torch.Tensor, ...]:
         ctx.plan, ctx.shape = plan, x.shape  # type: ignore[attr-defined]
-        return (x.index_select(0, plan.gather), *(x[s : s + n] for s, n in plan.singles))
+        return _read_rows(plan, x)
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, grad_padded: torch.Tensor, *grad_singles: torch.Tensor
+        ctx: torch.autograd.function.FunctionCtx, *grads: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan  # type: ignore[attr-defined]
-        grad = grad_padded.new_empty(ctx.shape)  # type: ignore[attr-defined]
-        grad.index_copy_(0, plan.tokens, grad_padded.index_select(0, plan.rows))
-        for (s, n), g in zip(plan.singles, grad_singles):
-            grad[s : s + n] = g
-        return grad, None
+        return _write_rows(plan, grads[0].new_empty(ctx.shape), grads), None  # type: ignore[attr-defined]
 
 
-class _Merge(torch.autograd.Function):
-    """The inverse of :class:`_Split`: padded bucket rows and single-segment rows -> the packed ``[N, F]``."""
+class _Scatter(torch.autograd.Function):
+    """The inverse of :class:`_Gather`: one ``[count * length, F]`` tensor per bucket -> rows ``[N, F]``."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, plan: BucketPlan, num_tokens: int, padded: torch.Tensor,
-        *singles: torch.Tensor,
+        ctx: torch.autograd.function.FunctionCtx, plan: BucketPlan, num_tokens: int, *parts: torch.Tensor
     ) -> torch.Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
-        out = padded.new_empty(num_tokens, padded.shape[1])
-        out.index_copy_(0, plan.tokens, padded.index_select(0, plan.rows))
-        for (s, n), rows in zip(plan.singles, singles):
-            out[s : s + n] = rows
-        return out
+        return _write_rows(plan, parts[0].new_empty(num_tokens, parts[0].shape[1]), parts)
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        plan: BucketPlan = ctx.plan  # type: ignore[attr-defined]
-        grad_padded = grad.index_select(0, plan.gather)
-        grad_padded.masked_fill_(~plan.valid[:, None], 0)  # padding rows: no gradient
-        return None, None, grad_padded, *(grad[s : s + n] for s, n in plan.singles)
+        return None, None, *_read_rows(ctx.plan, grad)  # type: ignore[attr-defined]
+
+
+def _read_rows(plan: BucketPlan, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each bucket's rows of ``x`` ``[N, F]``: a view for a run of the row, else one shared gather."""
+    sizes = plan.sizes()
+    gathered = x.index_select(0, plan.gather).split([n for n, s in zip(sizes, plan.starts) if s is None])
+    parts = iter(gathered)
+    return tuple(next(parts) if s is None else x[s : s + n] for n, s in zip(sizes, plan.starts))
+
+
+def _write_rows(plan: BucketPlan, out: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Write each bucket's rows into ``out`` ``[N, F]`` (every row once: the buckets partition the row)."""
+    for i, (part, start) in enumerate(zip(parts, plan.starts)):
+        if start is None:
+            out.index_copy_(0, plan.indices(i), part)
+        else:
+            out[start : start + part.shape[0]] = part
+    return out
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``[1, H, N, D]`` -> ``[N, H * D]`` (free for HF's layout, a transposed ``[1, N, H, D]``)."""
-    return x[0].transpose(0, 1).reshape(x.shape[2], -1)
-
-
-def _bucket_mask(
-    count: int, width: int, valid: torch.Tensor, is_causal: bool, window: int | None, device: torch.device
-) -> torch.Tensor | None:
-    """Boolean sdpa mask of one bucket (True = attend), or ``None`` when ``is_causal`` alone is right."""
-    if window is None:
-        if is_causal:
-            return None
-        return valid.reshape(count, 1, 1, width)  # keys: the real tokens of the segment
-    return sliding_window_mask(width, window, device)[None, None]
+    return x.transpose(1, 2).reshape(x.shape[2], -1)  # not x[0]: its backward zero-fills a copy
 
 
 def bucketed_varlen_attention(
@@ -200,9 +173,8 @@ def bucketed_varlen_attention(
     dropout: float = 0.0,
     is_causal: bool = True,
     window: int | None = None,
-    call_cost: int = CALL_COST,
 ) -> torch.Tensor:
-    """Attention within each segment of a packed row, one sdpa call per bucket of similar lengths.
+    """Attention within each segment of a packed row, one sdpa call per distinct segment length.
 
     Args:
         query: ``[1, H, N, D]``.
@@ -213,7 +185,6 @@ def bucketed_varlen_attention(
         dropout: Attention dropout probability.
         is_causal: Causal attention within each segment.
         window: Sliding window (query ``i`` reads keys ``i - window < j <= i``), causal only; ``None``: off.
-        call_cost: See :func:`plan_buckets`.
 
     Returns:
         ``[1, N, H, D_v]``.
@@ -224,32 +195,22 @@ def bucketed_varlen_attention(
     if window is not None and window < 1:
         raise ValueError(f"the sliding window must be >= 1 token, got {window}")
     n, heads, heads_kv, dim_v = query.shape[2], query.shape[1], key.shape[1], value.shape[3]
-    plan = plan_buckets(lengths, query.device, call_cost)
     if n == 0:
         return query.new_zeros(1, 0, heads, dim_v)
-    parts = [_Split.apply(_rows(x), plan) for x in (query, key, value)]  # ([P, F], *[L, F]) each
-    sizes = [count * width for count, width in plan.shapes]
-    shapes = [*plan.shapes, *((1, length) for _, length in plan.singles)]
-    padded_qkv = [p[0].split(sizes) for p in parts]
-    valids = [*plan.valid.split(sizes), *(None for _ in plan.singles)]
+    plan = plan_buckets(lengths, query.device)
+    buckets = zip(*(_Gather.apply(_rows(x), plan) for x in (query, key, value)), plan.shapes)
     outs = []
-    for i, ((count, width), valid) in enumerate(zip(shapes, valids)):
-        q, k, v = (pad[i] if i < len(sizes) else p[1 + i - len(sizes)] for pad, p in zip(padded_qkv, parts))
-        mask = None
-        if valid is not None or window is not None or not is_causal:
-            real = valid if valid is not None else torch.ones(width, dtype=torch.bool, device=query.device)
-            mask = _bucket_mask(count, width, real, is_causal, window, query.device)
+    for q, k, v, (count, length) in buckets:
+        mask = None if window is None else sliding_window_mask(length, window, query.device)
         out = F.scaled_dot_product_attention(
-            q.view(count, width, heads, -1).transpose(1, 2),
-            k.view(count, width, heads_kv, -1).transpose(1, 2),
-            v.view(count, width, heads_kv, dim_v).transpose(1, 2),
+            q.view(count, length, heads, -1).transpose(1, 2),
+            k.view(count, length, heads_kv, -1).transpose(1, 2),
+            v.view(count, length, heads_kv, dim_v).transpose(1, 2),
             attn_mask=mask,
             dropout_p=dropout,
             is_causal=is_causal and mask is None,
             scale=scaling,
             enable_gqa=heads != heads_kv,
-        )  # [count, H, width, D_v]
-        outs.append(out.transpose(1, 2).reshape(count * width, heads * dim_v))
-    padded_out = torch.cat(outs[: len(sizes)]) if sizes else query.new_zeros(0, heads * dim_v)
-    merged = _Merge.apply(plan, n, padded_out, *outs[len(sizes) :])
-    return merged.view(1, n, heads, dim_v)
+        )  # [count, H, length, D_v], laid out as [count, length, H, D_v]
+        outs.append(out.transpose(1, 2).reshape(count * length, heads * dim_v))
+    return _Scatter.apply(plan, n, *outs).view(1, n, heads, dim_v)
