@@ -2,16 +2,20 @@
 
 Usage::
 
-    python bench/attention.py [--heads 4] [--kv-heads 2] [--head-dim 64] [--reps 7]
-                              [--contiguous]
+    python bench/attention.py [--heads 4] [--kv-heads 2] [--head-dim 64] [--reps 21]
+                              [--contiguous] [--matmul-max-length 64 0 ...]
 
 The baseline is ``reference_varlen_attention``: inputs split with ``torch.split`` into per-segment views,
 one ``scaled_dot_product_attention`` per segment, one ``torch.cat`` — no copies beyond that, so only the
-per-call overhead separates it from a fused kernel. The new path is ``varlen_attention`` (what the
-``"verl_varlen"`` attention runs), which on CPU buckets segments of similar length into one sdpa call
-each (``verl_trainer.models.bucketed_attention``). Each side runs a forward and a backward of the same
-fp32 inputs; the two sides alternate, and the median of ``--reps`` timed repeats (after one warm-up)
-is compared. The outputs and input gradients of both sides are checked equal (1e-5) first. q/k/v are
+per-call overhead separates it from a fused kernel. The new path is ``bucketed_varlen_attention`` (what
+the ``"verl_varlen"`` attention runs on CPU): segments of equal length form one bucket, buckets of up to
+``--matmul-max-length`` tokens run as batched matmuls (``verl_trainer.models.matmul_attention``), longer
+ones one sdpa call each. Each side runs a forward and a backward of the same fp32 inputs; the sides
+alternate within each of ``--reps`` rounds (after one warm-up), and the speed-up is the median over
+rounds of loop time / new time in that round (the machine's load drifts between rounds; a round's two
+timings share it); the median times are printed too. With several ``--matmul-max-length`` values each
+is a side of its own (``0``: sdpa for every bucket, the previous path). The outputs and input
+gradients of every side are checked against the loop (1e-5) first. q/k/v are
 laid out as HF attention layers pass them (transposed views of ``[1, N, H, D]``, after the rotary
 embedding too); ``--contiguous`` gives contiguous ``[1, H, N, D]`` instead, the loop's best case.
 
@@ -24,6 +28,7 @@ Workloads (heads 4 x 64 and 2 KV heads by default: the Qwen2 of ``bench/vs_trl.p
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import sys
@@ -36,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verl_trainer.models.bucketed_attention import bucketed_varlen_attention  # noqa: E402
+from verl_trainer.models.matmul_attention import MATMUL_MAX_LENGTH  # noqa: E402
 from verl_trainer.models.varlen_kernels import reference_varlen_attention  # noqa: E402
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -95,7 +101,7 @@ def check_equal(new: Attention, ref: Attention, inputs: Inputs, lens: list[int])
         results.append([out.detach(), q.grad, k.grad, v.grad])
     diff = max(float((a - b).abs().max()) for a, b in zip(*results))
     if diff > 1e-5:
-        raise AssertionError(f"the bucketed path differs from the reference by {diff:.2e}")
+        raise AssertionError(f"the new path differs from the reference by {diff:.2e}")
     return diff
 
 
@@ -105,26 +111,37 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=21)
     parser.add_argument("--contiguous", action="store_true",
                         help="contiguous [1, H, N, D] q/k/v (the loop's best case) instead of HF's layout")
+    parser.add_argument("--matmul-max-length", type=int, nargs="+", default=[MATMUL_MAX_LENGTH],
+                        help="buckets up to this length run batched matmuls (0: sdpa); several: a side each")
     args = parser.parse_args()
 
-    new = bucketed_varlen_attention
+    sides: dict[str, Attention] = {
+        f"new(matmul<={m})": functools.partial(bucketed_varlen_attention, matmul_max_length=m)
+        for m in args.matmul_max_length
+    }
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, heads {args.heads} "
           f"(kv {args.kv_heads}) x {args.head_dim}, "
-          f"{'contiguous' if args.contiguous else 'HF (transposed)'} q/k/v")
+          f"{'contiguous' if args.contiguous else 'HF (transposed)'} q/k/v, {args.reps} rounds")
     for name, lens in workloads().items():
         inputs = make_inputs(lens, args.heads, args.kv_heads, args.head_dim, not args.contiguous)
-        diff = check_equal(new, reference_varlen_attention, inputs, lens)
-        times: dict[str, list[float]] = {"new": [], "loop": []}
+        diff = max(check_equal(fn, reference_varlen_attention, inputs, lens) for fn in sides.values())
+        for fn in (*sides.values(), reference_varlen_attention):  # warm-up (and the plans' caches)
+            fwd_bwd(fn, inputs, lens)
+        times: dict[str, list[float]] = {side: [] for side in (*sides, "loop")}
         for _ in range(args.reps):
-            times["new"].append(fwd_bwd(new, inputs, lens))
             times["loop"].append(fwd_bwd(reference_varlen_attention, inputs, lens))
-        new_s, loop_s = statistics.median(times["new"]), statistics.median(times["loop"])
+            for side, fn in sides.items():
+                times[side].append(fwd_bwd(fn, inputs, lens))
+        loop_s = statistics.median(times["loop"])
+        cells = []
+        for side in sides:
+            ratio = statistics.median(a / b for a, b in zip(times["loop"], times[side]))
+            cells.append(f"{side} {statistics.median(times[side]) * 1e3:7.1f} ms, speed-up {ratio:5.2f}x")
         print(f"{name:>16}: {sum(lens):6d} tokens, longest {max(lens):4d} | loop {loop_s * 1e3:7.1f} ms | "
-              f"bucketed {new_s * 1e3:7.1f} ms | speed-up {loop_s / new_s:5.2f}x | max diff {diff:.1e}",
-              flush=True)
+              f"{' | '.join(cells)} | max diff {diff:.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,41 +28,52 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from verl_trainer.models.matmul_attention import MATMUL_MAX_LENGTH, matmul_attention, use_matmul_attention
 from verl_trainer.models.varlen_kernels import sliding_window_mask
 
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """The segments of a packed row grouped by length.
+    """The segments of a packed row grouped by length, and where each bucket's rows come from.
+
+    Rows are addressed in units of ``[N * H_kv, F / H_kv]`` (a token is ``H_kv`` consecutive rows, one per
+    KV-head group), so a bucket can be read token-major (sdpa buckets: rows ``(segment, token, kv head)``)
+    or KV-head-major (matmul buckets: rows ``(segment, kv head, token)``, the matrices of
+    ``verl_trainer.models.matmul_attention``) with the same index.
 
     Attributes:
         shapes: ``(count, length)`` of each bucket, shortest length first.
-        starts: Per bucket, the first token when its ``count * length`` tokens are one run of the row
-            (it runs on a view), else ``None`` (its tokens are gathered).
-        gather: ``[G]`` long, the tokens of the gathered buckets, bucket after bucket, each bucket's
-            segments in row order (``G`` = their tokens).
-        offsets: Per bucket, where its tokens start in ``gather`` (``None`` for a run).
+        matmul: Per bucket, whether it runs the matmul path (rows KV-head-major) rather than sdpa.
+        heads_kv: ``H_kv``, the rows per token.
+        starts: Per bucket, the first token when its rows are one run of the row (it runs on a view: its
+            segments lie side by side and its row order is the row's), else ``None`` (its rows are gathered).
+        gather: ``[G]`` long, the rows of the gathered buckets, bucket after bucket.
+        offsets: Per bucket, where its rows start in ``gather`` (``None`` for a run).
 
     """
 
     shapes: tuple[tuple[int, int], ...]
+    matmul: tuple[bool, ...]
+    heads_kv: int
     starts: tuple[int | None, ...]
     gather: torch.Tensor
     offsets: tuple[int | None, ...]
 
     def sizes(self) -> list[int]:
-        """Tokens of each bucket."""
-        return [count * length for count, length in self.shapes]
+        """Rows (``[N * H_kv]`` units) of each bucket."""
+        return [count * length * self.heads_kv for count, length in self.shapes]
 
     def indices(self, i: int) -> torch.Tensor:
-        """``[count * length]`` long, the tokens of gathered bucket ``i`` (a view of ``gather``)."""
+        """``[count * length * H_kv]`` long, the rows of gathered bucket ``i`` (a view of ``gather``)."""
         start = self.offsets[i]
         assert start is not None, f"bucket {i} is a run of the row, not gathered"
         return self.gather[start : start + self.sizes()[i]]
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_plan(lengths: tuple[int, ...], device: torch.device) -> BucketPlan:
+def _cached_plan(
+    lengths: tuple[int, ...], heads_kv: int, matmul_max_length: int, device: torch.device
+) -> BucketPlan:
     first = [0]
     for n in lengths[:-1]:
         first.append(first[-1] + n)
@@ -70,31 +81,45 @@ def _cached_plan(lengths: tuple[int, ...], device: torch.device) -> BucketPlan:
     for i, n in enumerate(lengths):
         if n > 0:
             by_length.setdefault(n, []).append(i)
-    shapes, starts, offsets, gathered = [], [], [], []
+    shapes, matmul, starts, offsets, gathered = [], [], [], [], []
     taken = 0
+    heads = torch.arange(heads_kv)
     for length in sorted(by_length):
         segments = by_length[length]
         shapes.append((len(segments), length))
-        run = all(first[b] == first[a] + length for a, b in zip(segments, segments[1:]))
-        if run:
+        kv_major = length <= matmul_max_length
+        matmul.append(kv_major)
+        side_by_side = all(first[b] == first[a] + length for a, b in zip(segments, segments[1:]))
+        if side_by_side and (not kv_major or heads_kv == 1):
             starts.append(first[segments[0]])
             offsets.append(None)
             continue
         starts.append(None)
         offsets.append(taken)
         tokens = torch.tensor([first[i] for i in segments])[:, None] + torch.arange(length)[None, :]
-        gathered.append(tokens.reshape(-1))
-        taken += len(segments) * length
+        rows = tokens[:, :, None] * heads_kv + heads  # [count, length, H_kv]
+        gathered.append((rows.transpose(1, 2) if kv_major else rows).reshape(-1))
+        taken += len(segments) * length * heads_kv
     gather = torch.cat(gathered) if gathered else torch.zeros(0, dtype=torch.long)
-    return BucketPlan(tuple(shapes), tuple(starts), gather.to(device), tuple(offsets))
+    return BucketPlan(
+        tuple(shapes), tuple(matmul), heads_kv, tuple(starts), gather.to(device), tuple(offsets)
+    )
 
 
-def plan_buckets(lengths: Sequence[int], device: torch.device | str = "cpu") -> BucketPlan:
+def plan_buckets(
+    lengths: Sequence[int],
+    device: torch.device | str = "cpu",
+    *,
+    heads_kv: int = 1,
+    matmul_max_length: int = 0,
+) -> BucketPlan:
     """Group the segments of a packed row by length (cached: every layer of a forward reuses the plan).
 
     Args:
         lengths: Length of each segment (0 allowed: empty segments are skipped).
         device: Device of the index tensor.
+        heads_kv: KV heads of the attention (rows per token).
+        matmul_max_length: Buckets of segments up to this length run the matmul path (0: none).
 
     Returns:
         The :class:`BucketPlan`.
@@ -102,11 +127,11 @@ def plan_buckets(lengths: Sequence[int], device: torch.device | str = "cpu") -> 
     """
     if any(n < 0 for n in lengths):
         raise ValueError(f"segment lengths must be >= 0, got {list(lengths)}")
-    return _cached_plan(tuple(int(n) for n in lengths), torch.device(device))
+    return _cached_plan(tuple(int(n) for n in lengths), heads_kv, matmul_max_length, torch.device(device))
 
 
 class _Gather(torch.autograd.Function):
-    """Rows ``[N, F]`` -> one ``[count * length, F]`` tensor per bucket (a view for a run of the row)."""
+    """Rows ``[N, F]`` -> one ``[count * length * H_kv, F / H_kv]`` tensor per bucket (a view for a run)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -124,37 +149,42 @@ class _Gather(torch.autograd.Function):
 
 
 class _Scatter(torch.autograd.Function):
-    """The inverse of :class:`_Gather`: one ``[count * length, F]`` tensor per bucket -> rows ``[N, F]``."""
+    """The inverse of :class:`_Gather`: one tensor per bucket -> rows ``[N, F]``."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, plan: BucketPlan, num_tokens: int, *parts: torch.Tensor
     ) -> torch.Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
-        return _write_rows(plan, parts[0].new_empty(num_tokens, parts[0].shape[1]), parts)
+        width = parts[0].shape[1] * plan.heads_kv
+        return _write_rows(plan, parts[0].new_empty(num_tokens, width), parts)
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        return None, None, *_read_rows(ctx.plan, grad)  # type: ignore[attr-defined]
+        return None, None, *_read_rows(ctx.plan, grad.contiguous())  # type: ignore[attr-defined]
 
 
 def _read_rows(plan: BucketPlan, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each bucket's rows of ``x`` ``[N, F]``: a view for a run of the row, else one shared gather."""
+    units = x.view(x.shape[0] * plan.heads_kv, -1)
     sizes = plan.sizes()
-    gathered = x.index_select(0, plan.gather).split([n for n, s in zip(sizes, plan.starts) if s is None])
+    gathered = units.index_select(0, plan.gather).split([n for n, s in zip(sizes, plan.starts) if s is None])
     parts = iter(gathered)
-    return tuple(next(parts) if s is None else x[s : s + n] for n, s in zip(sizes, plan.starts))
+    per = plan.heads_kv
+    return tuple(next(parts) if s is None else units[s * per : s * per + n]
+                 for n, s in zip(sizes, plan.starts))
 
 
 def _write_rows(plan: BucketPlan, out: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """Write each bucket's rows into ``out`` ``[N, F]`` (every row once: the buckets partition the row)."""
+    units = out.view(out.shape[0] * plan.heads_kv, -1)
     for i, (part, start) in enumerate(zip(parts, plan.starts)):
         if start is None:
-            out.index_copy_(0, plan.indices(i), part)
+            units.index_put_((plan.indices(i),), part)
         else:
-            out[start : start + part.shape[0]] = part
+            units[start * plan.heads_kv : start * plan.heads_kv + part.shape[0]] = part
     return out
 
 
@@ -173,8 +203,9 @@ def bucketed_varlen_attention(
     dropout: float = 0.0,
     is_causal: bool = True,
     window: int | None = None,
+    matmul_max_length: int = MATMUL_MAX_LENGTH,
 ) -> torch.Tensor:
-    """Attention within each segment of a packed row, one sdpa call per distinct segment length.
+    """Attention within each segment of a packed row, one call per distinct segment length.
 
     Args:
         query: ``[1, H, N, D]``.
@@ -185,6 +216,9 @@ def bucketed_varlen_attention(
         dropout: Attention dropout probability.
         is_causal: Causal attention within each segment.
         window: Sliding window (query ``i`` reads keys ``i - window < j <= i``), causal only; ``None``: off.
+        matmul_max_length: Buckets of segments up to this length run batched matmuls
+            (``verl_trainer.models.matmul_attention``) where that path applies (fp32 on CPU, no dropout);
+            longer ones, and all others, one sdpa call. 0: sdpa everywhere.
 
     Returns:
         ``[1, N, H, D_v]``.
@@ -197,10 +231,16 @@ def bucketed_varlen_attention(
     n, heads, heads_kv, dim_v = query.shape[2], query.shape[1], key.shape[1], value.shape[3]
     if n == 0:
         return query.new_zeros(1, 0, heads, dim_v)
-    plan = plan_buckets(lengths, query.device)
-    buckets = zip(*(_Gather.apply(_rows(x), plan) for x in (query, key, value)), plan.shapes)
+    scale = query.shape[3] ** -0.5 if scaling is None else scaling
+    matmul_max = matmul_max_length if use_matmul_attention(query.dtype, query.device, dropout) else 0
+    plan = plan_buckets(lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
+    buckets = zip(*(_Gather.apply(_rows(x), plan) for x in (query, key, value)), plan.shapes, plan.matmul)
     outs = []
-    for q, k, v, (count, length) in buckets:
+    for q, k, v, (count, length), kv_major in buckets:
+        if kv_major:
+            shape = (count, length, heads, heads_kv)
+            outs.append(matmul_attention(q, k, v, shape, scale=scale, is_causal=is_causal, window=window))
+            continue
         mask = None if window is None else sliding_window_mask(length, window, query.device)
         out = F.scaled_dot_product_attention(
             q.view(count, length, heads, -1).transpose(1, 2),
@@ -209,8 +249,8 @@ def bucketed_varlen_attention(
             attn_mask=mask,
             dropout_p=dropout,
             is_causal=is_causal and mask is None,
-            scale=scaling,
+            scale=scale,
             enable_gqa=heads != heads_kv,
         )  # [count, H, length, D_v], laid out as [count, length, H, D_v]
-        outs.append(out.transpose(1, 2).reshape(count * length, heads * dim_v))
+        outs.append(out.transpose(1, 2).reshape(count * length * heads_kv, -1))
     return _Scatter.apply(plan, n, *outs).view(1, n, heads, dim_v)
