@@ -1,10 +1,15 @@
-"""The bucketed varlen attention (CPU path) equals the per-segment reference, forward and gradients."""
+"""The bucketed varlen attention (CPU path) equals the per-segment reference, forward and gradients.
+
+Each case runs with short buckets as batched matmuls (the default, ``verl_trainer.models.matmul_attention``),
+with every bucket as matmuls, and with every bucket as sdpa (``matmul_max_length=0``).
+"""
 
 import pytest
 import torch
 
 from verl_trainer.models.attention import varlen_attention
 from verl_trainer.models.bucketed_attention import bucketed_varlen_attention, plan_buckets
+from verl_trainer.models.matmul_attention import MATMUL_MAX_LENGTH, use_matmul_attention
 from verl_trainer.models.varlen_kernels import fused_varlen_attention, reference_varlen_attention
 
 MIXES = {
@@ -37,35 +42,85 @@ def _run(fn, inputs, lengths, **kwargs):
     return [out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()]
 
 
-def _assert_matches_reference(lengths, heads=4, kv_heads=2, hf_layout=True, **kwargs):
+def _assert_matches_reference(lengths, heads=4, kv_heads=2, hf_layout=True, matmul_max_length=None, **kwargs):
     inputs = _inputs(lengths, heads, kv_heads, hf_layout)
-    got = _run(bucketed_varlen_attention, inputs, lengths, **kwargs)
+    paths = {} if matmul_max_length is None else {"matmul_max_length": matmul_max_length}
+    got = _run(bucketed_varlen_attention, inputs, lengths, **kwargs, **paths)
     want = _run(reference_varlen_attention, inputs, lengths, **kwargs)
     assert got[0].shape == (1, sum(lengths), heads, inputs[2].shape[3])
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+PATHS = {"default": MATMUL_MAX_LENGTH, "all_matmul": 10**6, "all_sdpa": 0}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("mix", sorted(MIXES))
 @pytest.mark.parametrize("in_length_order", [False, True])
-def test_matches_reference_across_length_mixes(mix, in_length_order):
-    """Whether buckets are gathered (any order) or views of the row (length order)."""
-    _assert_matches_reference(sorted(MIXES[mix]) if in_length_order else MIXES[mix])
+def test_matches_reference_across_length_mixes(mix, in_length_order, path):
+    """Whether buckets are gathered (any order) or runs of the row (length order)."""
+    lengths = sorted(MIXES[mix]) if in_length_order else MIXES[mix]
+    _assert_matches_reference(lengths, matmul_max_length=PATHS[path])
 
 
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 @pytest.mark.parametrize("hf_layout", [True, False])
-def test_gqa_and_layouts(kv_heads, hf_layout):
-    _assert_matches_reference(MIXES["with_ones_and_empty"], kv_heads=kv_heads, hf_layout=hf_layout)
+def test_gqa_and_layouts(kv_heads, hf_layout, path):
+    lengths = MIXES["with_ones_and_empty"] + [3, 3, 3]  # the three 3s side by side: a run of the row
+    _assert_matches_reference(lengths, kv_heads=kv_heads, hf_layout=hf_layout, matmul_max_length=PATHS[path])
 
 
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("window", [1, 3, 16])
-def test_sliding_window(window):
-    _assert_matches_reference(MIXES["short_rl"] + MIXES["long_tailed"], window=window)
+def test_sliding_window(window, path):
+    lengths = MIXES["short_rl"] + MIXES["long_tailed"]
+    _assert_matches_reference(lengths, window=window, matmul_max_length=PATHS[path])
 
 
-def test_not_causal_and_scaling():
-    _assert_matches_reference(MIXES["with_ones_and_empty"], is_causal=False, scaling=0.3)
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_not_causal_and_scaling(path):
+    lengths = MIXES["with_ones_and_empty"]
+    _assert_matches_reference(lengths, is_causal=False, scaling=0.3, matmul_max_length=PATHS[path])
+
+
+def test_head_dims_differ():
+    """D_v != D through both paths (the matmul path's matrices are [L * g, D] and [L, D_v])."""
+    lengths = [5, 70, 5, 2]
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, sum(lengths), 16, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, sum(lengths), 16, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, sum(lengths), 8, generator=g, requires_grad=True)
+    grad = torch.randn(1, sum(lengths), 4, 8, generator=g)
+    got = _run(bucketed_varlen_attention, (q, k, v, grad), lengths)
+    want = _run(reference_varlen_attention, (q, k, v, grad), lengths)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_matmul_path_only_where_it_is_exact_and_fast():
+    """fp32 on CPU without dropout or autocast; half precision and dropout keep sdpa (its fp32 softmax)."""
+    cpu = torch.device("cpu")
+    assert use_matmul_attention(torch.float32, cpu, 0.0)
+    assert not use_matmul_attention(torch.bfloat16, cpu, 0.0)
+    assert not use_matmul_attention(torch.float32, cpu, 0.1)
+    assert not use_matmul_attention(torch.float32, torch.device("cuda"), 0.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not use_matmul_attention(torch.float32, cpu, 0.0)
+    plan = plan_buckets([3, 100, 3], heads_kv=2, matmul_max_length=MATMUL_MAX_LENGTH)
+    assert plan.shapes == ((2, 3), (1, 100)) and plan.matmul == (True, False)
+
+
+def test_bf16_and_dropout_take_sdpa():
+    lengths = MIXES["short_rl"][:20]
+    q, k, v, _ = (x.detach() for x in _inputs(lengths, 4, 2, True))
+    got = bucketed_varlen_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), lengths)
+    want = reference_varlen_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), lengths)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)  # the same sdpa calls per bucket
+    torch.manual_seed(0)
+    dropped = bucketed_varlen_attention(q, k, v, lengths, dropout=0.5)
+    assert dropped.shape == (1, sum(lengths), 4, 8) and not torch.allclose(dropped, want.float(), atol=1e-3)
 
 
 def test_window_needs_causal():

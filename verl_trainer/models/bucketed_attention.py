@@ -1,18 +1,25 @@
-"""Packed (varlen) attention without a Python loop per segment: one sdpa call per segment length.
+"""Packed (varlen) attention without a Python loop per segment: one call per segment length.
 
 Where no fused varlen kernel exists (CPU; CUDA in fp32 or without one), the segments of a packed row are
-grouped by length; each group (a *bucket*) is one batched ``scaled_dot_product_attention`` call over
-``[count, H, length, D]``. Segments of one bucket have equal lengths, so there is no padding and no mask
-beyond the causal (or sliding-window) one; the results equal a per-segment loop to round-off (bitwise in
-``bench/attention.py``'s workloads).
+grouped by length; each group (a *bucket*) is one batched call with no padding and no mask beyond the
+causal (or sliding-window) one:
 
-Data movement is one pass each way per tensor. A bucket whose segments lie side by side in the row (one
-segment alone, or a row packed in length order) runs on a view of the row; the others are read with one
-row gather per input (:class:`_Gather`) and written back with one ``index_copy_`` per bucket
-(:class:`_Scatter`). Every packed token belongs to exactly one bucket, so both backwards write each
-gradient row once: never a scatter-add, never a zero fill. The inputs are read as rows ``[N, H * D]``:
-free for HF's layout (a transposed ``[1, N, H, D]``), one copy otherwise; the sdpa outputs and input
-gradients come back in the ``[count, length, H, D]`` layout, so reading them as rows is free too.
+* short buckets (segments of up to ``MATMUL_MAX_LENGTH`` tokens, fp32 on CPU, no dropout): batched
+  matmuls with a hand-written backward (``verl_trainer.models.matmul_attention``), where the CPU flash
+  kernel's cost per token is highest;
+* the others: one ``scaled_dot_product_attention`` over ``[count, H, length, D]``.
+
+Both equal a per-segment loop to fp32 round-off (sdpa buckets bitwise in ``bench/attention.py``).
+
+Data movement is one pass each way per tensor. Rows are addressed as ``[N * H_kv, F / H_kv]`` (a token
+is ``H_kv`` rows), so one index reads a short bucket KV-head-major (its matrices) and an sdpa bucket
+token-major. :class:`_Buckets` runs the short buckets one after another, each read right before its
+matmuls and written right after (the data is still in cache), and reads the sdpa buckets' rows (a view
+when its segments lie side by side: one segment alone, or a row packed in length order);
+:class:`_PutRows` writes the sdpa outputs into the same output. Every packed token belongs to exactly one
+bucket, so each output and gradient row is written once: never a scatter-add, never a zero fill. The
+inputs are read as rows ``[N, H * D]``: free for HF's layout (a transposed ``[1, N, H, D]``), one copy
+otherwise.
 
 Measured with ``bench/attention.py`` (fwd+bwd, CPU): padding segments of similar lengths into one call
 (fewer, larger calls) lost to one call per distinct length on every workload — 1,024 segments of 8-16
@@ -28,7 +35,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from verl_trainer.models.matmul_attention import MATMUL_MAX_LENGTH, matmul_attention, use_matmul_attention
+from verl_trainer.models.matmul_attention import (
+    MATMUL_MAX_LENGTH,
+    additive_mask,
+    matmul_attention_backward,
+    matmul_attention_forward,
+    use_matmul_attention,
+)
 from verl_trainer.models.varlen_kernels import sliding_window_mask
 
 
@@ -45,8 +58,8 @@ class BucketPlan:
         shapes: ``(count, length)`` of each bucket, shortest length first.
         matmul: Per bucket, whether it runs the matmul path (rows KV-head-major) rather than sdpa.
         heads_kv: ``H_kv``, the rows per token.
-        starts: Per bucket, the first token when its rows are one run of the row (it runs on a view: its
-            segments lie side by side and its row order is the row's), else ``None`` (its rows are gathered).
+        starts: Per bucket, the first token when its segments lie side by side in the row (it is read as a
+            view, or one transposing copy when KV-head-major), else ``None`` (its rows are gathered).
         gather: ``[G]`` long, the rows of the gathered buckets, bucket after bucket.
         offsets: Per bucket, where its rows start in ``gather`` (``None`` for a run).
 
@@ -90,7 +103,7 @@ def _cached_plan(
         kv_major = length <= matmul_max_length
         matmul.append(kv_major)
         side_by_side = all(first[b] == first[a] + length for a, b in zip(segments, segments[1:]))
-        if side_by_side and (not kv_major or heads_kv == 1):
+        if side_by_side:
             starts.append(first[segments[0]])
             offsets.append(None)
             continue
@@ -130,62 +143,131 @@ def plan_buckets(
     return _cached_plan(tuple(int(n) for n in lengths), heads_kv, matmul_max_length, torch.device(device))
 
 
-class _Gather(torch.autograd.Function):
-    """Rows ``[N, F]`` -> one ``[count * length * H_kv, F / H_kv]`` tensor per bucket (a view for a run)."""
+def _read(plan: BucketPlan, units: torch.Tensor, i: int) -> torch.Tensor:
+    """The rows of bucket ``i`` from ``units`` ``[N * H_kv, F']``, in its order (``[rows, F']``).
+
+    A run of the row is a view (token-major) or one transposing copy (KV-head-major); others a gather.
+    """
+    start = plan.starts[i]
+    if start is None:
+        return units.index_select(0, plan.indices(i))
+    first = start * plan.heads_kv
+    rows = units[first : first + plan.sizes()[i]]
+    if not plan.matmul[i] or plan.heads_kv == 1:
+        return rows
+    count, length = plan.shapes[i]
+    return rows.view(count, length, plan.heads_kv, -1).transpose(1, 2).reshape(rows.shape)
+
+
+def _write(plan: BucketPlan, units: torch.Tensor, i: int, part: torch.Tensor) -> None:
+    """Write the rows of bucket ``i`` (in its order, ``[rows, F']``) into ``units`` ``[N * H_kv, F']``."""
+    start = plan.starts[i]
+    if start is None:
+        units.index_put_((plan.indices(i),), part)
+        return
+    first = start * plan.heads_kv
+    rows = units[first : first + part.shape[0]]
+    if not plan.matmul[i] or plan.heads_kv == 1:
+        rows.copy_(part)
+        return
+    count, length = plan.shapes[i]
+    kv_major = part.view(count, plan.heads_kv, length, -1)
+    rows.view(count, length, plan.heads_kv, -1).copy_(kv_major.transpose(1, 2))
+
+
+def _units(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """Rows ``[N, F]`` as ``[N * H_kv, F / H_kv]`` (a view)."""
+    return x.view(x.shape[0] * heads_kv, -1)
+
+
+class _Buckets(torch.autograd.Function):
+    """Runs the short buckets and reads the sdpa buckets' rows.
+
+    Forward: ``(q [N, H * D], k [N, H_kv * D], v [N, H_kv * D_v])`` -> ``(out [N, H * D_v], *q_parts,
+    *k_parts, *v_parts)``: ``out`` holds the short buckets' rows (the sdpa buckets' rows are written
+    by :class:`_PutRows`); the parts are the sdpa buckets' rows ``[count * length * H_kv, F / H_kv]``.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, plan: BucketPlan
+        ctx: torch.autograd.function.FunctionCtx,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        plan: BucketPlan,
+        heads: int,
+        scale: float,
+        is_causal: bool,
+        window: int | None,
     ) -> tuple[torch.Tensor, ...]:
-        ctx.plan, ctx.shape = plan, x.shape  # type: ignore[attr-defined]
-        return _read_rows(plan, x)
+        heads_kv, n = plan.heads_kv, query.shape[0]
+        group = heads // heads_kv
+        q, k, v = (_units(x, heads_kv) for x in (query, key, value))
+        out = query.new_empty(n, heads * value.shape[1] // heads_kv)
+        saved = []
+        for i, (count, length) in enumerate(plan.shapes):
+            if not plan.matmul[i]:
+                continue
+            batch = count * heads_kv
+            qb = _read(plan, q, i).view(batch, length * group, -1)
+            kb, vb = (_read(plan, x, i).view(batch, length, -1) for x in (k, v))
+            mask = additive_mask(length, group, is_causal, window, query.device)
+            ob, probs = matmul_attention_forward(qb, kb, vb, mask, scale)
+            _write(plan, _units(out, heads_kv), i, ob.view(count * length * heads_kv, -1))
+            saved += [qb, kb, vb, probs]
+        ctx.save_for_backward(*saved)
+        ctx.plan, ctx.scale = plan, scale  # type: ignore[attr-defined]
+        ctx.widths = (query.shape[1], key.shape[1], value.shape[1])  # type: ignore[attr-defined]
+        long = [i for i, m in enumerate(plan.matmul) if not m]
+        return out, *(_read(plan, x, i) for x in (q, k, v) for i in long)
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, *grads: torch.Tensor
+        ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, *grad_parts: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan  # type: ignore[attr-defined]
-        return _write_rows(plan, grads[0].new_empty(ctx.shape), grads), None  # type: ignore[attr-defined]
+        n = grad_out.shape[0]
+        grads = [grad_out.new_empty(n, w) for w in ctx.widths]  # type: ignore[attr-defined]
+        units = [_units(g, plan.heads_kv) for g in grads]
+        dout = _units(grad_out.contiguous(), plan.heads_kv)
+        saved = iter(ctx.saved_tensors)  # type: ignore[attr-defined]
+        parts = iter(grad_parts)
+        long = [i for i, m in enumerate(plan.matmul) if not m]
+        for i, kv_major in enumerate(plan.matmul):
+            if not kv_major:
+                continue
+            qb, kb, vb, probs = next(saved), next(saved), next(saved), next(saved)
+            dob = _read(plan, dout, i).view(qb.shape[0], qb.shape[1], -1)
+            d = matmul_attention_backward(dob, qb, kb, vb, probs, ctx.scale)  # type: ignore[attr-defined]
+            for x, dx in zip(units, d):
+                _write(plan, x, i, dx.view(-1, x.shape[1]))
+        for x in units:
+            for i in long:
+                _write(plan, x, i, next(parts))
+        return *grads, None, None, None, None, None
 
 
-class _Scatter(torch.autograd.Function):
-    """The inverse of :class:`_Gather`: one tensor per bucket -> rows ``[N, F]``."""
+class _PutRows(torch.autograd.Function):
+    """Writes the sdpa buckets' outputs into ``out`` (in place) next to the short buckets' rows."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, plan: BucketPlan, num_tokens: int, *parts: torch.Tensor
+        ctx: torch.autograd.function.FunctionCtx, plan: BucketPlan, out: torch.Tensor, *parts: torch.Tensor
     ) -> torch.Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
-        width = parts[0].shape[1] * plan.heads_kv
-        return _write_rows(plan, parts[0].new_empty(num_tokens, width), parts)
+        units = _units(out, plan.heads_kv)
+        for i, part in zip((i for i, m in enumerate(plan.matmul) if not m), parts):
+            _write(plan, units, i, part)
+        ctx.mark_dirty(out)
+        return out
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        return None, None, *_read_rows(ctx.plan, grad.contiguous())  # type: ignore[attr-defined]
-
-
-def _read_rows(plan: BucketPlan, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Each bucket's rows of ``x`` ``[N, F]``: a view for a run of the row, else one shared gather."""
-    units = x.view(x.shape[0] * plan.heads_kv, -1)
-    sizes = plan.sizes()
-    gathered = units.index_select(0, plan.gather).split([n for n, s in zip(sizes, plan.starts) if s is None])
-    parts = iter(gathered)
-    per = plan.heads_kv
-    return tuple(next(parts) if s is None else units[s * per : s * per + n]
-                 for n, s in zip(sizes, plan.starts))
-
-
-def _write_rows(plan: BucketPlan, out: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Write each bucket's rows into ``out`` ``[N, F]`` (every row once: the buckets partition the row)."""
-    units = out.view(out.shape[0] * plan.heads_kv, -1)
-    for i, (part, start) in enumerate(zip(parts, plan.starts)):
-        if start is None:
-            units.index_put_((plan.indices(i),), part)
-        else:
-            units[start * plan.heads_kv : start * plan.heads_kv + part.shape[0]] = part
-    return out
+        plan: BucketPlan = ctx.plan  # type: ignore[attr-defined]
+        units = _units(grad.contiguous(), plan.heads_kv)
+        return None, grad, *(_read(plan, units, i) for i, m in enumerate(plan.matmul) if not m)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -234,15 +316,14 @@ def bucketed_varlen_attention(
     scale = query.shape[3] ** -0.5 if scaling is None else scaling
     matmul_max = matmul_max_length if use_matmul_attention(query.dtype, query.device, dropout) else 0
     plan = plan_buckets(lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
-    buckets = zip(*(_Gather.apply(_rows(x), plan) for x in (query, key, value)), plan.shapes, plan.matmul)
+    rows = (_rows(query), _rows(key), _rows(value))
+    out, *parts = _Buckets.apply(*rows, plan, heads, scale, is_causal, window)
+    long = [shape for shape, kv_major in zip(plan.shapes, plan.matmul) if not kv_major]
     outs = []
-    for q, k, v, (count, length), kv_major in buckets:
-        if kv_major:
-            shape = (count, length, heads, heads_kv)
-            outs.append(matmul_attention(q, k, v, shape, scale=scale, is_causal=is_causal, window=window))
-            continue
+    qs, ks, vs = parts[: len(long)], parts[len(long) : 2 * len(long)], parts[2 * len(long) :]
+    for (count, length), q, k, v in zip(long, qs, ks, vs):
         mask = None if window is None else sliding_window_mask(length, window, query.device)
-        out = F.scaled_dot_product_attention(
+        o = F.scaled_dot_product_attention(
             q.view(count, length, heads, -1).transpose(1, 2),
             k.view(count, length, heads_kv, -1).transpose(1, 2),
             v.view(count, length, heads_kv, dim_v).transpose(1, 2),
@@ -252,5 +333,7 @@ def bucketed_varlen_attention(
             scale=scale,
             enable_gqa=heads != heads_kv,
         )  # [count, H, length, D_v], laid out as [count, length, H, D_v]
-        outs.append(out.transpose(1, 2).reshape(count * length * heads_kv, -1))
-    return _Scatter.apply(plan, n, *outs).view(1, n, heads, dim_v)
+        outs.append(o.transpose(1, 2).reshape(count * length * heads_kv, -1))
+    if outs:
+        out = _PutRows.apply(plan, out, *outs)
+    return out.view(1, n, heads, dim_v)

@@ -1,19 +1,18 @@
-"""Attention over a bucket of short, equal-length segments through batched matmuls (the CPU short path).
+"""Attention over a bucket of short, equal-length segments as batched matmuls (the CPU short path).
 
 For segments of up to a few dozen tokens the CPU flash-attention kernel costs about the same per token
-whatever the length (its work per (segment, head) pair is mostly fixed), so a bucket of short segments
-is cheaper as plain batched matmuls with a softmax in between, the backward written out by hand:
+whatever the length, about twice what plain batched matmuls with a softmax in between cost (measured
+with ``bench/attention.py``), so ``verl_trainer.models.bucketed_attention`` runs short buckets here:
 
-* layout: one matrix per (segment, KV head) with the ``g = H / H_kv`` query heads that share the KV
-  head stacked along the rows (row ``r`` = position ``r // g``, head ``r % g``): ``q [C * H_kv, L * g,
-  D]``, ``k, v [C * H_kv, L, D]`` — GQA costs no repeated keys, and the rows come from the packed
-  rows with one copy each way;
-* forward: ``P = softmax(scale * q k^T + mask)``, ``out = P v``; ``P`` ``[C * H_kv, L * g, L]`` is saved
-  (for ``L <= D`` no larger than ``q``), so the backward is four matmuls and no recomputation.
+* layout: one matrix per (segment, KV head), the ``g = H / H_kv`` query heads that share the KV head
+  side by side in each row, so the query is ``[C * H_kv, L * g, D]`` with row ``r`` = position ``r // g``
+  and ``k, v`` are ``[C * H_kv, L, D]``: GQA repeats no keys, and one row gather of the packed row
+  (rows of ``[N * H_kv, F / H_kv]``) reads a bucket in this order;
+* forward: ``P = softmax(scale * q k^T + mask)``, ``out = P v``; ``P`` ``[C * H_kv, L * g, L]`` is kept
+  (no larger than ``q`` for ``L <= D``), so the backward is four matmuls and no recomputation.
 
 The results equal the per-segment sdpa reference to fp32 round-off (not bitwise: another summation
-order). :func:`bucketed_varlen_attention` uses it for buckets up to :data:`MATMUL_MAX_LENGTH` tokens in
-fp32 without dropout; ``bench/attention.py`` measures both sides.
+order). Used for buckets up to :data:`MATMUL_MAX_LENGTH` tokens in fp32 on CPU without dropout.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ def use_matmul_attention(dtype: torch.dtype, device: torch.device, dropout: floa
 
 
 @functools.lru_cache(maxsize=64)
-def _additive_mask(
+def additive_mask(
     length: int, group: int, is_causal: bool, window: int | None, device: torch.device
 ) -> torch.Tensor:
     """``[L * g, L]`` float32: 0 where row ``r`` (position ``r // g``) may read key ``j``, else ``-inf``."""
@@ -62,71 +61,53 @@ def _softmax_(scores: torch.Tensor) -> torch.Tensor:
     return scores.div_(scores.sum(-1, keepdim=True))
 
 
-class _MatmulAttention(torch.autograd.Function):
-    """Attention within ``C`` segments of ``L`` tokens given as matrices; see :func:`matmul_attention`."""
+def matmul_attention_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention within each matrix of a bucket (no autograd; :func:`matmul_attention_backward` is its own).
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        shape: tuple[int, int, int, int],
-        scale: float,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
-        count, length, heads, heads_kv = shape
-        batch, rows = count * heads_kv, length * heads // heads_kv
-        q, k, v = query.view(batch, rows, -1), key.view(batch, length, -1), value.view(batch, length, -1)
-        probs = _softmax_(torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scale))
-        ctx.save_for_backward(q, k, v, probs)
-        ctx.scale = scale  # type: ignore[attr-defined]
-        return torch.bmm(probs, v).view(query.shape[0], -1)
+    Matrix ``b`` is one (segment, KV head): its rows are the segment's positions, for the query each
+    position's ``g`` heads of that KV group one after another (row ``r`` = position ``r // g``).
 
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, probs = ctx.saved_tensors  # type: ignore[attr-defined]
-        dout = grad_out.contiguous().view(q.shape[0], q.shape[1], -1)
-        dv = torch.bmm(probs.transpose(1, 2), dout)
-        dscores = torch.bmm(dout, v.transpose(1, 2))  # dP
-        # dS = P * (dP - rowsum(P * dP)) * scale, where rowsum(P * dP) = rowsum(dout * out)
-        dscores.sub_((dscores * probs).sum(-1, keepdim=True)).mul_(probs).mul_(ctx.scale)  # type: ignore[attr-defined]
-        dq = torch.bmm(dscores, k).view(-1, q.shape[1] // k.shape[1] * q.shape[2])
-        dk = torch.bmm(dscores.transpose(1, 2), q).view(-1, k.shape[2])
-        return dq, dk, dv.view(-1, v.shape[2]), None, None, None
+    Args:
+        query: ``[B, L * g, D]``.
+        key: ``[B, L, D]``.
+        value: ``[B, L, D_v]``.
+        mask: ``[L * g, L]`` additive (:func:`additive_mask`).
+        scale: Softmax scale.
+
+    Returns:
+        ``(out [B, L * g, D_v], probs [B, L * g, L])``; keep ``probs`` for the backward.
+
+    """
+    probs = _softmax_(torch.baddbmm(mask, query, key.transpose(1, 2), alpha=scale))
+    return torch.bmm(probs, value), probs
 
 
-def matmul_attention(
+def matmul_attention_backward(
+    grad_out: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    shape: tuple[int, int, int, int],
-    *,
+    probs: torch.Tensor,
     scale: float,
-    is_causal: bool,
-    window: int | None,
-) -> torch.Tensor:
-    """Attention within each of ``C`` segments of ``L`` tokens, given KV-head-major.
-
-    Row ``(c * H_kv + h) * L + i`` holds token ``i`` of segment ``c`` for KV head ``h``: for the query,
-    its ``g = H / H_kv`` heads of that group side by side (``g * D`` wide), so each ``(c, h)`` is one
-    ``[L * g, D]`` matrix whose row ``r`` is position ``r // g``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`matmul_attention_forward`: four matmuls, nothing recomputed.
 
     Args:
-        query: ``[C * H_kv * L, g * D]``.
-        key: ``[C * H_kv * L, D]``.
-        value: ``[C * H_kv * L, D_v]``.
-        shape: ``(C, L, H, H_kv)``.
+        grad_out: ``[B, L * g, D_v]``.
+        query: ``[B, L * g, D]``.
+        key: ``[B, L, D]``.
+        value: ``[B, L, D_v]``.
+        probs: ``[B, L * g, L]`` from the forward.
         scale: Softmax scale.
-        is_causal: Causal attention within each segment.
-        window: Sliding window (keys ``i - window < j <= i``) or ``None``.
 
     Returns:
-        ``[C * H_kv * L, g * D_v]``, rows as the query's.
+        ``(d_query, d_key, d_value)`` shaped like the inputs.
 
     """
-    _, length, heads, heads_kv = shape
-    mask = _additive_mask(length, heads // heads_kv, is_causal, window, query.device)
-    return _MatmulAttention.apply(query, key, value, shape, scale, mask)
+    d_value = torch.bmm(probs.transpose(1, 2), grad_out)
+    d_scores = torch.bmm(grad_out, value.transpose(1, 2))  # dP
+    # dS = P * (dP - rowsum(P * dP)) * scale, where rowsum(P * dP) = rowsum(dout * out)
+    d_scores.sub_((d_scores * probs).sum(-1, keepdim=True)).mul_(probs).mul_(scale)
+    return torch.bmm(d_scores, key), torch.bmm(d_scores.transpose(1, 2), query), d_value
