@@ -76,6 +76,11 @@ class BucketPlan:
         """Rows (``[N * H_kv]`` units) of each bucket."""
         return [count * length * self.heads_kv for count, length in self.shapes]
 
+    @property
+    def sdpa(self) -> list[int]:
+        """The buckets that run sdpa (not the matmul path), in bucket order."""
+        return [i for i, kv_major in enumerate(self.matmul) if not kv_major]
+
     def indices(self, i: int) -> torch.Tensor:
         """``[count * length * H_kv]`` long, the rows of gathered bucket ``i`` (a view of ``gather``)."""
         start = self.offsets[i]
@@ -204,6 +209,7 @@ class _Buckets(torch.autograd.Function):
         group = heads // heads_kv
         q, k, v = (_units(x, heads_kv) for x in (query, key, value))
         out = query.new_empty(n, heads * value.shape[1] // heads_kv)
+        out_units = _units(out, heads_kv)
         saved = []
         for i, (count, length) in enumerate(plan.shapes):
             if not plan.matmul[i]:
@@ -213,13 +219,12 @@ class _Buckets(torch.autograd.Function):
             kb, vb = (_read(plan, x, i).view(batch, length, -1) for x in (k, v))
             mask = additive_mask(length, group, is_causal, window, query.device)
             ob, probs = matmul_attention_forward(qb, kb, vb, mask, scale)
-            _write(plan, _units(out, heads_kv), i, ob.view(count * length * heads_kv, -1))
+            _write(plan, out_units, i, ob.view(count * length * heads_kv, -1))
             saved += [qb, kb, vb, probs]
         ctx.save_for_backward(*saved)
         ctx.plan, ctx.scale = plan, scale  # type: ignore[attr-defined]
         ctx.widths = (query.shape[1], key.shape[1], value.shape[1])  # type: ignore[attr-defined]
-        long = [i for i, m in enumerate(plan.matmul) if not m]
-        return out, *(_read(plan, x, i) for x in (q, k, v) for i in long)
+        return out, *(_read(plan, x, i) for x in (q, k, v) for i in plan.sdpa)
 
     @staticmethod
     def backward(  # type: ignore[override]
@@ -232,7 +237,6 @@ class _Buckets(torch.autograd.Function):
         dout = _units(grad_out.contiguous(), plan.heads_kv)
         saved = iter(ctx.saved_tensors)  # type: ignore[attr-defined]
         parts = iter(grad_parts)
-        long = [i for i, m in enumerate(plan.matmul) if not m]
         for i, kv_major in enumerate(plan.matmul):
             if not kv_major:
                 continue
@@ -242,7 +246,7 @@ class _Buckets(torch.autograd.Function):
             for x, dx in zip(units, d):
                 _write(plan, x, i, dx.view(-1, x.shape[1]))
         for x in units:
-            for i in long:
+            for i in plan.sdpa:
                 _write(plan, x, i, next(parts))
         return *grads, None, None, None, None, None
 
@@ -256,7 +260,7 @@ class _PutRows(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.plan = plan  # type: ignore[attr-defined]
         units = _units(out, plan.heads_kv)
-        for i, part in zip((i for i, m in enumerate(plan.matmul) if not m), parts):
+        for i, part in zip(plan.sdpa, parts):
             _write(plan, units, i, part)
         ctx.mark_dirty(out)
         return out
@@ -267,7 +271,7 @@ class _PutRows(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan  # type: ignore[attr-defined]
         units = _units(grad.contiguous(), plan.heads_kv)
-        return None, grad, *(_read(plan, units, i) for i, m in enumerate(plan.matmul) if not m)
+        return None, grad, *(_read(plan, units, i) for i in plan.sdpa)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -318,7 +322,7 @@ def bucketed_varlen_attention(
     plan = plan_buckets(lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
     rows = (_rows(query), _rows(key), _rows(value))
     out, *parts = _Buckets.apply(*rows, plan, heads, scale, is_causal, window)
-    long = [shape for shape, kv_major in zip(plan.shapes, plan.matmul) if not kv_major]
+    long = [plan.shapes[i] for i in plan.sdpa]
     outs = []
     qs, ks, vs = parts[: len(long)], parts[len(long) : 2 * len(long)], parts[2 * len(long) :]
     for (count, length), q, k, v in zip(long, qs, ks, vs):
