@@ -4,10 +4,10 @@ Usage::
 
     python bench/pp_memory.py [--hidden 1024] [--layers 8] [--vocab 32000] [--micro-batches 4] [--tokens 512]
 
-The same engine step both ways (``FSDPLanguageModelEngine``, fsdp2, fp32): a Llama (hidden 1024, 8 layers,
-16 heads of 64, vocab 32k by default; ``bench/_common.py: write_model``) runs ``forward_backward_batch``
-on ``--micro-batches`` micro-batches of one sample of ``--tokens`` tokens each (the LM head on the
-response positions only, token-mean NLL — what a training step runs before the optimizer):
+The same engine step both ways (``FSDPEngine``, a language model, fsdp2, fp32): a Llama (hidden 1024,
+8 layers, 16 heads of 64, vocab 32k by default; ``bench/_common.py: write_model``) runs
+``forward_backward_batch`` on ``--micro-batches`` micro-batches of one sample of ``--tokens`` tokens each
+(the LM head on the response positions only, token-mean NLL — what a training step runs before the optimizer):
 
 * pp=1: one rank runs the whole model, the micro-batches one after the other (the baseline, measured in
   the same run, in a 1-rank spawn so FSDP shards nothing);

@@ -6,7 +6,8 @@ Built-ins: :class:`MetricReduction` (on by default, always first), :class:`Progr
 :class:`ModelCheckpoint` (on by default, always last), :class:`LearningRateMonitor`,
 :class:`ThroughputMonitor`, :class:`EarlyStopping`, :class:`Timer` (Lightning's arguments),
 :class:`SequenceBalancing` (``on_before_update``; it exchanges samples over
-``trainer.dp_group``).
+``trainer.dp_group``), :class:`RayTrainReport` (each checkpoint to Ray Train, from every rank; resume from
+``ray.train.get_checkpoint()``; needs the ``ray`` extra).
 """
 
 from verl_trainer.callbacks.base import HOOK_NAMES, Callback
@@ -15,6 +16,7 @@ from verl_trainer.callbacks.lr_monitor import LearningRateMonitor
 from verl_trainer.callbacks.metric_reduction import MetricReduction
 from verl_trainer.callbacks.model_checkpoint import ModelCheckpoint
 from verl_trainer.callbacks.progress import ProgressBar
+from verl_trainer.callbacks.ray_train import RayTrainReport
 from verl_trainer.callbacks.sequence_balancing import SequenceBalancing
 from verl_trainer.callbacks.throughput import ThroughputMonitor
 from verl_trainer.callbacks.timer import Timer
@@ -27,6 +29,7 @@ __all__ = [
     "MetricReduction",
     "ModelCheckpoint",
     "ProgressBar",
+    "RayTrainReport",
     "SequenceBalancing",
     "ThroughputMonitor",
     "Timer",

@@ -210,13 +210,30 @@ def check_callback(callback: Any) -> None:
     cls = type(callback)
     if cls.__module__.split(".")[0] in ("lightning", "pytorch_lightning"):
         ours = next((_OURS[c.__name__] for c in cls.__mro__ if c.__name__ in _OURS), None)
-        use = (f"use verl_trainer.callbacks.{ours} (same arguments)" if ours else
+        use = (_arguments_compared(cls, ours) if ours else
                "port it to verl_trainer.callbacks.Callback (the same hook names and signatures)")
         raise TypeError(
             f"{cls.__module__}.{cls.__name__} is a Lightning callback, which drives a Lightning trainer's "
             f"state; {use}"
         )
     raise TypeError(f"callbacks must be verl_trainer.callbacks.Callback instances, got {cls.__name__}")
+
+
+def _arguments_compared(lightning_cls: type, ours: str) -> str:
+    """``use verl_trainer.callbacks.<ours>``, with the arguments it takes and Lightning's it does not."""
+    import inspect
+
+    import verl_trainer.callbacks as callbacks
+
+    def names(cls: type) -> list[str]:
+        params = inspect.signature(cls.__init__).parameters.values()
+        skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        return [p.name for p in params if p.name != "self" and p.kind not in skip]
+
+    mine = names(getattr(callbacks, ours))
+    theirs = [n for n in names(lightning_cls) if n not in mine]
+    missing = f"; Lightning's {', '.join(theirs)} are not among them" if theirs else " (all of Lightning's)"
+    return f"use verl_trainer.callbacks.{ours}, which takes {', '.join(mine) or 'no arguments'}{missing}"
 
 
 def unknown_hooks(callback: Callback) -> list[str]:

@@ -43,13 +43,13 @@ class MetricReduction(Callback):
     def on_train_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: StepOutput | None,
                            batch: Any, batch_idx: int) -> None:
         """Add the step's outputs and reduce everything the step logged."""
-        trainer.log_metrics(outputs or {})
+        trainer.log_metrics(outputs)
         trainer.reduce_metrics(self._process_group(trainer))
 
     def on_validation_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: StepOutput | None,
                                 batch: Any, batch_idx: int) -> None:
         """Add one validation batch's outputs."""
-        trainer.log_metrics(outputs or {})
+        trainer.log_metrics(outputs)
 
     def on_validation_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
         """Reduce all validation outputs once (before ``on_validation_end``: checkpoints see them)."""
@@ -58,7 +58,7 @@ class MetricReduction(Callback):
     def on_test_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: StepOutput | None,
                           batch: Any, batch_idx: int) -> None:
         """Add one test batch's outputs."""
-        trainer.log_metrics(outputs or {})
+        trainer.log_metrics(outputs)
 
     def on_test_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
         """Reduce all test outputs once."""

@@ -12,8 +12,8 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from verl_trainer.callbacks.base import Callback
-from verl_trainer.training.lightning_args import parse_max_time
 from verl_trainer.utils.distributed import broadcast_object
+from verl_trainer.utils.durations import parse_max_time
 
 __all__ = ["Timer"]
 

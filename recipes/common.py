@@ -8,6 +8,7 @@ when complete; an existing one is replaced only if verl-trainer wrote it (``verl
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import time
@@ -19,11 +20,17 @@ from verl_trainer.algorithms.data import DataConfig, SFTDataModule
 from verl_trainer.algorithms.sft import SFT, SFTConfig
 from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import DEMO_MODEL_PATH, ModelConfig, TaskConfig, TrainerConfig, WarmStartConfig
+from verl_trainer.configs.demo_scope import apply_demo_scope
+from verl_trainer.configs.run_length import run_length, with_schedule_length
 from verl_trainer.data.tasks import write_arithmetic_task
+from verl_trainer.export.hf_dir import HF_MODEL_KINDS
 from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
 from verl_trainer.models.tiny import make_tiny_model
+from verl_trainer.models.weight_files import check_weight_dir
+from verl_trainer.rollout import check_vllm_rollout, resolve_rollout_name
 from verl_trainer.utils.cached_dir import fingerprint, is_current, normalize, settings_difference
+from verl_trainer.utils.dir_lock import DirectoryLock
 from verl_trainer.utils.distributed import barrier, get_rank
 from verl_trainer.utils.fs import ensure_replaceable, is_owned, mark_owned, replace_dir_atomically
 
@@ -46,17 +53,27 @@ def _wait_for(path: Path, ready: Callable[[], bool] | None = None) -> None:
 
 
 def prepare_task(task: TaskConfig) -> None:
-    """Write the arithmetic task's files into ``task.dir`` when they are missing (rank 0)."""
+    """Write the arithmetic task's files into ``task.dir`` (rank 0) when missing or made with other settings.
+
+    The directory's marker records the ``task.arithmetic`` settings that generated it; a directory the
+    project wrote with other settings (or before settings were recorded) is rebuilt, saying why, so a
+    changed ``task.arithmetic.*`` never trains on the old files. Files in a directory verl-trainer did not
+    write are used as they are.
+    """
     marker = Path(task.dir) / "train.jsonl"
-    if marker.exists() or not task.write_if_missing:
+    settings = {"arithmetic": dataclasses.asdict(task.arithmetic)}
+    ours = is_owned(task.dir)
+    if not task.write_if_missing or (marker.exists() and (not ours or is_current(task.dir, settings))):
         return
     if launch_rank() != 0:
-        _wait_for(marker)
+        _wait_for(marker, lambda: marker.exists() and (not is_owned(task.dir)
+                                                       or is_current(task.dir, settings)))
         return
+    reason = settings_difference(task.dir, settings) if marker.exists() else "missing"
     # an incomplete earlier write is replaced; a directory verl-trainer did not write is refused
     replace_dir_atomically(task.dir, lambda tmp: write_arithmetic_task(tmp, task.arithmetic), "task",
-                           "task.dir")
-    print(f"wrote the arithmetic task to {task.dir}", flush=True)
+                           "task.dir", settings=normalize(settings))
+    print(f"wrote the arithmetic task to {task.dir} ({reason})", flush=True)
 
 
 def _is_demo_path(path: str) -> bool:
@@ -74,6 +91,7 @@ def prepare_model(model: ModelConfig) -> str:
 
     Raises:
         ModelNotFoundError: Naming the path, whether it looked like a hub id, and the fix.
+        DamagedWeightsError: If a ``*.safetensors`` file there is truncated, naming it.
     """
     path = Path(model.path)
     settings = {"tiny": dataclasses.asdict(model.tiny)}
@@ -88,7 +106,7 @@ def prepare_model(model: ModelConfig) -> str:
                                    settings=normalize(settings))
             print(f"made a tiny {model.tiny.arch} model at {model.path} ({reason})", flush=True)
     try:
-        return resolve_model_path(model.path, "model.path")
+        local = resolve_model_path(model.path, "model.path")
     except ModelNotFoundError as exc:
         if model.make_tiny_if_missing and not _is_demo_path(model.path):
             raise ModelNotFoundError(f"{exc}. (make_tiny_if_missing makes a random tiny model only at the "
@@ -97,6 +115,8 @@ def prepare_model(model: ModelConfig) -> str:
             raise ModelNotFoundError(f"{exc}. For the demo's tiny model, run `python recipes/grpo.py` once "
                                      f"(it makes one there) or add model.make_tiny_if_missing=true") from None
         raise
+    check_weight_dir(local)  # a truncated weights file is named here, before any model loads
+    return local
 
 
 def warm_start_settings(cfg: WarmStartConfig, model_path: str, trainer_cfg: TrainerConfig) -> dict[str, Any]:
@@ -138,27 +158,93 @@ def prepare(cfg: Any, trainer: Any, module_cls: type, data_cls: type) -> Run:
     Checks the export directory, resolves the models (a missing one fails here; the demo's tiny model is
     made), writes the task files, builds the module (its own checks run: the algorithm's, the reward
     function's signature) and checks the run with :meth:`~verl_trainer.Trainer.check` (engine settings, the
-    world size, the data read, tokenised and checked for the run's DP size), and the warm start's data when
-    one will be made. A bad setting fails in seconds, once.
+    world size, the data read, tokenised and checked for the run's DP size), the data's sources against
+    the reward functions (``RewardFunctions.check_data_sources``), and the warm start's data when one will
+    be made. A bad setting fails in seconds, once. The demo's task, validation set and warm start apply
+    only to the demo's model and data (:func:`~verl_trainer.configs.demo_scope.apply_demo_scope`, already
+    applied by ``parse_recipe_args``; applying it again changes nothing).
     """
+    for note in apply_demo_scope(cfg):
+        if launch_rank() == 0:
+            print(f"note: {note}", flush=True)
+    trainer.logging.run_config = dataclasses.asdict(cfg)  # wandb / CSV record the whole resolved config
     export_dir = final_export_dir(cfg.trainer, getattr(cfg, "export_dir", None))
-    base = prepare_model(cfg.model)  # a model that is not there fails here
+    if (probe := checkpoint_lock(trainer)) is not None and launch_rank() == 0:
+        probe.ensure_free()  # a second run in this directory is refused before any work (writes nothing)
+    base = prepare_model(cfg.model)  # a model that is not there fails here (nothing written yet)
+    lock_checkpoint_dir(trainer)  # a second run in this directory is refused before it writes its own
     explicit = resolve_algorithm_model(cfg.algorithm.model_path)
     prepare_task(cfg.task)
     warm = getattr(cfg, "warm_start", None)
     warm = warm if warm is not None and warm.enable and not explicit else None
     policy = explicit or (warm.output if warm is not None else base)
     module = module_cls(dataclasses.replace(cfg.algorithm, model_path=policy))
+    rollout = getattr(cfg.algorithm, "rollout", None)
+    backend = None if rollout is None else resolve_rollout_name(rollout, explicit or base)
+    if backend == "vllm":  # before any model
+        check_vllm_rollout(explicit or base, rollout.tensor_parallel_size)
+    if backend is not None and (ignored := rollout.ignored_by(backend)) and launch_rank() == 0:
+        names = ", ".join(f"algorithm.rollout.{setting}" for setting in ignored)
+        print(f"note: the {backend} rollout does not read {names} (settings of the other backend; "
+              f"algorithm.rollout.name={rollout.name})", flush=True)
     data = data_cls(cfg.data, load_tokenizer(explicit or base))
-    trainer.check(module, datamodule=data)
+    dp_size = trainer.check(module, datamodule=data)
+    if cfg.trainer.max_epochs is not None:  # the epochs' step count, as verl counts it
+        module = module_cls(_set_run_length(cfg, trainer, module.config, data.batches_per_epoch(dp_size)))
+    reward_fn, sources = getattr(module, "reward_fn", None), getattr(data, "data_sources", None)
+    if reward_fn is not None and sources is not None:  # e.g. default_compute_score and an unknown source
+        reward_fn.check_data_sources(sources())
     if warm is not None and not is_current(warm.output, warm_start_settings(warm, base, cfg.trainer)):
-        ensure_replaceable(warm.output, "warm_start.output")  # before training, not after
+        ensure_replaceable(warm.output, "warm_start.output", HF_MODEL_KINDS)  # before training, not after
         try:
             trainer.check(*_warm_start_run(warm, base))
         except (ValueError, FileNotFoundError) as err:
             raise type(err)(f"warm_start: {err} (there, data.train_files is warm_start.train_files and "
                             "data.train_batch_size is warm_start.batch_size)") from None
     return Run(base, module, data, export_dir, warm is not None)
+
+
+def _set_run_length(cfg: Any, trainer: Any, algorithm: Any, batches_per_epoch: int) -> Any:
+    """Set ``trainer.max_steps`` from the epochs (:mod:`verl_trainer.configs.run_length`); returns
+    ``algorithm`` with the schedules that followed the run's length spanning it. Printed once."""
+    t = cfg.trainer
+    steps, how = run_length(t.max_steps, t.max_epochs, batches_per_epoch, t.accumulate_grad_batches,
+                            t.limit_train_batches)
+    trainer.max_steps = steps
+    algorithm, paths = with_schedule_length(algorithm, t.max_steps, steps)
+    if launch_rank() == 0:
+        spans = f"; the lr schedule of {', '.join(f'algorithm.{p}' for p in paths)} spans it" if paths else ""
+        print(f"{how}{spans}", flush=True)
+    return algorithm
+
+
+def lock_checkpoint_dir(trainer: Any) -> DirectoryLock | None:
+    """Lock the run's checkpoint directory now, in the launching process (rank 0), until the script ends.
+
+    ``ModelCheckpoint`` locks it for the fit (``verl_trainer/utils/dir_lock.py``); taking it here first
+    refuses a second run started in the same directory before it makes the task, the warm start or loads a
+    model. Released when the process exits normally (a killed one leaves a stale lock the next run reports).
+
+    Raises:
+        DirectoryLockedError: If another run holds the directory.
+    """
+    lock = checkpoint_lock(trainer) if launch_rank() == 0 else None
+    if lock is None:
+        return None
+    lock.acquire()
+    atexit.register(lock.release)
+    if lock.stale_message() is not None:
+        print(lock.stale_message(), flush=True)
+    return lock
+
+
+def checkpoint_lock(trainer: Any) -> DirectoryLock | None:
+    """The (not yet taken) lock of the run's checkpoint directory; ``None`` without checkpointing."""
+    ckpt = trainer.checkpoint_callback
+    if ckpt is None:
+        return None
+    dirpath = ckpt.dirpath if ckpt.dirpath is not None else Path(trainer.default_root_dir) / "checkpoints"
+    return DirectoryLock(dirpath, "checkpoint directory")
 
 
 def _warm_start_run(cfg: WarmStartConfig, model_path: str) -> tuple[SFT, SFTDataModule]:
@@ -176,7 +262,7 @@ def warm_start(cfg: WarmStartConfig, model_path: str, trainer_cfg: TrainerConfig
     """
     if not cfg.enable:
         return model_path
-    ensure_replaceable(cfg.output, "warm_start.output")  # before training, not after
+    ensure_replaceable(cfg.output, "warm_start.output", HF_MODEL_KINDS)  # before training, not after
     settings = warm_start_settings(cfg, model_path, trainer_cfg)
     if is_current(cfg.output, settings):
         return cfg.output
@@ -206,7 +292,7 @@ def final_export_dir(trainer_cfg: TrainerConfig, explicit: str | None = None) ->
     """
     out = explicit or (str(Path(trainer_cfg.default_root_dir) / "hf") if trainer_cfg.export_hf else None)
     if out is not None:
-        ensure_replaceable(out, "export_dir" if explicit else "trainer.default_root_dir/hf")
+        ensure_replaceable(out, "export_dir" if explicit else "trainer.default_root_dir/hf", HF_MODEL_KINDS)
     return out
 
 
@@ -215,13 +301,16 @@ def resolve_algorithm_model(path: str) -> str:
     return resolve_model_path(path, "algorithm.model_path") if path else ""
 
 
-def export_policy(engine: Any, out_dir: str | os.PathLike, kind: str = "hf_export", **details: Any) -> str:
-    """``engine.save_hf(out_dir)`` (a collective); rank 0 then records ``kind`` and ``details`` in its marker.
+def export_policy(engine: Any, out_dir: str | os.PathLike, kind: str = "hf_export", dtype: Any = None,
+                  **details: Any) -> str:
+    """``engine.save_hf(out_dir, dtype=dtype)`` (a collective); rank 0 then records ``kind`` and ``details``
+    in its marker.
 
     ``engine`` is the module's engine, still initialised (``module.engines["actor"]``); the tokenizer is
-    its model path's.
+    its model path's. ``dtype``: the weights' dtype (``TrainerConfig.export_torch_dtype()``; ``None``: as
+    stored).
     """
-    engine.save_hf(out_dir)
+    engine.save_hf(out_dir, dtype=dtype)
     if get_rank() == 0 and (kind != "hf_export" or details):
         mark_owned(out_dir, kind, **details)
     barrier()

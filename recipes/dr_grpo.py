@@ -5,13 +5,17 @@ summed over tokens and divided by a constant (configs/dr_grpo.yaml).
     python recipes/dr_grpo.py trainer.devices=2 trainer.max_steps=20
 """
 
-from pathlib import Path
-
-from grpo import main
-
 from verl_trainer.algorithms import DrGRPO
+from verl_trainer.recipes import grpo
+from verl_trainer.recipes.configs import config_path
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "dr_grpo.yaml"
+CONFIG = config_path("dr_grpo")
+
+
+
+def main(argv: list[str] | None = None) -> None:
+    grpo.main(DrGRPO, CONFIG, argv)
+
 
 if __name__ == "__main__":
-    main(DrGRPO, CONFIG)
+    main()

@@ -3,6 +3,7 @@
     python recipes/grpo.py                                    # configs/grpo.yaml
     python recipes/grpo.py trainer.devices=2 trainer.max_steps=50 algorithm.rollout.n=4
     python recipes/grpo.py --config configs/dapo.yaml         # DAPO options on the same task
+    verl-trainer grpo --config dapo ...                       # the same from a pip install
 
 Makes the task files and (demo only) a tiny model when missing, warm-starts it with a short SFT, validates
 on held-out prompts, trains with GRPO, validates again, and writes the CSV, a wandb offline run, a PNG of
@@ -11,21 +12,25 @@ reward and response length per step and the trained policy as an HF model (``hf/
 """
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
-
-import common
 
 from verl_trainer.algorithms import GRPO, PromptDataModule
 from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import GRPORecipeConfig, parse_recipe_args
+from verl_trainer.recipes import common
+from verl_trainer.recipes.configs import config_path
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "grpo.yaml"
+CONFIG = config_path("grpo")
 
 
-def main(algorithm_cls: type = GRPO, default_config: Path = CONFIG) -> None:
+def main(algorithm_cls: type = GRPO, default_config: Path = CONFIG, argv: Sequence[str] | None = None,
+         callbacks: Sequence = ()) -> None:
+    """Run the recipe; ``argv`` (default: the command line) and extra ``callbacks`` are for launchers such as
+    ``examples/ray_grpo.py``."""
     started = time.monotonic()
-    cfg = parse_recipe_args(GRPORecipeConfig, default_config, description=__doc__)
-    trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=common.RL_PROGRESS)])
+    cfg = parse_recipe_args(GRPORecipeConfig, default_config, argv=argv, description=__doc__)
+    trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=common.RL_PROGRESS), *callbacks])
     run = common.prepare(cfg, trainer, algorithm_cls, PromptDataModule)  # every check before a model loads
     if run.warm_start:
         common.warm_start(cfg.warm_start, run.base, cfg.trainer)
@@ -37,7 +42,7 @@ def main(algorithm_cls: type = GRPO, default_config: Path = CONFIG) -> None:
     if actor.has_adapters:  # LoRA: the adapters as a peft directory (PeftModel.from_pretrained loads it)
         actor.save_adapter(Path(cfg.trainer.default_root_dir) / "adapter")
     if run.export_dir:  # the trained policy as a plain HF model (LoRA merged)
-        common.export_policy(actor, run.export_dir)
+        common.export_policy(actor, run.export_dir, dtype=cfg.trainer.export_torch_dtype())
     common.report(trainer, before, after, ("val/reward/mean", "val/reward/accuracy"), started=started,
                   exported=run.export_dir)
 

@@ -5,20 +5,19 @@
 """
 
 import time
-from pathlib import Path
-
-import common
 
 from verl_trainer.algorithms import PPO, PromptDataModule
 from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import PPORecipeConfig, parse_recipe_args
+from verl_trainer.recipes import common
+from verl_trainer.recipes.configs import config_path
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ppo.yaml"
+CONFIG = config_path("ppo")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
-    cfg = parse_recipe_args(PPORecipeConfig, CONFIG, description=__doc__)
+    cfg = parse_recipe_args(PPORecipeConfig, CONFIG, argv, description=__doc__)
     trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=(*common.RL_PROGRESS, "critic/vf_loss"))])
     run = common.prepare(cfg, trainer, PPO, PromptDataModule)  # every check before a model loads
     if run.warm_start:
@@ -28,7 +27,7 @@ def main() -> None:
     trainer.fit(module, datamodule=data, ckpt_path=cfg.trainer.ckpt_path)
     after = common.validate(trainer, module, data)
     if run.export_dir:  # the trained policy as a plain HF model
-        common.export_policy(module.engines["actor"], run.export_dir)
+        common.export_policy(module.engines["actor"], run.export_dir, dtype=cfg.trainer.export_torch_dtype())
     common.report(trainer, before, after, ("val/reward/mean", "val/reward/accuracy"), started=started,
                   exported=run.export_dir)
 

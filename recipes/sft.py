@@ -8,20 +8,19 @@ The fine-tuned model is written as an HF directory to ``export_dir`` (default ``
 """
 
 import time
-from pathlib import Path
-
-import common
 
 from verl_trainer.algorithms import SFT, SFTDataModule
 from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import SFTRecipeConfig, parse_recipe_args
+from verl_trainer.recipes import common
+from verl_trainer.recipes.configs import config_path
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sft.yaml"
+CONFIG = config_path("sft")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
-    cfg = parse_recipe_args(SFTRecipeConfig, CONFIG, description=__doc__)
+    cfg = parse_recipe_args(SFTRecipeConfig, CONFIG, argv, description=__doc__)
     trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=("sft/loss", "val/loss"))])
     run = common.prepare(cfg, trainer, SFT, SFTDataModule)  # every check before a model loads
     module, data = run.module, run.data
@@ -29,7 +28,7 @@ def main() -> None:
     trainer.fit(module, datamodule=data, ckpt_path=cfg.trainer.ckpt_path)
     after = common.validate(trainer, module, data)
     if run.export_dir:
-        common.export_policy(module.engines["actor"], run.export_dir)
+        common.export_policy(module.engines["actor"], run.export_dir, dtype=cfg.trainer.export_torch_dtype())
     common.report(trainer, before, after, ("val/loss",), plot=False, started=started,
                   exported=run.export_dir)
 

@@ -1,31 +1,34 @@
 """Measure the call path of one GRPO step: which project files it runs through and how it hops between them.
 
-    python scripts/step_path.py [--list] [--no-balancing]
+    python scripts/step_path.py [--list] [--no-balancing] [--json]
 
 Builds a tiny Qwen2 and the arithmetic task in a temporary directory, fits GRPO for two steps on one
 process (with ``SequenceBalancing``, as the README's multi-rank runs use it; ``--no-balancing``: the
 default recipe's step) and traces the second step with ``sys.setprofile`` from ``on_train_batch_start``
-to ``on_train_batch_end``. It prints three views:
+to ``on_train_batch_end``. Each call's caller is the nearest project frame on the real call stack (so the
+fit loop's own calls after the callback returns are seen, and nothing is attributed by a guessed stack).
+It prints two views:
 
 * **full depth**: every project function call; ``files`` = distinct files entered, ``hops`` = distinct
   (caller function, callee function) pairs in different files, ``back`` = hops into a file that the step
   had already entered (the ping-pong the top-floor design avoids).
-* **step path** (the orchestration): calls made by the top floor (trainer, training loop, module,
-  strategy, algorithms, callbacks) and calls from lower layers back up into it; calls *inside* a lower
-  layer (the engine's packing and attention, the pure functions, metrics arithmetic) are that layer's
-  own business and are not followed. A step that moves out from the loop and back has few back-hops.
-* **step path, leaf helpers stepped over**: the step path without calls into functions that call
-  nothing in another project file (value constructors such as ``Metric.mean``, masks, rank queries),
-  which a reader steps over like builtins. This is the view the design is held to (``MEASURE``; issue
-  17: "~12 files and ~30 hops, moving out from the loop and back"): on 2026-12-01, 12 files / 20 hops
-  for the default recipe's step, 14 / 25 with ``SequenceBalancing``.
+* **orchestration**: calls made by the top floor (trainer, training loop, module, strategy, algorithms,
+  callbacks) and calls from lower layers back up into it, without calls into leaf helpers: functions
+  whose whole call tree stays in their own file (value constructors such as ``Metric.mean``, masks, rank
+  queries), which a reader steps over like builtins. Calls *inside* a lower layer (the engine's packing
+  and attention, the pure functions, metrics arithmetic) are that layer's own business.
 
-``--list`` prints the files and hops of that view.
+Budgets (issue 30, ``tests/test_architecture.py``): a GRPO step with ``SequenceBalancing`` at most 14 files
+/ 30 hops orchestration and 35 files / 110 hops full depth.
+
+``--list`` prints the files and hops of the orchestration view; ``--json`` prints both views (and the
+files entered) as one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -50,29 +53,37 @@ def _is_top(path: str) -> bool:
 
 
 class StepTracer:
-    """Records (caller, callee) function pairs of project code while active."""
+    """Records (caller, callee) function pairs of project code while active.
+
+    The caller of a call is the nearest project frame below it on the interpreter's stack (frames of
+    other code, torch's ``Module.__call__`` say, are passed through).
+    """
 
     def __init__(self) -> None:
         self.edges: dict[tuple[tuple[str, str], tuple[str, str]], int] = {}
-        self._stack: list[tuple[str, str] | None] = []
+        self._paths: dict[str, str | None] = {}
+
+    def _path(self, filename: str) -> str | None:
+        if filename not in self._paths:
+            self._paths[filename] = _project_file(filename)
+        return self._paths[filename]
 
     def __call__(self, frame, event, arg):  # noqa: ANN001, D102  (sys.setprofile signature)
-        if event == "call":
-            path = _project_file(frame.f_code.co_filename)
-            if path is None:
-                self._stack.append(None)
-                return
-            callee = (path, frame.f_code.co_qualname)
-            caller = next((c for c in reversed(self._stack) if c is not None), None)
-            if caller is not None:
-                self.edges.setdefault((caller, callee), len(self.edges))
-            self._stack.append(callee)
-        elif event == "return" and self._stack:
-            self._stack.pop()
+        if event != "call":
+            return
+        path = self._path(frame.f_code.co_filename)
+        if path is None:
+            return
+        caller_frame = frame.f_back
+        while caller_frame is not None and self._path(caller_frame.f_code.co_filename) is None:
+            caller_frame = caller_frame.f_back
+        if caller_frame is None:
+            return
+        caller = (self._path(caller_frame.f_code.co_filename), caller_frame.f_code.co_qualname)
+        self.edges.setdefault((caller, (path, frame.f_code.co_qualname)), len(self.edges))
 
-    def start(self, where: tuple[str, str]) -> None:
-        """Trace from now on, as if called from ``where`` (file, function)."""
-        self._stack = [where]
+    def start(self) -> None:
+        """Trace from now on."""
         sys.setprofile(self)
 
     @staticmethod
@@ -105,13 +116,20 @@ def step_path(edges: list[tuple[tuple[str, str], tuple[str, str]]]) -> list:
 
 
 def without_leaf_calls(edges: list[tuple[tuple[str, str], tuple[str, str]]]) -> list:
-    """``edges`` without calls into leaf helpers: functions that call nothing in another project file.
+    """``edges`` without calls into leaf helpers: functions whose whole call tree stays in their file.
 
-    A reader following the step steps over such a call (a value constructor, a mask, a rank query) as
-    over a builtin; what remains is how control moves between the parts.
+    A function that reaches another project file only through a helper of its own file is not a leaf
+    (judged at every depth, not one call deep). A reader following the step steps over a leaf call (a
+    value constructor, a mask, a rank query) as over a builtin; what remains is how control moves
+    between the parts.
     """
-    crosses = {a for a, b in edges if a[0] != b[0]}
-    return [(a, b) for a, b in edges if b in crosses]
+    reaches_out = {a for a, b in edges if a[0] != b[0]}
+    grew = True
+    while grew:  # a caller of a function that reaches out, in the same file, reaches out too
+        before = len(reaches_out)
+        reaches_out |= {a for a, b in edges if b in reaches_out}
+        grew = len(reaches_out) > before
+    return [(a, b) for a, b in edges if b in reaches_out]
 
 
 def trace_one_grpo_step(balancing: bool = True) -> list:
@@ -139,7 +157,7 @@ def trace_one_grpo_step(balancing: bool = True) -> list:
         def on_train_batch_start(self, trainer, module, batch, batch_idx):  # noqa: ANN001, D102
             self.steps += 1
             if self.steps == 2:
-                tracer.start(("verl_trainer/training/loops.py", "fit_loop"))
+                tracer.start()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):  # noqa: ANN001, D102
             if self.steps == 2:
@@ -163,33 +181,34 @@ def trace_one_grpo_step(balancing: bool = True) -> list:
     return list(tracer.edges)
 
 
-MEASURE = "step path, leaf helpers stepped over"  # the view issue 17's bound (~12 files, ~30 hops) is read on
+FULL, ORCHESTRATION = "full depth", "orchestration"
 
 
 def measure(edges: list[tuple[tuple[str, str], tuple[str, str]]]) -> dict[str, dict[str, object]]:
-    """The three views of one traced step, by name (``MEASURE`` is the one the design is held to)."""
-    return {
-        "full depth": summarise(edges),
-        "step path": summarise(step_path(edges)),
-        MEASURE: summarise(step_path(without_leaf_calls(edges))),
-    }
+    """The two views of one traced step, by name (see the module docstring)."""
+    return {FULL: summarise(edges), ORCHESTRATION: summarise(step_path(without_leaf_calls(edges)))}
 
 
 def main() -> None:
     """Trace one step and print both views."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--list", action="store_true", help="print the files and hops of the step path")
+    parser.add_argument("--list", action="store_true", help="print the files and hops of the orchestration")
     parser.add_argument("--no-balancing", action="store_true",
                         help="trace the default recipe's step, without SequenceBalancing")
+    parser.add_argument("--json", action="store_true", help="print both views as one JSON object")
     args = parser.parse_args()
     views = measure(trace_one_grpo_step(balancing=not args.no_balancing))
+    if args.json:
+        print(json.dumps({name: {"files": view["files"], "hops": len(view["hops"]), "back": view["back"]}
+                          for name, view in views.items()}))
+        return
     for name, view in views.items():
         print(f"{name}: {len(view['files'])} files, {len(view['hops'])} hops, {view['back']} back into "
               f"a file already entered; most entered: {view['entered']}")
-    path = views[MEASURE]
+    path = views[ORCHESTRATION]
     if args.list:
-        print(f"\n{MEASURE} files:\n  " + "\n  ".join(path["files"]))
-        print(f"\n{MEASURE} hops:")
+        print(f"\n{ORCHESTRATION} files:\n  " + "\n  ".join(path["files"]))
+        print(f"\n{ORCHESTRATION} hops:")
         for (a, fa), (b, fb) in path["hops"]:
             print(f"  {a}:{fa} -> {b}:{fb}")
 

@@ -1,7 +1,8 @@
-"""Structural rules of the code base: no run-time import cycle; one implementation of an optimizer step.
+"""Structural rules of the code base: no run-time import cycle, no import up a layer, one optimizer step.
 
 The import graph is read from the source (``ast``): every ``import`` / ``from ... import`` of a project
-module, at module level or inside a function (both run), except those under ``if TYPE_CHECKING:``.
+module and every ``importlib.import_module("...")`` of one, at module level or inside a function (both
+run), except those under ``if TYPE_CHECKING:``.
 A package importing its own submodules is not an edge back (importing a submodule imports its package
 first by Python's rules, not by the project's choice).
 """
@@ -9,6 +10,8 @@ first by Python's rules, not by the project's choice).
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -22,15 +25,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[0] == "callbacks":  # installed as verl_trainer.callbacks
+    if parts[0] in ("callbacks", "recipes"):  # installed as verl_trainer.callbacks / verl_trainer.recipes
         parts = ["verl_trainer", *parts]
+    elif parts[0] == "configs":  # installed as verl_trainer.recipes.configs
+        parts = ["verl_trainer", "recipes", *parts]
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
 
 
 def _sources() -> dict[str, Path]:
-    files = [*(ROOT / "verl_trainer").rglob("*.py"), *(ROOT / "callbacks").rglob("*.py")]
+    files = [p for d in ("verl_trainer", "callbacks", "recipes", "configs") for p in (ROOT / d).rglob("*.py")]
     return {_module_name(p): p for p in files}
 
 
@@ -38,6 +43,15 @@ def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
     )
+
+
+def _is_import_module(call: ast.Call) -> bool:
+    """``importlib.import_module("literal")`` (or ``import_module("literal")``)."""
+    func = call.func
+    named = (isinstance(func, ast.Attribute) and func.attr == "import_module") or (
+        isinstance(func, ast.Name) and func.id == "import_module")
+    return named and bool(call.args) and isinstance(call.args[0], ast.Constant) and isinstance(
+        call.args[0].value, str)
 
 
 def _imports(name: str, path: Path) -> set[str]:
@@ -50,6 +64,8 @@ def _imports(name: str, path: Path) -> set[str]:
             for child in node.orelse:
                 visit(child)
             return
+        if isinstance(node, ast.Call) and _is_import_module(node):
+            found.add(node.args[0].value)
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -121,6 +137,84 @@ def test_no_run_time_import_cycle():
     assert cycles(graph) == []
 
 
+def _layer_entry(path: str) -> tuple[str, bool]:
+    """``(module name, is one file)`` of a path of the table (``verl_trainer/engine/``, ``.../fsdp.py``)."""
+    if path.endswith(".py"):
+        return _module_name(ROOT / path), True
+    parts = Path(path).parts
+    return ".".join(("verl_trainer", *parts) if parts[0] in ("callbacks", "recipes") else parts), False
+
+
+def layer_table() -> list[list[tuple[str, bool]]]:
+    """The entries of each row of ``docs/architecture.md``'s layer table, top row first."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text[text.index("## Layers"):]
+    section = section[: section.index("\n## ", 3)]
+    rows = []
+    for line in section.splitlines():
+        cells = line.split(" | ")
+        if not line.startswith("| ") or len(cells) < 3 or line.startswith("| layer |"):
+            continue
+        paths = re.findall(r"`((?:verl_trainer|callbacks|recipes)/[^`*]*)`", cells[-1])
+        rows.append([_layer_entry(path) for path in paths])
+    return rows
+
+
+def floor_of(module: str, rows: list[list[tuple[str, bool]]]) -> int | None:
+    """The row of the longest entry that holds ``module`` (a file: itself; a folder: what is under it)."""
+    best: tuple[int, int] | None = None
+    for index, entries in enumerate(rows):
+        for name, is_file in entries:
+            holds = module == name or (not is_file and module.startswith(name + "."))
+            if holds and (best is None or len(name) > best[1]):
+                best = (index, len(name))
+    return None if best is None else best[0]
+
+
+def up_imports(graph: dict[str, set[str]], rows: list[list[tuple[str, bool]]]) -> list[tuple[str, str]]:
+    """``(module, imported)`` pairs where the imported module is on a higher row of the table."""
+    return sorted((m, d) for m, deps in graph.items() for d in deps
+                  if floor_of(d, rows) < floor_of(m, rows))
+
+
+KNOWN_UP_IMPORTS = {
+    ("verl_trainer.callbacks.model_checkpoint", "verl_trainer.training.checkpoint"):
+        "the run's checkpoint-directory layout (claim, name, prune) lives with the Trainer's parts; it goes "
+        "down with the folder moves of issue 30 (item 2), after the checkpoint work in flight is merged",
+    ("verl_trainer.export", "verl_trainer.export.convert"):
+        "the export package's lazy __getattr__ re-exports the checkpoint converter (runs only when "
+        "verl_trainer.export.convert_checkpoint is read); the converter is an entry point, a floor above",
+}
+
+
+def test_the_layer_checker_sees_function_level_and_importlib_imports(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("import importlib\ndef f():\n    from verl_trainer import trainer\n"
+                      "    return importlib.import_module('verl_trainer.training.loops')\n")
+    assert {"verl_trainer.trainer", "verl_trainer.training.loops"} <= _imports("x.m", source)
+    rows = [[("verl_trainer.trainer", True)], [("verl_trainer.engine", False)],
+            [("verl_trainer.engine.batch_info", True)]]
+    assert floor_of("verl_trainer.engine.batch_info", rows) == 2
+    assert floor_of("verl_trainer.engine.fsdp", rows) == 1
+    assert floor_of("verl_trainer.trainer.x", rows) is None  # a file holds itself only
+    graph = {"verl_trainer.engine.fsdp": {"verl_trainer.trainer", "verl_trainer.engine.batch_info"}}
+    assert up_imports(graph, rows) == [("verl_trainer.engine.fsdp", "verl_trainer.trainer")]
+
+
+def test_every_module_has_a_layer_and_none_imports_a_layer_above():
+    """``docs/architecture.md``'s layer table, complete and kept (run-time, function-level, importlib)."""
+    graph, rows = import_graph(), layer_table()
+    assert len(rows) >= 10
+    assert [m for m in sorted(graph) if floor_of(m, rows) is None] == []
+    assert up_imports(graph, rows) == sorted(KNOWN_UP_IMPORTS)
+
+
+@pytest.mark.xfail(strict=True, reason="callbacks/model_checkpoint.py -> training/checkpoint.py and the "
+                   "export package's lazy re-export of its converter (see KNOWN_UP_IMPORTS)")
+def test_no_module_imports_a_layer_above():
+    assert up_imports(import_graph(), layer_table()) == []
+
+
 def test_one_implementation_of_an_optimizer_step():
     """Only ``BaseEngine.train_batch`` sequences zero-grad → micro-batches → step; nothing repeats it."""
     callers = []
@@ -134,13 +228,57 @@ def test_one_implementation_of_an_optimizer_step():
     assert callers == ["verl_trainer/engine/base.py:train_batch"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("flags", "max_files", "max_hops"), [((), 14, 30), (("--no-balancing",), 12, 30)])
-def test_the_grpo_step_path_stays_short(flags, max_files, max_hops):
-    """Issue 17's bound on the orchestration of one GRPO step (``scripts/step_path.py``'s measured view)."""
+def _step_path_module():
+    spec = importlib.util.spec_from_file_location("step_path", ROOT / "scripts" / "step_path.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_leaf_is_judged_at_every_depth():
+    """A function that reaches another file only through a helper of its own file is no leaf."""
+    step_path = _step_path_module()
+    loop, run, helper, far = ("a.py", "loop"), ("b.py", "run"), ("b.py", "helper"), ("c.py", "far")
+    leaf = ("b.py", "leaf")
+    edges = [(loop, run), (run, helper), (helper, far), (loop, leaf)]
+    assert step_path.without_leaf_calls(edges) == [(loop, run), (run, helper)]  # far, leaf: leaves
+
+
+@pytest.fixture(scope="module")
+def grpo_step_views():
+    """Both views of one traced GRPO step with ``SequenceBalancing`` (``scripts/step_path.py --json``)."""
     script = str(ROOT / "scripts" / "step_path.py")
-    out = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True, check=True,
-                         env={**os.environ, "WANDB_MODE": "offline"}).stdout
-    line = next(ln for ln in out.splitlines() if ln.startswith("step path, leaf helpers stepped over:"))
-    files, hops = (int(n) for n in re.findall(r"(\d+) (?:files|hops)", line))
-    assert files <= max_files and hops <= max_hops, line
+    out = subprocess.run([sys.executable, script, "--json"], capture_output=True, text=True, check=True,
+                         env={**os.environ, "WANDB_MODE": "offline"}, timeout=600).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _budget(view: dict, max_files: int, max_hops: int) -> None:
+    files, hops = len(view["files"]), view["hops"]
+    assert files <= max_files and hops <= max_hops, f"{files} files, {hops} hops"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured 2026-12-03 with the fixed tracer, rebased on main 870af16 "
+                   "and the estimator resolved once: 18 files / 38 hops / 22 back (main itself: 18 / 37 / "
+                   "21); the Trainer's shrinking (issue 30, item 2) is still to come")
+def test_the_grpo_step_orchestration_stays_short(grpo_step_views):
+    """Issue 30's budget: a GRPO step with balancing, orchestration view, <= 14 files / 30 hops."""
+    _budget(grpo_step_views["orchestration"], 14, 30)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured 2026-12-03 with the fixed tracer, rebased on main 870af16 "
+                   "and the estimator resolved once: 49 files / 171 hops / 124 back (main itself: 51 / 173 / "
+                   "124); the Trainer's shrinking (issue 30, item 2) is still to come")
+def test_the_grpo_step_full_depth_stays_short(grpo_step_views):
+    """Issue 30's budget: a GRPO step with balancing, full depth, <= 35 files / 110 hops."""
+    _budget(grpo_step_views["full depth"], 35, 110)
+
+
+@pytest.mark.slow
+def test_a_step_without_pipeline_or_lora_enters_neither(grpo_step_views):
+    """pp = 1 and no adapters: no file of the pipeline or LoRA parts is entered during the step."""
+    optional = ("verl_trainer/engine/pipeline", "verl_trainer/engine/lora")
+    entered = [f for f in grpo_step_views["full depth"]["files"] if f.startswith(optional)]
+    assert entered == []

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from verl_trainer.core_algos import agg_loss, kl_penalty
+from verl_trainer.core_algos import RolloutCorrectionConfig, agg_loss, kl_penalty
 from verl_trainer.engine.batch_info import GlobalBatchInfo
 from verl_trainer.losses import (
     PPOLossConfig,
@@ -66,6 +66,7 @@ def make_batch(batch_size: int = 8, width: int = 10, padding: tuple[int, ...] = 
         "entropy": (torch.rand(batch_size, width, generator=g) * 3 * attn).requires_grad_(True),
         "values": rand().requires_grad_(True),
     }
+    data["rollout_log_probs"] = old + rand(0.6)  # the sampler's log-probs: mismatch metrics, TIS / MIS
     return data, out
 
 
@@ -114,6 +115,10 @@ LOSS_CASES = {
     "gspo": lambda: ppo_loss(PPOLossConfig(policy_loss="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4)),
     "gpg_token_sum": lambda: ppo_loss(PPOLossConfig(policy_loss="gpg", loss_agg_mode="token-sum")),
     "geo_mean": lambda: ppo_loss(PPOLossConfig(policy_loss="geo_mean", clip_ratio=0.4)),
+    "ppo_tis_token": lambda: ppo_loss(PPOLossConfig(use_kl_loss=True),
+                                      RolloutCorrectionConfig(level="token", threshold=1.5)),
+    "ppo_mis_sequence": lambda: ppo_loss(PPOLossConfig(loss_agg_mode="seq-mean-token-mean"),
+                                         RolloutCorrectionConfig(level="sequence_mask", threshold=3.0)),
     "value": lambda: value_loss(ValueLossConfig(cliprange_value=0.2)),
     "value_seq_mean": lambda: value_loss(ValueLossConfig(loss_agg_mode="seq-mean-token-sum")),
     "sft": lambda: sft_loss(),
@@ -184,7 +189,8 @@ def test_ppo_loss_composes_policy_entropy_and_kl():
     ent = (out["entropy"] * mask).sum().detach() / n
     kl = (0.5 * (out["log_probs"] - data["ref_log_prob"]) ** 2 * mask).sum().detach() / n
     torch.testing.assert_close(loss, plain - 0.02 * ent + 0.3 * kl)
-    reduced = reduce_metrics([metrics])
+    reduced = {k: v for k, v in reduce_metrics([metrics]).items()
+               if not k.startswith(("rollout_corr/", "training/rollout_"))}  # the batch has rollout log-probs
     assert set(reduced) == {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower",
                             "actor/entropy_loss", "actor/entropy", "actor/kl_loss", "actor/kl_coef"}
     assert reduced["actor/kl_coef"] == pytest.approx(0.3)

@@ -40,9 +40,23 @@ from verl_trainer.core_algos.aggregation import (
 )
 from verl_trainer.core_algos.penalties import compute_value_loss, kl_penalty, validate_kl_penalty
 from verl_trainer.core_algos.policy_losses import POLICY_LOSS_REGISTRY, get_policy_loss_fn
-from verl_trainer.data.schema import ADVANTAGES, LOSS_MASK, OLD_LOG_PROBS, REF_LOG_PROB, RETURNS, VALUES
+from verl_trainer.core_algos.rollout_correction import (
+    RolloutCorrectionConfig,
+    compute_rollout_is_weights,
+    rollout_mismatch_metrics,
+)
+from verl_trainer.data.schema import (
+    ADVANTAGES,
+    LOSS_MASK,
+    OLD_LOG_PROBS,
+    REF_LOG_PROB,
+    RETURNS,
+    ROLLOUT_LOG_PROBS,
+    VALUES,
+)
 from verl_trainer.engine.batch_info import GlobalBatchInfo
 from verl_trainer.metrics import Metric
+from verl_trainer.utils.registry import is_object_path
 
 __all__ = [
     "PPOLoss",
@@ -86,7 +100,8 @@ class PPOLossConfig:
         clip_ratio_high: Upper clip range (default ``clip_ratio``; DAPO's clip-higher sets it larger).
         clip_ratio_c: Dual-clip bound for negative advantages (> 1).
         loss_agg_mode: See :func:`verl_trainer.core_algos.agg_loss`.
-        policy_loss: A name in the policy-loss registry (``vanilla``, ``gspo``, ``gpg``, ``geo_mean``, ...).
+        policy_loss: A name in the policy-loss registry (``vanilla``, ``gspo``, ``gpg``, ``geo_mean``, ...),
+            or where one is defined: ``"package.module:name"``, ``"path/to/file.py:name"``.
         entropy_coeff: Weight of the entropy bonus (``loss -= entropy_coeff * entropy``); needs
             ``model_output["entropy"]`` when non-zero.
         use_kl_loss: Add ``kl_loss_coef * KL(pi || pi_ref)`` to the loss (needs ``ref_log_prob``).
@@ -110,11 +125,16 @@ class PPOLossConfig:
 
     def __post_init__(self) -> None:
         _check_agg("PPOLossConfig", self.loss_agg_mode, self.loss_scale_factor)
-        if self.policy_loss not in POLICY_LOSS_REGISTRY:
+        if is_object_path(self.policy_loss):
+            try:
+                get_policy_loss_fn(self.policy_loss)  # loads it now: a missing file fails before any model
+            except ValueError as err:
+                raise ValueError(f"PPOLossConfig.policy_loss: {err}") from None
+        elif self.policy_loss not in POLICY_LOSS_REGISTRY:
             raise ValueError(
                 f"PPOLossConfig.policy_loss={self.policy_loss!r} is not registered; registered: "
-                f"{POLICY_LOSS_REGISTRY.keys_repr()}. Use one of these or register yours with "
-                "verl_trainer.core_algos.register_policy_loss."
+                f"{POLICY_LOSS_REGISTRY.keys_repr()}. Use one of these, register yours with "
+                "verl_trainer.core_algos.register_policy_loss, or name it as 'module:name' / 'file.py:name'."
             )
         if not self.clip_ratio > 0:
             raise ValueError(
@@ -190,15 +210,50 @@ class PPOLoss:
     """The actor loss: policy loss (registry) - entropy bonus + KL loss. Build with :func:`ppo_loss`.
 
     Reads ``micro_batch``: ``loss_mask``, ``old_log_probs``, ``advantages``, optionally
-    ``rollout_is_weights``, and ``ref_log_prob`` when ``use_kl_loss``. Metrics: the policy loss's
-    (``actor/pg_clipfrac``, ``actor/ppo_kl``, ...), ``actor/pg_loss``; with entropy ``actor/entropy_loss``
-    (aggregated like the loss) and ``actor/entropy`` (token mean); with KL ``actor/kl_loss`` and
-    ``actor/kl_coef``.
+    ``rollout_log_probs`` and ``rollout_is_weights``, and ``ref_log_prob`` when ``use_kl_loss``. Metrics:
+    the policy loss's (``actor/pg_clipfrac``, ``actor/ppo_kl``, ...), ``actor/pg_loss``; with entropy
+    ``actor/entropy_loss`` (aggregated like the loss) and ``actor/entropy`` (token mean); with KL
+    ``actor/kl_loss`` and ``actor/kl_coef``; with ``rollout_log_probs`` the train/inference mismatch
+    (``rollout_corr/*``, ``training/rollout_probs_diff_*``:
+    :func:`~verl_trainer.core_algos.rollout_correction.rollout_mismatch_metrics`, ``old_log_probs`` vs
+    ``rollout_log_probs``) and, with ``rollout_correction`` enabled, the importance weights of
+    :func:`~verl_trainer.core_algos.rollout_correction.compute_rollout_is_weights` passed to the policy
+    loss as ``rollout_is_weights`` (and their ``rollout_corr/rollout_is_*`` metrics).
+
+    Args:
+        config: The policy loss settings.
+        rollout_correction: TIS / MIS of the rollout -> trainer ratio; ``None``: off.
     """
 
-    def __init__(self, config: PPOLossConfig) -> None:
+    def __init__(self, config: PPOLossConfig,
+                 rollout_correction: RolloutCorrectionConfig | None = None) -> None:
         self.config = config
+        self.rollout_correction = rollout_correction or RolloutCorrectionConfig()
         self.policy_loss_fn = get_policy_loss_fn(config.policy_loss)
+
+    def _rollout_terms(self, data: Any, old_log_prob: torch.Tensor,
+                       mask: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, Metric]]:
+        """``(rollout_is_weights or None, mismatch + weight metrics)`` of one micro-batch."""
+        weights = data.get("rollout_is_weights", None)
+        correction = self.rollout_correction
+        if ROLLOUT_LOG_PROBS not in data.keys():
+            if correction.enabled:
+                raise KeyError(
+                    f"ppo_loss: rollout_correction.level={correction.level!r} needs {ROLLOUT_LOG_PROBS!r} "
+                    "([b, t]) in the batch (every built-in rollout sets it); "
+                    "set rollout_correction.level=null"
+                )
+            return weights, {}
+        rollout_log_prob = _get(data, ROLLOUT_LOG_PROBS, "ppo_loss", mask.shape)
+        metrics = rollout_mismatch_metrics(old_log_prob, rollout_log_prob, mask)
+        if not correction.enabled:
+            return weights, metrics
+        if weights is not None:
+            raise ValueError("ppo_loss: the batch carries 'rollout_is_weights' and rollout_correction is on; "
+                             "use one or the other (set rollout_correction.level=null to use the batch's)")
+        weights, is_metrics = compute_rollout_is_weights(old_log_prob, rollout_log_prob, mask, correction)
+        metrics.update(is_metrics)
+        return weights.to(old_log_prob.dtype), metrics
 
     def __call__(
         self, model_output: Mapping[str, torch.Tensor], data: Any, info: GlobalBatchInfo | None = None
@@ -209,17 +264,19 @@ class PPOLoss:
         mask = _get(data, LOSS_MASK, "ppo_loss").bool()
         log_prob = _get(model_output, "log_probs", "ppo_loss (model_output)", mask.shape)
         agg_kwargs = global_batch_kwargs(info, cfg.loss_scale_factor)
+        old_log_prob = _get(data, OLD_LOG_PROBS, "ppo_loss", mask.shape)
+        rollout_is_weights, rollout_metrics = self._rollout_terms(data, old_log_prob, mask)
         pg_loss, metrics = self.policy_loss_fn(
-            old_log_prob=_get(data, OLD_LOG_PROBS, "ppo_loss", mask.shape),
+            old_log_prob=old_log_prob,
             log_prob=log_prob,
             advantages=_get(data, ADVANTAGES, "ppo_loss", mask.shape),
             response_mask=mask,
             loss_agg_mode=cfg.loss_agg_mode,
             config=cfg,
-            rollout_is_weights=data.get("rollout_is_weights", None),
+            rollout_is_weights=rollout_is_weights,
             global_batch_info=info,
         )
-        metrics = dict(metrics)
+        metrics = {**metrics, **rollout_metrics}
         metrics["actor/pg_loss"] = Metric.sum(pg_loss)
         loss = pg_loss
         entropy = model_output.get("entropy", None)
@@ -302,9 +359,14 @@ class SFTLoss:
         return loss, {"sft/loss": Metric.sum(loss)}
 
 
-def ppo_loss(config: PPOLossConfig | None = None) -> PPOLoss:
-    """Build the actor loss function for the engine from ``config`` (default: verl's defaults)."""
-    return PPOLoss(config if config is not None else PPOLossConfig())
+def ppo_loss(config: PPOLossConfig | None = None,
+             rollout_correction: RolloutCorrectionConfig | None = None) -> PPOLoss:
+    """Build the actor loss function for the engine from ``config`` (default: verl's defaults).
+
+    ``rollout_correction``: truncated / masked importance sampling of the rollout -> trainer ratio
+    (:class:`~verl_trainer.core_algos.rollout_correction.RolloutCorrectionConfig`; ``None``: off).
+    """
+    return PPOLoss(config if config is not None else PPOLossConfig(), rollout_correction)
 
 
 def value_loss(config: ValueLossConfig | None = None) -> ValueLoss:

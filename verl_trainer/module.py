@@ -77,6 +77,10 @@ __all__ = ["EngineSpec", "StepOutput", "TrainingModule"]
 LOG_REDUCTIONS = ("mean", "sum", "min", "max")
 """What :meth:`TrainingModule.log` may reduce with (``Metric``'s reductions)."""
 
+_REDUCE_FX: dict[Any, str] = {**{r: r for r in LOG_REDUCTIONS}, torch.mean: "mean", torch.sum: "sum",
+                               torch.min: "min", torch.max: "max"}
+"""Lightning's ``reduce_fx`` values → ``reduce``."""
+
 StepOutput = Mapping[str, Any]
 """What ``training_step`` / ``validation_step`` return (see the module docstring)."""
 
@@ -134,7 +138,10 @@ class TrainingModule:
         )
 
     def log(self, name: str, value: torch.Tensor | float, reduce: str = "mean",
-            weight: torch.Tensor | float | None = None) -> None:
+            weight: torch.Tensor | float | None = None, *, prog_bar: bool = False,
+            on_step: bool | None = None, on_epoch: bool | None = None, sync_dist: bool | None = None,
+            reduce_fx: Any = None,
+            batch_size: int | None = None, logger: bool | None = None) -> None:
         """Log ``value`` under ``name`` (this step or evaluation), reduced over micro-batches and ranks.
 
         Args:
@@ -144,11 +151,22 @@ class TrainingModule:
                 data-parallel ranks, as Lightning's ``reduce_fx="sum"``; ranks of one SP group log the same
                 value), ``"min"`` or ``"max"``.
             weight: Weight of a ``"mean"`` value (e.g. its token count).
+            prog_bar: Lightning's: also show the value on the progress bar.
+            on_step: Lightning's; values logged in ``training_step`` are per step, in validation / test
+                steps per run (Lightning's defaults there): ``None`` or that value, else an error.
+            on_epoch: Likewise (``True`` only in validation / test steps).
+            sync_dist: Lightning's; accepted: values are always reduced over the ranks.
+            reduce_fx: Lightning's name of ``reduce`` (``"mean"``, ``"sum"``, ``"min"``, ``"max"`` or
+                ``torch.mean`` / ``torch.sum`` / ``torch.min`` / ``torch.max``).
+            batch_size: Lightning's: the weight of a ``"mean"`` value.
+            logger: Lightning's; ``None`` / ``True`` (every logged value goes to the loggers).
 
         Raises:
-            ValueError: An unknown ``reduce``.
+            ValueError: An unknown ``reduce``, or a Lightning option this Trainer does not do, with the fix.
             RuntimeError: Outside ``fit`` / ``validate`` / ``test`` (no Trainer).
         """
+        reduce, weight = self._lightning_log_options(name, reduce, weight, on_step, on_epoch, reduce_fx,
+                                                     batch_size, logger)
         if reduce not in LOG_REDUCTIONS:
             raise ValueError(f"self.log({name!r}, reduce={reduce!r}); choose one of {LOG_REDUCTIONS}")
         if weight is not None and reduce != "mean":
@@ -161,11 +179,59 @@ class TrainingModule:
         else:
             metric = Metric.mean(value, weight) if reduce == "mean" else getattr(Metric, reduce)(value)
         self.trainer.log_metrics({name: metric})
+        bar = self.trainer.progress_bar_callback
+        if prog_bar and bar is not None and name not in bar.metrics:
+            bar.metrics = (*bar.metrics, name)
 
-    def log_dict(self, metrics: Mapping[str, torch.Tensor | float], reduce: str = "mean") -> None:
-        """:meth:`log` every item of ``metrics`` with one ``reduce``."""
+    def _lightning_log_options(self, name: str, reduce: str, weight: Any, on_step: bool | None,
+                               on_epoch: bool | None, reduce_fx: Any, batch_size: int | None,
+                               logger: bool | None) -> tuple[str, Any]:
+        """``reduce`` and ``weight`` with Lightning's ``self.log`` options applied (or refused)."""
+        if reduce_fx is not None:
+            fx = _REDUCE_FX.get(reduce_fx) if isinstance(reduce_fx, str) or callable(reduce_fx) else None
+            if fx is None or (reduce != "mean" and reduce != fx):
+                raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): use one of 'mean', 'sum', "
+                                 "'min', 'max' (or torch.mean / sum / min / max), not a different reduce=")
+            reduce = fx
+        if batch_size is not None and weight is None and reduce == "mean":
+            weight = float(batch_size)
+        if logger is False:
+            raise ValueError(f"self.log({name!r}, logger=False): every value logged here goes to the "
+                             "loggers; keep it in a local variable instead (or drop logger=False)")
+        evaluating = bool(getattr(self.trainer, "evaluating", False))
+        want_step, want_epoch = (False, True) if evaluating else (True, False)
+        where = "validation / test steps (reduced over the run)" if evaluating else "training_step (per step)"
+        for option, given, wanted in (("on_step", on_step, want_step), ("on_epoch", on_epoch, want_epoch)):
+            if given is not None and given != wanted:
+                raise ValueError(
+                    f"self.log({name!r}, {option}={given}): values logged in {where} are logged with "
+                    f"on_step={want_step}, on_epoch={want_epoch} here (Lightning's defaults there); drop "
+                    f"{option}= or log an epoch value from a Callback's on_train_epoch_end with "
+                    "trainer.log_metrics"
+                )
+        return reduce, weight
+
+    def log_dict(self, metrics: Mapping[str, torch.Tensor | float], reduce: str = "mean",
+                 **options: Any) -> None:
+        """:meth:`log` every item of ``metrics`` with one ``reduce`` (and :meth:`log`'s Lightning options)."""
         for name, value in metrics.items():
-            self.log(name, value, reduce=reduce)
+            self.log(name, value, reduce=reduce, **options)
+
+    # ---------------------------------------------------------------- Lightning's module attributes
+    @property
+    def global_step(self) -> int:
+        """The Trainer's optimizer steps so far (0 outside a run)."""
+        return self.trainer.global_step if self.trainer is not None else 0
+
+    @property
+    def current_epoch(self) -> int:
+        """The training epoch the fit is in (0-based; 0 outside a run)."""
+        return self.trainer.current_epoch if self.trainer is not None else 0
+
+    @property
+    def device(self) -> torch.device:
+        """The device the actor engine computes on (CPU before the engines are built)."""
+        return self.actor.device if self.engines else torch.device("cpu")
 
     def state_dict(self) -> dict[str, Any]:
         """Non-engine state to checkpoint (plain data and tensors); engines are saved separately."""

@@ -30,7 +30,6 @@ emulated (slow: warned), and DeepSpeed's CPU accelerator refuses it (:func:`chec
 
 from __future__ import annotations
 
-import importlib.util
 import platform
 import warnings
 from collections.abc import Mapping
@@ -42,7 +41,7 @@ import torch
 
 from verl_trainer.engine.base import BaseEngine
 from verl_trainer.engine.config import EngineConfig, EngineSpec, to_dtype
-from verl_trainer.engine.registry import BACKEND_PACKAGES, EngineRegistry
+from verl_trainer.engine.registry import EngineRegistry, missing_package
 from verl_trainer.engine.topology import Topology, build_topology, check_same_sizes
 from verl_trainer.utils.distributed import is_initialized, set_collective_timeout
 
@@ -135,19 +134,7 @@ def bf16_supported(device_type: str) -> bool:
 
 
 def _registered_backends() -> list[str]:
-    EngineRegistry._ensure_builtin_engines()
     return sorted({key[1] for key in EngineRegistry.registered()})
-
-
-def _missing_package(backend: str) -> tuple[str, str] | None:
-    for prefix, (package, extra) in BACKEND_PACKAGES.items():
-        if backend == prefix or backend.startswith(prefix + "_"):
-            try:
-                found = importlib.util.find_spec(package) is not None
-            except (ImportError, ValueError):
-                found = False
-            return None if found else (package, extra)
-    return None
 
 
 def available_strategies() -> list[str]:
@@ -185,7 +172,7 @@ class Strategy:
             ValueError: Unknown backend (the message lists the registered ones), a missing package
                 (the message names the extra), or an unknown ``engine_overrides`` key.
         """
-        missing = _missing_package(self.backend)
+        missing = missing_package(self.backend)
         if missing is not None:
             package, extra = missing
             raise ValueError(

@@ -35,13 +35,14 @@ from verl_trainer.callbacks import Callback, MetricReduction, ModelCheckpoint, P
 from verl_trainer.callbacks.base import HOOK_NAMES, check_callback
 from verl_trainer.engine.config import EngineSpec
 from verl_trainer.engine.hooks import StepHooks
+from verl_trainer.engine.lora_files import check_adapters
 from verl_trainer.loggers import validate_logger_spec
 from verl_trainer.metrics import Metric
 from verl_trainer.module import TrainingModule
 from verl_trainer.strategy import Strategy, check_precision, normalize_precision, resolve_strategy
 from verl_trainer.training import failure, loops
 from verl_trainer.training.args import TrainerArgs
-from verl_trainer.training.data import ShardedLoader
+from verl_trainer.training.data import ShardedLoader, refuse_raw_rows
 from verl_trainer.training.lightning_args import (
     check_accumulate,
     check_gradient_clip,
@@ -51,7 +52,9 @@ from verl_trainer.training.lightning_args import (
     parse_max_time,
     reject_unknown_args,
 )
+from verl_trainer.training.lightning_module import LightningAttributes, check_lightning_habits
 from verl_trainer.training.logging import MetricLogging
+from verl_trainer.training.stage_data import fit_data, stage_data
 from verl_trainer.utils.distributed import is_initialized
 
 __all__ = ["Trainer"]
@@ -128,7 +131,7 @@ class CallbackStepHooks(StepHooks):
         self.trainer.call_hook("on_before_optimizer_step", optimizer)
 
 
-class Trainer:
+class Trainer(LightningAttributes):
     """Fits a :class:`~verl_trainer.module.TrainingModule` with a strategy's engines.
 
     Args:
@@ -257,6 +260,7 @@ class Trainer:
         # run state
         self.world: launch.World | None = None
         self.module: TrainingModule | None = None
+        self.datamodule: Any = None  # set by fit / validate / test / predict (Lightning's attribute)
         self.state: str | None = None
         self.global_step = 0
         self.should_stop = False
@@ -265,6 +269,7 @@ class Trainer:
         self.val_loader: ShardedLoader | None = None
         self.eval_loader: ShardedLoader | None = None  # test / predict data
         self.sanity_checking = False
+        self.evaluating = False  # inside a validation / test / predict loop
         self.step_hooks = CallbackStepHooks(self)
 
     # ----------------------------------------------------------------------------------- validation
@@ -429,19 +434,24 @@ class Trainer:
         self.logging.flush(self.global_step, force, last_step=self.global_step == self.max_steps)
 
     # ------------------------------------------------------------------------------------- entry points
-    def fit(self, module: Any, datamodule: Any = None, ckpt_path: str | os.PathLike | None = None) -> None:
-        """Train ``module`` until ``max_steps`` / ``max_epochs``.
+    def fit(self, module: Any, train_dataloaders: Any = None, val_dataloaders: Any = None,
+            datamodule: Any = None, ckpt_path: str | os.PathLike | None = None) -> None:
+        """Train ``module`` until ``max_steps`` / ``max_epochs`` (Lightning's arguments and their order).
 
         Args:
             module: A :class:`~verl_trainer.module.TrainingModule`.
-            datamodule: An object with ``train_dataloader()`` (and optionally ``val_dataloader()``), a
-                DataLoader, or a map-style Dataset of ready batches; ``None``: the module's own loaders.
+            train_dataloaders: A DataLoader or a map-style Dataset of ready batches, or a datamodule.
+            val_dataloaders: The validation DataLoader / Dataset (with ``train_dataloaders``).
+            datamodule: An object with ``train_dataloader()`` (and optionally ``val_dataloader()``); no data
+                at all: the module's own loaders.
             ckpt_path: ``None`` (fresh), ``"last"`` (the newest complete checkpoint; fresh with a warning
                 when there is none) or a checkpoint directory.
         """
         if self.max_steps == -1 and self.max_epochs is None:
             raise ValueError("set max_steps or max_epochs to say when fit should stop")
         self._check_module(module)
+        datamodule = fit_data(train_dataloaders, val_dataloaders, datamodule)
+        refuse_raw_rows(datamodule, "datamodule")  # before any model loads
         self._launch("fit", module, datamodule, ckpt_path)
 
     def validation_due(self) -> bool:
@@ -473,40 +483,52 @@ class Trainer:
         crossed = done // every > (done - self.accumulate_grad_batches) // every  # one step may cross it
         return loader.exhausted() or crossed
 
-    def validate(
-        self, module: Any, datamodule: Any = None, ckpt_path: str | os.PathLike | None = None
-    ) -> list[dict[str, float]]:
-        """Run the validation data once; returns ``[metrics]`` (reduced over batches and ranks)."""
-        self._check_module(module)
-        return self._launch("validate", module, datamodule, ckpt_path)
+    def validate(self, module: Any, dataloaders: Any = None, ckpt_path: str | os.PathLike | None = None,
+                 verbose: bool = True, datamodule: Any = None) -> list[dict[str, float]]:
+        """Run the validation data once; returns ``[metrics]`` (reduced over batches and ranks).
 
-    def test(self, module: Any, datamodule: Any = None, ckpt_path: str | os.PathLike | None = None
-             ) -> list[dict[str, float]]:
+        ``dataloaders`` (a DataLoader / Dataset, or a datamodule) or ``datamodule``: Lightning's arguments,
+        in its order; ``verbose`` is accepted (nothing is printed either way).
+        """
+        self._check_module(module)
+        return self._launch("validate", module, stage_data("validate", dataloaders, datamodule), ckpt_path)
+
+    def test(self, module: Any, dataloaders: Any = None, ckpt_path: str | os.PathLike | None = None,
+             verbose: bool = True, datamodule: Any = None) -> list[dict[str, float]]:
         """Run ``module.test_step`` over the test data once; returns ``[metrics]`` (reduced over ranks).
 
         Args:
             module: A :class:`~verl_trainer.module.TrainingModule` with ``test_step``.
-            datamodule: An object with ``test_dataloader()``, or a DataLoader / map-style Dataset.
+            dataloaders: A DataLoader / map-style Dataset, or a datamodule.
             ckpt_path: A checkpoint to load first (``"last"`` or a directory).
+            verbose: Accepted (Lightning's); nothing is printed either way.
+            datamodule: An object with ``test_dataloader()`` (instead of ``dataloaders``).
         """
         self._check_module(module)
-        return self._launch("test", module, datamodule, ckpt_path)
+        return self._launch("test", module, stage_data("test", dataloaders, datamodule), ckpt_path)
 
-    def predict(self, module: Any, datamodule: Any = None, ckpt_path: str | os.PathLike | None = None
+    def predict(self, module: Any, dataloaders: Any = None, datamodule: Any = None,
+                return_predictions: bool | None = None, ckpt_path: str | os.PathLike | None = None
                 ) -> list[Any]:
         """Run ``module.predict_step`` over the predict data; returns this rank's outputs, batch by batch.
 
         Every rank predicts its shard of the data (the sampler's padding repeats included); with
-        ``devices > 1`` started from a plain script, rank 0's list is returned.
+        ``devices > 1`` started from a plain script, rank 0's list is returned. Lightning's arguments in
+        its order (``dataloaders`` or ``datamodule``); ``return_predictions=False`` is refused (they are
+        always returned).
         """
         self._check_module(module)
-        return self._launch("predict", module, datamodule, ckpt_path)
+        if return_predictions is False:
+            raise ValueError("predict(return_predictions=False): the predictions are always returned here; "
+                             "drop the argument (or write them from predict_step / a callback)")
+        return self._launch("predict", module, stage_data("predict", dataloaders, datamodule), ckpt_path)
 
     def check(self, module: Any, datamodule: Any = None) -> int:
         """Check a run's settings before any process starts or any model loads; returns the DP size.
 
         Every engine spec of ``module.configure_engines()`` is resolved with the strategy and precision
-        (their SP and TP sizes must agree, and their product divide the world size), and a datamodule with
+        (their SP and TP sizes must agree, and their product divide the world size), a saved LoRA adapter
+        (``lora_adapter_path``) is checked against its base model's config, and a datamodule with
         a ``check(dp_size)`` method reads and checks its data (files, columns, lengths, batch sizes). The
         recipes call it first, so a bad setting fails in seconds, once, in the launching process.
 
@@ -519,6 +541,7 @@ class Trainer:
         configs = [self.strategy.engine_config(spec.config, self.precision, self.seed)
                    for spec in specs.values() if isinstance(spec, EngineSpec)]
         dp_size = configs[0].dp_size(self.world_size) if configs else self.world_size
+        check_adapters(specs)
         if datamodule is not None and callable(getattr(datamodule, "check", None)):
             datamodule.check(dp_size)
         return dp_size
@@ -531,6 +554,7 @@ class Trainer:
                     f"{type(module).__name__} is not a training module: it has no {name}(); subclass "
                     f"verl_trainer.module.TrainingModule"
                 )
+        check_lightning_habits(module)
 
     def _launch(self, stage: str, module: Any, datamodule: Any, ckpt_path: Any) -> Any:
         launcher = launch.launcher_for(self._env, self.devices, self.num_nodes)

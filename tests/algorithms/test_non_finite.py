@@ -98,7 +98,7 @@ def _grpo(model: str, data: str, root: str, reward: str, policy: str, max_steps:
     from verl_trainer.algorithms import GRPO, PromptDataModule
     from verl_trainer.configs import GRPORecipeConfig, load_config
     from verl_trainer.models.loading import load_tokenizer
-    from verl_trainer.training.failure import RankFailedError
+    from verl_trainer.training.failure import RankFailedError, last_line
 
     cfg = load_config(GRPORecipeConfig, ROOT / "configs" / "grpo.yaml", [
         f"algorithm.model_path={model}", f"data.train_files={data}/train.jsonl", "data.val_files=null",
@@ -111,11 +111,14 @@ def _grpo(model: str, data: str, root: str, reward: str, policy: str, max_steps:
                       enable_progress_bar=False, default_root_dir=root)
     try:
         trainer.fit(GRPO(cfg.algorithm), datamodule=PromptDataModule(cfg.data, load_tokenizer(model)))
-    except (NonFiniteError, RankFailedError) as exc:
-        # every rank raises the same error together; the failure guard may report the other rank's first
-        own = exc if isinstance(exc, NonFiniteError) else exc.__cause__
-        assert isinstance(own, NonFiniteError), repr(own)
-        return {"error": str(own), "step": trainer.global_step}
+    except NonFiniteError as exc:
+        return {"error": str(exc), "step": trainer.global_step}
+    except RankFailedError as exc:
+        # every rank raises the same error together; the failure guard may report the other rank's first,
+        # whose last traceback line is the same NonFiniteError
+        line = last_line(exc.traceback)
+        assert line.startswith(f"{NonFiniteError.__module__}.NonFiniteError: "), exc.traceback
+        return {"error": line, "step": trainer.global_step}
     return {"metrics": dict(trainer.callback_metrics), "step": trainer.global_step}
 
 

@@ -73,8 +73,7 @@ def test_flattened_and_top_level_ground_truth(tmp_path):
 def test_bad_rows(tmp_path):
     missing = tmp_path / "m.jsonl"
     missing.write_text(json.dumps({"prompt": "x", "data_source": "a"}) + "\n")
-    with pytest.raises(ValueError, match="no ground truth.*columns present"):
-        load_prompts(missing)
+    assert load_prompts(missing)[0]["ground_truth"] is None  # optional: only rewards that need it refuse
     bad_prompt = tmp_path / "b.jsonl"
     bad_prompt.write_text(json.dumps({"prompt": [{"text": "x"}], "ground_truth": "1"}) + "\n")
     with pytest.raises(ValueError, match="chat list"):

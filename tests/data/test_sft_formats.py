@@ -42,7 +42,8 @@ def test_chat_trains_assistant_turns_only(tok):
 
 
 @pytest.mark.parametrize(("rows", "kwargs", "match"), [
-    ([{"x": 1}], {}, "needs 'prompt' and 'response' columns, or a 'messages' column.*it has \\['x'\\]"),
+    ([{"x": 1}], {}, "needs 'prompt' and 'response' \\(or 'completion'\\) columns, a 'messages' column.*"
+                      "it has \\['x'\\]"),
     ([{"messages": [{"role": "user", "content": "hi"}]}], {}, "no assistant turn"),
     ([{"messages": [{"role": "user"}]}], {}, "message 0 must be a mapping with 'role' and 'content'"),
     ([{"messages": CHAT}], {"max_length": 10}, "tokens > max_length=10"),

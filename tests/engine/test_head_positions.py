@@ -4,17 +4,10 @@ import pytest
 import torch
 
 from verl_trainer.data.packing import head_positions, next_token_log_probs_and_entropy, pack_batch
-from verl_trainer.engine.heads import LanguageModelMixin
+from verl_trainer.engine.heads import LanguageModel
 from verl_trainer.models import VARLEN_ATTENTION, load_causal_lm, packed_forward
 
 from .common import random_batch, tiny_model
-
-
-class _LanguageModelHead(LanguageModelMixin):
-    """The language-model part of an engine around a plain model (what the engines mix it into)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.forward_model = model
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +33,10 @@ def test_head_positions_follow_the_output_mask():
 def test_selected_outputs_equal_full_head(model, temperature):
     batch = random_batch(6, seed=4)
     packed = pack_batch(batch, keys=())
-    head = _LanguageModelHead(model)
-    hf_output = head._forward_packed(packed)
+    head = LanguageModel()
+    hf_output = head.forward_packed(model, packed)
     assert hf_output.logits.shape[1] == head_positions(packed).numel() < packed.num_tokens
-    got = head.compute_packed_outputs(hf_output, packed, calculate_entropy=True, temperature=temperature)
+    got = head.outputs(hf_output, packed, calculate_entropy=True, temperature=temperature)
     weight = torch.randn(packed.num_tokens, generator=torch.Generator().manual_seed(0))
     (got["log_probs"] @ weight + got["entropy"] @ weight).backward()
     got_grads = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -20,7 +20,7 @@ from .common import padded_log_probs, random_batch
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"lr_scheduler": "linear"}, r"lr_scheduler='linear'; choose one of \('constant', 'cosine'\)"),
+        ({"lr_scheduler": "step"}, r"lr_scheduler='step'; choose one of \('constant', 'cosine', 'linear'\)"),
         ({"lr_scheduler": "cosine"}, "needs total_training_steps > warmup_steps"),
         ({"lr_scheduler": "cosine", "total_training_steps": 5, "warmup_steps": 5}, "total_training_steps"),
         ({"betas": (0.9, 1.5)}, "betas must be two numbers"),
@@ -70,6 +70,17 @@ def test_warmup_cosine_schedule():
     assert s(14) == pytest.approx(0.1) and s(100) == pytest.approx(0.1)
     const = WarmupSchedule(warmup_steps=2, kind="constant")
     assert [const(i) for i in range(4)] == [0.5, 1.0, 1.0, 1.0]
+
+
+def test_warmup_linear_schedule_is_hf_default_shape():
+    """``lr_scheduler="linear"`` (HF's default, issue 29 item 10): warmup, then a straight line to
+    ``min_lr_ratio`` (0 by default) at ``total_steps``."""
+    s = WarmupSchedule(warmup_steps=2, kind="linear", total_steps=6)
+    assert [s(i) for i in range(8)] == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0])
+    floor = WarmupSchedule(warmup_steps=0, kind="linear", total_steps=4, min_lr_ratio=0.2)
+    assert [floor(i) for i in range(5)] == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
+    with pytest.raises(ValueError, match="lr_scheduler='linear' with total_training_steps=-1"):
+        WarmupSchedule(0, "linear", -1)
 
 
 def test_lr_scheduler_state_is_plain_data(tmp_path):
@@ -189,4 +200,4 @@ def test_configs_map_from_yaml_through_omegaconf():
     with pytest.raises(ConfigKeyError):
         OmegaConf.merge(OmegaConf.structured(EngineConfig), {"micro_bsz": 2})
     with pytest.raises(ValidationError):
-        OmegaConf.merge(OmegaConf.structured(OptimConfig), {"lr_scheduler": "linear"})
+        OmegaConf.merge(OmegaConf.structured(OptimConfig), {"lr_scheduler": "step"})

@@ -48,8 +48,10 @@ def test_builtin_engines_are_registered_and_package_imports_lazily():
                 assert (model_type, backend, device, None) in EngineRegistry.registered()
     cls = EngineRegistry.get_engine_cls("language_model", "fsdp2")
     assert cls is EngineRegistry.get_engine_cls("language_model", "fsdp")
-    assert cls.MODEL_TYPE == "language_model"
-    assert EngineRegistry.get_engine_cls("value_model", "fsdp2").MODEL_TYPE == "value_model"
+    assert cls is EngineRegistry.get_engine_cls("value_model", "fsdp2")  # one class per backend
+    config = verl_trainer.engine.EngineConfig(model_path="unused")
+    for model_type in ("language_model", "value_model"):
+        assert EngineRegistry.new(model_type, "fsdp2", config).MODEL_TYPE == model_type
 
 
 def test_one_call_registers_the_whole_product(scratch):
@@ -155,9 +157,10 @@ def test_new_passes_backend_and_alias_presets(scratch, on):
     scratch.register("language_model", "t_new", "cpu")(_Dummy)
     scratch.register("language_model", "t_new_stage_3", "cpu", preset={"zero_stage": 3})(_Dummy)
     plain = scratch.new("language_model", "t_new", "cfg", extra=1)
-    assert plain.args == ("cfg",) and plain.kwargs == {"backend": "t_new", "extra": 1}
+    assert plain.args == ("cfg",)
+    assert plain.kwargs == {"backend": "t_new", "model_type": "language_model", "extra": 1}
     alias = scratch.new("language_model", "t_new_stage_3", "cfg")
-    assert alias.kwargs == {"backend": "t_new_stage_3", "zero_stage": 3}
+    assert alias.kwargs == {"backend": "t_new_stage_3", "model_type": "language_model", "zero_stage": 3}
     assert scratch.new("language_model", "t_new_stage_3", "cfg", zero_stage=3).kwargs["zero_stage"] == 3
     with pytest.raises(ValueError, match="presets zero_stage=3"):
         scratch.new("language_model", "t_new_stage_3", "cfg", zero_stage=2)

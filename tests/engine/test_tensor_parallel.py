@@ -87,8 +87,9 @@ def _tp_rank(model_path, batch, optim, tp, model_type, micro):
     shard = rank_shard(batch, dp_rank, dp)  # every TP rank of a DP rank holds the same samples
     q = engine.module.model.layers[0].self_attn.q_proj.weight
     emb = engine.module.get_input_embeddings().weight
+    vocab_parallel = engine.model_type.vocab_slice is not None
     layout = (isinstance(q, DTensor), q.device_mesh.mesh_dim_names, tuple(q.to_local().shape),
-              isinstance(q.placements[-1], Shard), emb.placements[-1] == Shard(0), engine.vocab_parallel_head)
+              isinstance(q.placements[-1], Shard), emb.placements[-1] == Shard(0), vocab_parallel)
     out = {}
     if model_type == "language_model":
         with engine.eval_mode():

@@ -64,3 +64,22 @@ def test_model_checkpoint_save_hf_and_converter_agree(tmp_path):
         convert_checkpoint(tmp_path / "model", tmp_path / "c3")
     assert export_main([str(tmp_path / "model"), str(tmp_path / "c3")]) == 1  # a message, no traceback
     assert not (tmp_path / "c2").exists() and not (tmp_path / "c3").exists()
+
+    # the export never replaces or writes into the checkpoint it reads (it used to, with exit 0)
+    ckpts = tmp_path / "run" / "checkpoints"
+    step = ckpts / "step_000002"
+    for ckpt, out, relation in ((step, step, "is"), (step, step / "engines" / "actor", "lies inside"),
+                                (step / "engines" / "actor", step, "contains"), (ckpts, ckpts, "is")):
+        with pytest.raises(ValueError, match=f"OUT_DIR=.* {relation} the checkpoint .*outside"):
+            convert_checkpoint(ckpt, out)
+        assert export_main([str(ckpt), str(out)]) == 1
+    older = ckpts / "step_000001"  # another checkpoint of the run: refused by its kind
+    older.mkdir()
+    for entry in step.iterdir():
+        if entry.name in (".verl_trainer_output", "trainer_state.pt"):
+            (older / entry.name).write_bytes(entry.read_bytes())
+    with pytest.raises(FileExistsError, match="'checkpoint' directory verl-trainer wrote"):
+        convert_checkpoint(step, older)
+    assert export_main([str(step), str(older)]) == 1
+    assert (older / "trainer_state.pt").read_bytes() == (step / "trainer_state.pt").read_bytes()
+    assert all(torch.equal(_tensors(hf)[k], exported[k]) for k in exported)  # the checkpoint is intact

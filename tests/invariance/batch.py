@@ -11,7 +11,9 @@ deterministic and keep every discrete decision far from its threshold, so round-
   non-trivial and stable;
 * ``values = values_0 + e`` with ``e`` in {-1, -0.1, 0.1, 1} around the initial critic's values:
   ``|e|`` is far from ``cliprange_value = 0.5``, so ``vf_clipfrac`` is stable;
-* ``ref_log_prob``, ``advantages`` and ``returns`` are seeded noise.
+* ``ref_log_prob``, ``advantages`` and ``returns`` are seeded noise;
+* ``rollout_log_probs = old_log_probs + d'`` with ``d'`` in {-1, -0.2, 0.2, 1}: rollout -> trainer ratios
+  ``exp(-d')`` of 2.7, 1.2, 0.8, 0.37, far from the truncation threshold 2 of the ``ppo_is`` loss.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def make_invariance_batch(model_path: str, seed: int = 0) -> TensorDict:
     batch["advantages"] = adv * mask
     batch["values"] = (values_0 + _choice((-1.0, -0.1, 0.1, 1.0), shape, g)) * mask
     batch["returns"] = torch.randn(shape, generator=g) * mask
+    batch["rollout_log_probs"] = (batch["old_log_probs"] + _choice((-1.0, -0.2, 0.2, 1.0), shape, g)) * mask
     return batch
 
 

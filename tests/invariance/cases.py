@@ -18,6 +18,10 @@ The matrix is the union of these blocks (a full cross product would be ~1000 eng
   (2 and 4 ranks) x micro-batching in {one, fixed 1, dynamic} x balancing off/on.
 * **pipeline parallelism** (pp=2, fsdp2): the same block with ``pp=2`` in place of ``tp=2`` (one
   micro-batch runs GPipe, fixed 1 and dynamic run 1F1B).
+* **rollout correction** (``ppo_is``: the PPO loss importance-weighted by the truncated token ratio of
+  the batch's ``old_log_probs`` to its ``rollout_log_probs``, with the mismatch metrics), fsdp2: token-mean
+  and seq-mean-token-mean on dp in {1, 2} x every micro-batching x balancing off/on, plus dp=1 with
+  sp=2, tp=2 and pp=2 (dynamic micro-batches).
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ PP_DP_SIZES = (1, 2)
 PP_MICRO = ("one", "fixed1", "dynamic")
 PP_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
+CORRECTION_LOSS = "ppo_is"
+CORRECTION_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+
 REFERENCE_STRATEGY = "fsdp2"
 
 
@@ -53,7 +60,8 @@ class Case:
     """One configuration of one step.
 
     Attributes:
-        loss: ``"ppo"`` (entropy bonus and KL loss on), ``"value"`` or ``"sft"``.
+        loss: ``"ppo"`` (entropy bonus and KL loss on), ``"ppo_is"`` (the same with token-level TIS of the
+            rollout -> trainer ratio), ``"value"`` or ``"sft"``.
         agg: The ``loss_agg_mode``.
         dp: Data-parallel size.
         micro: ``"one"`` micro-batch per rank, ``"fixed1"`` / ``"fixed2"`` samples per micro-batch, or
@@ -168,6 +176,15 @@ def pp_cases() -> list[Case]:
             in product(LOSSES, PP_AGG_MODES, PP_DP_SIZES, PP_SIZES, PP_MICRO, (False, True))]
 
 
+def correction_cases() -> list[Case]:
+    """The rollout-correction block (fsdp2): every layout at dp in {1, 2}, and dp=1 with sp / tp / pp = 2."""
+    cases = [Case(CORRECTION_LOSS, agg, dp, micro, bal, "fsdp2")
+             for agg, dp, micro, bal in product(CORRECTION_AGG_MODES, (1, 2), MICRO, (False, True))]
+    cases += [Case(CORRECTION_LOSS, "token-mean", 1, "dynamic", False, "fsdp2", **mp)
+              for mp in ({"sp": 2}, {"tp": 2}, {"pp": 2})]
+    return cases
+
+
 def all_cases() -> list[Case]:
     """The whole matrix (references excluded), in a stable order."""
     cases: set[Case] = set()
@@ -180,6 +197,7 @@ def all_cases() -> list[Case]:
     cases.update(sp_cases())
     cases.update(tp_cases())
     cases.update(pp_cases())
+    cases.update(correction_cases())
     return sorted(c for c in cases if not c.is_reference)
 
 
@@ -197,13 +215,14 @@ SLICE: tuple[Case, ...] = (
     Case("ppo", "token-mean", 1, "dynamic", False, "fsdp2", tp=2),
     Case("ppo", "seq-mean-token-mean", 1, "fixed1", False, "fsdp2", tp=2),
     Case("ppo", "token-mean", 1, "dynamic", False, "fsdp2", pp=2),
+    Case(CORRECTION_LOSS, "token-mean", 2, "dynamic", True, "fsdp2"),
 )
 """The representative slice that runs in the default CI: the headline configuration (PPO with entropy
 and KL, dp=2, dynamic micro-batching, balancing with padding samples) in two aggregation modes, plus one
 fsdp and one deepspeed case, all on 2 ranks; dp=1 x tp=2 in both modes and dp=1 x pp=2 with dynamic
-micro-batches (1F1B) (2 ranks, the same spawn); and
-the same headline configuration at dp=2 x sp=2 on 4 ranks. The default run costs three process spawns
-(the 1-rank references, the 2-rank cases, the 4-rank case)."""
+micro-batches (1F1B) (2 ranks, the same spawn); the headline configuration with the rollout
+correction (the same spawn); and the same headline configuration at dp=2 x sp=2 on 4 ranks. The default
+run costs three process spawns (the 1-rank references, the 2-rank cases, the 4-rank case)."""
 
 
 def references(cases: list[Case]) -> list[Case]:

@@ -16,7 +16,7 @@ from tensordict import TensorDict
 
 from tests.engine.common import padded_log_probs, padded_values
 from tests.invariance.batch import VALUE_SEED
-from tests.invariance.cases import Case
+from tests.invariance.cases import CORRECTION_LOSS, Case
 from tests.invariance.runner import OPTIM, make_loss_fn, outputs_by_uid
 from verl_trainer.engine import GlobalBatchInfo
 from verl_trainer.metrics import reduce_metrics
@@ -44,7 +44,7 @@ def plain_step(case: Case, model_path: str, batch: TensorDict) -> dict[str, Any]
         model_output = {"log_probs": padded_log_probs(out.logits, batch["input_ids"])}
         with torch.no_grad():
             outputs = outputs_by_uid({**model_output, "entropy": padded_entropy(out.logits)}, batch)
-        if case.loss == "ppo":
+        if case.loss in ("ppo", CORRECTION_LOSS):
             model_output["entropy"] = padded_entropy(out.logits)
     # global_batch_size counts every real sample, the all-zero-mask one included (the engine's definition)
     info = GlobalBatchInfo(dp_size=1, batch_num_tokens=int(batch["loss_mask"].sum()),

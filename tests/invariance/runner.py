@@ -22,8 +22,9 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from tests.invariance.batch import BATCH_MULTIPLE, shard_for
-from tests.invariance.cases import XFAIL, Case
+from tests.invariance.cases import CORRECTION_LOSS, XFAIL, Case
 from verl_trainer.callbacks.sequence_balancing import balance_batch
+from verl_trainer.core_algos import RolloutCorrectionConfig
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
 from verl_trainer.losses import (
     PPOLossConfig,
@@ -73,12 +74,15 @@ def deepspeed_available() -> bool:
 
 
 def make_loss_fn(case: Case) -> Callable[..., Any]:
-    """The loss function of ``case`` (PPO with entropy bonus and KL loss on)."""
+    """The loss function of ``case`` (PPO with entropy bonus and KL loss on; ``ppo_is``: and token-level
+    TIS of the rollout -> trainer ratio, threshold 2: the batch's ratios are e^{+-1} and e^{+-0.2})."""
     factor = LOSS_SCALE_FACTOR if case.agg == "seq-mean-token-sum-norm" else None
-    if case.loss == "ppo":
+    if case.loss in ("ppo", CORRECTION_LOSS):
+        correction = RolloutCorrectionConfig(level="token", threshold=2.0) if case.loss == CORRECTION_LOSS \
+            else None
         return ppo_loss(PPOLossConfig(loss_agg_mode=case.agg, entropy_coeff=0.01, use_kl_loss=True,
                                       kl_loss_coef=0.1, kl_loss_type="low_var_kl",
-                                      loss_scale_factor=factor))
+                                      loss_scale_factor=factor), correction)
     if case.loss == "value":
         return value_loss(ValueLossConfig(cliprange_value=0.5, loss_agg_mode=case.agg,
                                           loss_scale_factor=factor))
@@ -143,7 +147,7 @@ def run_case_on_rank(case: Case, model_path: str, batch: TensorDict) -> dict[str
     entropy = {"calculate_entropy": True} if case.model_type == "language_model" else {}
     with engine.eval_mode():
         infer = engine.infer_batch(shard, **entropy)
-    kwargs = {"calculate_entropy": True} if case.loss == "ppo" else {}
+    kwargs = {"calculate_entropy": True} if case.loss in ("ppo", CORRECTION_LOSS) else {}
     with engine.train_mode():
         out = engine.train_batch(shard, make_loss_fn(case), **kwargs)
     metrics = reduce_metrics(out["metrics"])
@@ -217,9 +221,10 @@ def chunk_key(case: Case) -> tuple:
     three spawns (the 1-rank references, the 2-rank cases and one 4-rank dp=2 x sp=2 case). A case in
     ``XFAIL`` runs in a spawn of its own (a failing rank ends the spawn it is in).
     """
+    loss = "ppo" if case.loss == CORRECTION_LOSS else case.loss  # the rollout correction joins ppo's spawn
     if case in XFAIL:
-        return case.world, case.sp, case.loss, case.id
-    return case.world, case.sp, case.loss
+        return case.world, case.sp, loss, case.id
+    return case.world, case.sp, loss
 
 
 def run_order(case: Case) -> tuple[bool, Case]:

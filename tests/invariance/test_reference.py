@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from tensordict import TensorDict
 
-from tests.invariance.cases import AGG_MODES, LOSSES, SLICE, Case
+from tests.invariance.cases import AGG_MODES, CORRECTION_AGG_MODES, CORRECTION_LOSS, LOSSES, SLICE, Case
 from tests.invariance.compare import compare, failures
 from tests.invariance.plain import plain_step
 from tests.invariance.results import MatrixResults
@@ -22,13 +22,13 @@ SLICE_REFS = {(c.loss, c.agg) for c in SLICE}
 def reference_params() -> list:
     """Every reference; the two the default slice needs anyway run by default, the rest with the full."""
     params = []
-    for loss in LOSSES:
-        for agg in AGG_MODES:
-            case = Case(loss, agg, 1, "one", False, "fsdp2")
-            marks = [pytest.mark.invariance]
-            if (loss, agg) not in SLICE_REFS:
-                marks.append(pytest.mark.invariance_full)
-            params.append(pytest.param(case, id=case.id, marks=marks))
+    pairs = [(loss, agg) for loss in LOSSES for agg in AGG_MODES]
+    for loss, agg in pairs + [(CORRECTION_LOSS, agg) for agg in CORRECTION_AGG_MODES]:
+        case = Case(loss, agg, 1, "one", False, "fsdp2")
+        marks = [pytest.mark.invariance]
+        if (loss, agg) not in SLICE_REFS:
+            marks.append(pytest.mark.invariance_full)
+        params.append(pytest.param(case, id=case.id, marks=marks))
     return params
 
 

@@ -16,7 +16,8 @@ from verl_trainer.configs import (
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPES = {"sft": SFTRecipeConfig, "grpo": GRPORecipeConfig, "dr_grpo": GRPORecipeConfig,
-           "dapo": GRPORecipeConfig, "ppo": PPORecipeConfig, "grpo_lora": GRPORecipeConfig}
+           "dapo": GRPORecipeConfig, "ppo": PPORecipeConfig, "grpo_lora": GRPORecipeConfig,
+           "grpo_tools": GRPORecipeConfig}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -74,3 +75,47 @@ def test_recipe_command_line(capsys):
         parse_recipe_args(PPORecipeConfig, CONFIGS / "ppo.yaml", ["algorithm.critic.warmup=3"])
     assert "unknown config key 'algorithm.critic.warmup'" in capsys.readouterr().err
     assert "warmup_steps: 3" in config_to_yaml(cfg)
+
+
+@pytest.mark.parametrize("override, problem", [
+    ("trainer.max_steps=[1,2", r"did not find expected ',' or '\]'"),
+    ("algorithm.reward.name={a", r"did not find expected ',' or '\}'"),
+])
+def test_a_malformed_override_names_its_key_and_the_yaml_problem(override, problem):
+    key = override.split("=")[0]
+    with pytest.raises(ValueError, match=rf"cannot parse the override .*the value of {key} is not valid YAML "
+                                         rf"\(.*{problem}.*\); close the bracket or brace, or quote"):
+        load_config(GRPORecipeConfig, None, [override])
+
+
+def test_a_cosine_schedule_too_short_for_its_warmup_names_trainer_max_steps():
+    overrides = ["trainer.max_steps=3", "algorithm.actor.optim.warmup_steps=5"]
+    with pytest.raises(ValueError, match=r"cosine.*total_training_steps=3, warmup_steps=5.*"
+                                         r"set it to trainer.max_steps: give trainer.max_steps > 5"):
+        load_config(GRPORecipeConfig, CONFIGS / "grpo.yaml", overrides)
+
+
+def test_export_dtype_follows_the_precision_or_is_named():
+    import torch
+
+    from verl_trainer.configs import TrainerConfig
+
+    assert TrainerConfig(precision="bf16-mixed").export_torch_dtype() is torch.bfloat16  # not fp32 masters
+    assert TrainerConfig().export_torch_dtype() is None  # 32-true: as stored
+    assert TrainerConfig(export_dtype="fp16").export_torch_dtype() is torch.float16
+    with pytest.raises(ValueError, match="trainer.export_dtype='half'; choose auto or one of bf16, bfloat16"):
+        load_config(SFTRecipeConfig, CONFIGS / "sft.yaml", ["trainer.export_dtype=half"])
+
+
+def test_a_linear_schedule_with_warmup_from_the_command_line():
+    from verl_trainer.engine.optim import WarmupSchedule
+
+    cfg = load_config(SFTRecipeConfig, CONFIGS / "sft.yaml", [
+        "algorithm.optim.lr_scheduler=linear", "algorithm.optim.warmup_steps=1",
+        "algorithm.optim.total_training_steps=3"])
+    o = cfg.algorithm.optim
+    schedule = WarmupSchedule(o.warmup_steps, o.lr_scheduler, o.total_training_steps, o.min_lr_ratio)
+    assert [schedule(i) for i in range(4)] == pytest.approx([1.0, 1.0, 0.5, 0.0])
+    with pytest.raises(ValueError, match="lr_scheduler='linear' needs total_training_steps > warmup_steps"):
+        load_config(SFTRecipeConfig, CONFIGS / "sft.yaml", ["algorithm.optim.lr_scheduler=linear",
+                                                           "algorithm.optim.total_training_steps=null"])

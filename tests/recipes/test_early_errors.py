@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
-from verl_trainer.models.tiny import make_tiny_model
+from tests.recipes.test_recipes import make_recipe_assets
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
@@ -21,10 +20,7 @@ RECIPES = ROOT / "recipes"
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("early_assets")
-    make_tiny_model(base / "model", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, seed=1)
-    write_arithmetic_task(base / "data", ArithmeticTaskConfig(num_train=64, num_val=4, holdout_fraction=0.2))
-    return base
+    return make_recipe_assets(tmp_path_factory.mktemp("early_assets"))
 
 
 def _args(assets: Path, root: Path, *overrides: str) -> list[str]:
@@ -37,9 +33,6 @@ def _args(assets: Path, root: Path, *overrides: str) -> list[str]:
 
 def run_in_process(recipe: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", [str(RECIPES / f"{recipe}.py"), *argv])
-    monkeypatch.syspath_prepend(str(RECIPES))
-    for name in ("common", "grpo"):  # the recipes import each other as top-level modules
-        monkeypatch.delitem(sys.modules, name, raising=False)
     runpy.run_path(str(RECIPES / f"{recipe}.py"), run_name="__main__")
 
 
@@ -59,7 +52,7 @@ def _no_model_loaded(capfd: pytest.CaptureFixture[str]) -> None:
          r"data.train_batch_size=6 is not divisible by the data-parallel size 4"),
         ("ppo", ["trainer.logger=[nope]"], ValueError, r"nope"),
         ("sft", ["data.train_files=${task.dir}/train.jsonl"], ValueError,
-         r"train.jsonl: SFT row 0 needs 'prompt' and 'response' columns"),
+         r"train.jsonl: SFT row 0: a prompt-only row has nothing to train on \(it is RL data\)"),
     ],
     ids=["missing-file", "long-prompt", "batch-vs-devices", "logger", "sft-columns"],
 )
@@ -70,6 +63,22 @@ def test_recipe_errors_before_any_model_loads(assets, tmp_path, monkeypatch, cap
     with pytest.raises(error, match=match):
         run_in_process(recipe, _args(assets, tmp_path, *overrides), monkeypatch)
     _no_model_loaded(capfd)
+
+
+def test_settings_of_the_other_rollout_backend_are_named_as_not_read(assets, tmp_path, monkeypatch, capfd):
+    """verl scripts set vLLM's keys; the HF rollout says it does not read them (before any model loads)."""
+    overrides = ["warm_start.enable=false", "algorithm.rollout.name=hf", "data.train_files=/nope.jsonl",
+                 "actor_rollout_ref.rollout.gpu_memory_utilization=0.7",
+                 "algorithm.rollout.enforce_eager=false"]
+    with pytest.raises(FileNotFoundError):  # stops the run right after the note, before a model loads
+        run_in_process("grpo", _args(assets, tmp_path, *overrides), monkeypatch)
+    out, _ = capfd.readouterr()
+    assert ("note: the hf rollout does not read algorithm.rollout.gpu_memory_utilization=0.7, "
+            "algorithm.rollout.enforce_eager=False (settings of the other backend") in out, out
+    from verl_trainer.rollout.config import RolloutConfig
+
+    assert RolloutConfig(name="vllm", decoding="generate").ignored_by("vllm") == ["decoding=generate"]
+    assert RolloutConfig(max_model_len=64).ignored_by("vllm") == []
 
 
 def test_truncation_and_filtering_keys(assets, tmp_path, monkeypatch):
@@ -114,3 +123,15 @@ def test_a_config_error_at_two_devices_is_printed_once(assets, tmp_path):
     assert proc.returncode != 0
     assert out.count("data.train_batch_size=3 is not divisible by the data-parallel size 2") == 1, out
     assert "RankFailedError" not in out and "frame #" not in out and "Loading weights" not in out, out
+
+
+def test_unknown_data_source_for_default_compute_score_fails_before_any_model_loads(assets, tmp_path,
+                                                                                      monkeypatch, capfd):
+    from verl_trainer.data.prompts import save_rows, to_verl_row
+
+    save_rows([to_verl_row("1+1=", "2", "my_task")] * 4, tmp_path / "val.jsonl")
+    overrides = ["warm_start.enable=false", "algorithm.reward.name=default_compute_score",
+                 f"data.val_files={tmp_path / 'val.jsonl'}"]
+    with pytest.raises(ValueError, match=r"no scorer for the data source\(s\) \['my_task'\]; it knows"):
+        run_in_process("grpo", _args(assets, tmp_path, *overrides), monkeypatch)
+    _no_model_loaded(capfd)

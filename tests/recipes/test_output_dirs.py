@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from recipes import common
 from verl_trainer.configs import TaskConfig, TrainerConfig, WarmStartConfig
 from verl_trainer.data.tasks import ArithmeticTaskConfig
+from verl_trainer.recipes import common
 from verl_trainer.utils.fs import NotOwnedError, is_owned
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,3 +62,53 @@ def test_sft_recipe_refuses_an_export_dir_it_did_not_write_before_training(tmp_p
     assert proc.returncode != 0 and "export_dir=" in proc.stderr and "did not write" in proc.stderr
     assert (users / "run1" / "metrics.csv").read_text() == "precious"
     assert not (tmp_path / "task").exists()  # refused before anything else was done
+
+
+def test_task_warm_start_and_export_dirs_never_replace_a_checkpoint(tmp_path):
+    from verl_trainer.engine.checkpoint import atomic_checkpoint_dir
+
+    ckpt = tmp_path / "checkpoints" / "step_000003"
+    with atomic_checkpoint_dir(ckpt, run_id="r1") as tmp:
+        (tmp / "trainer_state.pt").write_bytes(b"state")
+    kind = r"'checkpoint' directory verl-trainer wrote.*Choose another directory"
+    with pytest.raises(NotOwnedError, match=rf"task.dir=.*step_000003.*{kind}"):
+        common.prepare_task(TaskConfig(dir=str(ckpt), arithmetic=SMALL))
+    with pytest.raises(NotOwnedError, match=rf"warm_start.output=.*{kind}"):
+        common.warm_start(WarmStartConfig(enable=True, output=str(ckpt)), "refused first", trainer_cfg=None)
+    with pytest.raises(NotOwnedError, match=rf"export_dir=.*{kind}"):
+        common.final_export_dir(TrainerConfig(), str(ckpt))
+    assert (ckpt / "trainer_state.pt").read_bytes() == b"state"
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["step_000003"]
+
+
+def test_changed_task_settings_rebuild_the_task_and_a_users_files_are_kept(tmp_path, capsys):
+    import dataclasses
+
+    task = tmp_path / "task"
+    common.prepare_task(TaskConfig(dir=str(task), arithmetic=SMALL))
+    rows = (task / "train.jsonl").read_text().splitlines()
+    common.prepare_task(TaskConfig(dir=str(task), arithmetic=SMALL))  # the same settings: kept
+    assert "wrote the arithmetic task" in capsys.readouterr().out.split("\n")[0]
+    assert "wrote" not in capsys.readouterr().out
+    fewer = dataclasses.replace(SMALL, num_train=5)
+    common.prepare_task(TaskConfig(dir=str(task), arithmetic=fewer))  # used to keep the old 8 rows
+    assert "arithmetic.num_train: 8 -> 5" in capsys.readouterr().out
+    assert len((task / "train.jsonl").read_text().splitlines()) == 5 != len(rows)
+
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / "train.jsonl").write_text('{"prompt": "mine"}\n')
+    common.prepare_task(TaskConfig(dir=str(users), arithmetic=fewer))  # not ours: used as it is
+    assert (users / "train.jsonl").read_text() == '{"prompt": "mine"}\n'
+
+
+def test_the_default_export_is_refused_before_any_work_when_a_user_added_a_file(tmp_path):
+    from verl_trainer.utils.fs import replace_dir_atomically
+
+    hf = tmp_path / "run" / "hf"
+    replace_dir_atomically(hf, lambda tmp: (tmp / "model.safetensors").write_bytes(b"w"), "hf_export", "hf")
+    assert common.final_export_dir(TrainerConfig(default_root_dir=str(tmp_path / "run"))) == str(hf)
+    (hf / "notes.txt").write_text("mine")  # was deleted by the next run's export
+    with pytest.raises(NotOwnedError, match=r"default_root_dir/hf=.*files it did not write \(notes.txt\)"):
+        common.final_export_dir(TrainerConfig(default_root_dir=str(tmp_path / "run")))
+    assert (hf / "notes.txt").read_text() == "mine"

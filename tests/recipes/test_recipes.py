@@ -6,6 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
+from safetensors import safe_open
 
 from tests.trainer.common import read_csv_metrics
 from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
@@ -14,15 +17,26 @@ from verl_trainer.models.tiny import make_tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    base = tmp_path_factory.mktemp("recipe_assets")
-    make_tiny_model(base / "model", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, seed=1)
-    write_arithmetic_task(base / "data", ArithmeticTaskConfig(num_train=64, num_val=4, holdout_fraction=0.2))
+def make_recipe_assets(base: Path, hidden_size: int = 32, num_attention_heads: int = 4,
+                       num_key_value_heads: int = 2, task: ArithmeticTaskConfig | None = None) -> Path:
+    """A tiny model and the arithmetic task under ``base`` (``model/``, ``data/``), for :func:`run_recipe`.
+
+    ``task`` defaults to 64 training and 4 validation prompts.
+    """
+    make_tiny_model(base / "model", hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                    num_key_value_heads=num_key_value_heads, seed=1)
+    task = task or ArithmeticTaskConfig(num_train=64, num_val=4, holdout_fraction=0.2)
+    write_arithmetic_task(base / "data", task)
     return base
 
 
-def run_recipe(name: str, assets: Path, root: Path, *overrides: str) -> dict[int, dict[str, float]]:
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_recipe_assets(tmp_path_factory.mktemp("recipe_assets"))
+
+
+def run_recipe(name: str, assets: Path, root: Path, *overrides: str, timeout: float = 420
+               ) -> dict[int, dict[str, float]]:
     args = [
         sys.executable, str(ROOT / "recipes" / f"{name}.py"),
         "trainer.devices=2", "trainer.max_steps=2", "trainer.val_check_interval=null", "trainer.logger=[csv]",
@@ -32,7 +46,7 @@ def run_recipe(name: str, assets: Path, root: Path, *overrides: str) -> dict[int
         *overrides,
     ]
     env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     assert "before training" in proc.stdout and "after training" in proc.stdout
     metrics = read_csv_metrics(root)
@@ -46,9 +60,18 @@ RL_OVERRIDES = ("warm_start.enable=false", "algorithm.rollout.max_new_tokens=3",
 
 def test_sft_recipe(assets, tmp_path):
     metrics = run_recipe("sft", assets, tmp_path, "algorithm.engine.micro_batch_size_per_gpu=2",
-                         f"export_dir={tmp_path / 'exported'}")
+                         f"export_dir={tmp_path / 'exported'}", "trainer.export_dtype=bfloat16")
     assert all("sft/loss" in metrics[s] for s in (1, 2))
     assert (tmp_path / "exported" / "config.json").exists()
+    with safe_open(tmp_path / "exported" / "model.safetensors", "pt") as f:  # half the fp32 size
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    (hparams,) = tmp_path.glob("lightning_logs/version_*/hparams.yaml")  # the whole resolved config
+    logged = yaml.safe_load(hparams.read_text())
+    assert logged["trainer"]["max_steps"] == 2 and logged["trainer"]["export_dtype"] == "bfloat16"
+    assert logged["data"]["train_batch_size"] == 4 and logged["model"]["path"] == str(assets / "model")
+    assert logged["algorithm"]["engine"]["micro_batch_size_per_gpu"] == 2
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert checkpoints == ["step_000002"], checkpoints  # the directory's lock was released at the end
 
 
 def test_grpo_recipe_with_kl_dapo_and_balancing(assets, tmp_path):

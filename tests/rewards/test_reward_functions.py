@@ -54,7 +54,7 @@ def test_a_trl_function_alone_scores_the_batch_in_one_call():
     with pytest.raises(ValueError, match=r"needs the columns \['answer'\], which the prompt file does not"):
         compute_rewards(["a"], ["1"], ["s"], lambda completions, answer, **k: [1.0],
                         columns=[{"prompt": "p"}])
-    with pytest.raises(ValueError, match="must return 3 numbers or None"):
+    with pytest.raises(ValueError, match="returned 1 values for 3 completions; it must return one number"):
         compute_rewards(["a", "b", "c"], ["1"] * 3, ["s"] * 3, lambda completions, **k: [1.0])
 
 
@@ -97,3 +97,26 @@ def test_reward_config_checks_names_and_weights():
     with pytest.raises(ValueError, match="3 weights"):
         RewardFunctions(["math"], weights=[1, 2, 3])
     assert torch.equal(RewardFunctions("math")(["7"], ["7"], ["a"])[0], torch.tensor([1.0]))
+
+
+def test_non_finite_scores_stay_non_finite_and_only_none_counts_zero():
+    """Issue 32 item 1: NaN / inf reach the non-finite guard as they are; a TRL ``None`` counts 0."""
+
+    def trl_raw(completions, **kwargs):
+        return [None, math.nan, math.inf, -math.inf, 1.0]
+
+    texts = ["a", "b", "c", "d", "e"]
+    alone = compute_rewards(texts, ["1"] * 5, ["s"] * 5, trl_raw)
+    assert alone[0] == 0.0 and math.isnan(alone[1]) and alone[2] == math.inf and alone[3] == -math.inf
+    assert alone[4] == 1.0
+
+    def verl_nan_on_b(data_source, solution_str, ground_truth, extra_info=None):
+        return math.nan if solution_str == "b" else 0.5
+
+    both = RewardFunctions([trl_raw, verl_nan_on_b], weights=[2.0, 1.0])
+    total, info = both(texts, ["1"] * 5, ["s"] * 5)
+    assert total[0] == 0.5  # None (0) + 0.5
+    assert math.isnan(total[1]) and total[2] == math.inf and total[3] == -math.inf
+    assert total[4] == 2.5
+    # the per-function mean leaves the None out; the raw non-finite values stay in
+    assert math.isnan(info["trl_raw/mean"][0]) and info["trl_raw/mean"][2] == math.inf

@@ -22,6 +22,7 @@ from verl_trainer.rewards import (
     score_batch,
     token_level_scores,
 )
+from verl_trainer.rewards.failures import RewardError
 from verl_trainer.rewards.registry import REWARD_REGISTRY
 
 
@@ -132,7 +133,7 @@ def test_module_function_loading(tmp_path, monkeypatch):
 def test_compute_rewards_checks():
     with pytest.raises(ValueError, match="must match"):
         compute_rewards(["a", "b"], ["1"], ["s", "s"], "math")
-    with pytest.raises(ValueError, match="without 'score'"):
+    with pytest.raises(RewardError, match="without 'score'"):
         compute_rewards(["a"], ["1"], ["s"], lambda *a, **k: {"acc": 1.0})
     scores = compute_rewards(["7", "8", "x"], ["7", "7", "7"], ["s"] * 3, "math")
     assert scores.dtype == torch.float32 and scores.tolist() == pytest.approx([1.0, FORMAT_SCORE, 0.0])

@@ -48,7 +48,7 @@ def _run_both(rollout: HFRollout, prompts, config: RolloutConfig, drop_at: float
         torch.manual_seed(11)
         ref = rollout.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=gen_config)
         torch.manual_seed(11)
-        ours = sample_dropping_finished(rollout.model, input_ids, mask, gen_config, drop_at=drop_at)
+        ours, _ = sample_dropping_finished(rollout.model, input_ids, mask, gen_config, drop_at=drop_at)
     cut = [r[: r.index(EOS) + 1] if EOS in r else r for r in ref[:, input_ids.shape[1]:].tolist()]
     return cut, ours
 
@@ -72,9 +72,9 @@ def test_drop_finished_greedy_equals_generate(peaked_model_path, tokenizer):
     assert len({len(r) for r in ref}) > 2
 
 
-def test_drop_finished_length_distribution(rollout_model_path, tokenizer):
-    """Constant logits with p(eos) = 1/8: lengths are geometric capped at 12, also with rows dropped."""
-    model = load_causal_lm(rollout_model_path).eval()
+def constant_eos_model(path: str) -> nn.Module:
+    """The real model with constant logits: p(eos) = 1/8 at every step, the other tokens uniform."""
+    model = load_causal_lm(path).eval()
     vocab = model.lm_head.out_features
     head = nn.Linear(model.lm_head.in_features, vocab, bias=True)
     with torch.no_grad():
@@ -82,13 +82,19 @@ def test_drop_finished_length_distribution(rollout_model_path, tokenizer):
         head.bias.zero_()
         head.bias[EOS] = math.log((vocab - 1) / 7)  # exp(b) / (exp(b) + vocab - 1) = 1/8
     model.lm_head = head
+    torch.testing.assert_close(torch.softmax(head.bias, 0)[EOS], torch.tensor(1 / 8))
+    return model
+
+
+def test_drop_finished_length_distribution(rollout_model_path, tokenizer):
+    """Constant logits with p(eos) = 1/8: lengths are geometric capped at 12, also with rows dropped."""
+    model = constant_eos_model(rollout_model_path)
     p = 1 / 8
-    torch.testing.assert_close(torch.softmax(head.bias, 0)[EOS], torch.tensor(p))
     rollout = HFRollout(RolloutConfig(max_new_tokens=12, decoding="drop_finished"), model, tokenizer)
     prompts = _prompts(tokenizer, 200)
     input_ids, mask = rollout._left_pad(prompts)
     torch.manual_seed(0)
-    out = sample_dropping_finished(model, input_ids, mask, rollout.generation_config(rollout.config))
+    out, _ = sample_dropping_finished(model, input_ids, mask, rollout.generation_config(rollout.config))
     lengths = torch.tensor([len(r) for r in out], dtype=torch.float64)
     expected = (1 - (1 - p) ** 12) / p  # E[min(Geometric(p), 12)]
     std = lengths.std() / math.sqrt(len(out))

@@ -68,3 +68,15 @@ def test_a_run_resumed_from_a_checkpoint_without_a_run_id_owns_the_ones_without(
     _checkpoint(tmp_path, 4, "abc")
     with pytest.raises(FileExistsError, match=r"run abc \(step 4\)"):
         claim_checkpoint_dir(tmp_path, None, resumed=True)
+
+
+def test_prune_keeps_a_checkpoint_holding_a_users_file(tmp_path):
+    from verl_trainer.utils.fs import record_files
+
+    for step in (1, 2):
+        record_files(_checkpoint(tmp_path, step, "run"))
+    (tmp_path / "step_000001" / "my_eval.json").write_text("mine")  # added by a user after the save
+    kept = r"not pruning: .*step_000001.*files it did not write \(my_eval.json\)"
+    with pytest.warns(UserWarning, match=kept):
+        removed = prune_checkpoints(tmp_path, keep=1, current_step=2, run_id="run")
+    assert removed == [] and (tmp_path / "step_000001" / "my_eval.json").read_text() == "mine"

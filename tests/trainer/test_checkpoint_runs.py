@@ -77,7 +77,7 @@ def _runs(model_path: str, root: str) -> dict:
     original = Path.write_text
 
     def disk_full(self: Path, data: str, *args: object, **kwargs: object) -> int:
-        if self.name == "meta.json" and self.parent.name == ".step_000003.tmp":
+        if self.name == "meta.json" and self.parent.name.startswith(".step_000003.tmp"):
             original(self, data[: len(data) // 2], *args, **kwargs)
             raise OSError(errno.ENOSPC, "No space left on device", str(self))
         return original(self, data, *args, **kwargs)

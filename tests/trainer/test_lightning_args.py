@@ -3,6 +3,7 @@ what to use instead, Lightning's callbacks rejected naming ours, hooks never cal
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -10,7 +11,12 @@ import pytest
 from verl_trainer import Trainer
 from verl_trainer.callbacks import HOOK_NAMES, Callback, EarlyStopping, ModelCheckpoint
 from verl_trainer.callbacks.base import unknown_hooks
-from verl_trainer.training.lightning_args import UNSUPPORTED_ARGS, limited_batches, parse_max_time
+from verl_trainer.training.lightning_args import (
+    HARMLESS_VALUES,
+    UNSUPPORTED_ARGS,
+    limited_batches,
+    parse_max_time,
+)
 
 # Every Lightning 2.x callback hook; each must be dispatched here.
 LIGHTNING_CALLBACK_HOOKS = [
@@ -32,8 +38,26 @@ def test_every_lightning_callback_hook_is_a_hook():
 
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED_ARGS))
 def test_lightning_args_without_meaning_say_what_to_use(name):
-    with pytest.raises(TypeError, match=f"{name}: Lightning's argument has no meaning here; "):
-        Trainer(**{name: 1})
+    if name in HARMLESS_VALUES:  # accepted at the values that ask for what happens here anyway
+        fix = re.escape(UNSUPPORTED_ARGS[name][:20])
+        match = f"{name}='on': Lightning's argument is accepted here only as .*{fix}"
+    else:
+        match = f"{name}: Lightning's argument has no meaning here; "
+    with pytest.raises(TypeError, match=match):
+        Trainer(**{name: "on"})
+
+
+def test_harmless_lightning_flags_are_accepted_at_their_defaults():
+    """What a Lightning script passes by habit (issue 29 item 7): its defaults, and the flags that change
+    nothing here at any value."""
+    Trainer(enable_model_summary=False, benchmark=None, inference_mode=True, use_distributed_sampler=True,
+            detect_anomaly=False, sync_batchnorm=False, barebones=False, reload_dataloaders_every_n_epochs=0,
+            profiler=None, plugins=None, overfit_batches=0.0, model_registry=None, logger=False)
+    Trainer(enable_model_summary=True, inference_mode=False, benchmark=False, logger=False)
+    with pytest.raises(TypeError, match=r"use_distributed_sampler=False: .*accepted here only as True"):
+        Trainer(use_distributed_sampler=False)
+    with pytest.raises(TypeError, match=r"overfit_batches=5: .*accepted here only as 0 or 0.0"):
+        Trainer(overfit_batches=5)
 
 
 def test_misspelled_argument_suggests_the_name():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.trainer.common import assert_all_gone, read_csv_metrics, run_script, tiny_model
+from verl_trainer.utils.dir_lock import LOCK_FILE
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,10 @@ def test_killed_and_resumed_fit_equals_uninterrupted_fit(model_path, tmp_path, s
     assert rc == -9, out  # SIGKILLed, all ranks
     assert_all_gone(cut)
     names = sorted(p.name for p in (cut / "checkpoints").iterdir())
+    assert LOCK_FILE in names, names  # the killed run's lock file stays behind (the kernel freed the lock)
+    names.remove(LOCK_FILE)
     if kill_mode == "midwrite":
-        assert names == [".step_000004.tmp", "step_000002", "step_000003"], names
+        assert names[0].startswith(".step_000004.tmp-") and names[1:] == ["step_000002", "step_000003"], names
     else:
         assert names == ["step_000002", "step_000003"], names
 
@@ -51,6 +54,7 @@ def test_killed_and_resumed_fit_equals_uninterrupted_fit(model_path, tmp_path, s
                             "--params-out", str(tmp_path / "cut.pt"))
     assert rc == 0, out
     assert "step 4/6" in out and "step 3/6" not in out  # resumed after step 3
+    assert "took over a stale lock left by pid" in out and "no longer running" in out, out
 
     want, got = read_csv_metrics(full), read_csv_metrics(cut)
     assert sorted(want) == sorted(got) == [1, 2, 3, 4, 5, 6]

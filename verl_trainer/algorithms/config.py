@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_trainer.algorithms.non_finite import NonFiniteConfig
-from verl_trainer.core_algos import validate_kl_penalty
+from verl_trainer.core_algos import RolloutCorrectionConfig, validate_kl_penalty
+from verl_trainer.core_algos.advantages import ADV_ESTIMATOR_REGISTRY, estimator_inputs
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.losses import PPOLossConfig, ValueLossConfig
+from verl_trainer.rewards.failures import check_on_error
 from verl_trainer.rollout.config import RolloutConfig
 
 __all__ = [
@@ -34,11 +36,9 @@ __all__ = [
     "RLConfig",
     "RefConfig",
     "RewardConfig",
+    "RewardModelConfig",
     "ValidationRolloutConfig",
 ]
-
-GROUP_ESTIMATORS = ("grpo", "rloo")
-"""Advantage estimators that normalise within a prompt's group (computed on the rank holding it)."""
 
 
 @dataclass
@@ -152,6 +152,39 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """``algorithm.reward.model``: a frozen neural reward model (verl's ``reward_model.*``).
+
+    An ``AutoModelForSequenceClassification`` checkpoint with one label, run as an inference-only engine
+    (sharded like the actor, micro-batched by ``engine``, offloadable between uses with
+    ``engine.param_offload``); its score is the head at a sequence's last token. Its own tokenizer (and chat
+    template, for chat prompts) turns prompt + response text into its input.
+
+    Attributes:
+        enable: Score with the model (verl's ``reward_model.enable``).
+        path: Its directory or cached hub id (verl's ``reward_model.model.path``).
+        weight: Its score's weight in the sum with ``algorithm.reward.name``'s functions.
+        engine: Micro-batching (``micro_batch_size_per_gpu``, ``use_dynamic_bsz``, ``max_token_len_per_gpu``)
+            and ``param_offload``; ``model_path`` is :attr:`path`.
+        max_length: Longest input in the reward model's tokens; a longer one keeps its last ``max_length``
+            (counted as ``reward/model/truncated``).
+    """
+
+    enable: bool = False
+    path: str = ""
+    weight: float = 1.0
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(micro_batch_size_per_gpu=8))
+    max_length: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.enable and not self.path:
+            raise ValueError("algorithm.reward.model.enable=true needs algorithm.reward.model.path (verl: "
+                             "reward_model.model.path): the AutoModelForSequenceClassification directory")
+        if self.max_length < 2:
+            raise ValueError(f"algorithm.reward.model.max_length={self.max_length} must be >= 2")
+
+
+@dataclass
 class RewardConfig:
     """How responses are scored.
 
@@ -162,11 +195,19 @@ class RewardConfig:
             itself; or a list of them, whose scores are summed with ``weights`` (TRL's ``reward_funcs``).
         weights: One weight per function in ``name`` (TRL's ``reward_weights``); ``None``: 1.0 each.
         overlong_buffer: DAPO's overlong reward shaping.
+        on_error: A reward call that raises, times out or returns a non-number: ``error`` (stop, naming the
+            function, the data source and the sample), ``drop`` (train without the sample; its group with
+            GRPO/RLOO) or ``zero`` (it scores 0). Counted per step as ``reward/errors``, ``reward/timeouts``
+            (:mod:`verl_trainer.rewards.failures`). Non-finite scores are ``algorithm.non_finite``'s.
+        model: A neural reward model whose weighted score is added (``name: none`` for the model alone). A
+            reward model's directory among ``name`` (TRL's style, with its weight in ``weights``) sets it too.
     """
 
     name: Any = "math"
     weights: list[float] | None = None
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    on_error: str = "error"
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
     def __post_init__(self) -> None:
         single = isinstance(self.name, str) or callable(self.name)
@@ -174,6 +215,7 @@ class RewardConfig:
         if not names or not all(callable(n) or (isinstance(n, str) and n) for n in names):
             raise ValueError(f"algorithm.reward.name={self.name!r}: give a reward name, 'module:function', "
                              "'file.py:function', a function (Python configs), or a list of them")
+        check_on_error(self.on_error)
         if self.weights is not None and len(self.weights) != len(names):
             raise ValueError(f"algorithm.reward.weights={list(self.weights)} has {len(self.weights)} entries "
                              f"for {len(names)} reward functions {names}; give one weight per function")
@@ -184,16 +226,43 @@ class ValidationRolloutConfig:
     """Sampling of validation rollouts (verl's ``val_kwargs``): greedy, one response, by default.
 
     Attributes:
-        n: Responses per validation prompt.
+        n: Responses per validation prompt (``> 1`` needs ``do_sample``).
         do_sample: Sample (``True``) or decode greedily.
         temperature: Sampling temperature when ``do_sample``.
         top_p: Nucleus mass when ``do_sample``.
+        k: The budgets of ``val/pass@k``, ``val/maj@k``, ``val/mean@k``, ``val/best@k``, ``val/worst@k``
+            (each ``<= n``); ``None``: ``1, 2, 4, ..., n`` when ``n > 1``, none when ``n == 1``.
+        correct_threshold: A sample whose reward reports no ``acc`` counts as correct (pass@k, maj@k)
+            when its score is at least this.
     """
 
     n: int = 1
     do_sample: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
+    k: list[int] | None = None
+    correct_threshold: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"algorithm.val_rollout.n={self.n} must be >= 1 (responses per prompt)")
+        if self.n > 1 and not self.do_sample:
+            raise ValueError(f"algorithm.val_rollout.n={self.n} with do_sample=false draws {self.n} "
+                             "identical greedy responses per prompt; set "
+                             "algorithm.val_rollout.do_sample=true or n=1")
+        for k in self.k or []:
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.n:
+                raise ValueError(f"algorithm.val_rollout.k={list(self.k or [])} holds {k!r}; every k must be "
+                                 f"an int in [1, n={self.n}]; raise algorithm.val_rollout.n or drop it")
+
+    @property
+    def ks(self) -> list[int]:
+        """The budgets reported (see :attr:`k`)."""
+        from verl_trainer.evaluate.samples import default_ks
+
+        if self.k:
+            return sorted(set(self.k))
+        return default_ks(self.n) if self.n > 1 else []
 
 
 @dataclass
@@ -210,6 +279,11 @@ class RLConfig:
         val_rollout: Sampling of validation rollouts.
         non_finite: NaN/inf rewards, advantages and losses: ``policy`` (``error`` | ``drop_samples``) and
             ``max_consecutive_skipped_steps`` (:mod:`verl_trainer.algorithms.non_finite`).
+        rollout_correction: Truncated / masked importance sampling of the rollout -> trainer ratio in the
+            policy loss (``level``: null = off, ``token``, ``sequence``; ``mode``: ``truncate`` = TIS,
+            ``mask`` = MIS; ``threshold``, ``threshold_lower``), verl's ``algorithm.rollout_correction``
+            (:mod:`verl_trainer.core_algos.rollout_correction`). The mismatch metrics (``rollout_corr/*``)
+            are logged whether it is on or off.
     """
 
     model_path: str = ""
@@ -219,6 +293,7 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     val_rollout: ValidationRolloutConfig = field(default_factory=ValidationRolloutConfig)
     non_finite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     @property
     def ref_in_actor(self) -> bool:
@@ -251,7 +326,9 @@ class GRPOConfig(RLConfig):
 
     Attributes:
         rollout: As in :class:`RLConfig`, with ``n=8`` samples per prompt by default.
-        adv_estimator: ``grpo`` or ``rloo`` (group estimators from the advantage registry).
+        adv_estimator: Any registered estimator that reads no critic values and no baseline rollout
+            (``grpo``, ``rloo``, ``reinforce_plus_plus``, or one of your own; ``estimator_inputs``).
+        gamma: Discount factor of estimators that discount (REINFORCE++; verl's ``algorithm.gamma``).
         norm_adv_by_std_in_grpo: Divide by the group's reward std (GRPO) or not (Dr.GRPO).
         dynamic_sampling: DAPO: drop the groups whose rewards are all equal (no learning signal) before
             the update.
@@ -259,21 +336,39 @@ class GRPOConfig(RLConfig):
 
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=8))
     adv_estimator: str = "grpo"
+    gamma: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
     dynamic_sampling: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.adv_estimator not in GROUP_ESTIMATORS:
-            raise ValueError(
-                f"algorithm.adv_estimator={self.adv_estimator!r}: GRPO uses a group estimator, one of "
-                f"{GROUP_ESTIMATORS}; for 'gae' use PPO (recipes/ppo.py)"
-            )
-        if self.rollout.n < 2:
+        needs = self._estimator_inputs()
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"algorithm.gamma={self.gamma} must be in [0, 1]")
+        if "index" in needs and self.rollout.n < 2:
             raise ValueError(
                 f"rollout.n={self.rollout.n}: group-relative advantages need >= 2 samples per prompt; set "
                 "algorithm.rollout.n=8 (for example)"
             )
+
+    def _estimator_inputs(self) -> frozenset[str]:
+        """What ``adv_estimator`` reads; refuses one GRPO cannot feed (a critic, a baseline rollout)."""
+        try:
+            needs = estimator_inputs(self.adv_estimator)
+        except (KeyError, ValueError) as exc:  # unknown name; a module, file or attribute that is not there
+            raise ValueError(f"algorithm.adv_estimator={self.adv_estimator!r}: {exc}") from None
+        usable = [name for name in ADV_ESTIMATOR_REGISTRY if estimator_inputs(name) <= {"index"}]
+        if "values" in needs:
+            raise ValueError(
+                f"algorithm.adv_estimator={self.adv_estimator!r} reads a critic's values and GRPO has no "
+                f"critic; use PPO (recipes/ppo.py), or one of {usable}"
+            )
+        if "reward_baselines" in needs:
+            raise ValueError(
+                f"algorithm.adv_estimator={self.adv_estimator!r} needs the reward of a baseline rollout "
+                f"(ReMax: the greedy response), which the GRPO recipe does not generate; use one of {usable}"
+            )
+        return needs
 
 
 @dataclass
@@ -282,7 +377,8 @@ class PPOConfig(RLConfig):
 
     Attributes:
         critic: The value model.
-        adv_estimator: ``gae``.
+        adv_estimator: Any registered estimator that reads the critic's ``values`` (``gae``, or one of your
+            own; it may read the group ids too, then ``rollout.n >= 2``) and no baseline rollout.
         gamma: Discount factor.
         lam: GAE lambda.
         use_kl_in_reward: Subtract ``kl_coef * KL(pi_old || pi_ref)`` per token from the rewards before
@@ -301,14 +397,35 @@ class PPOConfig(RLConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.adv_estimator != "gae":
-            raise ValueError(
-                f"algorithm.adv_estimator={self.adv_estimator!r}: PPO here uses the critic with 'gae'; for "
-                "group estimators (grpo, rloo) use GRPO (recipes/grpo.py)"
-            )
+        self._check_estimator()
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
             raise ValueError(f"algorithm.gamma={self.gamma} and lam={self.lam} must be in [0, 1]")
         try:
             validate_kl_penalty(self.kl_penalty)
         except ValueError as err:
             raise ValueError(f"algorithm.kl_penalty: {err}") from None
+
+    def _check_estimator(self) -> None:
+        """Refuses an ``adv_estimator`` PPO cannot feed or that would leave the critic unused."""
+        try:
+            needs = estimator_inputs(self.adv_estimator)
+        except (KeyError, ValueError) as exc:  # unknown name; a module, file or attribute that is not there
+            raise ValueError(f"algorithm.adv_estimator={self.adv_estimator!r}: {exc}") from None
+        usable = [name for name in ADV_ESTIMATOR_REGISTRY if "values" in estimator_inputs(name)
+                  and estimator_inputs(name) <= {"values", "index"}]
+        if "values" not in needs:
+            raise ValueError(
+                f"algorithm.adv_estimator={self.adv_estimator!r} reads no critic values, so PPO's critic "
+                f"would train for nothing; use GRPO (recipes/grpo.py) for it, or one of {usable} here"
+            )
+        if not needs <= {"values", "index"}:
+            raise ValueError(
+                f"algorithm.adv_estimator={self.adv_estimator!r} reads "
+                f"{sorted(needs - {'values', 'index'})}, which the PPO recipe does not produce; use one of "
+                f"{usable}"
+            )
+        if "index" in needs and self.rollout.n < 2:
+            raise ValueError(
+                f"algorithm.adv_estimator={self.adv_estimator!r} reads group ids and rollout.n="
+                f"{self.rollout.n}: set algorithm.rollout.n >= 2"
+            )

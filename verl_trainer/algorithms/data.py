@@ -91,23 +91,40 @@ def per_rank(global_size: int, dp: int, what: str) -> int:
 
 
 class _DataModule:
-    def __init__(self, config: DataConfig, tokenizer: Any, sp_size: int = 1) -> None:
-        if not config.train_files:
-            raise ValueError("data.train_files is empty; point it at a .jsonl or .parquet file")
+    def __init__(self, config: DataConfig, tokenizer: Any, sp_size: int = 1, train_dataset: Any = None,
+                 val_dataset: Any = None) -> None:
+        if not config.train_files and train_dataset is None:
+            raise ValueError("data.train_files is empty; point it at a .jsonl or .parquet file, or pass "
+                             "train_dataset= (a datasets.Dataset or a list of rows)")
         self.config = config
         self.tokenizer = tokenizer
         self.sp_size = sp_size
         self.trainer: Any = None  # set by Trainer.fit / validate (Lightning's attribute)
+        self._rows = {"data.train_files": train_dataset, "data.val_files": val_dataset}
         self._train: Any = None
         self._val: Any = None
 
-    def _dataset(self, path: str) -> Any:
+    @property
+    def has_val(self) -> bool:
+        """Whether there is validation data (``config.val_files`` or ``val_dataset``)."""
+        return bool(self.config.val_files) or self._rows["data.val_files"] is not None
+
+    def _dataset(self, source: Any) -> Any:
         raise NotImplementedError
 
     def _load(self, path: str, what: str) -> Any:
+        if self._rows[what] is not None:  # rows given in place of the file (a datasets.Dataset, a list)
+            return self._dataset(self._rows[what])
         if not Path(path).is_file():
             raise FileNotFoundError(f"{what}={path!r} does not exist (relative paths start at {os.getcwd()})")
         return self._dataset(path)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The data files by path and content, recorded in checkpoints (``training/run_inputs.py``)."""
+        from verl_trainer.utils.cached_dir import fingerprint
+
+        files = {"train_files": self.config.train_files, "val_files": self.config.val_files}
+        return {key: {"path": path, "content": fingerprint(path)} for key, path in files.items() if path}
 
     def check(self, dp_size: int) -> None:
         """Read, tokenise and check the data for ``dp_size`` data-parallel ranks, before any model loads.
@@ -128,11 +145,23 @@ class _DataModule:
                 f"data.train_files={self.config.train_files!r} has {len(self._train)} rows, fewer than one "
                 f"batch (data.train_batch_size={self.config.train_batch_size})"
             )
-        if self.config.val_files:
+        if self.has_val:
             if self._val is None:
                 self._val = self._load(self.config.val_files, "data.val_files")
             if self.config.val_batch_size is not None:
                 per_rank(self.config.val_batch_size, dp_size, "data.val_batch_size")
+
+    def batches_per_epoch(self, dp_size: int) -> int:
+        """Loader batches of one training epoch at ``dp_size`` ranks, after :meth:`check`.
+
+        Full batches only, as the loader drops a last partial one (verl's ``len(train_dataloader)``): each
+        rank holds ``ceil(rows / dp_size)`` rows (the epoch padded to a multiple of ``dp_size``) in batches
+        of ``train_batch_size / dp_size``.
+        """
+        if self._train is None:
+            raise RuntimeError("batches_per_epoch() needs the data read: call check(dp_size) first")
+        size = per_rank(self.config.train_batch_size, dp_size, "data.train_batch_size")
+        return math.ceil(len(self._train) / dp_size) // size
 
     def _dp_size(self) -> int:
         if self.trainer is not None:
@@ -154,7 +183,7 @@ class _DataModule:
 
     def val_dataloader(self) -> DataLoader | None:
         """Validation batches (``None`` without ``val_files``)."""
-        if not self.config.val_files:
+        if not self.has_val:
             return None
         if self._val is None:
             self._val = self._load(self.config.val_files, "data.val_files")
@@ -173,13 +202,23 @@ class PromptDataModule(_DataModule):
         config: Files and global batch sizes.
         tokenizer: The policy's tokenizer.
         sp_size: Ulysses sequence-parallel size of the actor (ranks of one SP group share a batch).
+        train_dataset: Rows in place of ``config.train_files`` (TRL's ``train_dataset``): a
+            ``datasets.Dataset`` or a list of rows in the file's columns (a ``prompt``; a ground truth as
+            ``reward_model.ground_truth``, ``ground_truth`` or TRL's ``solution``, optional; any other
+            column, passed by name to TRL-style rewards).
+        val_dataset: Rows in place of ``config.val_files``.
     """
 
-    def _dataset(self, path: str) -> PromptDataset:
+    def _dataset(self, source: Any) -> PromptDataset:
         cfg = self.config
-        return PromptDataset(path, self.tokenizer, cfg.max_prompt_length, truncation=cfg.truncation,
+        return PromptDataset(source, self.tokenizer, cfg.max_prompt_length, truncation=cfg.truncation,
                              chat_template=cfg.chat_template,
                              filter_overlong_prompts=cfg.filter_overlong_prompts, prompt_key=cfg.prompt_key)
+
+
+    def data_sources(self) -> set[str]:
+        """The ``data_source`` values of the files read by :meth:`check` (train and validation)."""
+        return {s for ds in (self._train, self._val) if ds is not None for s in ds.data_sources()}
 
 
 class SFTDataModule(_DataModule):
@@ -191,10 +230,13 @@ class SFTDataModule(_DataModule):
         config: Files and global batch sizes.
         tokenizer: The model's tokenizer.
         sp_size: Ulysses sequence-parallel size.
+        train_dataset: Rows in place of ``config.train_files`` (a ``datasets.Dataset`` or a list of rows in
+            one of TRL's SFT formats, see :mod:`verl_trainer.data.sft`).
+        val_dataset: Rows in place of ``config.val_files``.
     """
 
-    def _dataset(self, path: str) -> SFTDataset:
+    def _dataset(self, source: Any) -> SFTDataset:
         cfg = self.config
-        return SFTDataset(path, self.tokenizer, cfg.max_length, chat_template=cfg.chat_template,
+        return SFTDataset(source, self.tokenizer, cfg.max_length, chat_template=cfg.chat_template,
                           prompt_key=cfg.prompt_key, response_key=cfg.response_key,
                           messages_key=cfg.messages_key)

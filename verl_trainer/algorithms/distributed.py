@@ -6,6 +6,10 @@ same order) and reduces only a few numbers; no samples move.
 * :func:`global_masked_whiten`: whitening with the mean and variance of the **whole** step batch (all
   DP ranks), so PPO's GAE advantages do not depend on the dp size. verl whitens on its driver, which
   holds the whole batch; here each rank contributes masked sums.
+* :func:`drop_samples`: bad samples (a failed reward, a non-finite value) become padding, with their
+  whole prompt group under a group estimator, and the count over the DP group is returned.
+* :func:`estimator_advantages`: a registered advantage estimator run on this rank's samples, its batch
+  whitening (GAE, REINFORCE++) redone over the whole DP batch.
 * :func:`split_mini_batches`: the PPO mini-batches of one step; every rank gets the same number of
   non-empty mini-batches (a rank short of samples gets ``is_padding`` samples that train nothing), so no
   rank runs an engine step the others do not.
@@ -14,16 +18,20 @@ same order) and reduces only a few numbers; no samples move.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from verl_trainer.core_algos.advantages import Estimator
 from verl_trainer.data import schema
 from verl_trainer.utils.distributed import all_reduce
 
 __all__ = [
     "count_mini_batches",
+    "drop_samples",
+    "estimator_advantages",
     "global_masked_whiten",
     "split_mini_batches",
 ]
@@ -69,6 +77,38 @@ def global_masked_whiten(values: torch.Tensor, mask: torch.Tensor,
     return whitened.to(values.dtype)
 
 
+def estimator_advantages(estimator: Estimator, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                         group: dist.ProcessGroup | None = None,
+                         **available: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` of ``estimator`` on this rank's samples, for any dp size.
+
+    The estimator gets what its signature takes of ``available`` (:meth:`Estimator.__call__`). One that
+    whitens over the batch handed in (:attr:`Estimator.whitens`) has that whitening redone over the whole
+    DP batch: its returns (REINFORCE++) or ``returns - values`` (GAE), so the advantages equal the
+    estimator's on the concatenation of every rank's batch. Collective over ``group`` for those. An
+    estimator that reads group ids needs each prompt's group whole on this rank.
+
+    Args:
+        estimator: From :func:`~verl_trainer.core_algos.advantages.resolve_estimator`.
+        token_level_rewards: ``[B, T]``.
+        response_mask: ``[B, T]``.
+        group: The DP group (``None``: the default group, if any).
+        **available: ``index`` ``[B]``, ``values`` ``[B, T]``, ``reward_baselines`` ``[B]``, ``gamma``,
+            ``lam``, ``config``, ``norm_adv_by_std_in_grpo`` (what the recipe can give).
+
+    Returns:
+        ``(advantages, returns)``, ``[B, T]``, 0 outside the mask.
+    """
+    advantages, returns = estimator(token_level_rewards, response_mask, **available)
+    mask = response_mask.to(returns.dtype)
+    if estimator.whitens == "returns":
+        advantages = global_masked_whiten(returns, response_mask, group) * mask
+    elif estimator.whitens == "advantages":
+        raw = (returns - available["values"]) * mask
+        advantages = global_masked_whiten(raw, response_mask, group) * mask
+    return advantages, returns
+
+
 def count_mini_batches(batch: TensorDict, mini_batch_size: int | None,
                        group: dist.ProcessGroup | None = None) -> int:
     """Number of mini-batches of the step: ``ceil(global real samples / mini_batch_size)`` (a collective).
@@ -108,3 +148,25 @@ def split_mini_batches(batch: TensorDict, count: int) -> list[TensorDict]:
         batch = schema.append_padding(batch, count - rows)
         rows = count
     return [batch[idx] for idx in torch.tensor_split(torch.arange(rows), count)]
+
+
+def drop_samples(batch: TensorDict, bad: torch.Tensor, group_estimator: bool, group=None
+                 ) -> tuple[torch.Tensor, int]:
+    """Mark ``bad`` samples (and, for a group estimator, their whole prompt groups) as padding.
+
+    Args:
+        batch: This rank's step batch ``[B]`` (``uid``, ``is_padding``), changed in place.
+        bad: ``[B]`` bool, the samples to drop on this rank (real ones only).
+        group_estimator: Drop every sample that shares a ``uid`` with a bad one (its advantages need the
+            whole group).
+        group: The DP process group (``None``: the default group, or one process).
+
+    Returns:
+        ``([B] bool`` mask of what was dropped here, samples dropped over the DP group``)``.
+    """
+    drop = bad
+    if group_estimator and schema.UID in batch.keys():
+        uids = batch[schema.UID]
+        drop = torch.isin(uids, uids[bad]) & schema.real_mask(batch)
+    schema.mark_padding(batch, drop)
+    return drop, int(all_reduce(drop.sum().to(torch.float64), group).item())

@@ -24,8 +24,9 @@ from tensordict import TensorDict
 
 from verl_trainer.algorithms.config import GRPOConfig
 from verl_trainer.algorithms.dapo import dynamic_sampling_filter
+from verl_trainer.algorithms.distributed import estimator_advantages
 from verl_trainer.algorithms.rl import RLModule
-from verl_trainer.core_algos import get_adv_estimator_fn
+from verl_trainer.core_algos.advantages import resolve_estimator
 from verl_trainer.core_algos.aggregation import SEQ_MEAN_TOKEN_SUM_NORM
 from verl_trainer.data import schema
 from verl_trainer.metrics import token_stats
@@ -49,17 +50,20 @@ class GRPO(RLModule):
         if not isinstance(config, GRPOConfig):
             raise TypeError(f"{type(self).__name__} needs a GRPOConfig, got {type(config).__name__}")
         super().__init__(config)
-        self.adv_fn = get_adv_estimator_fn(config.adv_estimator)
+        self.estimator = resolve_estimator(config.adv_estimator)
 
     def compute_advantages(self, batch: TensorDict, scores: torch.Tensor, metrics: dict[str, Any]) -> None:
-        """Group-relative advantages of this rank's groups (``grpo`` or ``rloo``), on every response token."""
+        """The configured estimator's advantages on every response token (groups whole on this rank).
+
+        The estimator gets what its signature asks for (``resolve_estimator``): the group ids, the config
+        (``gamma``), ``norm_adv_by_std_in_grpo``. One whose advantages are its returns whitened over the
+        batch (REINFORCE++) has its returns whitened over the whole DP batch, so no dp size changes them.
+        """
         mask = batch[schema.RESPONSE_MASK]
-        rewards = batch[schema.TOKEN_LEVEL_REWARDS]
-        kwargs: dict[str, Any] = {}
-        if self.config.adv_estimator == "grpo":
-            kwargs["norm_adv_by_std_in_grpo"] = self.config.norm_adv_by_std_in_grpo
-        adv, returns = self.adv_fn(token_level_rewards=rewards, response_mask=mask, index=batch[schema.UID],
-                                   **kwargs)
+        group = self._dp_group if self.estimator.whitens else None  # only a whitening one is a collective
+        adv, returns = estimator_advantages(
+            self.estimator, batch[schema.TOKEN_LEVEL_REWARDS], mask, group, index=batch[schema.UID],
+            norm_adv_by_std_in_grpo=self.config.norm_adv_by_std_in_grpo, config=self.config)
         batch[schema.ADVANTAGES] = adv
         batch[schema.RETURNS] = returns
         metrics.update(token_stats(adv, mask, "critic/advantages"))

@@ -35,9 +35,11 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from verl_trainer.algorithms.distributed import drop_samples
 from verl_trainer.data import schema
 from verl_trainer.metrics import Metric
 from verl_trainer.utils.distributed import all_gather_object, all_reduce, get_rank
+from verl_trainer.utils.listing import first_of
 
 __all__ = ["NON_FINITE_POLICIES", "NonFiniteConfig", "NonFiniteError", "NonFiniteGuard"]
 
@@ -139,17 +141,12 @@ class NonFiniteGuard:
         none = torch.zeros_like(bad)
         if total == 0:
             return none
-        listed = self._describe(batch, values, bad, group)
+        listed = self._describe(batch, values, bad, group, total)
         if self.config.policy == "error":
             raise NonFiniteError(
                 f"step {step}: {total} sample(s) with non-finite {what} ({listed}); {_fix(self.config)}"
             )
-        drop = bad
-        if self.group_estimator and schema.UID in batch.keys():
-            uids = batch[schema.UID]
-            drop = torch.isin(uids, uids[bad]) & real
-        schema.mark_padding(batch, drop)
-        dropped = int(all_reduce(drop.sum().to(torch.float64), group).item())
+        drop, dropped = drop_samples(batch, bad, self.group_estimator, group)
         self.dropped += dropped
         metrics["non_finite/dropped_samples"] = float(dropped)
         if get_rank() == 0:
@@ -158,8 +155,8 @@ class NonFiniteGuard:
         return drop
 
     @staticmethod
-    def _describe(batch: TensorDict, values: torch.Tensor, bad: torch.Tensor, group: Any) -> str:
-        """``uid 3 on rank 1: nan, ...`` for the first :data:`MAX_LISTED` samples over the DP group."""
+    def _describe(batch: TensorDict, values: torch.Tensor, bad: torch.Tensor, group: Any, total: int) -> str:
+        """``uid 3 on rank 1: nan, ... and 2 more``: the first bad samples of the DP group (of ``total``)."""
         uids = batch[schema.UID] if schema.UID in batch.keys() else torch.arange(bad.numel())
         rows = bad.nonzero().flatten()[:MAX_LISTED].tolist()
         shown = []
@@ -170,7 +167,7 @@ class NonFiniteGuard:
             shown.append((int(uids[i]), float(v)))
         everyone = all_gather_object((get_rank(), shown), group)
         parts = [f"uid {uid} on rank {rank}: {value}" for rank, items in everyone for uid, value in items]
-        return ", ".join(parts[:MAX_LISTED]) + (", ..." if len(parts) > MAX_LISTED else "")
+        return first_of(parts, MAX_LISTED, total=total)
 
     def check_update(self, engine_name: str, grad_norm: float, micro_batch_metrics: list[Mapping[str, Any]],
                      step: int, loss_scale_overflow: bool = False) -> bool:

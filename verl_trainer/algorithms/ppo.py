@@ -4,9 +4,11 @@ Per step, after the rollout and rewards (:class:`~verl_trainer.algorithms.rl.RLM
 
 1. optionally (``use_kl_in_reward``) the rewards get ``- kl_coef * KL(pi_old || pi_ref)`` per token;
    the critic engine computes ``values`` ``[B, T]`` (``values[:, t]``: the state before token ``t``);
-2. GAE over the response tokens gives ``returns = A + V`` and raw advantages, which are **whitened with
-   the mean and variance of the whole step batch over all DP ranks** (:func:`compute_gae_advantages`), so
-   they do not depend on the dp size (verl whitens on its driver, which holds the whole batch);
+2. ``adv_estimator`` (``gae``, or any registered estimator that reads the critic's ``values``) over the
+   response tokens: GAE gives ``returns = A + V`` and raw advantages, which are **whitened with the mean
+   and variance of the whole step batch over all DP ranks** (:func:`compute_gae_advantages`,
+   :func:`~verl_trainer.algorithms.distributed.estimator_advantages`), so they do not depend on the dp
+   size (verl whitens on its driver, which holds the whole batch);
 3. per mini-batch (``ppo_epochs`` passes): the critic is updated with the clipped value loss
    (``critic.loss.cliprange_value``), then the actor with the PPO loss — except during the first
    ``critic.warmup_steps`` trainer steps, when only the critic trains.
@@ -21,9 +23,10 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.algorithms.config import PPOConfig
-from verl_trainer.algorithms.distributed import global_masked_whiten
+from verl_trainer.algorithms.distributed import estimator_advantages
 from verl_trainer.algorithms.rl import RLModule
-from verl_trainer.core_algos import get_adv_estimator_fn, kl_penalty
+from verl_trainer.core_algos import kl_penalty
+from verl_trainer.core_algos.advantages import AdvantageEstimator, resolve_estimator
 from verl_trainer.data import schema
 from verl_trainer.losses import value_loss
 from verl_trainer.metrics import Metric, token_stats
@@ -57,14 +60,8 @@ def compute_gae_advantages(
     Returns:
         ``(advantages, returns)``, ``[B, T]``, 0 outside the mask.
     """
-    mask = response_mask.to(values.dtype)
-    _, returns = get_adv_estimator_fn("gae")(
-        token_level_rewards=token_level_rewards, values=values, response_mask=response_mask, gamma=gamma,
-        lam=lam,
-    )
-    raw = (returns - values) * mask
-    advantages = global_masked_whiten(raw, response_mask, group) * mask
-    return advantages, returns
+    return estimator_advantages(resolve_estimator(AdvantageEstimator.GAE), token_level_rewards,
+                                response_mask, group, values=values, gamma=gamma, lam=lam)
 
 
 class PPO(RLModule):
@@ -84,6 +81,7 @@ class PPO(RLModule):
             raise TypeError(f"PPO needs a PPOConfig, got {type(config).__name__}")
         super().__init__(config)
         self.critic_loss = value_loss(config.critic.loss)
+        self.estimator = resolve_estimator(config.adv_estimator)
 
     @property
     def uses_reference(self) -> bool:
@@ -97,7 +95,10 @@ class PPO(RLModule):
         return {"critic": EngineSpec("value_model", engine, critic.optim)}
 
     def compute_advantages(self, batch: TensorDict, scores: torch.Tensor, metrics: dict[str, Any]) -> None:
-        """Critic values, then GAE whitened over the global batch: ``values``, ``advantages``, ``returns``."""
+        """Critic values, then ``adv_estimator`` (GAE: whitened over the global batch).
+
+        Sets ``values``, ``advantages``, ``returns``.
+        """
         critic = self.engines["critic"]
         mask = batch[schema.RESPONSE_MASK]
         if self.config.use_kl_in_reward:
@@ -105,10 +106,9 @@ class PPO(RLModule):
         with critic.eval_mode():
             values = critic.infer_batch(schema.tensor_only(batch))["model_output"]["values"]
         values = values * mask.to(values.dtype)
-        advantages, returns = compute_gae_advantages(
-            batch[schema.TOKEN_LEVEL_REWARDS], values, mask, self.config.gamma, self.config.lam,
-            self.trainer.dp_group,
-        )
+        advantages, returns = estimator_advantages(
+            self.estimator, batch[schema.TOKEN_LEVEL_REWARDS], mask, self.trainer.dp_group, values=values,
+            index=batch[schema.UID], gamma=self.config.gamma, lam=self.config.lam, config=self.config)
         batch[schema.VALUES] = values
         batch[schema.ADVANTAGES] = advantages
         batch[schema.RETURNS] = returns

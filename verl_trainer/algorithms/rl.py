@@ -16,8 +16,15 @@ Logged (reductions declared, so the values are those of the whole step on one pr
 ``reward/{mean,min,max,accuracy,zero_std_group_frac}``, ``response_length/{mean,min,max,clip_ratio}``,
 ``critic/advantages/{mean,min,max}``, the loss metrics (``actor/pg_loss``, ``actor/pg_clipfrac``,
 ``actor/ppo_kl``, ``actor/kl_loss``, ``critic/vf_loss``, ... averaged over the step's updates),
+``reward/errors``, ``reward/timeouts`` (failed reward calls, ``reward.on_error``), ``non_finite/*``,
 ``actor/grad_norm``, ``actor/lr``, ``actor/old_log_probs_reused`` (1: no separate old-log-prob forward),
-``timing/*``; validation: ``val/reward/*``, ``val/response_length/*``.
+the train/inference mismatch of the old log-probs and the rollout's (``rollout_corr/*``,
+``training/rollout_probs_diff_*``; with ``rollout_correction`` on, the policy loss is importance-weighted),
+``timing/*``; validation: ``val/reward/*``, ``val/response_length/*``; with ``val_rollout.n > 1``
+``val/pass@k``, ``val/maj@k``, ``val/mean@k``, ``val/best@k``, ``val/worst@k`` overall and per data source.
+
+Sampling is seeded per response from ``(rollout.seed, global step, the prompt's dataset index, sample
+index)``, so the responses of a step do not depend on the dp size (:mod:`verl_trainer.rollout.base`).
 """
 
 from __future__ import annotations
@@ -31,18 +38,26 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from verl_trainer.algorithms.config import GROUP_ESTIMATORS, RLConfig
+from verl_trainer.algorithms.config import RLConfig
 from verl_trainer.algorithms.dapo import overlong_penalty
 from verl_trainer.algorithms.distributed import count_mini_batches, split_mini_batches
 from verl_trainer.algorithms.non_finite import NonFiniteGuard
+from verl_trainer.algorithms.reward_failures import check_reward_failures
+from verl_trainer.algorithms.reward_model import REWARD_MODEL_ENGINE, RewardModel, split_reward_models
 from verl_trainer.balancing import required_batch_multiple
+from verl_trainer.core_algos.advantages import estimator_inputs
 from verl_trainer.data import schema
+from verl_trainer.data.prompts import non_tensor_lists
 from verl_trainer.engine.config import EngineConfig
+from verl_trainer.evaluate.validation import batch_prompt_samples, validation_metrics
 from verl_trainer.losses import ppo_loss
 from verl_trainer.metrics import Metric, Reduction
 from verl_trainer.module import EngineSpec, StepOutput, TrainingModule
 from verl_trainer.rewards import RewardFunctions, score_batch, token_level_scores
-from verl_trainer.rollout import BaseRollout, build_rollout
+from verl_trainer.rewards.trl_kwargs import trl_run_kwargs
+from verl_trainer.rollout import AGENT_INFO, RESPONSE_TEXT, BaseRollout, build_rollout
+from verl_trainer.rollout.agent_loop import agent_rewards_and_metrics
+from verl_trainer.rollout.divergence import DivergenceError
 from verl_trainer.utils.distributed import all_reduce
 
 __all__ = ["RLModule", "response_length_metrics"]
@@ -109,14 +124,18 @@ class RLModule(TrainingModule):
 
     def __init__(self, config: RLConfig) -> None:
         super().__init__()
+        config = dataclasses.replace(config, reward=split_reward_models(config.reward))  # TRL style RM path
         self.config = config
-        self.actor_loss = ppo_loss(config.actor.loss)
+        self.actor_loss = ppo_loss(config.actor.loss, config.rollout_correction)
         # fails here for an unknown reward or one with neither verl's nor TRL's signature
-        self.reward_fn = RewardFunctions(config.reward.name, config.reward.weights)
+        self.reward_fn = RewardFunctions(config.reward.name, config.reward.weights, config.reward.on_error)
+        self.reward_model = RewardModel(config.reward.model) if config.reward.model.enable else None
         self.rollout: BaseRollout | None = None
         self._rollout_stale = False
-        group_estimator = getattr(config, "adv_estimator", None) in GROUP_ESTIMATORS
+        estimator = getattr(config, "adv_estimator", None)  # one that normalises within a prompt's group
+        group_estimator = estimator is not None and "index" in estimator_inputs(estimator)
         self.non_finite = NonFiniteGuard(config.non_finite, group_estimator)
+        self.group_estimator = group_estimator
 
     @property
     def hparams(self) -> dict[str, Any]:
@@ -154,6 +173,8 @@ class RLModule(TrainingModule):
         specs.update(self.extra_engines())
         if self.uses_reference and not self.config.ref_in_actor:
             specs["ref"] = EngineSpec("language_model", self._policy_engine(self.config.ref.engine), None)
+        if self.reward_model is not None:
+            specs[REWARD_MODEL_ENGINE] = self.reward_model.engine_spec()
         return specs
 
     def setup(self, stage: str) -> None:
@@ -193,9 +214,14 @@ class RLModule(TrainingModule):
         Returns:
             ``[B]`` the (shaped) rewards the advantages are computed from.
         """
-        check = lambda b, s: self._check_rewards(b, s, metrics)  # noqa: E731
-        scores, reward_metrics = score_batch(batch, self.reward_fn, on_scores=check)
+        check = lambda b, s, info: self._check_rewards(b, s, info, metrics)  # noqa: E731
+        scores, reward_metrics = score_batch(batch, self.reward_fn, on_scores=check, raise_on_error=False,
+                                             trl_kwargs=trl_run_kwargs(self.trainer, metrics))
         metrics.update(reward_metrics)
+        if AGENT_INFO in batch.keys():  # multi-turn: the environment's and the tools' trajectory reward
+            agent_rewards, agent_metrics = agent_rewards_and_metrics(batch)
+            scores = scores + self.config.rollout.multi_turn.reward_weight * agent_rewards.to(scores)
+            metrics.update(agent_metrics)
         max_len = self.config.rollout.max_new_tokens
         metrics.update(response_length_metrics(batch, max_len))
         buffer = self.config.reward.overlong_buffer
@@ -217,10 +243,31 @@ class RLModule(TrainingModule):
     def _dp_group(self) -> Any:
         return self.trainer.dp_group if self.trainer is not None else None
 
-    def _check_rewards(self, batch: TensorDict, scores: torch.Tensor, metrics: dict[str, Any]) -> None:
-        """Non-finite rewards: an error, or their samples (groups) dropped with their scores set to 0."""
+    def _check_rewards(self, batch: TensorDict, scores: torch.Tensor, info: dict[str, torch.Tensor],
+                       metrics: dict[str, Any]) -> None:
+        """Failed reward calls (``reward.on_error``), then non-finite rewards (``non_finite.policy``).
+
+        Each: an error on every rank, or the samples (groups) dropped with their scores set to 0.
+        """
+        self._add_model_scores(batch, scores, info, metrics, "reward")
+        self.non_finite.dropped += check_reward_failures(
+            self.reward_fn, batch, scores, info, self._step, self._dp_group, metrics, self.group_estimator)
         dropped = self.non_finite.check_samples(batch, scores, "rewards", self._step, self._dp_group, metrics)
         scores[dropped] = 0.0
+
+    def _add_model_scores(self, batch: TensorDict, scores: torch.Tensor, info: dict[str, torch.Tensor],
+                          metrics: dict[str, Any], prefix: str) -> None:
+        """Add the reward model's weighted score (a collective); its own is logged as ``{prefix}/model``."""
+        if self.reward_model is None:
+            return
+        data = non_tensor_lists(batch, ("columns", RESPONSE_TEXT))
+        prompts = [c.get("prompt") for c in data["columns"]]
+        model_scores, truncated = self.reward_model.score(self.engines[REWARD_MODEL_ENGINE], prompts,
+                                                          data[RESPONSE_TEXT])
+        scores += self.reward_model.config.weight * model_scores
+        info["model"] = model_scores
+        count = all_reduce(torch.tensor(float(truncated)), self._dp_group)
+        metrics[f"{prefix}/model/truncated"] = float(count)
 
     def _check_advantages(self, batch: TensorDict, metrics: dict[str, Any]) -> None:
         """Non-finite advantages: an error, or their samples dropped; padding rows' values set to 0."""
@@ -347,7 +394,12 @@ class RLModule(TrainingModule):
         t0 = time.perf_counter()
         metrics: dict[str, Any] = {}
         self.non_finite.dropped = 0
-        rollout_batch = self.rollout.generate(self._unique_uids(batch))
+        prompt_index = batch[schema.UID].clone()  # dataset indices: the sampling seeds, at any dp size
+        try:
+            rollout_batch = self.rollout.generate(self._unique_uids(batch), step=trainer.global_step,
+                                                  prompt_index=prompt_index)
+        except DivergenceError as exc:  # the update before this step made the weights non-finite
+            raise DivergenceError(f"step {trainer.global_step + 1} (its rollout): {exc}") from None
         t_rollout = time.perf_counter() - t0
         scores = self.score(rollout_batch, metrics)
         self.compute_advantages(rollout_batch, scores, metrics)
@@ -387,15 +439,32 @@ class RLModule(TrainingModule):
 
     # ------------------------------------------------------------------------------------ validation
     def validation_step(self, batch: TensorDict, batch_idx: int) -> StepOutput:
-        """Rollout on validation prompts (greedy by default) and their rewards: ``val/reward/*``."""
+        """Rollout on validation prompts (greedy by default) and their rewards: ``val/reward/*``.
+
+        With ``val_rollout.n > 1`` (or ``val_rollout.k`` set) also ``val/pass@k``, ``val/maj@k``,
+        ``val/mean@k``, ``val/best@k``, ``val/worst@k`` and the same per source, ``val/<data_source>/pass@k``
+        (:mod:`verl_trainer.evaluate.validation`).
+        """
         if self._rollout_stale:
             self.sync_rollout()
         v = self.config.val_rollout
-        rollout_batch = self.rollout.generate(batch, n=v.n, do_sample=v.do_sample, temperature=v.temperature,
-                                              top_p=v.top_p)
-        _, metrics = score_batch(rollout_batch, self.reward_fn, prefix="val/reward")
+        step = self.trainer.global_step if self.trainer is not None else None
+        rollout_batch = self.rollout.generate(batch, step=step, stream=1, n=v.n, do_sample=v.do_sample,
+                                              temperature=v.temperature, top_p=v.top_p)
+        metrics: dict[str, Any] = {}
+        def check(b: TensorDict, s: torch.Tensor, info: dict[str, torch.Tensor]) -> None:
+            self._add_model_scores(b, s, info, metrics, "val/reward")
+            check_reward_failures(self.reward_fn, b, s, info, self._step, self._dp_group, metrics,
+                                  prefix="val/reward")
+
+        scores, reward_metrics, info = score_batch(rollout_batch, self.reward_fn, prefix="val/reward",
+                                                   on_scores=check, return_info=True, raise_on_error=False)
+        metrics.update(reward_metrics)
         if v.n == 1:
             metrics.pop("val/reward/zero_std_group_frac", None)
+        if v.ks:  # pass@k, maj@k, ... over the n samples of each prompt, overall and per data_source
+            prompts = batch_prompt_samples(rollout_batch, scores, info, v.correct_threshold)
+            metrics.update(validation_metrics(prompts, v.ks, prefix="val"))
         metrics.update(response_length_metrics(rollout_batch, self.config.rollout.max_new_tokens,
                                                prefix="val/response_length"))
         return metrics

@@ -21,15 +21,27 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from verl_trainer.configs.demo_scope import apply_demo_scope
+from verl_trainer.configs.run_length import epochs_set_the_length
 from verl_trainer.configs.schema_keys import default_at
-from verl_trainer.configs.verl_keys import translate_overrides
+from verl_trainer.configs.verl_keys import listed, translate_overrides
 
-__all__ = ["config_to_yaml", "load_config", "parse_recipe_args"]
+__all__ = ["ConfigProblemsError", "config_to_yaml", "load_config", "parse_recipe_args",
+           "resolve_config_file"]
 
 T = TypeVar("T")
+
+
+class ConfigProblemsError(ValueError):
+    """Several config problems, reported together (``problems``: one line each)."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        super().__init__(listed(problems))
+        self.problems = list(problems)
 
 
 def _valid_keys(schema: Any, full_key: str) -> list[str]:
@@ -47,6 +59,17 @@ def _explain(err: OmegaConfBaseException, schema: type, source: str) -> ValueErr
         return ValueError(f"unknown config key {full_key!r} in {source}{hint}")
     where = f" at {full_key!r}" if full_key else ""
     return ValueError(f"invalid config value{where} in {source}: {first_line}")
+
+
+def _unparsable(override: str, err: BaseException) -> ValueError:
+    """A malformed ``key=value``: the key and the YAML problem, without the parser's position noise."""
+    key, _, value = override.partition("=")
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    problem = "; ".join(line for line in lines if not line.startswith("in ")) or type(err).__name__
+    return ValueError(
+        f"cannot parse the override {override!r}: the value of {key.strip()} is not valid YAML ({problem}); "
+        f"close the bracket or brace, or quote the value (e.g. {key.strip()}='{value}')"
+    )
 
 
 def _merge(base: DictConfig, other: Any, schema: type, source: str) -> DictConfig:
@@ -86,12 +109,19 @@ def load_config(schema: type[T], path: str | os.PathLike | None = None,
     bad = [o for o in overrides if "=" not in o or o.startswith("=")]
     if bad:
         raise ValueError(f"overrides must look like key=value (e.g. trainer.max_steps=10), got {bad}")
+    problems = []  # every bad override is named in one message, not one per run
     for override in overrides:
         try:
             dotlist = OmegaConf.from_dotlist([override])
-        except OmegaConfBaseException as err:
-            raise ValueError(f"cannot parse the override {override!r}: {err}") from None
-        config = _merge(config, dotlist, schema, f"the override {override!r}")
+        except (OmegaConfBaseException, ValueError, yaml.YAMLError) as err:
+            problems.append(str(_unparsable(override, err)))
+            continue
+        try:
+            config = _merge(config, dotlist, schema, f"the override {override!r}")
+        except ValueError as err:
+            problems.append(str(err))
+    if problems:
+        raise ConfigProblemsError(problems)
     try:
         return OmegaConf.to_object(config)  # type: ignore[return-value]
     except OmegaConfBaseException as err:
@@ -103,12 +133,41 @@ def config_to_yaml(config: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
+def resolve_config_file(given: str | os.PathLike | None) -> tuple[str | os.PathLike | None, list[str]]:
+    """``--config``'s file: a YAML path as given, else the shipped config it names.
+
+    A bare name (``dapo``) or ``configs/<name>.yaml`` that is not a file where the command runs (a pip
+    install has no ``configs/`` directory) names the config shipped in the package
+    (:mod:`verl_trainer.recipes.configs`); said in the returned note. Any other path must exist.
+
+    Returns:
+        The file to load and the notes to print (empty when the path was used as given).
+
+    Raises:
+        FileNotFoundError: Naming the path and listing the shipped configs.
+    """
+    if given is None or os.path.isfile(given):
+        return given, []
+    from verl_trainer.recipes.configs import config_names, config_path
+
+    parts = os.path.normpath(os.fspath(given)).split(os.sep)
+    if len(parts) == 1 or (len(parts) == 2 and parts[0] == "configs"):
+        shipped = config_path(parts[-1])
+        if parts == [shipped.stem]:
+            return shipped, []
+        return shipped, [f"--config {os.fspath(given)} is not a file here: using the config shipped with "
+                         f"verl-trainer ({shipped})"]
+    raise FileNotFoundError(f"config file {os.fspath(given)!r} does not exist; the configs shipped with "
+                            f"verl-trainer: {', '.join(config_names())} (--config NAME)")
+
+
 def parse_recipe_args(schema: type[T], default_config: str | os.PathLike | None,
                       argv: Sequence[str] | None = None, description: str = "") -> T:
     """Parse a recipe's command line: ``[--config PATH] [--print-config] key=value ...``.
 
     verl's override keys are accepted as aliases of ours (:mod:`verl_trainer.configs.verl_keys`); each
-    translation is printed once.
+    translation is printed once. The demo's task, validation set and warm start are turned off for a
+    user's model or data (:func:`~verl_trainer.configs.demo_scope.apply_demo_scope`), also printed.
 
     Args:
         schema: The recipe's config dataclass.
@@ -124,18 +183,32 @@ def parse_recipe_args(schema: type[T], default_config: str | os.PathLike | None,
         description=description,
         epilog="Overrides: dotted keys of the config, e.g. trainer.max_steps=10 algorithm.rollout.n=4",
     )
-    parser.add_argument("--config", default=default_config, help="YAML config (default: %(default)s)")
+    parser.add_argument("--config", default=default_config,
+                        help="a YAML file, or the name of a config shipped with verl-trainer "
+                             "(grpo, dapo, ...; default: %(default)s)")
     parser.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    problems: list[str] = []
     try:
-        overrides, notes = translate_overrides(schema, args.overrides)
-        config = load_config(schema, args.config, overrides)
+        overrides, verl_notes = translate_overrides(schema, args.overrides, problems)
+        overrides, length_notes = epochs_set_the_length(overrides)
+        config_file, shipped_note = resolve_config_file(args.config)
+        try:
+            config = load_config(schema, config_file, overrides)
+        except ValueError as err:  # with the verl keys' problems, in one message
+            raise ValueError(listed([*problems, *getattr(err, "problems", [str(err)])])) from None
+        if problems:
+            raise ValueError(listed(problems))
+        trainer = getattr(config, "trainer", None)
+        unused = trainer.unused_settings() if hasattr(trainer, "unused_settings") else []
+        notes = [f"verl key: {n}" for n in verl_notes]
+        notes += [f"note: {n}" for n in [*shipped_note, *length_notes, *apply_demo_scope(config), *unused]]
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     if args.print_config:
-        print("".join(f"# verl key: {note}\n" for note in notes) + config_to_yaml(config))
+        print("".join(f"# {note}\n" for note in notes) + config_to_yaml(config))
         raise SystemExit(0)
     if notes and int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0:  # once, not per rank
-        print("\n".join(f"verl key: {note}" for note in notes), flush=True)
+        print("\n".join(notes), flush=True)
     return config

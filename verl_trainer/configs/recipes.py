@@ -23,6 +23,7 @@ from typing import Any
 from verl_trainer.algorithms.config import GRPOConfig, PPOConfig
 from verl_trainer.algorithms.data import DataConfig
 from verl_trainer.algorithms.sft import SFTConfig
+from verl_trainer.configs.callbacks import build_callbacks, check_callback_specs
 from verl_trainer.data.tasks import ArithmeticTaskConfig
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.training.args import TrainerArgs
@@ -81,20 +82,30 @@ class TrainerConfig(TrainerArgs):
         validate_before_fit: Validate once before training (the "before" number; skipped on a resume).
         export_hf: Export the trained policy as an HF directory to ``<default_root_dir>/hf`` at the end
             (``engine.save_hf``: config, safetensors, generation config, tokenizer).
+        export_dtype: The dtype of that export's weights: ``auto`` (``bfloat16`` for a ``bf16-*``
+            precision, whose fp32 master weights would export at twice the size; else as stored),
+            ``float32``, ``bfloat16`` or ``float16`` (``fp32`` / ``bf16`` / ``fp16`` too).
         checkpoint: Periodic checkpoints (with ``enable_checkpointing``).
         ckpt_path: Resume: ``last`` (the newest checkpoint in the checkpoint directory; a fresh start with a
             warning when there is none) or a ``step_*`` checkpoint directory; ``null``: a fresh run.
-        project_name: The wandb project (verl's ``trainer.project_name``; default ``verl-trainer``).
-        experiment_name: The wandb run name (verl's ``trainer.experiment_name``).
+        project_name: The wandb project (verl's ``trainer.project_name``; default ``verl-trainer``);
+            accepted and noted as unused when ``logger`` has no wandb.
+        experiment_name: The wandb run name (verl's ``trainer.experiment_name``); the same.
+        callbacks: More callbacks, by name: a built-in's class name, ``"package.module:Name"`` or
+            ``"path/to/file.py:Name"``, alone or as ``{name: ..., init_args: {...}}``
+            (:mod:`verl_trainer.configs.callbacks`); checked when the config is built, added after the
+            recipe's own.
     """
 
     sequence_balancing: bool = False
     validate_before_fit: bool = True
     export_hf: bool = True
+    export_dtype: str = "auto"
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ckpt_path: str | None = None
     project_name: str | None = None
     experiment_name: str | None = None
+    callbacks: list[Any] = field(default_factory=list)
 
     def build(self, callbacks: Sequence[Any] = (), **overrides: Any) -> Any:
         """The :class:`~verl_trainer.Trainer` these settings describe (``overrides`` win).
@@ -108,6 +119,7 @@ class TrainerConfig(TrainerArgs):
 
         show_bar = overrides.get("enable_progress_bar", self.enable_progress_bar)
         callbacks = [cb for cb in callbacks if show_bar or not isinstance(cb, ProgressBar)]
+        callbacks += build_callbacks(self.callbacks)
         if self.sequence_balancing:
             callbacks.append(SequenceBalancing())
         kwargs: dict[str, Any] = {**self.trainer_kwargs(), "callbacks": callbacks, **overrides}
@@ -128,14 +140,40 @@ class TrainerConfig(TrainerArgs):
 
         items = logger if isinstance(logger, (list, tuple)) else [logger]
         if "wandb" not in items:
-            raise ValueError("trainer.project_name / experiment_name name the wandb run, but trainer.logger "
-                             f"has no wandb ({logger!r}); add wandb to trainer.logger")
+            return logger  # nothing to name (see unused_settings; the warm start logs nowhere)
         run = make_wandb_logger(str(self.default_root_dir or "."), project=self.project_name or WANDB_PROJECT,
                                 name=self.experiment_name)
         return [run if item == "wandb" else item for item in items]
 
+    def unused_settings(self) -> list[str]:
+        """Notes on settings accepted but not used, for the recipe to print.
+
+        verl's ``trainer.project_name`` / ``experiment_name`` name the wandb run; with a logger list
+        without wandb (verl's ``trainer.logger=['console']``) there is none to name.
+        """
+        items = self.logger if isinstance(self.logger, (list, tuple)) else [self.logger]
+        named = [f"trainer.{k}={getattr(self, k)}" for k in ("project_name", "experiment_name")
+                 if getattr(self, k)]
+        if named and "wandb" not in items:
+            return [f"{' '.join(named)} not used: they name the wandb run and trainer.logger="
+                    f"{self.logger!r} has no wandb (add wandb to trainer.logger to log there)"]
+        return []
+
+    def export_torch_dtype(self) -> Any:
+        """``export_dtype`` as a ``torch.dtype`` for ``engine.save_hf(dtype=)`` (``None``: as stored)."""
+        from verl_trainer.engine.config import to_dtype
+
+        if self.export_dtype == "auto":
+            return to_dtype("bfloat16") if str(self.precision).startswith("bf16") else None
+        return to_dtype(self.export_dtype)
+
     def __post_init__(self) -> None:
+        from verl_trainer.engine.config import DTYPES
         from verl_trainer.training.checkpoint import STATE_FILE
+
+        if self.export_dtype != "auto" and self.export_dtype not in DTYPES:
+            raise ValueError(f"trainer.export_dtype={self.export_dtype!r}; choose auto or one of "
+                             f"{', '.join(sorted(DTYPES))}")
 
         if self.ckpt_path not in (None, "last") and not (Path(self.ckpt_path) / STATE_FILE).is_file():
             raise ValueError(
@@ -143,6 +181,7 @@ class TrainerConfig(TrainerArgs):
                 f"{STATE_FILE}); give 'last' (the newest checkpoint of the checkpoint directory), a step_* "
                 f"directory, or null"
             )
+        check_callback_specs(self.callbacks)
 
     @property
     def validates_before_fit(self) -> bool:
@@ -207,7 +246,11 @@ class WarmStartConfig:
     """A short SFT of the initial model before RL, so that the reward has signal from step one.
 
     Attributes:
-        enable: Run it (skipped when ``output`` already holds a checkpoint).
+        enable: ``auto`` (the demo configs): only with the demo's own model and data, otherwise off with a
+            printed note; ``true``: run it (refused where it would not do what it says: with
+            ``algorithm.model_path``, or before RL on your own data with the demo's ``train_files``);
+            ``false``: off. See :mod:`verl_trainer.configs.demo_scope`. Reused when ``output`` already
+            holds a warm start made with the same settings.
         output: Where the warm-started checkpoint is written; the RL policy starts from it.
         train_files: SFT file (``prompt``, ``response``).
         batch_size: Examples per step over all DP ranks.
@@ -216,13 +259,20 @@ class WarmStartConfig:
         engine: Engine settings.
     """
 
-    enable: bool = False
+    enable: bool | str = False
     output: str = "outputs/models/warm_start"
     train_files: str = ""
     batch_size: int = 64
     max_steps: int = 40
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, weight_decay=0.0))
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(micro_batch_size_per_gpu=64))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.enable, str) and self.enable.lower() in ("true", "false"):
+            self.enable = self.enable.lower() == "true"
+        if self.enable not in (True, False, "auto"):
+            raise ValueError(f"warm_start.enable={self.enable!r}; choose true, false or auto (only with the "
+                             "demo's own model and data)")
 
 
 @dataclass

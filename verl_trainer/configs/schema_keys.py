@@ -25,8 +25,8 @@ def default_at(schema: Any, dotted: str) -> Any:
         if part not in fields:
             return MISSING
         field = fields[part]
-        if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            node = field.default_factory()  # type: ignore[misc]
+        if field.default_factory is not dataclasses.MISSING:
+            node = field.default_factory()
         else:
             node = field.default
     return node

@@ -10,6 +10,8 @@ says so in its docstring. The package's modules:
   :func:`compute_value_loss`.
 * ``policy_losses``: :func:`register_policy_loss` / :func:`get_policy_loss_fn` with ``vanilla``
   (dual-clip PPO, clip-higher), ``gspo``, ``gpg``, ``geo_mean`` (GMPO).
+* ``rollout_correction``: train/inference mismatch metrics and truncated / masked importance sampling
+  of the rollout -> trainer ratio (:class:`RolloutCorrectionConfig`).
 * ``advantages``: :func:`register_adv_est` / :func:`get_adv_estimator_fn` with ``gae``, ``grpo``,
   ``rloo`` (also under verl's ``grpo_vectorized`` / ``rloo_vectorized``), ``reinforce_plus_plus``,
   ``remax``. Both registries are dict-like; like verl's, ``ADV_ESTIMATOR_REGISTRY`` may be rebound to a
@@ -55,6 +57,11 @@ from verl_trainer.core_algos.policy_losses import (
     get_policy_loss_fn,
     register_policy_loss,
 )
+from verl_trainer.core_algos.rollout_correction import (
+    RolloutCorrectionConfig,
+    compute_rollout_is_weights,
+    rollout_mismatch_metrics,
+)
 
 __all__ = [
     "ADV_ESTIMATOR_REGISTRY",
@@ -63,6 +70,7 @@ __all__ = [
     "POLICY_LOSS_REGISTRY",
     "AdvantageEstimator",
     "PolicyLossFn",
+    "RolloutCorrectionConfig",
     "agg_loss",
     "compute_gae_advantage_return",
     "compute_grpo_outcome_advantage",
@@ -72,6 +80,7 @@ __all__ = [
     "compute_policy_loss_gspo",
     "compute_policy_loss_vanilla",
     "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_rollout_is_weights",
     "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
     "compute_rloo_vectorized_outcome_advantage",
@@ -85,5 +94,6 @@ __all__ = [
     "masked_whiten",
     "register_adv_est",
     "register_policy_loss",
+    "rollout_mismatch_metrics",
     "validate_kl_penalty",
 ]

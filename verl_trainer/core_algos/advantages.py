@@ -13,7 +13,9 @@ on the dp size, call the estimator on the whole (gathered) batch, as verl's driv
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -22,12 +24,20 @@ import torch
 
 from verl_trainer.core_algos.aggregation import masked_whiten
 from verl_trainer.core_algos.policy_losses import config_get
-from verl_trainer.utils.registry import Registry, UnknownKeyError, keys_repr, rebound
+from verl_trainer.utils.registry import (
+    Registry,
+    UnknownKeyError,
+    is_object_path,
+    keys_repr,
+    load_object,
+    rebound,
+)
 
 ADV_ESTIMATOR_REGISTRY: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = Registry(
     "advantage estimator"
 )
 _BUILTIN_REGISTRY = ADV_ESTIMATOR_REGISTRY
+_WHITENS: dict[Callable, str] = {}  # estimator -> what its advantages whiten over the batch handed in
 
 
 class AdvantageEstimator(str, Enum):
@@ -54,15 +64,30 @@ def _registry() -> MutableMapping[Any, Callable[..., tuple[torch.Tensor, torch.T
     return rebound(_BUILTIN_REGISTRY, "ADV_ESTIMATOR_REGISTRY", __name__, __package__)
 
 
-def register_adv_est(name_or_enum: str | AdvantageEstimator) -> Callable[[Callable], Callable]:
+def register_adv_est(
+    name_or_enum: str | AdvantageEstimator, *, whitens_returns: bool = False, whitens_advantages: bool = False
+) -> Callable[[Callable], Callable]:
     """Register an advantage estimator under a name or enum (decorator).
 
     Registering the same function again is a no-op; another function under a taken name raises
     ``ValueError`` (verl's rule). The decorated function is returned unchanged.
+
+    Args:
+        name_or_enum: The name configs select it by (``algorithm.adv_estimator``).
+        whitens_returns: Its advantages are its returns whitened over the batch handed in (REINFORCE++).
+        whitens_advantages: Its advantages are ``returns - values`` whitened over the batch handed in (GAE).
+
+    A recipe that runs a whitening estimator per rank redoes the whitening over the whole DP batch, so the
+    result does not depend on the dp size (:attr:`Estimator.whitens`).
     """
     name = _name(name_or_enum)
+    if whitens_returns and whitens_advantages:
+        raise ValueError(f"advantage estimator {name!r}: give whitens_returns or whitens_advantages, "
+                         "not both")
 
     def deco(fn: Callable) -> Callable:
+        if whitens_returns or whitens_advantages:
+            _WHITENS[fn] = "returns" if whitens_returns else "advantages"
         registry = _registry()
         if name in registry and registry[name] is not fn:
             raise ValueError(
@@ -78,15 +103,23 @@ def register_adv_est(name_or_enum: str | AdvantageEstimator) -> Callable[[Callab
 def get_adv_estimator_fn(
     name_or_enum: str | AdvantageEstimator,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """Return the estimator registered under a name or enum (case-sensitive).
+    """Return the estimator registered under a name or enum (case-sensitive), or one defined elsewhere.
+
+    ``"module:name"`` / ``"path/to/file.py:name"`` name a function by where it is defined
+    (``utils.registry.load_object``).
 
     Raises:
         UnknownKeyError: (a ``ValueError`` and a ``KeyError``) for an unknown name, listing the registered
             ones. The message starts with verl's words (``Unknown advantage estimator simply: <name>``),
             which code written against verl matches on.
-
+        ValueError: A module, file or attribute that does not exist, or an object that is not callable.
     """
     name = _name(name_or_enum)
+    if is_object_path(name):
+        fn = load_object(name, "advantage estimator")
+        if not callable(fn):
+            raise ValueError(f"advantage estimator {name!r} is a {type(fn).__name__}, not a callable")
+        return fn
     registry = _registry()
     if name not in registry:
         raise UnknownKeyError(
@@ -94,6 +127,71 @@ def get_adv_estimator_fn(
             "Use one of these or register your own with register_adv_est."
         )
     return registry[name]
+
+
+ESTIMATOR_INPUTS = ("values", "index", "reward_baselines")
+"""The batch inputs an estimator may read besides the rewards and the response mask: the critic's values,
+the group ids (``uid``), the reward of a baseline rollout (ReMax's greedy response)."""
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A registered estimator resolved once by name: what it reads and how a recipe calls it.
+
+    Attributes:
+        name: Its registered name.
+        fn: The registered function (verl's signature).
+        inputs: What it reads of :data:`ESTIMATOR_INPUTS`, from its parameter names.
+        whitens: ``"returns"`` / ``"advantages"`` (its advantages are its returns / ``returns - values``
+            whitened over the batch handed in; ``register_adv_est``), else ``None``.
+        keywords: The keywords it takes by name; ``None``: any (it has ``**kwargs``).
+    """
+
+    name: str
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    inputs: frozenset[str]
+    whitens: str | None
+    keywords: frozenset[str] | None
+
+    def __call__(self, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                 **available: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Call the estimator with the rewards, the mask and those of ``available`` it takes.
+
+        Args:
+            token_level_rewards: ``[B, T]``.
+            response_mask: ``[B, T]``.
+            **available: What the recipe can give (``index`` ``[B]``, ``values`` ``[B, T]``,
+                ``reward_baselines`` ``[B]``, ``gamma``, ``lam``, ``config``, ``norm_adv_by_std_in_grpo``).
+
+        Returns:
+            ``(advantages, returns)``, ``[B, T]``.
+        """
+        kwargs = {k: v for k, v in available.items() if self.keywords is None or k in self.keywords}
+        return self.fn(token_level_rewards=token_level_rewards, response_mask=response_mask, **kwargs)
+
+
+def resolve_estimator(name_or_enum: str | AdvantageEstimator) -> Estimator:
+    """The estimator registered under ``name_or_enum``, with what it reads (:class:`Estimator`).
+
+    The registry holds plain functions (verl's contract); their parameter names say what they need, so a
+    recipe can accept every registered estimator whose inputs it provides, and refuse the rest by name.
+
+    Raises:
+        UnknownKeyError: For an unknown name (see :func:`get_adv_estimator_fn`).
+    """
+    fn = get_adv_estimator_fn(name_or_enum)
+    params = inspect.signature(fn).parameters
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return Estimator(_name(name_or_enum), fn, frozenset(n for n in ESTIMATOR_INPUTS if n in params),
+                     _WHITENS.get(fn), None if var_kw else frozenset(params))
+
+
+def estimator_inputs(name_or_enum: str | AdvantageEstimator) -> frozenset[str]:
+    """What the estimator registered under ``name_or_enum`` reads (``ESTIMATOR_INPUTS``).
+
+    See :func:`resolve_estimator`.
+    """
+    return resolve_estimator(name_or_enum).inputs
 
 
 def _group_inverse(index: Sequence[Any] | np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -114,7 +212,7 @@ def _group_stats(scores: torch.Tensor, index: Any) -> tuple[torch.Tensor, torch.
     return counts[inv], means[inv], stds[inv]
 
 
-@register_adv_est(AdvantageEstimator.GAE)
+@register_adv_est(AdvantageEstimator.GAE, whitens_advantages=True)
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
     values: torch.Tensor,
@@ -236,7 +334,7 @@ def compute_rloo_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS)
+@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS, whitens_returns=True)
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

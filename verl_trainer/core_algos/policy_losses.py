@@ -46,8 +46,16 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
-    """Return the policy loss registered as ``name``; an unknown name raises ``ValueError`` listing all."""
-    return POLICY_LOSS_REGISTRY.get(name)
+    """Return the policy loss registered as ``name``, or the function ``"module:name"`` / ``"file.py:name"``.
+
+    Raises:
+        ValueError: An unknown name (listing all), a module, file or attribute that does not exist, or an
+            object that is not callable.
+    """
+    fn = POLICY_LOSS_REGISTRY.resolve(name)
+    if not callable(fn):
+        raise ValueError(f"policy loss {name!r} is a {type(fn).__name__}, not a callable")
+    return fn
 
 
 def config_get(config: Any, name: str, default: Any = None) -> Any:

@@ -13,6 +13,8 @@ Gradients, per token, with ``z = logits / T``, ``p = softmax(z)``, ``H = -sum p 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 CHUNK_ELEMENTS = 1 << 22
@@ -43,8 +45,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """``(log_probs [n], entropy [n])`` of ``targets`` under ``logits [n, V]``, chunked over tokens."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,
         logits: torch.Tensor,
         targets: torch.Tensor,
         temperature: float,
@@ -62,19 +64,19 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if ent is not None:
                 entropy[start:end] = ent
         ctx.save_for_backward(logits, targets, lse, entropy)
-        ctx.temperature, ctx.rows = temperature, rows  # type: ignore[attr-defined]
+        ctx.temperature, ctx.rows = temperature, rows
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return log_probs, entropy
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def backward(
+        ctx: Any,
         grad_log_probs: torch.Tensor,
         grad_entropy: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, ...]:
-        logits, targets, lse, entropy = ctx.saved_tensors  # type: ignore[attr-defined]
-        temperature, rows = ctx.temperature, ctx.rows  # type: ignore[attr-defined]
+        logits, targets, lse, entropy = ctx.saved_tensors
+        temperature, rows = ctx.temperature, ctx.rows
         with_entropy = entropy.numel() > 0 and grad_entropy is not None
         grad = torch.empty_like(logits)
         for start in range(0, logits.shape[0], rows):

@@ -4,13 +4,17 @@
 
 * ``prompt``: a string, or a chat list ``[{"role": "user", "content": "..."}, ...]``;
 * ``reward_model``: ``{"style": "rule", "ground_truth": ...}`` — or the flattened column
-  ``reward_model.ground_truth`` (pandas ``json_normalize`` style), or a top-level ``ground_truth``;
+  ``reward_model.ground_truth`` (pandas ``json_normalize`` style), or a top-level ``ground_truth``, or
+  TRL's ``solution`` column. Optional: a row without one has ground truth ``None``, which rewards that
+  need none (``format``, length or format rewards in TRL's signature) ignore and the built-in ``math`` /
+  ``math_exact`` refuse, naming the fix;
 * ``data_source``: the task name a reward function may dispatch on;
 * ``extra_info`` (optional): a dict passed on to the reward function;
 * any other column: passed by name to TRL-style reward functions (see ``verl_trainer.rewards.signature``).
 
-Parquet is read with pyarrow (no ``datasets`` dependency), jsonl with ``json``. :func:`load_prompts`
-normalises every row to a *record* ``{"prompt", "ground_truth", "data_source", "extra_info", "columns",
+Parquet is read with pyarrow (no ``datasets`` dependency), jsonl with ``json``; a ``datasets.Dataset``
+(or any sequence of such rows) is read row by row. :func:`load_prompts` normalises every row to a
+*record* ``{"prompt", "ground_truth", "data_source", "extra_info", "columns",
 "index"}``.
 
 **Prompt batch** (what :meth:`verl_trainer.rollout.BaseRollout.generate` takes): a ``TensorDict`` with
@@ -62,17 +66,22 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     raise ValueError(f"cannot read prompts from {str(path)!r}: use a .parquet, .jsonl or .json file")
 
 
-def _ground_truth(row: Mapping[str, Any], where: str) -> Any:
+SOLUTION = "solution"
+"""TRL's ground-truth column (``accuracy_reward(completions, solution, **kwargs)``)."""
+
+
+def _ground_truth(row: Mapping[str, Any]) -> Any:
+    """The row's ground truth, or ``None``.
+
+    verl's ``reward_model.ground_truth`` (nested or flattened), ``ground_truth``, TRL's ``solution``.
+    """
     reward_model = row.get("reward_model")
-    if isinstance(reward_model, Mapping) and GROUND_TRUTH in reward_model:
+    if isinstance(reward_model, Mapping) and reward_model.get(GROUND_TRUTH) is not None:
         return reward_model[GROUND_TRUTH]
-    for key in (f"reward_model.{GROUND_TRUTH}", GROUND_TRUTH):
-        if key in row:
+    for key in (f"reward_model.{GROUND_TRUTH}", GROUND_TRUTH, SOLUTION):
+        if row.get(key) is not None:
             return row[key]
-    raise ValueError(
-        f"{where} has no ground truth: expected reward_model.ground_truth (nested or flattened) or "
-        f"ground_truth; columns present: {sorted(row)}"
-    )
+    return None
 
 
 def _check_prompt(prompt: Any, where: str) -> str | list[dict[str, str]]:
@@ -120,7 +129,7 @@ def normalize_record(row: Mapping[str, Any], index: int, prompt_key: str = "prom
              EXTRA_INFO}
     return {
         "prompt": prompt,
-        GROUND_TRUTH: _ground_truth(row, where),
+        GROUND_TRUTH: _ground_truth(row),
         DATA_SOURCE: str(row.get(DATA_SOURCE) or default_data_source),
         EXTRA_INFO: dict(extra) if isinstance(extra, Mapping) else {},
         COLUMNS: {"prompt": prompt, **{k: v for k, v in row.items() if k not in known}},
@@ -233,13 +242,18 @@ def truncate(ids: list[int], max_length: int, mode: str) -> list[int]:
     raise ValueError(f"cannot truncate with mode {mode!r}; choose left, right or middle")
 
 
+def _is_record(row: Any) -> bool:
+    return isinstance(row, Mapping) and {"prompt", GROUND_TRUTH, DATA_SOURCE, EXTRA_INFO, "index"} <= set(row)
+
+
 class PromptDataset(Dataset):
     """Tokenised prompts with their reward data; items are dicts, batches come from :meth:`collate`.
 
     Prompts are tokenised once, at construction.
 
     Args:
-        source: A prompt file path (see :func:`load_prompts`) or a list of records.
+        source: A prompt file path (see :func:`load_prompts`), rows of one (a list or a
+            ``datasets.Dataset``; normalised as :func:`normalize_record` does), or records.
         tokenizer: A transformers tokenizer.
         max_prompt_length: Longest prompt in tokens.
         truncation: What a longer prompt becomes, one of :data:`TRUNCATION_MODES`.
@@ -261,7 +275,8 @@ class PromptDataset(Dataset):
                  name: str | None = None, prompt_key: str = "prompt") -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation={truncation!r}; choose one of {TRUNCATION_MODES}")
-        records = load_prompts(source, prompt_key) if isinstance(source, (str, Path)) else list(source)
+        records = load_prompts(source, prompt_key) if isinstance(source, (str, Path)) else [
+            row if _is_record(row) else normalize_record(row, i, prompt_key) for i, row in enumerate(source)]
         name = name or (str(source) if isinstance(source, (str, Path)) else "the prompts")
         self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.max_prompt_length = max_prompt_length
@@ -294,6 +309,10 @@ class PromptDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.items[i]
+
+    def data_sources(self) -> set[str]:
+        """The distinct ``data_source`` values of the prompts."""
+        return {str(item[DATA_SOURCE]) for item in self.items}
 
     def collate(self, items: Sequence[Mapping[str, Any]]) -> TensorDict:
         """:func:`collate_prompts` with this dataset's pad id (use as a DataLoader ``collate_fn``)."""

@@ -13,7 +13,8 @@ Token-level keys, ``[B, T]``:
     loss_mask (float or bool, 1 = trained target token; for RL the response tokens, for SFT the
     answer tokens), response_mask (same as loss_mask for RL rollouts before any masking),
     old_log_probs, ref_log_prob, values, advantages, returns, token_level_rewards,
-    token_level_scores (float).
+    token_level_scores (float), rollout_log_probs (float32: the sampler's log-prob of each response
+    token, from the distribution it sampled from; 0 off the response; set by every rollout).
 
 Rollout keys (optional, before concatenation): prompts ``[B, P]`` left-padded, responses ``[B, R]``
 right-padded.
@@ -41,6 +42,7 @@ RESPONSE_MASK = "response_mask"
 PROMPTS = "prompts"
 RESPONSES = "responses"
 OLD_LOG_PROBS = "old_log_probs"
+ROLLOUT_LOG_PROBS = "rollout_log_probs"
 REF_LOG_PROB = "ref_log_prob"
 VALUES = "values"
 ADVANTAGES = "advantages"
@@ -61,6 +63,7 @@ TOKEN_KEYS = (
     LOSS_MASK,
     RESPONSE_MASK,
     OLD_LOG_PROBS,
+    ROLLOUT_LOG_PROBS,
     REF_LOG_PROB,
     VALUES,
     ADVANTAGES,

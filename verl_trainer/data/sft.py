@@ -3,15 +3,25 @@
 :class:`SFTDataset` (in memory), :class:`IterableSFTDataset` (a stream of rows), :func:`collate_sft` (schema
 batch).
 
-A dataset is built from an SFT file (``.jsonl`` / ``.parquet``), from rows, or from examples that are
-already token ids. A row is either
+A dataset is built from an SFT file (``.jsonl`` / ``.parquet``), from rows (a list, or a
+``datasets.Dataset``), or from examples that are already token ids. A row is one of TRL's SFT formats
+(standard or conversational), or verl's pair:
 
-* a pair: ``prompt`` and ``response`` columns (names configurable: ``prompt_key``, ``response_key``);
-  the prompt is encoded as the RL prompt dataset encodes it, the response gets the eos appended, and
-  the loss covers the response (eos included); or
+* a pair: ``prompt`` and ``response`` columns (names configurable: ``prompt_key``, ``response_key``;
+  TRL's ``completion`` is the response when the row has no ``response_key`` column); the prompt is
+  encoded as the RL prompt dataset encodes it, the response gets the eos appended, and the loss covers
+  the response (eos included);
+* a conversational prompt-completion (TRL): ``prompt`` and ``completion`` are both message lists; the
+  whole conversation goes through the chat template and the loss covers the completion's tokens
+  (:func:`encode_chat_completion`);
 * a chat: a ``messages`` column (``messages_key``) with a multi-turn list of ``{"role", "content"}``
-  (TRL's conversational format). It goes through the tokenizer's chat template and the loss covers the
-  assistant turns only (:func:`encode_chat_example`).
+  (TRL's conversational language modelling). It goes through the tokenizer's chat template and the loss
+  covers the assistant turns only (:func:`encode_chat_example`);
+* plain text (TRL's standard language modelling): a ``text`` column; the eos is appended and the loss
+  covers every token.
+
+Anything else (a prompt-only row, preference rows with ``chosen`` / ``rejected``, a list completion after a
+string prompt, a completion that is neither text nor messages) is refused, naming the row and the formats.
 
 :func:`collate_sft` turns examples into a schema batch ``[B, T]``; every sample is its own uid.
 """
@@ -31,8 +41,8 @@ from verl_trainer.data.packing import make_batch
 from verl_trainer.data.prompts import encode_prompt, read_rows
 
 __all__ = [
-    "IterableSFTDataset", "SFTDataset", "TokenMask", "TokenPair", "collate_sft", "encode_chat_example",
-    "encode_sft_example",
+    "IterableSFTDataset", "SFTDataset", "TokenMask", "TokenPair", "collate_sft", "encode_chat_completion",
+    "encode_chat_example", "encode_sft_example",
 ]
 
 TokenPair = tuple[list[int], list[int]]
@@ -74,20 +84,13 @@ def encode_chat_example(tokenizer: Any, messages: Sequence[Mapping[str, str]], w
         ValueError: No chat template, a malformed message, no assistant turn, or a template that does not
             render prefixes as prefixes (e.g. one that rewrites earlier turns).
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{where}a 'messages' row needs a tokenizer with a chat_template; set one "
-                         "(tokenizer.chat_template = ...) or give prompt/response columns")
-    for j, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not {"role", "content"} <= set(m):
-            raise ValueError(f"{where}message {j} must be a mapping with 'role' and 'content', got {m!r}")
+    _check_messages(tokenizer, messages, where)
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}the chat has no assistant turn to train on (roles: "
                          f"{[m['role'] for m in messages]})")
 
     def render(upto: int, generation_prompt: bool) -> list[int]:
-        text = tokenizer.apply_chat_template(list(messages[:upto]), add_generation_prompt=generation_prompt,
-                                             tokenize=False) if upto else ""
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return _render(tokenizer, messages[:upto], generation_prompt)
 
     ids = render(len(messages), False)
     mask = [0] * len(ids)
@@ -103,6 +106,85 @@ def encode_chat_example(tokenizer: Any, messages: Sequence[Mapping[str, str]], w
             )
         mask[start:end] = [1] * (end - start)
     return TokenMask(ids, mask)
+
+
+def _check_messages(tokenizer: Any, messages: Any, where: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{where}a conversational row needs a tokenizer with a chat_template; set one "
+                         "(tokenizer.chat_template = ...) or give text columns")
+    for j, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not {"role", "content"} <= set(m):
+            raise ValueError(f"{where}message {j} must be a mapping with 'role' and 'content', got {m!r}")
+
+
+def _render(tokenizer: Any, messages: Sequence[Mapping[str, str]], generation_prompt: bool) -> list[int]:
+    """Token ids of ``messages`` through the chat template (no messages: none)."""
+    if not messages:
+        return []
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt,
+                                         tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode_chat_completion(tokenizer: Any, prompt: Sequence[Mapping[str, str]],
+                           completion: Sequence[Mapping[str, str]], where: str = "") -> TokenMask:
+    """Token ids of TRL's conversational prompt-completion, with the loss on the completion only.
+
+    The conversation ``prompt + completion`` goes through the chat template; the completion's tokens are
+    what follows the prompt rendered with the generation prompt (so the assistant header is not trained),
+    its end-of-turn tokens included.
+
+    Raises:
+        ValueError: No chat template, a malformed message, an empty completion, or a template that does not
+            render the prompt as a prefix of the whole conversation.
+    """
+    _check_messages(tokenizer, [*prompt, *completion], where)
+    if not completion:
+        raise ValueError(f"{where}the completion is an empty message list; nothing to train on")
+    ids = _render(tokenizer, [*prompt, *completion], False)
+    head = _render(tokenizer, prompt, True)
+    if ids[:len(head)] != head or len(head) >= len(ids):
+        raise ValueError(
+            f"{where}the chat template does not render the prompt (with the generation prompt) as a prefix "
+            "of the conversation, so the completion's tokens cannot be located; use a template that does, "
+            "or give the conversation as one 'messages' list"
+        )
+    return TokenMask(ids, [0] * len(head) + [1] * (len(ids) - len(head)))
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(m, Mapping) for m in value)
+
+
+def _encode_text_row(item: Mapping[str, Any], keys: tuple[str, str, str], tokenizer: Any,
+                     chat_template: bool | None, where: str) -> SFTExample:
+    """One text row in one of the formats of the module docstring (not yet length-checked)."""
+    prompt_key, response_key, messages_key = keys
+    if item.get(messages_key) is not None:
+        return encode_chat_example(tokenizer, item[messages_key], where)
+    completion_key = response_key if response_key in item else "completion"
+    if prompt_key in item and completion_key in item:
+        prompt, completion = item[prompt_key], item[completion_key]
+        if _is_messages(prompt) and _is_messages(completion):
+            return encode_chat_completion(tokenizer, prompt, completion, where)
+        if isinstance(completion, (str, int, float)) and (isinstance(prompt, str) or _is_messages(prompt)):
+            return encode_sft_example(tokenizer, prompt, str(completion), chat_template)
+        raise ValueError(
+            f"{where}{prompt_key!r} is {type(prompt).__name__} and {completion_key!r} is "
+            f"{type(completion).__name__}: give both as text (standard) or both as message lists "
+            "(conversational), or a string completion after a message-list prompt"
+        )
+    if isinstance(item.get("text"), str):
+        ids = list(tokenizer.encode(item["text"], add_special_tokens=False)) + [int(tokenizer.eos_token_id)]
+        return TokenMask(ids, [1] * len(ids))
+    kind = ("preference data (chosen/rejected) is for preference training, not SFT; "
+            if {"chosen", "rejected"} <= set(item) else
+            "a prompt-only row has nothing to train on (it is RL data); " if prompt_key in item else "")
+    raise ValueError(
+        f"{where}{kind}an SFT row needs {prompt_key!r} and {response_key!r} (or 'completion') columns, a "
+        f"{messages_key!r} column (a chat) or a 'text' column; it has {sorted(item)} — set prompt_key / "
+        "response_key / messages_key to your column names"
+    )
 
 
 def _is_token_pair(item: Any) -> bool:
@@ -130,23 +212,12 @@ def encode_sft_row(item: Any, i: int, tokenizer: Any, max_length: int, chat_temp
         return TokenMask(list(item.ids), list(item.loss_mask))
     if _is_token_pair(item):
         return list(item[0]), list(item[1])
-    prompt_key, response_key, messages_key = keys
     if tokenizer is None:
         raise ValueError(f"{where}SFT row {i} is text: pass tokenizer= to tokenise it, or give id pairs")
     if not isinstance(item, Mapping):
         raise ValueError(f"{where}SFT row {i} must be a mapping of columns, got {type(item).__name__}")
-    if messages_key in item and item[messages_key] is not None:
-        example: SFTExample = encode_chat_example(tokenizer, item[messages_key], f"{where}SFT row {i}: ")
-        length = len(example.ids)
-    elif prompt_key in item and response_key in item:
-        example = encode_sft_example(tokenizer, item[prompt_key], str(item[response_key]), chat_template)
-        length = len(example[0]) + len(example[1])
-    else:
-        raise ValueError(
-            f"{where}SFT row {i} needs {prompt_key!r} and {response_key!r} columns, or a {messages_key!r} "
-            f"column (a chat); it has {sorted(item)} — set prompt_key / response_key / messages_key to your "
-            "column names"
-        )
+    example = _encode_text_row(item, keys, tokenizer, chat_template, f"{where}SFT row {i}: ")
+    length = len(example.ids) if isinstance(example, TokenMask) else len(example[0]) + len(example[1])
     if length > max_length:
         raise ValueError(
             f"{where}SFT row {i} has {length} tokens > max_length={max_length}; raise data.max_length or "

@@ -10,15 +10,10 @@ from __future__ import annotations
 from verl_trainer.engine.base import BaseEngine, BaseEngineCtx, LossFunction
 from verl_trainer.engine.batch_info import GlobalBatchInfo
 from verl_trainer.engine.config import EngineConfig, OptimConfig
+from verl_trainer.engine.fsdp import FSDPEngine
 from verl_trainer.engine.registry import EngineRegistry, MissingBackendError
 
 try:
-    from verl_trainer.engine.fsdp import FSDPEngine, FSDPLanguageModelEngine, FSDPValueModelEngine
-except ImportError:  # a torch build without torch.distributed
-    FSDPEngine = FSDPLanguageModelEngine = FSDPValueModelEngine = None  # type: ignore[assignment,misc]
-
-try:
-    from verl_trainer.engine import deepspeed as _deepspeed_engines  # noqa: F401
     from verl_trainer.engine.deepspeed import DeepSpeedEngine
 except ImportError:  # deepspeed not installed: `pip install 'verl-trainer[deepspeed]'`
     DeepSpeedEngine = None  # type: ignore[assignment,misc]
@@ -30,8 +25,6 @@ __all__ = [
     "EngineConfig",
     "EngineRegistry",
     "FSDPEngine",
-    "FSDPLanguageModelEngine",
-    "FSDPValueModelEngine",
     "GlobalBatchInfo",
     "LossFunction",
     "MissingBackendError",

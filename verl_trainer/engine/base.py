@@ -14,46 +14,70 @@ data-parallel ranks. Its public surface has five groups (DESIGN.md §4):
 
 plus :meth:`~BaseEngine.save_checkpoint` / :meth:`~BaseEngine.load_checkpoint`.
 
-Concrete engines are composed from small parts in this package (``topology``, ``compute``,
-``heads``, ``optim``, ``offload``, ``checkpoint``) rather than written as one class with flags.
-The engine owns no loss: the caller hands ``loss_function(model_output, micro_batch, info)`` in
-(contract: ``verl_trainer.engine.batch_info``).
+A backend is one class plus its registration; everything else is a part the engine holds:
 
-Writing a backend (``fsdp.py`` and ``deepspeed.py`` are the examples)::
+* the model type (``engine.model_type``: ``heads.LanguageModel`` / ``heads.ValueModel``, from the
+  registry's ``model_type``): which HF class is loaded, which outputs are computed;
+* the schedule (``engine.schedule``): ``compute.SEQUENTIAL``, or with ``pp > 1`` the engine's
+  ``pipeline.PipelineParallel`` part (``engine.pipeline``, set by the backend that splits the model);
+* LoRA (``engine.lora``: ``lora.LoRAAdapters``, only when the model carries adapters), loss scaling
+  (``engine.grad_scaler``, only under float16) and offload (``offload.py``, only when configured).
 
-    class MyEngine(TopologyMixin, MicroBatchComputeMixin, OptimizerMixin, BaseEngine):
-        def initialize(self): ...      # self.topology = engine_topology(...); self.module = wrap(
-                                       #     self.load_hf_model()); optimizer / lr_scheduler from optim.py
+This class holds the one micro-batch loop (:meth:`forward_backward_batch`) and the one optimizer step
+(:meth:`train_batch`). The engine owns no loss: the caller hands ``loss_function(model_output,
+micro_batch, info)`` in (contract: ``verl_trainer.engine.batch_info``).
+
+Writing a backend (``fsdp.py`` and ``deepspeed.py`` follow this recipe;
+``tests/engine/test_backend_recipe.py`` builds one from it)::
+
+    @EngineRegistry.register(model_type=["language_model", "value_model"], backend="mine",
+                             device=["cpu", "cuda"])
+    class MyEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
+        def initialize(self):
+            self.topology = engine_topology(self.topology, self.config, self.device.type)
+            model = self.build_model()                  # checkpoint or factory, + LoRA
+            self.model_config = model.config
+            self.module = wrap(model, self.topology.shard_mesh)          # your sharding
+            self.optimizer = build_optimizer(self.module.parameters(), self.optim_config)
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim_config)
+            self.initialized = True
         def to(self, device, model=True, optimizer=True, grad=True): ...   # offload.py helpers
-        forward_model = ...                             # optional: what is called (default: module)
-        def _backward(self, loss): ...                  # optional: default loss.backward()
-        def _grad_sync_context(self, is_last): ...      # sync grads on the last micro-batch only
-        def named_full_tensors(self, keep=None): ...    # with LoRAMixin (lora.py), which adds LoRA and
-                                                        # get_per_tensor_param; or get_per_tensor_param
-        def save_checkpoint(self, path, global_step=0): ...  # inside checkpoint.atomic_checkpoint_dir
-        def load_checkpoint(self, path): ...
+        def named_full_tensors(self, keep=None): ...    # (name, full tensor) one at a time
+        # optional: forward_model (what is called), _backward(loss), _grad_sync_context(is_last)
 
-    @EngineRegistry.register(model_type="language_model", backend="mine", device=["cpu", "cuda"])
-    class MyLanguageModelEngine(LanguageModelMixin, MyEngine): ...   # heads.py: the model type
+``OptimizerMixin`` (``optim.py``) is the torch-optimizer step; ``DCPCheckpointMixin`` (``checkpoint.py``)
+the DCP checkpoints; a backend with its own (DeepSpeed) implements those methods itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from verl_trainer.data.packing import PackedBatch, pack_batch
+from verl_trainer.engine.batch_info import GlobalBatchInfo
+from verl_trainer.engine.build import build_model
+from verl_trainer.engine.compute import SEQUENTIAL, MicroBatchStep, Schedule, compute_global_batch_info
 from verl_trainer.engine.config import EngineConfig, OptimConfig
+from verl_trainer.engine.heads import model_type_part
 from verl_trainer.engine.hooks import NO_HOOKS, StepHooks
 from verl_trainer.engine.topology import Topology
+from verl_trainer.micro_batch import prepare_micro_batches
 from verl_trainer.utils.device import get_torch_device
+from verl_trainer.utils.distributed import all_reduce
+
+if TYPE_CHECKING:
+    from verl_trainer.engine.lora import LoRAAdapters
+    from verl_trainer.engine.pipeline import PipelineParallel
 
 LossFunction = Callable[..., "tuple[torch.Tensor, dict[str, Any]]"]
 """``loss_fn(model_output, micro_batch, info) -> (loss, metrics)`` (see ``engine/batch_info.py``)."""
@@ -123,6 +147,8 @@ class BaseEngine(ABC):
         optim_config: Optimizer/scheduler config; ``None`` builds an inference-only engine
             (e.g. a reference policy) without optimizer.
         backend: The registry name the engine was built under (``"fsdp"``, ``"fsdp2"``, ...).
+        model_type: ``"language_model"`` or ``"value_model"`` (the registry passes the name it was asked
+            for): the model-type part the engine holds (``engine/heads.py``).
         topology: The run's ``(dp, sp)`` meshes (the Trainer's strategy builds them once and hands them
             to every engine); ``None``: ``initialize`` builds the engine's own.
         model_factory: A zero-argument callable that builds the model (a transformers model or a
@@ -132,7 +158,10 @@ class BaseEngine(ABC):
 
     """
 
-    MODEL_TYPE: ClassVar[str] = ""
+    SUPPORTS_SEQUENCE_PARALLEL: ClassVar[bool] = False
+    """Whether the backend's gradient reduction makes Ulysses exact (the SP ranks' gradients averaged over
+    dp x sp, as FSDP and DeepSpeed do); else ``ulysses_sequence_parallel_size > 1`` is refused at the
+    first forward."""
     SUPPORTS_TENSOR_PARALLEL: ClassVar[bool] = False
     """Whether the backend applies ``tensor_model_parallel_size > 1`` (else refused at construction)."""
     SUPPORTS_PIPELINE_PARALLEL: ClassVar[bool] = False
@@ -144,6 +173,7 @@ class BaseEngine(ABC):
         optim_config: OptimConfig | None = None,
         *,
         backend: str = "",
+        model_type: str = "language_model",
         topology: Topology | None = None,
         model_factory: Callable[[], torch.nn.Module] | None = None,
         **config_overrides: Any,
@@ -153,9 +183,10 @@ class BaseEngine(ABC):
         self.config: EngineConfig = config.replace(**config_overrides) if config_overrides else config
         self.optim_config: OptimConfig | None = optim_config
         self.backend = backend
+        self.model_type = model_type_part(model_type)
         self.topology: Topology | None = topology  # None: ``initialize`` builds one of its own
         self.model_factory = model_factory
-        self.model_config: Any = None  # the HF config of the loaded model (set by ``load_hf_model``)
+        self.model_config: Any = None  # the HF config of the loaded model (set by ``initialize``)
         tp = self.config.tensor_model_parallel_size
         if tp > 1 and not self.SUPPORTS_TENSOR_PARALLEL:
             raise ValueError(
@@ -175,6 +206,15 @@ class BaseEngine(ABC):
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.mode: Literal["train", "eval"] | None = None
         self.initialized = False
+        self.pipeline: PipelineParallel | None = None  # set by a backend that splits the model (pp > 1)
+        self.lora: LoRAAdapters | None = None  # set by build_model for a model with adapters
+        self.grad_scaler: torch.amp.GradScaler | None = None  # float16 compute (engine/loss_scale.py)
+        self._num_trainable = 0
+
+    @property
+    def MODEL_TYPE(self) -> str:  # noqa: N802  (the registry's name, read by checkpoints and exports)
+        """The model type's registry name (``"language_model"`` / ``"value_model"``)."""
+        return self.model_type.name
 
     # ----------------------------------------------------------------------------------- lifecycle
     @abstractmethod
@@ -196,30 +236,146 @@ class BaseEngine(ABC):
         return BaseEngineCtx(self, "eval")
 
     # ------------------------------------------------------------------------------------- compute
-    @abstractmethod
     def forward_backward_batch(
         self,
         data: TensorDict,
         loss_function: LossFunction | None,
         forward_only: bool = False,
-        **kwargs: Any,
+        calculate_entropy: bool = False,
+        temperature: float | None = None,
+        hooks: StepHooks | None = None,
     ) -> dict[str, Any]:
-        """Run all micro-batches of ``data`` (this rank's share of one optimizer step).
+        """Run all micro-batches of ``data`` (this rank's share of one optimizer step): the one loop.
+
+        Global denominators (one all-reduce) → micro-batches (``hooks.on_micro_batches``) → the engine's
+        :attr:`schedule` runs them (``engine/compute.py``) → the global loss.
 
         Args:
             data: Padded schema batch ``[B, T]`` of this DP rank.
             loss_function: ``loss_fn(model_output, micro_batch, info) -> (loss, metrics)``; ``None``
                 only with ``forward_only``.
-            forward_only: No backward (inference / validation).
-            **kwargs: ``calculate_entropy`` (bool), ``temperature`` (float), ``hooks``
-                (:class:`~verl_trainer.engine.hooks.StepHooks`: ``on_micro_batches``,
-                ``on_before_backward``).
+            forward_only: No backward (inference / validation); outputs are returned in the original order.
+            calculate_entropy: Language model: also compute ``entropy``.
+            temperature: Overrides ``config.temperature``.
+            hooks: ``on_micro_batches`` sees the planned micro-batches before the first forward;
+                ``on_before_backward`` each micro-batch's loss before its backward.
 
         Returns:
             ``{"loss": float (global), "local_loss": float, "metrics": [per-micro-batch dict],
             "num_micro_batches": int, "model_output": {key: [B, T]} (forward_only, original order)}``.
+            ``loss`` is the mean over DP ranks of each rank's sum of partial losses.
 
         """
+        if not self.initialized:
+            raise RuntimeError(f"{type(self).__name__} is not initialized; call engine.initialize() first")
+        if loss_function is None and not forward_only:
+            raise ValueError("forward_backward_batch needs a loss_function unless forward_only=True")
+        hooks = hooks or NO_HOOKS
+        info = self.compute_global_batch_info(data)
+        micro_batches, batch_idx = self.make_micro_batches(data)
+        hooks.on_micro_batches(micro_batches)
+        temperature = self.config.temperature if temperature is None else temperature
+        step = MicroBatchStep(data, micro_batches, batch_idx, info, loss_function, forward_only,
+                              calculate_entropy, temperature, hooks)
+        schedule = self.schedule
+        schedule.run(self, step)
+        local_loss, metrics = schedule.results(step)
+        result: dict[str, Any] = {
+            "local_loss": float(local_loss),
+            "loss": self._global_loss(local_loss),
+            "metrics": metrics,
+            "num_micro_batches": len(micro_batches),
+        }
+        if forward_only:
+            result["model_output"] = schedule.model_output(step)
+        return result
+
+    @property
+    def schedule(self) -> Schedule:
+        """How the loop runs the micro-batches: the pipeline part under PP, else one after the other."""
+        return SEQUENTIAL if self.pipeline is None else self.pipeline
+
+    def compute_global_batch_info(self, data: TensorDict) -> GlobalBatchInfo:
+        """Global denominators of ``data`` over the DP group (see ``compute.compute_global_batch_info``)."""
+        topo = self.topology
+        assert topo is not None
+        return compute_global_batch_info(data, topo.dp_group, topo.dp_size, topo.dp_rank)
+
+    def make_micro_batches(self, data: TensorDict) -> tuple[list[TensorDict], list[int] | None]:
+        """Split ``data`` into micro-batches (fixed or dynamic, as configured).
+
+        Returns:
+            ``(micro_batches, batch_idx)``; ``batch_idx`` is the flattened original index of each sample
+            in micro-batch order (``-1``: a padding sample added so every DP rank runs the same number
+            of micro-batches), or ``None`` when the order is unchanged.
+
+        """
+        cfg, topo = self.config, self.topology
+        assert topo is not None
+        return prepare_micro_batches(
+            data,
+            dp_group=topo.dp_group,
+            same_micro_num_in_dp=True,
+            micro_batch_size_per_gpu=cfg.micro_batch_size_per_gpu,
+            use_dynamic_bsz=cfg.use_dynamic_bsz,
+            max_token_len_per_gpu=cfg.max_token_len_per_gpu,
+            sp_size=cfg.ulysses_sequence_parallel_size,
+        )
+
+    def forward_micro_batch(
+        self, micro_batch: TensorDict, calculate_entropy: bool = False, temperature: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Pack, forward, and unpack one micro-batch (the sequential schedule's forward).
+
+        Returns:
+            Model outputs, each ``[b, t]`` aligned with ``micro_batch["input_ids"]`` (0 at padding).
+
+        """
+        topo = self.topology
+        assert topo is not None
+        if topo.sp_size > 1 and not self.SUPPORTS_SEQUENCE_PARALLEL:
+            raise NotImplementedError(
+                f"ulysses_sequence_parallel_size={topo.sp_size} needs a sequence-parallel part "
+                f"in {type(self).__name__}; set ulysses_sequence_parallel_size=1"
+            )
+        packed = pack_batch(micro_batch, keys=())
+        temperature = self.config.temperature if temperature is None else temperature
+        model_type = self.model_type
+        if topo.sp_size > 1:
+            # Ulysses: every SP rank of the DP group holds this micro-batch and runs 1/sp of the row;
+            # the [N] outputs are gathered (their gradient scaled by sp: FSDP averages over dp x sp).
+            outputs = model_type.sp_outputs(self.forward_model, packed, topo.sp_group, calculate_entropy,
+                                            temperature)
+        else:
+            hf_output = self._forward_packed(packed)
+            outputs = model_type.outputs(hf_output, packed, calculate_entropy, temperature)
+        return {k: packed.unpack(v) for k, v in outputs.items()}
+
+    def _forward_packed(self, packed: PackedBatch) -> Any:
+        """The HF output of :attr:`forward_model` on one packed row (``logits [1, N, ...]``)."""
+        return self.model_type.forward_packed(self.forward_model, packed)
+
+    def _global_loss(self, local_loss: torch.Tensor) -> float:
+        """Mean over DP ranks of the per-rank loss sums (each partial loss carries the ×dp factor)."""
+        topo = self.topology
+        assert topo is not None
+        if topo.dp_group is None or topo.dp_size == 1:
+            return float(local_loss)
+        return float(all_reduce(local_loss, topo.dp_group)) / topo.dp_size
+
+    # ------------------------------------------------------------------------------ backend hooks
+    @property
+    def forward_model(self) -> Any:
+        """What the packed and Ulysses forwards call: the module, or a backend's forward wrapper."""
+        return self.module
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss, as is (times the loss scale under float16 compute)."""
+        (loss if self.grad_scaler is None else self.grad_scaler.scale(loss)).backward()
+
+    def _grad_sync_context(self, is_last: bool) -> contextlib.AbstractContextManager:
+        """Context around forward+backward of a micro-batch; sync grads only when ``is_last``."""
+        return contextlib.nullcontext()
 
     def train_batch(
         self, data: TensorDict, loss_function: LossFunction, hooks: StepHooks | None = None, **kwargs: Any
@@ -299,7 +455,7 @@ class BaseEngine(ABC):
     @property
     def loss_scale(self) -> float | None:
         """The float16 loss scale (``precision="16-mixed"``); ``None`` when the engine does not scale."""
-        return None
+        return None if self.grad_scaler is None else float(self.grad_scaler.get_scale())
 
     @abstractmethod
     def lr_scheduler_step(self) -> float:
@@ -312,30 +468,105 @@ class BaseEngine(ABC):
         return float(self.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------------------------ topology
-    @abstractmethod
     def get_data_parallel_size(self) -> int:
-        """Return the number of DP ranks (world_size // sp_size)."""
+        """Return the number of DP ranks (world_size // (sp_size * tp_size * pp_size))."""
+        assert self.topology is not None
+        return self.topology.dp_size
 
-    @abstractmethod
     def get_data_parallel_rank(self) -> int:
         """Return this rank's DP rank."""
+        assert self.topology is not None
+        return self.topology.dp_rank
 
-    @abstractmethod
     def get_data_parallel_group(self) -> dist.ProcessGroup | None:
         """Return the DP process group (``None`` when not distributed)."""
+        assert self.topology is not None
+        return self.topology.dp_group
 
     def is_mp_src_rank_with_outputs(self) -> bool:
-        """Tell whether the caller should collect this rank's outputs (every rank without SP/TP/PP)."""
-        return True
+        """One rank per DP rank reports outputs: SP / TP rank 0, and under PP the last stage (verl's choice).
+
+        Every SP / TP / PP rank of a DP rank returns the same outputs (PP broadcasts the last stage's).
+        """
+        topo = self.topology
+        if topo is None:
+            return True
+        return topo.sp_rank == 0 and topo.tp_rank == 0 and topo.pp_rank == topo.pp_size - 1
+
+    # --------------------------------------------------------------------------------------- model
+    def build_model(self) -> torch.nn.Module:
+        """The model to shard: ``model_factory()`` or the checkpoint, varlen attention, then LoRA.
+
+        Sets :attr:`lora` when the model carries adapters (``engine/build.py``).
+        """
+        model, self.lora = build_model(self.config, self.model_type, self.model_factory)
+        self._num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        return model
+
+    def num_trainable_parameters(self) -> int:
+        """Trainable elements of the full (unsharded) model, counted when it was built."""
+        return self._num_trainable
+
+    @property
+    def peft_model(self) -> Any:
+        """The engine's ``PeftModel`` (``None`` without adapters)."""
+        return None if self.lora is None else self.lora.peft_model
+
+    @property
+    def has_adapters(self) -> bool:
+        """True when the engine's model carries peft adapters."""
+        return self.lora is not None
+
+    def _require_lora(self, what: str) -> LoRAAdapters:
+        if self.lora is None:
+            raise RuntimeError(
+                f"{what} needs LoRA adapters, but {type(self).__name__} has none; set "
+                f"EngineConfig.lora_rank > 0 (or lora_adapter_path, or a model factory returning a PeftModel)"
+            )
+        return self.lora
+
+    def disable_adapters(self) -> contextlib.AbstractContextManager:
+        """A context in which the model computes as the base model (adapters and saved heads bypassed).
+
+        Raises:
+            RuntimeError: If the engine has no adapters.
+        """
+        return self._require_lora("disable_adapters()").disabled()
+
+    def save_adapter(self, path: str | os.PathLike) -> str:
+        """Write the adapters as a peft directory (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+        A collective: call it on every rank; rank 0 writes, every rank returns once the files exist.
+        ``PeftModel.from_pretrained(base_model, path)`` loads it; so does ``EngineConfig.lora_adapter_path``.
+
+        Returns:
+            ``path`` as a string.
+        """
+        lora = self._require_lora("save_adapter()")
+        return lora.save(path, dict(self.get_per_tensor_param(adapters_only=True)), self.config.model_path)
 
     # ------------------------------------------------------------------------------- weight export
     @abstractmethod
+    def named_full_tensors(
+        self, keep: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Backend part: state-dict ``(name, full_tensor)`` for the names ``keep`` accepts; a collective."""
+
     def get_per_tensor_param(self, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, full_tensor)`` one at a time; a collective, call it on every rank.
 
         With LoRA the tensors are the base model's, adapters merged; ``adapters_only=True`` yields the
         adapter tensors under peft's names instead (``engine/lora.py``).
+
+        Raises:
+            RuntimeError: ``adapters_only=True`` on an engine without adapters.
         """
+        if self.lora is None:
+            if adapters_only:
+                self._require_lora("get_per_tensor_param(adapters_only=True)")
+            yield from self.named_full_tensors()
+        else:
+            yield from self.lora.per_tensor_params(self.named_full_tensors, adapters_only)
 
     def get_shareable_params(self) -> dict[str, torch.Tensor] | None:
         """The parameters' own storage under HF names, when a consumer may alias them instead of copying.

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,14 +34,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_trainer.utils.disk_full import disk_full_error
 from verl_trainer.utils.distributed import barrier, get_rank, get_world_size
-from verl_trainer.utils.fs import discard_temporary, ensure_replaceable, mark_owned, remove_owned
-from verl_trainer.utils.manifest import verify_manifest, write_manifest
+from verl_trainer.utils.fs import (
+    discard_temporary,
+    ensure_replaceable,
+    mark_owned,
+    read_marker,
+    record_files,
+    remove_owned,
+)
+from verl_trainer.utils.manifest import MANIFEST_FILE, verify_manifest, write_manifest
 from verl_trainer.utils.safe_load import safe_torch_load
 
 EXTRA_STATE = "extra_state_rank{rank}.pt"
 META = "meta.json"
 HF_DIR = "huggingface"
+CHECKPOINT_KIND = "checkpoint"
+"""The marker kind of checkpoint directories: only :func:`atomic_checkpoint_dir` replaces one."""
 
 
 def _sibling(path: Path, suffix: str) -> Path:
@@ -54,11 +65,14 @@ def atomic_checkpoint_dir(path: str | Path, **marker: Any) -> Iterator[Path]:
     A collective: every rank must enter it. Every rank first checks that ``path`` is missing, empty or a
     directory verl-trainer wrote (:func:`~verl_trainer.utils.fs.ensure_replaceable`). Rank 0 clears a
     stale temporary directory and marks the new one as the project's
-    (:data:`~verl_trainer.utils.fs.OWNER_MARKER`, with ``marker`` recorded in it). After the block every
-    rank hashes a share of the files and rank 0 writes ``manifest.json``
+    (:data:`~verl_trainer.utils.fs.OWNER_MARKER`, with ``marker`` and a token of this save recorded in
+    it). The temporary name carries the run id (``.step_000003.tmp-<run id>``), and rank 0 commits only a
+    temporary directory whose marker still records this save's token (else ``RuntimeError``). After the
+    block every rank hashes a share of the files and rank 0 writes ``manifest.json``
     (:func:`~verl_trainer.utils.manifest.write_manifest`); then rank 0 moves an existing ``path`` aside,
     renames the temporary directory to ``path`` and deletes the old one. If the block raises (e.g. the
-    disk is full), nothing is renamed and rank 0 deletes the temporary directory.
+    disk is full: raised as :class:`~verl_trainer.utils.disk_full.DiskFullError`, "no space left on
+    <path>"), nothing is renamed and rank 0 deletes the temporary directory.
 
     Args:
         path: The final checkpoint directory.
@@ -66,29 +80,51 @@ def atomic_checkpoint_dir(path: str | Path, **marker: Any) -> Iterator[Path]:
 
     """
     final = Path(path)
-    tmp, old = _sibling(final, "tmp"), _sibling(final, "old")
-    ensure_replaceable(final, "checkpoint path")
+    run_id = marker.get("run_id")
+    tmp = _sibling(final, f"tmp-{run_id}" if run_id else "tmp")  # a run's own scratch name
+    old = _sibling(final, "old")
+    ensure_replaceable(final, "checkpoint path", CHECKPOINT_KIND)
+    token = uuid.uuid4().hex
     if get_rank() == 0:
         discard_temporary(tmp)  # left by an interrupted save of this path
-        mark_owned(tmp, "checkpoint", **marker)
+        mark_owned(tmp, CHECKPOINT_KIND, save=token, **marker)
     barrier()
     try:
         yield tmp
-    except BaseException:
-        if get_rank() == 0:
+    except BaseException as exc:
+        full = disk_full_error(exc, final, "the checkpoint")  # before its files are removed
+        if get_rank() == 0 and _is_this_save(tmp, token):
             discard_temporary(tmp)  # frees the space a failed save took
+        if full is not None and full is not exc:
+            raise full from exc
         raise
     barrier()
-    write_manifest(tmp)
+    if get_rank() == 0 and _is_this_save(tmp, token):
+        record_files(tmp, also=(MANIFEST_FILE,))  # a file added later keeps the directory from being replaced
+    barrier()
+    write_manifest(tmp)  # covers the marker with its record
     if get_rank() == 0:
+        if not _is_this_save(tmp, token):
+            raise RuntimeError(
+                f"the temporary checkpoint directory {str(tmp)!r} is no longer this save's (its marker "
+                f"{read_marker(tmp)!r} does not record save {token}): another process wrote to it, e.g. a "
+                f"second run in the same directory. Not committing it to {str(final)!r}; give each run its "
+                f"own directory"
+            )
         if final.exists():
             if old.exists():
-                remove_owned(old, "checkpoint path")
+                remove_owned(old, "checkpoint path", CHECKPOINT_KIND)
             final.rename(old)
         tmp.rename(final)
         if old.exists():
-            remove_owned(old, "checkpoint path")
+            remove_owned(old, "checkpoint path", CHECKPOINT_KIND)
     barrier()
+
+
+def _is_this_save(tmp: Path, token: str) -> bool:
+    """Whether ``tmp`` still carries the marker this save wrote into it (rank 0)."""
+    marker = read_marker(tmp)
+    return marker is not None and marker.get("save") == token
 
 
 def resolve_checkpoint_dir(path: str | Path, verify: bool = True) -> Path:

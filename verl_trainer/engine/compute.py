@@ -1,38 +1,42 @@
-"""The micro-batch loop shared by every engine that runs a HF module on packed micro-batches.
+"""What one ``forward_backward_batch`` carries, and its default schedule.
 
-:class:`MicroBatchComputeMixin` implements ``forward_backward_batch`` in the order DESIGN.md §4 fixes:
+``BaseEngine.forward_backward_batch`` is the one micro-batch loop of every engine, in the order
+DESIGN.md §4 fixes:
 
 1. :func:`compute_global_batch_info`: ``batch_num_tokens`` (the loss-mask sum) and ``global_batch_size``
    (real samples) all-reduced over the DP group, before splitting;
 2. ``prepare_micro_batches`` (fixed size, or dynamic by token budget; same count on every DP rank);
-3. per micro-batch: pack (no padding) → forward → model outputs unpacked to ``[b, t]`` →
-   ``loss_fn(model_output, micro_batch, info)`` → ``backward`` as is (never divided by the number of
-   micro-batches); gradient sync only on the last micro-batch;
-4. forward-only outputs are restored to the original sample order.
+3. the engine's schedule runs the micro-batches; every schedule calls :meth:`MicroBatchStep.loss` for
+   ``loss_fn(model_output, micro_batch, info)`` (never divided by the number of micro-batches) and
+   :meth:`MicroBatchStep.keep` for forward-only outputs;
+4. forward-only outputs are restored to the original sample order (:meth:`MicroBatchStep.model_output`).
 
-The backend supplies :attr:`forward_model` (what is called: the module, or a wrapper such as DeepSpeed's
-engine), :meth:`_backward` and :meth:`_grad_sync_context`; the model type supplies
-``compute_packed_outputs`` and, under Ulysses SP, ``compute_sp_outputs`` (``engine/heads.py``).
+A schedule is an object with ``run(engine, step)``, ``results(step)`` and ``model_output(step)``:
+:data:`SEQUENTIAL` (:class:`SequentialSchedule`: each micro-batch forward then backward, gradients
+synced on the last) for every engine without pipeline stages; ``engine/pipeline.py:
+PipelineParallel`` (1F1B / GPipe over stages) with ``pipeline_model_parallel_size > 1``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.data import schema
-from verl_trainer.data.packing import PackedBatch, pack_batch
 from verl_trainer.engine.batch_info import GlobalBatchInfo, local_counts
-from verl_trainer.engine.config import EngineConfig
-from verl_trainer.engine.hooks import NO_HOOKS, StepHooks
-from verl_trainer.engine.topology import Topology
-from verl_trainer.micro_batch import prepare_micro_batches, restore_dynamic_batch
-from verl_trainer.models.attention import packed_forward
+from verl_trainer.engine.hooks import StepHooks
+from verl_trainer.micro_batch import restore_dynamic_batch
 from verl_trainer.utils.distributed import all_reduce
+
+if TYPE_CHECKING:
+    from verl_trainer.engine.base import BaseEngine
+
+__all__ = ["SEQUENTIAL", "MicroBatchStep", "Schedule", "SequentialSchedule", "compute_global_batch_info"]
 
 
 def compute_global_batch_info(
@@ -61,11 +65,6 @@ def compute_global_batch_info(
     )
 
 
-def _restore(values: torch.Tensor, batch_idx: list[int] | None) -> torch.Tensor:
-    """Rows in micro-batch order ``[N, T]`` → original order ``[B, T]`` (padding rows dropped)."""
-    return values if batch_idx is None else restore_dynamic_batch(values, batch_idx)
-
-
 def _pad_width(t: torch.Tensor, width: int) -> torch.Tensor:
     if t.shape[1] == width:
         return t
@@ -73,168 +72,114 @@ def _pad_width(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([t, pad], 1)
 
 
-class MicroBatchComputeMixin:
-    """``forward_backward_batch`` over packed micro-batches; backends override the hooks.
+@dataclass
+class MicroBatchStep:
+    """One ``forward_backward_batch``: its micro-batches and what every schedule records of them.
 
-    ``SUPPORTS_SEQUENCE_PARALLEL``: a backend whose gradient reduction makes Ulysses exact (the SP ranks'
-    gradients averaged over dp x sp, as FSDP and DeepSpeed do) sets it; without it,
-    ``ulysses_sequence_parallel_size > 1`` is refused at the first forward.
+    Attributes:
+        data: This DP rank's whole batch ``[B, T]`` (its width and device shape the forward-only outputs).
+        micro_batches: The planned micro-batches ``[b, T]``, in run order.
+        batch_idx: Original index of each sample in micro-batch order (``-1``: padding sample), or ``None``.
+        info: The step's global denominators.
+        loss_function: ``loss_fn(model_output, micro_batch, info) -> (loss, metrics)`` or ``None``.
+        forward_only: No backward.
+        calculate_entropy: Language model: also compute ``entropy``.
+        temperature: The logits' temperature.
+        hooks: ``on_before_backward`` sees each micro-batch's loss before its backward.
+        losses: Each micro-batch's loss ``[]`` (float64, detached), in run order.
+        metrics: Each micro-batch's metrics, in run order.
+        kept: Forward only: the outputs ``{key: [b, t]}`` of each micro-batch, by index.
     """
 
-    SUPPORTS_SEQUENCE_PARALLEL: bool = False
-    config: EngineConfig
-    topology: Topology
-    module: torch.nn.Module | None
-    device: torch.device
+    data: TensorDict
+    micro_batches: list[TensorDict]
+    batch_idx: list[int] | None
+    info: GlobalBatchInfo
+    loss_function: Any
+    forward_only: bool
+    calculate_entropy: bool
+    temperature: float
+    hooks: StepHooks
+    losses: list[torch.Tensor] = field(default_factory=list)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    kept: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
-    # ------------------------------------------------------------------------------ backend hooks
+    def loss(self, outputs: dict[str, torch.Tensor], micro_batch: TensorDict) -> torch.Tensor:
+        """The micro-batch's loss from its outputs ``{key: [b, t]}``; recorded, and shown to the hooks."""
+        loss, metrics = self.loss_function(outputs, micro_batch, self.info)
+        if not self.forward_only:
+            self.hooks.on_before_backward(loss)
+        self.losses.append(loss.detach().to(torch.float64))
+        self.metrics.append(dict(metrics or {}))
+        return loss
+
+    def keep(self, index: int, outputs: dict[str, torch.Tensor]) -> None:
+        """Keep micro-batch ``index``'s forward-only outputs ``{key: [b, t]}``."""
+        self.kept[index] = {key: value.detach() for key, value in outputs.items()}
+
+    def local_loss(self) -> torch.Tensor:
+        """The sum of this rank's micro-batch losses (float64 on the CPU; one device sync)."""
+        if not self.losses:
+            return torch.zeros((), dtype=torch.float64)
+        return torch.stack(self.losses).sum().cpu()
+
     @property
-    def forward_model(self) -> Any:
-        """What the packed and Ulysses forwards call: the module, or a backend's forward wrapper."""
-        return self.module
+    def out_device(self) -> torch.device:
+        """Where forward-only outputs are returned: the input batch's device (CPU when it has none)."""
+        return self.data.device if self.data.device is not None else torch.device("cpu")
 
-    def _forward_packed(self, packed: PackedBatch, model: Any = None) -> Any:
-        """Run ``model`` (default :attr:`forward_model`) on one packed row (``logits [1, N, ...]``)."""
-        return packed_forward(self.forward_model if model is None else model, packed)
+    def model_output(self) -> dict[str, torch.Tensor]:
+        """The kept outputs as ``{key: [B, T]}`` in the original sample order (padding samples dropped)."""
+        width = self.data[schema.INPUT_IDS].shape[1]
+        keys = self.kept[0].keys() if self.kept else ()
+        out = {}
+        for key in keys:
+            values = torch.cat([_pad_width(self.kept[i][key], width) for i in range(len(self.kept))])
+            out[key] = values if self.batch_idx is None else restore_dynamic_batch(values, self.batch_idx)
+        return out
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's loss, as is."""
-        loss.backward()
 
-    def _grad_sync_context(self, is_last: bool) -> contextlib.AbstractContextManager:
-        """Context around forward+backward of a micro-batch; sync grads only when ``is_last``."""
-        return contextlib.nullcontext()
+class Schedule(Protocol):
+    """How the micro-batches of one step run (see the module docstring)."""
 
-    # ------------------------------------------------------------------------------ the loop
-    def compute_global_batch_info(self, data: TensorDict) -> GlobalBatchInfo:
-        """Global denominators of ``data`` over the DP group (see :func:`compute_global_batch_info`)."""
-        return compute_global_batch_info(
-            data, self.topology.dp_group, self.topology.dp_size, self.topology.dp_rank
-        )
+    def run(self, engine: BaseEngine, step: MicroBatchStep) -> None:
+        """Run every micro-batch of ``step`` forward (and backward unless forward only)."""
 
-    def make_micro_batches(self, data: TensorDict) -> tuple[list[TensorDict], list[int] | None]:
-        """Split ``data`` into micro-batches (fixed or dynamic, as configured).
+    def results(self, step: MicroBatchStep) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+        """``(local loss sum, per-micro-batch metrics)`` on this rank, after :meth:`run`."""
 
-        Returns:
-            ``(micro_batches, batch_idx)``; ``batch_idx`` is the flattened original index of each sample
-            in micro-batch order (``-1``: a padding sample added so every DP rank runs the same number
-            of micro-batches), or ``None`` when the order is unchanged.
+    def model_output(self, step: MicroBatchStep) -> dict[str, torch.Tensor]:
+        """Forward only: the outputs ``{key: [B, T]}`` in the original order, on ``step.out_device``."""
 
-        """
-        cfg = self.config
-        return prepare_micro_batches(
-            data,
-            dp_group=self.topology.dp_group,
-            same_micro_num_in_dp=True,
-            micro_batch_size_per_gpu=cfg.micro_batch_size_per_gpu,
-            use_dynamic_bsz=cfg.use_dynamic_bsz,
-            max_token_len_per_gpu=cfg.max_token_len_per_gpu,
-            sp_size=cfg.ulysses_sequence_parallel_size,
-        )
 
-    def forward_micro_batch(
-        self, micro_batch: TensorDict, calculate_entropy: bool = False, temperature: float | None = None
-    ) -> dict[str, torch.Tensor]:
-        """Pack, forward, and unpack one micro-batch.
+class SequentialSchedule:
+    """Each micro-batch forward then backward, in order; gradients synced on the last one only."""
 
-        Returns:
-            Model outputs, each ``[b, t]`` aligned with ``micro_batch["input_ids"]`` (0 at padding).
+    def run(self, engine: BaseEngine, step: MicroBatchStep) -> None:
+        """Forward, loss and backward of each micro-batch (``engine._grad_sync_context`` around each)."""
+        last = len(step.micro_batches) - 1
+        with torch.no_grad() if step.forward_only else contextlib.nullcontext():
+            for i, micro_batch in enumerate(step.micro_batches):
+                micro_batch = micro_batch.to(engine.device)
+                sync = engine._grad_sync_context(i == last) if not step.forward_only else None
+                with sync or contextlib.nullcontext():
+                    outputs = engine.forward_micro_batch(micro_batch, step.calculate_entropy,
+                                                         step.temperature)
+                    if step.loss_function is not None:
+                        loss = step.loss(outputs, micro_batch)
+                        if not step.forward_only:
+                            engine._backward(loss)
+                if step.forward_only:
+                    step.keep(i, outputs)
 
-        """
-        if self.topology.sp_size > 1 and not self.SUPPORTS_SEQUENCE_PARALLEL:
-            raise NotImplementedError(
-                f"ulysses_sequence_parallel_size={self.topology.sp_size} needs a sequence-parallel part "
-                f"in {type(self).__name__}; set ulysses_sequence_parallel_size=1"
-            )
-        packed = pack_batch(micro_batch, keys=())
-        temperature = self.config.temperature if temperature is None else temperature
-        if self.topology.sp_size > 1:
-            # Ulysses: every SP rank of the DP group holds this micro-batch and runs 1/sp of the row;
-            # the [N] outputs are gathered (their gradient scaled by sp: FSDP averages over dp x sp).
-            outputs = self.compute_sp_outputs(  # type: ignore[attr-defined]  (model-type part)
-                packed, self.topology.sp_group, calculate_entropy, temperature
-            )
-        else:
-            outputs = self.compute_packed_outputs(  # type: ignore[attr-defined]  (model-type part)
-                self._forward_packed(packed), packed, calculate_entropy, temperature
-            )
-        return {k: packed.unpack(v) for k, v in outputs.items()}
+    def results(self, step: MicroBatchStep) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+        """This rank's own losses and metrics."""
+        return step.local_loss(), step.metrics
 
-    def forward_backward_batch(
-        self,
-        data: TensorDict,
-        loss_function: Any,
-        forward_only: bool = False,
-        calculate_entropy: bool = False,
-        temperature: float | None = None,
-        hooks: StepHooks | None = None,
-    ) -> dict[str, Any]:
-        """Run every micro-batch of this rank's share of one step (see ``BaseEngine``).
+    def model_output(self, step: MicroBatchStep) -> dict[str, torch.Tensor]:
+        """This rank's own outputs, restored to the original order."""
+        return {key: value.to(step.out_device) for key, value in step.model_output().items()}
 
-        Args:
-            data: Padded schema batch ``[B, T]`` of this DP rank.
-            loss_function: ``loss_fn(model_output, micro_batch, info) -> (loss, metrics)`` or ``None``
-                (forward only).
-            forward_only: No backward; outputs are collected and returned in the original order.
-            calculate_entropy: Language model: also compute ``entropy``.
-            temperature: Overrides ``config.temperature``.
-            hooks: ``on_micro_batches`` sees the planned micro-batches before the first forward;
-                ``on_before_backward`` each micro-batch's loss before its backward.
 
-        Returns:
-            ``{"loss": float, "local_loss": float, "metrics": list[dict], "num_micro_batches": int,
-            "model_output": dict[str, Tensor [B, T]]}`` (``model_output`` only when ``forward_only``).
-            ``loss`` is the global value: the mean over DP ranks of each rank's sum of partial losses.
-
-        """
-        if not getattr(self, "initialized", False):
-            raise RuntimeError(f"{type(self).__name__} is not initialized; call engine.initialize() first")
-        if loss_function is None and not forward_only:
-            raise ValueError("forward_backward_batch needs a loss_function unless forward_only=True")
-        info = self.compute_global_batch_info(data)
-        micro_batches, batch_idx = self.make_micro_batches(data)
-        hooks = hooks or NO_HOOKS
-        hooks.on_micro_batches(micro_batches)
-        losses: list[torch.Tensor] = []  # summed once at the end: no device sync per micro-batch
-        metrics: list[dict[str, Any]] = []
-        collected: dict[str, list[torch.Tensor]] = {}
-        grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-        with grad_ctx:
-            for i, micro_batch in enumerate(micro_batches):
-                is_last = i == len(micro_batches) - 1
-                micro_batch = micro_batch.to(self.device)
-                sync = contextlib.nullcontext() if forward_only else self._grad_sync_context(is_last)
-                with sync:
-                    outputs = self.forward_micro_batch(micro_batch, calculate_entropy, temperature)
-                    if loss_function is not None:
-                        loss, mb_metrics = loss_function(outputs, micro_batch, info)
-                        if not forward_only:
-                            hooks.on_before_backward(loss)
-                            self._backward(loss)
-                        losses.append(loss.detach().to(torch.float64))
-                        metrics.append(dict(mb_metrics or {}))
-                if forward_only:
-                    for key, value in outputs.items():
-                        collected.setdefault(key, []).append(value.detach())
-        local_loss = torch.stack(losses).sum().cpu() if losses else torch.zeros((), dtype=torch.float64)
-        result: dict[str, Any] = {
-            "local_loss": float(local_loss),
-            "loss": self._global_loss(local_loss),
-            "metrics": metrics,
-            "num_micro_batches": len(micro_batches),
-        }
-        if forward_only:
-            width = data[schema.INPUT_IDS].shape[1]
-            out_device = data.device if data.device is not None else torch.device("cpu")
-            result["model_output"] = {
-                k: _restore(torch.cat([_pad_width(v, width) for v in vs]), batch_idx).to(out_device)
-                for k, vs in collected.items()
-            }
-        return result
-
-    def _global_loss(self, local_loss: torch.Tensor) -> float:
-        """Mean over DP ranks of the per-rank loss sums (each partial loss carries the ×dp factor)."""
-        group, dp = self.topology.dp_group, self.topology.dp_size
-        if group is None or dp == 1:
-            return float(local_loss)
-        return float(all_reduce(local_loss, group)) / dp
+SEQUENTIAL = SequentialSchedule()
+"""The schedule of every engine without pipeline stages."""

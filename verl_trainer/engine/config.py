@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 import torch
 
-LR_SCHEDULERS = ("constant", "cosine")
+LR_SCHEDULERS = ("constant", "cosine", "linear")
+DECAYING_SCHEDULERS = ("cosine", "linear")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -85,6 +86,10 @@ def check_parallel_sizes(sp: int, tp: int, pp: int = 1) -> None:
         )
 
 
+RUN_LENGTH = -1
+"""``OptimConfig.total_training_steps`` value meaning "the run's length, set before the engine is built"."""
+
+
 @dataclass
 class OptimConfig(_Validated):
     """AdamW + learning-rate schedule + gradient clipping.
@@ -96,11 +101,15 @@ class OptimConfig(_Validated):
         eps: AdamW epsilon.
         clip_grad: Max total grad norm; ``None`` or ``<= 0`` disables clipping (the norm is still
             computed and a non-finite norm still skips the step).
-        lr_scheduler: ``"constant"`` (after warmup) or ``"cosine"`` (warmup then cosine decay to
-            ``min_lr_ratio * lr`` at ``total_training_steps``).
+        lr_scheduler: ``"constant"`` (after warmup), ``"cosine"`` (warmup then cosine decay to
+            ``min_lr_ratio * lr`` at ``total_training_steps``) or ``"linear"`` (HF's default: warmup then
+            linear decay to ``min_lr_ratio * lr``, 0 by default, at ``total_training_steps``).
         warmup_steps: Linear warmup steps; step ``s < warmup_steps`` uses ``lr * (s + 1) / warmup_steps``.
-        total_training_steps: Optimizer steps of the whole run (required by ``"cosine"``).
-        min_lr_ratio: Final lr of the cosine schedule as a fraction of ``lr``.
+        total_training_steps: Optimizer steps of the whole run (required by ``"cosine"`` and
+            ``"linear"``). ``-1`` (verl's "set by the program"): the recipe sets it to the run's length
+            before the engine is built (``recipes/common.py``: ``max_steps``, or ``max_epochs`` × steps per
+            epoch); an engine built with ``-1`` and a decaying schedule raises.
+        min_lr_ratio: Final lr of the cosine / linear schedule as a fraction of ``lr``.
 
     """
 
@@ -109,7 +118,7 @@ class OptimConfig(_Validated):
     weight_decay: float = 0.01
     eps: float = 1e-8
     clip_grad: float | None = 1.0
-    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = 0
     total_training_steps: int | None = None
     min_lr_ratio: float = 0.0
@@ -132,13 +141,15 @@ class OptimConfig(_Validated):
             0.0 <= self.min_lr_ratio <= 1.0,
             f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}",
         )
-        if self.lr_scheduler == "cosine":
+        if self.lr_scheduler in DECAYING_SCHEDULERS and self.total_training_steps != RUN_LENGTH:
             _check(
                 self.total_training_steps is not None and self.total_training_steps > self.warmup_steps,
-                f"lr_scheduler='cosine' needs total_training_steps > warmup_steps "
+                f"lr_scheduler={self.lr_scheduler!r} needs total_training_steps > warmup_steps "
                 f"(got total_training_steps={self.total_training_steps}, "
                 f"warmup_steps={self.warmup_steps}); set OptimConfig.total_training_steps to the number "
-                f"of optimizer steps of the run, or use lr_scheduler='constant'",
+                f"of optimizer steps of the run (the recipes' configs set it to trainer.max_steps: give "
+                f"trainer.max_steps > {self.warmup_steps}, or lower warmup_steps), or use "
+                f"lr_scheduler='constant'",
             )
 
     @property

@@ -1,7 +1,8 @@
 """DeepSpeed engines: ZeRO stage 1, 2 or 3 (``deepspeed``, ``deepspeed_stage_{1,2,3}``).
 
-:class:`DeepSpeedEngine` composes the shared engine parts (topology, the packed micro-batch loop, the LR
-schedule, atomic checkpoint directories) and adds only what is DeepSpeed-specific:
+:class:`DeepSpeedEngine` is one backend class (``BaseEngine``'s recipe: the one micro-batch loop, the
+model-type and LoRA parts) with the LR schedule of ``OptimizerMixin`` and DeepSpeed's checkpoints,
+registered for both model types; it adds only what is DeepSpeed-specific:
 
 * ``deepspeed.initialize`` with a generated config dict (``engine/deepspeed_config.py``) and the torch
   ``AdamW`` built from ``OptimConfig``; ``gradient_accumulation_steps`` stays 1 and the engine marks the
@@ -38,15 +39,12 @@ from typing import Any
 import torch
 
 from verl_trainer.engine.base import BaseEngine
-from verl_trainer.engine.compute import MicroBatchComputeMixin
-from verl_trainer.engine.config import EngineConfig, OptimConfig
+from verl_trainer.engine.config import MODEL_TYPES, EngineConfig, OptimConfig
 from verl_trainer.engine.deepspeed_checkpoint import DeepSpeedCheckpointMixin
 from verl_trainer.engine.deepspeed_config import build_deepspeed_config
-from verl_trainer.engine.heads import LanguageModelMixin, ValueModelMixin
-from verl_trainer.engine.lora import LoRAMixin
 from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler, build_optimizer
 from verl_trainer.engine.registry import EngineRegistry
-from verl_trainer.engine.topology import TopologyMixin, engine_topology
+from verl_trainer.engine.topology import engine_topology
 from verl_trainer.utils.distributed import is_initialized
 
 if importlib.util.find_spec("deepspeed") is None:
@@ -94,10 +92,8 @@ class DeepSpeedForward:
         return self.ds_engine(*args, **kwargs)
 
 
-class DeepSpeedEngine(
-    TopologyMixin, MicroBatchComputeMixin, OptimizerMixin, DeepSpeedCheckpointMixin, LoRAMixin, BaseEngine
-):
-    """DeepSpeed ZeRO-1/2/3 engine; the model type comes from a mixin (see the registered subclasses).
+class DeepSpeedEngine(OptimizerMixin, DeepSpeedCheckpointMixin, BaseEngine):
+    """DeepSpeed ZeRO-1/2/3 engine for either model type (``model_type``: its part, ``engine/heads.py``).
 
     Args:
         config: Engine config; ``zero_stage`` picks the ZeRO stage, ``deepspeed_config`` is merged over
@@ -105,7 +101,8 @@ class DeepSpeedEngine(
         optim_config: Optimizer config; ``None`` builds an inference-only engine.
         backend: ``"deepspeed"`` or an alias ``"deepspeed_stage_N"`` (the registry presets
             ``zero_stage=N`` for those).
-        **config_overrides: ``EngineConfig`` fields to override.
+        **kwargs: ``model_type``, ``topology``, ``model_factory`` (see ``BaseEngine``) and ``EngineConfig``
+            fields to override.
 
     Raises:
         ValueError: For an unknown backend name.
@@ -121,9 +118,9 @@ class DeepSpeedEngine(
         optim_config: OptimConfig | None = None,
         *,
         backend: str = "deepspeed",
-        **config_overrides: Any,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(config, optim_config, backend=backend, **config_overrides)
+        super().__init__(config, optim_config, backend=backend, **kwargs)
         if backend not in DEEPSPEED_BACKENDS:
             raise ValueError(f"DeepSpeedEngine backend must be one of {DEEPSPEED_BACKENDS}, got {backend!r}")
         self.ds_engine: Any = None
@@ -150,7 +147,7 @@ class DeepSpeedEngine(
             torch.cuda.set_device(self.device)
         torch.manual_seed(self.config.seed)
         self.topology = engine_topology(self.topology, self.config, self.device.type)
-        model = self.build_model()  # checkpoint or factory, + LoRA adapters (engine/lora.py)
+        model = self.build_model()  # checkpoint or factory, + LoRA adapters (engine/build.py)
         self.model_config = model.config
         if self.config.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -174,8 +171,8 @@ class DeepSpeedEngine(
         # ZeRO steps this same AdamW (its param groups now hold the flat fp32 partitions), so the
         # LambdaLR on it sets the lr DeepSpeed uses, and get_lr / lr_scheduler_step read it there.
         self.optimizer = optimizer
-        if optimizer is not None:
-            self.lr_scheduler = build_lr_scheduler(optimizer, self.optim_config)  # type: ignore[arg-type]
+        if optimizer is not None and self.optim_config is not None:
+            self.lr_scheduler = build_lr_scheduler(optimizer, self.optim_config)
         self.initialized = True
 
     def to(
@@ -310,25 +307,17 @@ class DeepSpeedEngine(
             yield name, full
 
 
-def _register(engine_cls: type, model_type: str) -> None:
+def _register(engine_cls: type) -> None:
     """Register ``engine_cls`` as ``deepspeed`` and the ``deepspeed_stage_N`` aliases (preset stage)."""
-    EngineRegistry.register(model_type=model_type, backend="deepspeed", device=DEVICES)(engine_cls)
+    model_types = list(MODEL_TYPES)
+    EngineRegistry.register(model_type=model_types, backend="deepspeed", device=DEVICES)(engine_cls)
     for stage in (1, 2, 3):
         EngineRegistry.register(
-            model_type=model_type,
+            model_type=model_types,
             backend=f"deepspeed_stage_{stage}",
             device=DEVICES,
             preset={"zero_stage": stage},
         )(engine_cls)
 
 
-class DeepSpeedLanguageModelEngine(LanguageModelMixin, DeepSpeedEngine):
-    """DeepSpeed engine for a causal LM: outputs ``log_probs`` (+ ``entropy``)."""
-
-
-class DeepSpeedValueModelEngine(ValueModelMixin, DeepSpeedEngine):
-    """DeepSpeed engine for a value model: outputs ``values``."""
-
-
-_register(DeepSpeedLanguageModelEngine, "language_model")
-_register(DeepSpeedValueModelEngine, "value_model")
+_register(DeepSpeedEngine)

@@ -1,13 +1,12 @@
 """FSDP engines: ``fsdp2`` (``fully_shard`` on a DeviceMesh) and ``fsdp`` (FSDP1), one implementation.
 
-:class:`FSDPEngine` composes the shared parts (topology, micro-batch loop, optimizer, DCP checkpoints)
-and adds only what is FSDP-specific: wrapping, the float16 loss scaler (``engine/loss_scale.py``),
-gradient-sync control (FSDP2
+:class:`FSDPEngine` is one backend class (``BaseEngine``'s recipe) with the torch-optimizer step and DCP
+checkpoints, registered for both model types on cpu, cuda and npu. It adds only what is FSDP-specific:
+wrapping, the float16 loss scaler (``engine/loss_scale.py``), gradient-sync control (FSDP2
 ``set_requires_gradient_sync``, FSDP1 ``no_sync``), FSDP1's grad clipping, parameter offload, the
 export of full tensors, and (fsdp2) tensor parallelism under FSDP on a ``(dp, tp)`` mesh or pipeline
-parallelism with FSDP within each stage on a ``(pp, dp)`` mesh (``engine/pipeline.py``).
-:class:`FSDPLanguageModelEngine` and :class:`FSDPValueModelEngine` add the model type and are registered
-for cpu, cuda and npu.
+parallelism with FSDP within each stage on a ``(pp, dp)`` mesh (the ``engine/pipeline.py`` part, built
+only then).
 """
 
 from __future__ import annotations
@@ -21,18 +20,16 @@ from torch.distributed.tensor import DTensor
 
 from verl_trainer.engine.base import BaseEngine
 from verl_trainer.engine.checkpoint import DCPCheckpointMixin
-from verl_trainer.engine.compute import MicroBatchComputeMixin
-from verl_trainer.engine.config import EngineConfig, OptimConfig
-from verl_trainer.engine.heads import LanguageModelMixin, ValueModelMixin
-from verl_trainer.engine.lora import LoRAMixin
+from verl_trainer.engine.config import MODEL_TYPES, EngineConfig, OptimConfig
+from verl_trainer.engine.heads import VocabSlice
 from verl_trainer.engine.loss_scale import build_grad_scaler, uses_loss_scaling
 from verl_trainer.engine.offload import move_grads, move_module, move_optimizer_state
 from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler, build_optimizer
 from verl_trainer.engine.parallelize import apply_fsdp1, apply_fsdp2
-from verl_trainer.engine.pipeline import PipelineMixin
+from verl_trainer.engine.pipeline import PipelineParallel, check_pipeline_model
 from verl_trainer.engine.registry import EngineRegistry
-from verl_trainer.engine.tensor_parallel import apply_tensor_parallel
-from verl_trainer.engine.topology import TopologyMixin, engine_topology
+from verl_trainer.engine.tensor_parallel import apply_tensor_parallel, vocab_slice_start
+from verl_trainer.engine.topology import engine_topology
 from verl_trainer.utils.distributed import is_initialized
 
 FSDP_BACKENDS = ("fsdp", "fsdp2")
@@ -45,17 +42,17 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class FSDPEngine(
-    TopologyMixin, PipelineMixin, MicroBatchComputeMixin, OptimizerMixin, DCPCheckpointMixin, LoRAMixin,
-    BaseEngine
-):
-    """FSDP1 / FSDP2 engine; the model type comes from a mixin (see the registered subclasses).
+@EngineRegistry.register(model_type=list(MODEL_TYPES), backend=list(FSDP_BACKENDS),
+                         device=["cpu", "cuda", "npu"])
+class FSDPEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
+    """FSDP1 / FSDP2 engine for either model type (``model_type``: its part, ``engine/heads.py``).
 
     Args:
         config: Engine config.
         optim_config: Optimizer config; ``None`` builds an inference-only engine.
         backend: ``"fsdp2"`` (default) or ``"fsdp"`` (FSDP1).
-        **config_overrides: ``EngineConfig`` fields to override.
+        **kwargs: ``model_type``, ``topology``, ``model_factory`` (see ``BaseEngine``) and ``EngineConfig``
+            fields to override.
 
     """
 
@@ -69,9 +66,9 @@ class FSDPEngine(
         optim_config: OptimConfig | None = None,
         *,
         backend: str = "fsdp2",
-        **config_overrides: Any,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(config, optim_config, backend=backend, **config_overrides)
+        super().__init__(config, optim_config, backend=backend, **kwargs)
         if backend not in FSDP_BACKENDS:
             raise ValueError(f"FSDPEngine backend must be one of {FSDP_BACKENDS}, got {backend!r}")
         if self.config.tensor_model_parallel_size > 1 and backend != "fsdp2":
@@ -110,18 +107,21 @@ class FSDPEngine(
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(self.config.seed)
-        self.topology = engine_topology(self.topology, self.config, self.device.type)
-        self.check_pipeline_model()  # before the weights load (pp > 1 only)
-        model = self.build_model()  # checkpoint or factory, + LoRA adapters (engine/lora.py)
+        topo = self.topology = engine_topology(self.topology, self.config, self.device.type)
+        if topo.pp_size > 1 and self.model_factory is None:
+            check_pipeline_model(self.config, self.model_type)  # before the weights load
+        model = self.build_model()  # checkpoint or factory, + LoRA adapters (engine/build.py)
         self.model_config = model.config
         if self.config.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.topology.pp_size > 1:
-            self.split_into_stage(model)  # this rank's stage, HF names kept (engine/pipeline_stage.py)
-        if self.topology.tp_mesh is not None:
+        if topo.pp_size > 1:  # this rank's stage, HF names kept; the loop's schedule from now on
+            self.pipeline = PipelineParallel(topo, model)
+        if topo.tp_mesh is not None:
             # then FSDP over dp (a 2-D layout); the LM head may now yield this rank's vocabulary slice
-            self.vocab_parallel_head = apply_tensor_parallel(model, self.topology.tp_mesh)
-        mesh = self.topology.shard_mesh
+            if apply_tensor_parallel(model, topo.tp_mesh):
+                start = vocab_slice_start(model.config.vocab_size, topo.tp_size, topo.tp_rank)
+                self.model_type.vocab_slice = VocabSlice(start, topo.tp_mesh.get_group())
+        mesh = topo.shard_mesh
         if self.is_fsdp1:
             self.module = apply_fsdp1(model, mesh, self.config, self.device)
         else:
@@ -150,10 +150,6 @@ class FSDPEngine(
             move_optimizer_state(self.optimizer, device)
 
     # ------------------------------------------------------------------------------------- compute
-    def _backward(self, loss: torch.Tensor) -> None:
-        """Backward of the micro-batch's loss, times the loss scale under float16 compute."""
-        self.scale_loss(loss).backward()
-
     def _grad_sync_context(self, is_last: bool) -> contextlib.AbstractContextManager:
         """FSDP2: reduce-scatter only on the last micro-batch; FSDP1: ``no_sync`` on the others."""
         assert self.module is not None
@@ -171,16 +167,16 @@ class FSDPEngine(
 
     # ------------------------------------------------------------------------------- weight export
     def get_shareable_params(self) -> dict[str, torch.Tensor] | None:
-        """FSDP2 on one shard rank without TP, LoRA or offload: the local tensors (see ``BaseEngine``).
+        """FSDP2 on one shard rank without TP, PP, LoRA or offload: the local tensors (see ``BaseEngine``).
 
         There each parameter's local tensor is the whole parameter and what the optimizer updates in
-        place; anywhere else ``None``.
+        place; anywhere else ``None`` (a pipeline stage holds only its own layers).
         """
         offload = self.config.param_offload or self.config.fsdp_cpu_offload
         mesh = self.topology.shard_mesh
         sharded = mesh is not None and mesh.size() > 1  # the same answer on every rank
-        if self.is_fsdp1 or self.peft_model is not None or offload or self.topology.tp_mesh is not None \
-                or sharded:
+        if self.is_fsdp1 or self.lora is not None or offload or self.topology.tp_mesh is not None \
+                or sharded or self.pipeline is not None:
             return None
         params: dict[str, torch.Tensor] = {}
         for name, param in self.module.named_parameters():  # FSDP2 keeps the model's own names
@@ -202,8 +198,8 @@ class FSDPEngine(
         """
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        if self.pipelined:
-            yield from self.pipeline_full_tensors(keep)
+        if self.pipeline is not None:
+            yield from self.pipeline.full_tensors(self.module, self.device, keep)
             return
         offloaded = self.config.param_offload and self.mode is None
         if offloaded:
@@ -216,16 +212,3 @@ class FSDPEngine(
             if offloaded:
                 self.to("cpu", model=True, optimizer=False, grad=False)
 
-
-@EngineRegistry.register(
-    model_type="language_model", backend=list(FSDP_BACKENDS), device=["cpu", "cuda", "npu"]
-)
-class FSDPLanguageModelEngine(LanguageModelMixin, FSDPEngine):
-    """FSDP engine for a causal LM: outputs ``log_probs`` (+ ``entropy``)."""
-
-
-@EngineRegistry.register(
-    model_type="value_model", backend=list(FSDP_BACKENDS), device=["cpu", "cuda", "npu"]
-)
-class FSDPValueModelEngine(ValueModelMixin, FSDPEngine):
-    """FSDP engine for a value model: outputs ``values``."""

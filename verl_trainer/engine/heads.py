@@ -1,8 +1,11 @@
-"""Model-type parts: how an engine loads its HF model and turns its packed output into model outputs.
+"""Model types: how an engine loads its HF model and turns its packed output into model outputs.
 
-* :class:`LanguageModelMixin` (``"language_model"``): ``AutoModelForCausalLM``; outputs ``log_probs``
+A model type is an object the engine holds (``engine.model_type``, built by :func:`model_type_part` from
+the registry's ``model_type`` name); the engine's micro-batch loop hands it the model to run:
+
+* :class:`LanguageModel` (``"language_model"``): ``AutoModelForCausalLM``; outputs ``log_probs``
   and, when asked, ``entropy`` of the next-token distribution.
-* :class:`ValueModelMixin` (``"value_model"``): ``AutoModelForTokenClassification(num_labels=1)``; outputs
+* :class:`ValueModel` (``"value_model"``): ``AutoModelForTokenClassification(num_labels=1)``; outputs
   ``values``.
 
 Every output follows the schema's next-token convention, aligned with ``input_ids``: position ``t``
@@ -19,6 +22,7 @@ log-probs / entropy are reduced from the slices (``engine/vocab_parallel.py``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -32,8 +36,7 @@ from verl_trainer.data.packing import (
     shift_to_targets,
     token_log_probs_and_entropy,
 )
-from verl_trainer.engine.config import EngineConfig, to_dtype
-from verl_trainer.engine.tensor_parallel import vocab_slice_start
+from verl_trainer.engine.config import MODEL_TYPES, EngineConfig, to_dtype
 from verl_trainer.engine.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from verl_trainer.models.attention import VARLEN_ATTENTION, packed_forward
 from verl_trainer.models.ulysses_attention import ULYSSES_ATTENTION, check_ulysses_compatible
@@ -41,9 +44,13 @@ from verl_trainer.models.ulysses_forward import ulysses_packed_log_probs, ulysse
 from verl_trainer.utils.distributed import get_world_size, is_initialized
 
 __all__ = [
-    "LanguageModelMixin",
-    "ValueModelMixin",
+    "MODEL_TYPE_PARTS",
+    "LanguageModel",
+    "ModelType",
+    "ValueModel",
+    "VocabSlice",
     "attention_for",
+    "model_type_part",
     "next_token_log_probs_and_entropy",
     "shift_to_targets",
 ]
@@ -63,43 +70,82 @@ def _checked(model: torch.nn.Module, config: EngineConfig) -> torch.nn.Module:
     return model
 
 
-class LanguageModelMixin:
-    """Causal LM part: loads ``AutoModelForCausalLM``; outputs ``log_probs`` (+ ``entropy``)."""
+@dataclass(frozen=True)
+class VocabSlice:
+    """This TP rank's slice of a vocabulary-parallel LM head: its first token id and the TP group."""
 
-    MODEL_TYPE: ClassVar[str] = "language_model"
-    config: EngineConfig
-    forward_model: Any
-    vocab_parallel_head: bool = False
-    """Set by a TP engine whose LM head yields this TP rank's slice of the vocabulary."""
+    start: int
+    group: dist.ProcessGroup
 
-    def load_hf_model(self) -> torch.nn.Module:
+
+class ModelType:
+    """What differs between model types: the HF class loaded and the outputs computed from its output.
+
+    Subclasses set :attr:`name` and implement :meth:`load`, :meth:`outputs`, :meth:`sp_outputs` and
+    :meth:`output_keys`.
+
+    Attributes:
+        vocab_slice: Set by a TP engine whose LM head yields this TP rank's slice of the vocabulary (only a
+            language model has one).
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self.vocab_slice: VocabSlice | None = None
+
+    def load(self, config: EngineConfig) -> torch.nn.Module:
+        """Load the HF model of ``config.model_path`` with padding-free attention."""
+        raise NotImplementedError
+
+    def forward_packed(self, model: Any, packed: PackedBatch) -> Any:
+        """Run ``model`` on one packed row (the HF output, ``logits [1, N, ...]``)."""
+        return packed_forward(model, packed)
+
+    def outputs(
+        self, hf_output: Any, packed: PackedBatch, calculate_entropy: bool = False, temperature: float = 1.0
+    ) -> dict[str, torch.Tensor]:
+        """The model outputs ``{key: [N]}`` of one packed row from :meth:`forward_packed`'s output."""
+        raise NotImplementedError
+
+    def sp_outputs(
+        self,
+        model: Any,
+        packed: PackedBatch,
+        sp_group: dist.ProcessGroup | None,
+        calculate_entropy: bool = False,
+        temperature: float = 1.0,
+    ) -> dict[str, torch.Tensor]:
+        """The same outputs under Ulysses SP: each SP rank runs 1/sp of the row; ``[N]`` are gathered."""
+        raise NotImplementedError
+
+    def output_keys(self, calculate_entropy: bool) -> tuple[str, ...]:
+        """The keys :meth:`outputs` returns, in a fixed order (what a last pipeline stage sends)."""
+        raise NotImplementedError
+
+
+class LanguageModel(ModelType):
+    """Causal LM: loads ``AutoModelForCausalLM``; outputs ``log_probs`` (+ ``entropy``)."""
+
+    name: ClassVar[str] = "language_model"
+
+    def load(self, config: EngineConfig) -> torch.nn.Module:
         """Load the HF causal LM from ``config.model_path`` with padding-free attention."""
         from verl_trainer.models.loading import load_causal_lm
 
-        model = load_causal_lm(
-            self.config.model_path,
-            attn_implementation=attention_for(self.config),
-            torch_dtype=to_dtype(self.config.model_dtype),
-        )
-        return _checked(model, self.config)
+        model = load_causal_lm(config.model_path, attn_implementation=attention_for(config),
+                               torch_dtype=to_dtype(config.model_dtype))
+        return _checked(model, config)
 
-    def _forward_packed(self, packed: PackedBatch, model: Any = None) -> Any:
-        """Run ``model`` (default: the engine's forward model) on one packed row.
-
-        The LM head runs only at :func:`head_positions` (everywhere when ``None``).
-        """
-        model = self.forward_model if model is None else model
+    def forward_packed(self, model: Any, packed: PackedBatch) -> Any:
+        """Run ``model`` on one packed row; the LM head only at :func:`head_positions` (``None``: all)."""
         positions = head_positions(packed)
         if positions is None:
             return packed_forward(model, packed)
         return packed_forward(model, packed, logits_to_keep=positions)
 
-    def compute_packed_outputs(
-        self,
-        hf_output: Any,
-        packed: PackedBatch,
-        calculate_entropy: bool = False,
-        temperature: float = 1.0,
+    def outputs(
+        self, hf_output: Any, packed: PackedBatch, calculate_entropy: bool = False, temperature: float = 1.0
     ) -> dict[str, torch.Tensor]:
         """``{"log_probs": [N], "entropy": [N]}`` (entropy only when asked) for one packed row.
 
@@ -107,7 +153,7 @@ class LanguageModelMixin:
         ``output_mask``); outputs are 0 at the positions whose output is not used.
         """
         positions = head_positions(packed)
-        if self.vocab_parallel_head:
+        if self.vocab_slice is not None:
             return self._vocab_parallel_outputs(hf_output.logits, packed, positions, calculate_entropy,
                                                 temperature)
         if positions is None:
@@ -135,13 +181,12 @@ class LanguageModelMixin:
         calculate_entropy: bool,
         temperature: float,
     ) -> dict[str, torch.Tensor]:
-        """:meth:`compute_packed_outputs` from this TP rank's vocabulary slice ``logits [1, K, V / tp]``."""
+        """:meth:`outputs` from this TP rank's vocabulary slice ``logits [1, K, V / tp]``."""
+        assert self.vocab_slice is not None
         ids = packed.input_ids.reshape(-1)
         targets = torch.roll(ids, -1) if positions is None else ids[positions + 1]
-        topo = self.topology  # type: ignore[attr-defined]
-        start = vocab_slice_start(self.model_config.vocab_size, topo.tp_size, topo.tp_rank)  # type: ignore[attr-defined]
         log_probs, entropy = vocab_parallel_log_probs_and_entropy(
-            logits, targets, start, topo.tp_mesh.get_group(), temperature, calculate_entropy
+            logits, targets, self.vocab_slice.start, self.vocab_slice.group, temperature, calculate_entropy
         )
         n = packed.num_tokens
 
@@ -155,53 +200,72 @@ class LanguageModelMixin:
             out["entropy"] = place(entropy)
         return out
 
-    def compute_sp_outputs(
+    def sp_outputs(
         self,
+        model: Any,
         packed: PackedBatch,
         sp_group: dist.ProcessGroup | None,
         calculate_entropy: bool = False,
         temperature: float = 1.0,
     ) -> dict[str, torch.Tensor]:
-        """The same outputs under Ulysses SP: each SP rank runs 1/sp of the row; ``[N]`` are gathered."""
-        return ulysses_packed_log_probs(self.forward_model, packed, sp_group, temperature, calculate_entropy)
+        """Log-probs (+ entropy) under Ulysses SP (``models/ulysses_forward.py``)."""
+        return ulysses_packed_log_probs(model, packed, sp_group, temperature, calculate_entropy)
+
+    def output_keys(self, calculate_entropy: bool) -> tuple[str, ...]:
+        """``("log_probs", "entropy")`` or ``("log_probs",)``."""
+        return ("log_probs", "entropy") if calculate_entropy else ("log_probs",)
 
 
-class ValueModelMixin:
-    """Value model part: loads a token-classification model with one label; outputs ``values``."""
+class ValueModel(ModelType):
+    """Value model: loads a token-classification model with one label; outputs ``values``."""
 
-    MODEL_TYPE: ClassVar[str] = "value_model"
-    config: EngineConfig
-    forward_model: Any
+    name: ClassVar[str] = "value_model"
 
-    def load_hf_model(self) -> torch.nn.Module:
+    def load(self, config: EngineConfig) -> torch.nn.Module:
         """Load the value model from ``config.model_path``; a new head is seeded with ``config.seed``."""
         from verl_trainer.models.loading import load_value_model
 
         model = load_value_model(
-            self.config.model_path,
-            attn_implementation=attention_for(self.config),
-            torch_dtype=to_dtype(self.config.model_dtype),
-            seed=self.config.seed,
+            config.model_path,
+            attn_implementation=attention_for(config),
+            torch_dtype=to_dtype(config.model_dtype),
+            seed=config.seed,
         )
-        return _checked(model, self.config)
+        return _checked(model, config)
 
-    def compute_packed_outputs(
-        self,
-        hf_output: Any,
-        packed: PackedBatch,
-        calculate_entropy: bool = False,
-        temperature: float = 1.0,
+    def outputs(
+        self, hf_output: Any, packed: PackedBatch, calculate_entropy: bool = False, temperature: float = 1.0
     ) -> dict[str, torch.Tensor]:
         """``{"values": [N]}`` float32 for one packed row (``calculate_entropy``/``temperature`` unused)."""
         values = hf_output.logits.reshape(-1).float()  # [1, N, 1] -> [N]
         return {"values": shift_to_targets(values, packed.cu_seqlens)}
 
-    def compute_sp_outputs(
+    def sp_outputs(
         self,
+        model: Any,
         packed: PackedBatch,
         sp_group: dist.ProcessGroup | None,
         calculate_entropy: bool = False,
         temperature: float = 1.0,
     ) -> dict[str, torch.Tensor]:
         """``{"values": [N]}`` under Ulysses SP (``calculate_entropy``/``temperature`` unused)."""
-        return ulysses_packed_values(self.forward_model, packed, sp_group)
+        return ulysses_packed_values(model, packed, sp_group)
+
+    def output_keys(self, calculate_entropy: bool) -> tuple[str, ...]:
+        """``("values",)``."""
+        return ("values",)
+
+
+MODEL_TYPE_PARTS: dict[str, type[ModelType]] = {part.name: part for part in (LanguageModel, ValueModel)}
+"""Every model type's class by its registry name (the names: ``engine/config.py: MODEL_TYPES``)."""
+
+
+def model_type_part(name: str) -> ModelType:
+    """A new model-type object for ``name``.
+
+    Raises:
+        ValueError: For an unknown name, listing the known ones.
+    """
+    if name not in MODEL_TYPE_PARTS:
+        raise ValueError(f"model_type={name!r} is not a model type; choose one of {MODEL_TYPES}")
+    return MODEL_TYPE_PARTS[name]()

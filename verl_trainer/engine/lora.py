@@ -8,16 +8,15 @@ its state the adapters alone. peft's wrapper passes the forward keywords through
 (``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``, the Ulysses group), so packed varlen attention,
 Ulysses SP and dynamic micro-batching run as without LoRA.
 
-:class:`LoRAMixin` gives an engine:
+An engine whose model carries adapters holds one :class:`LoRAAdapters` (``engine.lora``; ``None``
+without, and then nothing of this file runs during a step). ``BaseEngine`` delegates to it:
 
-* ``build_model()``: the user's model factory or the HF checkpoint, varlen attention, then the adapters;
 * ``get_per_tensor_param(adapters_only=False)``: merged full weights under the base model's HF names
   (``W + scale·B·A`` per tensor, nothing merged in place), or with ``adapters_only=True`` the adapter
   tensors under peft's file names;
 * ``disable_adapters()``: a context in which the model is the base model (the reference policy of RL
   without a second copy of the weights);
-* ``save_adapter(path)``: a peft adapter directory loadable with ``PeftModel.from_pretrained``;
-* ``num_trainable_parameters()``.
+* ``save_adapter(path)``: a peft adapter directory loadable with ``PeftModel.from_pretrained``.
 
 Only ``Linear`` LoRA layers are supported (``"all-linear"`` and the usual projection names); DoRA and
 embedding adapters are refused at build time.
@@ -28,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,13 +40,13 @@ from verl_trainer.engine.lora_export import (
     lora_targets,
     merged_hf_tensors,
 )
-from verl_trainer.utils.distributed import barrier, get_rank, get_world_size, is_initialized
+from verl_trainer.utils.distributed import barrier, get_rank
 
 VALUE_HEADS = ("score", "classifier")
 """Head names of token-classification (value) models; kept fully trainable via ``modules_to_save``."""
 
-ModelFactory = Callable[[], torch.nn.Module]
-"""A zero-argument callable returning the model (a transformers model or ``PeftModel``)."""
+NamedFullTensors = Callable[[Callable[[str], bool] | None], Iterator[tuple[str, torch.Tensor]]]
+"""A backend's ``named_full_tensors(keep)``: ``(name, full tensor)`` for the names ``keep`` accepts."""
 
 
 def _task_type(model_type: str) -> Any:
@@ -126,7 +124,8 @@ def apply_lora(model: torch.nn.Module, config: EngineConfig, model_type: str) ->
 
     Raises:
         ValueError: LoRA asked for a model that has adapters already, an adapter directory that is not
-            one, a ``lora_rank`` that contradicts the saved adapter's, or unsupported layers.
+            one or does not fit the model (``lora_files.AdapterFilesError``), a ``lora_rank`` that
+            contradicts the saved adapter's, or unsupported layers.
     """
     peft_model = find_peft_model(model)
     if not config.lora_enabled:
@@ -142,12 +141,10 @@ def apply_lora(model: torch.nn.Module, config: EngineConfig, model_type: str) ->
     from peft import PeftModel, get_peft_model
 
     if config.lora_adapter_path is not None:
+        from verl_trainer.engine.lora_files import check_adapter_dir
+
         path = Path(config.lora_adapter_path)
-        if not (path / "adapter_config.json").is_file():
-            raise ValueError(
-                f"lora_adapter_path={str(path)!r} is not a peft adapter directory (no adapter_config.json); "
-                f"point it at a directory written by engine.save_adapter or PeftModel.save_pretrained"
-            )
+        check_adapter_dir(path, getattr(model, "config", None), model_type)  # local files, before peft
         peft_model = PeftModel.from_pretrained(
             model, str(path), is_trainable=True, autocast_adapter_dtype=False
         )
@@ -164,130 +161,60 @@ def apply_lora(model: torch.nn.Module, config: EngineConfig, model_type: str) ->
     return peft_model
 
 
-class LoRAMixin:
-    """Model building, weight export with LoRA merged, adapter switching and adapter export for an engine.
+class LoRAAdapters:
+    """The LoRA part of an engine: its ``PeftModel`` and what only a model with adapters does.
 
-    Attributes read: ``config``, ``module``, ``model_factory``, ``MODEL_TYPE``; the backend supplies
-    :meth:`named_full_tensors` and the model type ``load_hf_model`` (``engine/heads.py``).
+    Args:
+        peft_model: The engine's ``PeftModel`` (the same object before and after sharding wraps it).
     """
 
-    config: EngineConfig
-    module: torch.nn.Module | None
-    model_factory: ModelFactory | None
-    MODEL_TYPE: str
-    _num_trainable: int = 0
-
-    def build_model(self) -> torch.nn.Module:
-        """The model to shard: ``model_factory()`` or the checkpoint, varlen attention, then LoRA."""
-        if self.model_factory is None:
-            model = self.load_hf_model()  # type: ignore[attr-defined]  (model-type part)
-        else:
-            model = self.model_factory()
-            if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-                raise TypeError(
-                    f"the model factory must return a transformers model or PeftModel (an nn.Module with "
-                    f".config and the HF forward), got {type(model).__name__}"
-                )
-            from verl_trainer.engine.heads import attention_for
-            from verl_trainer.models.attention import ensure_varlen_attention
-            from verl_trainer.models.ulysses_attention import check_ulysses_compatible
-
-            model = ensure_varlen_attention(model, attention_for(self.config))
-            sp = self.config.ulysses_sequence_parallel_size
-            if sp > 1:
-                check_ulysses_compatible(model.config, sp, get_world_size() if is_initialized() else None)
-        model = apply_lora(model, self.config, self.MODEL_TYPE)
-        self._num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        return model
-
-    # ------------------------------------------------------------------------------------- adapters
-    @property
-    def peft_model(self) -> Any:
-        """The engine's ``PeftModel`` (``None`` without adapters)."""
-        return find_peft_model(self.module)
-
-    @property
-    def has_adapters(self) -> bool:
-        """True when the engine's model carries peft adapters."""
-        return self.peft_model is not None
-
-    def _require_peft(self, what: str) -> Any:
-        peft_model = self.peft_model
-        if peft_model is None:
-            raise RuntimeError(
-                f"{what} needs LoRA adapters, but {type(self).__name__} has none; set "
-                f"EngineConfig.lora_rank > 0 (or lora_adapter_path, or a model factory returning a PeftModel)"
-            )
-        return peft_model
+    def __init__(self, peft_model: Any) -> None:
+        self.peft_model = peft_model
 
     @contextlib.contextmanager
-    def disable_adapters(self) -> Iterator[None]:
-        """Inside the block the model computes as the base model (adapters and saved heads bypassed).
-
-        Raises:
-            RuntimeError: If the engine has no adapters.
-        """
-        with self._require_peft("disable_adapters()").disable_adapter():
+    def disabled(self) -> Iterator[None]:
+        """Inside the block the model computes as the base model (adapters and saved heads bypassed)."""
+        with self.peft_model.disable_adapter():
             yield
 
-    def num_trainable_parameters(self) -> int:
-        """Trainable elements of the full (unsharded) model, counted when it was built."""
-        return self._num_trainable
-
-    # ------------------------------------------------------------------------------- weight export
-    @abstractmethod
-    def named_full_tensors(
-        self, keep: Callable[[str], bool] | None = None
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Backend part: state-dict ``(name, full_tensor)`` for the names ``keep`` accepts; a collective."""
-
-    def get_per_tensor_param(self, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, full_tensor)`` one at a time; a collective, every rank must iterate to the end.
+    def per_tensor_params(self, named_full_tensors: NamedFullTensors, adapters_only: bool = False
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The engine's full tensors with the adapters merged, or the adapters alone; a collective.
 
         Args:
-            adapters_only: With adapters: yield only the adapter tensors, under peft's file names
+            named_full_tensors: The backend's ``(state-dict name, full tensor)`` source, given the names to
+                keep (``None``: all).
+            adapters_only: Yield only the adapter tensors, under peft's file names
                 (``base_model.model.<...>.q_proj.lora_A.weight``; what ``adapter_model.safetensors`` holds).
 
         Yields:
             Without ``adapters_only``: the base model's HF names and shapes, LoRA merged
             (``W + lora_alpha/r · B·A``, computed per tensor; the engine's weights are not modified), so the
             tensors load into the plain transformers model (rollout weight sync, HF export).
-
-        Raises:
-            RuntimeError: ``adapters_only=True`` on an engine without adapters.
         """
         peft_model = self.peft_model
+        adapter = peft_model.active_adapter
         if adapters_only:
-            self._require_peft("get_per_tensor_param(adapters_only=True)")
-            adapters = self.named_full_tensors(is_adapter_name)
-            yield from adapter_state_dict(adapters, peft_model, peft_model.active_adapter).items()
-        elif peft_model is None:
-            yield from self.named_full_tensors()
+            yield from adapter_state_dict(named_full_tensors(is_adapter_name), peft_model, adapter).items()
         else:
-            adapter = peft_model.active_adapter
-            targets = lora_targets(peft_model, adapter)
-            yield from merged_hf_tensors(self.named_full_tensors(), targets, adapter)
+            yield from merged_hf_tensors(named_full_tensors(None), lora_targets(peft_model, adapter), adapter)
 
-    def save_adapter(self, path: str | os.PathLike) -> str:
-        """Write the adapters as a peft directory (``adapter_config.json`` + ``adapter_model.safetensors``).
-
-        A collective: call it on every rank; rank 0 writes, every rank returns once the files exist.
-        ``PeftModel.from_pretrained(base_model, path)`` loads it; so does ``EngineConfig.lora_adapter_path``.
+    def save(self, path: str | os.PathLike, tensors: dict[str, torch.Tensor], model_path: str | None) -> str:
+        """Write ``tensors`` (the adapters, gathered on every rank) as a peft directory; rank 0 writes.
 
         Returns:
-            ``path`` as a string.
+            ``path`` as a string, once the files exist (every rank waits for rank 0).
         """
         from safetensors.torch import save_file
 
-        peft_model = self._require_peft("save_adapter()")
-        tensors = dict(self.get_per_tensor_param(adapters_only=True))
+        peft_model = self.peft_model
         if get_rank() == 0:
             out = Path(path)
             out.mkdir(parents=True, exist_ok=True)
             peft_config = copy.deepcopy(peft_model.peft_config[peft_model.active_adapter])
             peft_config.inference_mode = True
-            if not peft_config.base_model_name_or_path and self.config.model_path:
-                peft_config.base_model_name_or_path = self.config.model_path
+            if not peft_config.base_model_name_or_path and model_path:
+                peft_config.base_model_name_or_path = model_path
             peft_config.save_pretrained(str(out))
             save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
         barrier()

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from verl_trainer.engine.config import OptimConfig
+from verl_trainer.engine.topology import Topology
 from verl_trainer.utils.distributed import all_reduce
 
 
@@ -42,21 +43,27 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -
 
 
 class WarmupSchedule:
-    """LR multiplier: linear warmup, then constant or cosine decay to ``min_lr_ratio``.
+    """LR multiplier: linear warmup, then constant, or cosine / linear decay to ``min_lr_ratio``.
 
     A callable object with plain attributes, so ``LambdaLR.state_dict()`` stores them as plain data.
 
     Args:
         warmup_steps: Steps ``s < warmup_steps`` get ``(s + 1) / warmup_steps``.
-        kind: ``"constant"`` or ``"cosine"``.
-        total_steps: Last step of the cosine decay (``None`` for constant).
-        min_lr_ratio: Floor of the cosine decay.
+        kind: ``"constant"``, ``"cosine"`` or ``"linear"``.
+        total_steps: Last step of the decay (``None`` for constant).
+        min_lr_ratio: Floor of the decay.
 
     """
 
     def __init__(
         self, warmup_steps: int, kind: str, total_steps: int | None = None, min_lr_ratio: float = 0.0
     ) -> None:
+        if kind != "constant" and total_steps is not None and total_steps < 0:
+            raise ValueError(
+                f"lr_scheduler={kind!r} with total_training_steps={total_steps} (verl's 'set by the "
+                "program'): nothing set the run's length; set OptimConfig.total_training_steps to the "
+                "optimizer steps of the run (the recipes do it from trainer.max_steps / max_epochs)"
+            )
         self.warmup_steps = int(warmup_steps)
         self.kind = str(kind)
         self.total_steps = None if total_steps is None else int(total_steps)
@@ -70,7 +77,8 @@ class WarmupSchedule:
             return 1.0
         span = max(1, self.total_steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / span)
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        decay = 1.0 - progress if self.kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig) -> LambdaLR:
@@ -110,8 +118,9 @@ def total_grad_norm(
     params = [p for p in parameters if p.grad is not None]
     clip = float("inf") if max_norm is None else float(max_norm)
     groups: dict[int, list[torch.Tensor]] = {}  # by the id of the gradients' mesh (None: plain)
-    for p in params:
-        groups.setdefault(id(_mesh_of(p.grad)), []).append(p.grad)  # type: ignore[arg-type]
+    for grad in (p.grad for p in params):
+        if grad is not None:
+            groups.setdefault(id(_mesh_of(grad)), []).append(grad)
     if sum_over is None:
         if not params:
             return torch.zeros(())
@@ -147,17 +156,9 @@ class OptimizerMixin:
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
     optim_config: OptimConfig | None
     module: torch.nn.Module | None
+    topology: Topology | None
     grad_scaler: torch.amp.GradScaler | None = None
     skipped_steps: int = 0
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the loss scale (float16 compute), else ``loss``; call it before ``backward``."""
-        return loss if self.grad_scaler is None else self.grad_scaler.scale(loss)
-
-    @property
-    def loss_scale(self) -> float | None:
-        """The current loss scale (``None`` without loss scaling)."""
-        return None if self.grad_scaler is None else float(self.grad_scaler.get_scale())
 
     def _require_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -168,9 +169,9 @@ class OptimizerMixin:
         return self.optimizer
 
     def _clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        """Total grad norm before clipping; clips in place when ``max_norm`` is given."""
-        assert self.module is not None
-        return total_grad_norm(self.module.parameters(), max_norm)
+        """Total grad norm before clipping (summed over the pipeline stages); clips when ``max_norm``."""
+        assert self.module is not None and self.topology is not None
+        return total_grad_norm(self.module.parameters(), max_norm, sum_over=self.topology.pp_group)
 
     def optimizer_zero_grad(self) -> None:
         """Set every gradient to ``None``."""

@@ -90,7 +90,7 @@ class OwnedLayers(nn.ModuleList):
         for index, layer in items:
             self.add_module(str(index), layer)
 
-    def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
+    def __getitem__(self, idx: int | slice) -> Any:
         return list(self._modules.values())[idx]
 
 
@@ -126,14 +126,25 @@ class StageForward:
             return backbone(**inputs, **kwargs).last_hidden_state
         if self.last_stage is None:
             raise RuntimeError("StageForward.last_stage is not set; the engine sets it for every step")
-        model = self.model
+        return self.last_stage(_LastStageRun(self.model, inputs), index)
 
-        def run(**extra: Any) -> Any:  # the HF class's own forward (backbone, norm, head) on ``x``
-            extra.pop("input_ids", None)
-            return type(model).forward(model, **inputs, **extra)
 
-        run.config = model.config  # type: ignore[attr-defined]  (packed_forward reads it)
-        return self.last_stage(run, index)
+class _LastStageRun:
+    """The last stage's run: the HF class's own forward (backbone, norm, head) on the received ``x``.
+
+    ``config`` is the model's (``packed_forward`` reads it).
+
+    Args:
+        model: The last stage's model.
+        inputs: ``{"inputs_embeds": x}`` (or ``{"input_ids": x}`` on a single stage).
+    """
+
+    def __init__(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> None:
+        self.model, self.inputs, self.config = model, inputs, model.config
+
+    def __call__(self, **extra: Any) -> Any:
+        extra.pop("input_ids", None)
+        return type(self.model).forward(self.model, **self.inputs, **extra)
 
 
 def make_stage(model: nn.Module, stage: int, num_stages: int) -> StageForward:

@@ -3,9 +3,9 @@
 Registration is a class decorator whose arguments each take a string or a list; one call registers the
 whole product::
 
-    @EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"],
+    @EngineRegistry.register(model_type=["language_model", "value_model"], backend=["fsdp", "fsdp2"],
                              device=["cuda", "npu", "cpu"])
-    class FSDPLanguageModelEngine(...): ...
+    class FSDPEngine(...): ...
 
 Aliases are entries with preset constructor arguments (``preset={"zero_stage": 3}``). Lookup
 (:meth:`EngineRegistry.get_engine_cls`) detects the device and vendor, applies the env overrides
@@ -15,7 +15,6 @@ alone (``vendor=None``), (3) for ``cuda`` with a vendor other than ``nvidia``, (
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -25,8 +24,6 @@ from verl_trainer.utils.device import detect_device_and_vendor
 from verl_trainer.utils.registry import Registry, as_list
 
 T = TypeVar("T", bound=type)
-
-MODEL_TYPES = ("language_model", "value_model")
 
 # backend name prefix -> (python package it needs, pip extra that installs it)
 BACKEND_PACKAGES: dict[str, tuple[str, str]] = {
@@ -49,7 +46,7 @@ class EngineEntry:
     preset: dict[str, Any] = field(default_factory=dict)
 
 
-def _missing_package(backend: str) -> tuple[str, str] | None:
+def missing_package(backend: str) -> tuple[str, str] | None:
     """(package, extra) when ``backend`` needs a package that is not importable, else ``None``."""
     for prefix, (package, extra) in BACKEND_PACKAGES.items():
         if backend == prefix or backend.startswith(prefix + "_"):
@@ -124,10 +121,6 @@ class EngineRegistry:
         """Every registered (model_type, backend, device, vendor), in registration order."""
         return list(cls._registry.keys())  # type: ignore[arg-type]
 
-    @staticmethod
-    def _ensure_builtin_engines() -> None:
-        importlib.import_module("verl_trainer.engine")
-
     @classmethod
     def get_entry(cls, model_type: str, backend: str) -> EngineEntry:
         """Look up the entry for ``(model_type, backend)`` on this machine's device and vendor.
@@ -137,7 +130,6 @@ class EngineRegistry:
             ValueError: If nothing matches; the message lists every registered entry.
 
         """
-        cls._ensure_builtin_engines()
         device, vendor = detect_device_and_vendor()
         candidates: list[EngineKey] = [(model_type, backend, device, vendor)]
         if vendor is not None:
@@ -147,7 +139,7 @@ class EngineRegistry:
         for key in candidates:
             if key in cls._registry:
                 return cls._registry.get(key)
-        missing = _missing_package(backend)
+        missing = missing_package(backend)
         if missing is not None:
             package, extra = missing
             raise MissingBackendError(
@@ -171,7 +163,10 @@ class EngineRegistry:
 
     @classmethod
     def new(cls, model_type: str, backend: str, *args: Any, **kwargs: Any) -> Any:
-        """Build the engine: ``engine_cls(*args, backend=backend, **preset, **kwargs)``.
+        """Build: ``engine_cls(*args, backend=backend, model_type=model_type, **preset, **kwargs)``.
+
+        One backend class serves every model type it is registered for: the name it is built for is
+        passed on (its model-type part, ``engine/heads.py``).
 
         Raises:
             ValueError: If ``kwargs`` contradicts the alias's preset (e.g. ``zero_stage=2`` for
@@ -185,5 +180,5 @@ class EngineRegistry:
                     f"backend {backend!r} presets {key}={value!r}, but {key}={kwargs[key]!r} was passed; "
                     f"drop the argument or choose a backend without that preset"
                 )
-        merged = {"backend": backend, **entry.preset, **kwargs}
+        merged = {"backend": backend, "model_type": model_type, **entry.preset, **kwargs}
         return entry.cls(*args, **merged)

@@ -49,18 +49,28 @@ class Topology:
     tp_size: int = 1
     pp_size: int = 1
 
-    def _has(self, name: str) -> bool:
-        return self.mesh is not None and name in (self.mesh.mesh_dim_names or ())
+    def _mesh_with(self, name: str) -> DeviceMesh | None:
+        """The mesh when it has the dimension ``name``, else ``None``."""
+        mesh = self.mesh
+        return mesh if mesh is not None and name in (mesh.mesh_dim_names or ()) else None
+
+    def _group(self, name: str) -> dist.ProcessGroup | None:
+        mesh = self._mesh_with(name)
+        return None if mesh is None else mesh.get_group(name)
+
+    def _rank(self, name: str) -> int:
+        mesh = self._mesh_with(name)
+        return 0 if mesh is None else mesh.get_local_rank(name)
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         """The DP process group, or ``None`` when not distributed."""
-        return None if self.mesh is None else self.mesh.get_group("dp")
+        return self._group("dp")
 
     @property
     def sp_group(self) -> dist.ProcessGroup | None:
         """The SP process group, or ``None`` when not distributed or under TP / PP (no SP dim)."""
-        return self.mesh.get_group("sp") if self._has("sp") else None  # type: ignore[union-attr]
+        return self._group("sp")
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
@@ -70,27 +80,27 @@ class Topology:
     @property
     def tp_rank(self) -> int:
         """Coordinate of this rank on the tp dimension (0 without TP)."""
-        return 0 if self.tp_mesh is None else self.mesh.get_local_rank("tp")  # type: ignore[union-attr]
+        return 0 if self.tp_size == 1 else self._rank("tp")
 
     @property
     def dp_rank(self) -> int:
         """Coordinate of this rank on the dp dimension."""
-        return 0 if self.mesh is None else self.mesh.get_local_rank("dp")
+        return self._rank("dp")
 
     @property
     def sp_rank(self) -> int:
         """Coordinate of this rank on the sp dimension (0 under TP / PP)."""
-        return self.mesh.get_local_rank("sp") if self._has("sp") else 0  # type: ignore[union-attr]
+        return self._rank("sp")
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
         """The pipeline group (this dp rank's stages, in stage order), or ``None`` without PP."""
-        return self.mesh.get_group("pp") if self._has("pp") else None  # type: ignore[union-attr]
+        return self._group("pp")
 
     @property
     def pp_rank(self) -> int:
         """This rank's pipeline stage (0 without PP)."""
-        return self.mesh.get_local_rank("pp") if self._has("pp") else 0  # type: ignore[union-attr]
+        return self._rank("pp")
 
 
 def _first_parallel(sp: int, tp: int, pp: int = 1) -> tuple[str, int]:
@@ -173,28 +183,3 @@ def check_same_sizes(given: Topology, sp: int, tp: int, pp: int = 1) -> None:
                 f"engine of a run shares one mesh: set the same size on all of them"
             )
 
-
-class TopologyMixin:
-    """The engine's topology group, read from ``self.topology`` (set in ``initialize``)."""
-
-    topology: Topology
-
-    def get_data_parallel_size(self) -> int:
-        """Return the number of DP ranks (world_size // (sp_size * tp_size * pp_size))."""
-        return self.topology.dp_size
-
-    def get_data_parallel_rank(self) -> int:
-        """Return this rank's DP rank."""
-        return self.topology.dp_rank
-
-    def get_data_parallel_group(self) -> dist.ProcessGroup | None:
-        """Return the DP process group (``None`` when not distributed)."""
-        return self.topology.dp_group
-
-    def is_mp_src_rank_with_outputs(self) -> bool:
-        """One rank per DP rank reports outputs: SP / TP rank 0, and under PP the last stage (verl's choice).
-
-        Every SP / TP / PP rank of a DP rank returns the same outputs (PP broadcasts the last stage's).
-        """
-        topo = self.topology
-        return topo.sp_rank == 0 and topo.tp_rank == 0 and topo.pp_rank == topo.pp_size - 1

@@ -12,6 +12,8 @@ gradient reaching the head's replicated input is then summed over TP by DTensor'
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -20,8 +22,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     """``(log_probs [n], entropy [n])`` of global ``targets`` under this rank's vocabulary slice."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,
         logits: torch.Tensor,
         targets: torch.Tensor,
         vocab_start: int,
@@ -49,19 +51,19 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             entropy = (exp * (lse[:, None] - z)).sum(-1) / sum_exp
             dist.all_reduce(entropy, group=group)
         ctx.save_for_backward(logits, local, mine, lse, entropy)
-        ctx.temperature = temperature  # type: ignore[attr-defined]
+        ctx.temperature = temperature
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return log_probs, entropy
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def backward(
+        ctx: Any,
         grad_log_probs: torch.Tensor,
         grad_entropy: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, ...]:
-        logits, local, mine, lse, entropy = ctx.saved_tensors  # type: ignore[attr-defined]
-        temperature = ctx.temperature  # type: ignore[attr-defined]
+        logits, local, mine, lse, entropy = ctx.saved_tensors
+        temperature = ctx.temperature
         z = logits.float()
         if temperature != 1.0:
             z = z / temperature

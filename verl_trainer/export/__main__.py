@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         out = convert_checkpoint(args.ckpt_dir, args.out_dir, engine=args.engine,
                                  max_shard_size=args.max_shard_size,
                                  dtype=DTYPES[args.dtype] if args.dtype else None, tokenizer=args.tokenizer)
-    except (FileNotFoundError, ValueError, RuntimeError, pickle.UnpicklingError) as exc:  # they say the fix
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as exc:  # they say the fix
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"wrote the HF model to {out}")

@@ -68,6 +68,19 @@ def find_engine_checkpoint(path: str | os.PathLike, engine: str = "actor") -> Pa
     return found
 
 
+def _refuse_overlap(ckpt: Path, out: Path, found: Path) -> None:
+    """Raise if ``out`` is, lies inside, or contains the checkpoint (as given, or the one it designates)."""
+    target = out.resolve()
+    for source in dict.fromkeys((ckpt.resolve(), found.resolve())):
+        if target == source or source in target.parents or target in source.parents:
+            relation = ("is" if target == source else "lies inside" if source in target.parents
+                        else "contains")
+            raise ValueError(
+                f"OUT_DIR={str(out)!r} {relation} the checkpoint {str(source)!r}; the export would replace "
+                f"or mix with the checkpoint it reads. Choose an OUT_DIR outside the checkpoint directory"
+            )
+
+
 def _refuse_adapters(names: Iterable[str], where: Path) -> None:
     """Raise for a LoRA checkpoint: it holds the adapters, not the base weights the export needs."""
     adapters = [name for name in names if "lora_" in name]
@@ -159,17 +172,21 @@ def convert_checkpoint(
 
     Raises:
         FileNotFoundError: If ``ckpt_dir`` is not a checkpoint (or lacks the engine).
+        ValueError: If ``out_dir`` is, lies inside or contains the checkpoint.
+        NotOwnedError: If ``out_dir`` holds a user's files or another kind of the project's directories.
         CorruptCheckpointError: If a file differs from the checkpoint's manifest.
         UnsafeCheckpointError: If a file holds anything but tensors and plain data.
     """
     from transformers import AutoConfig
 
     from verl_trainer.engine.checkpoint import HF_DIR, META
+    from verl_trainer.export.hf_dir import HF_MODEL_KINDS
     from verl_trainer.utils.fs import ensure_replaceable
     from verl_trainer.utils.manifest import verify_manifest
 
-    ensure_replaceable(out_dir, "OUT_DIR")
     directory = find_engine_checkpoint(ckpt_dir, engine)
+    _refuse_overlap(Path(ckpt_dir), Path(out_dir), directory)
+    ensure_replaceable(out_dir, "OUT_DIR", HF_MODEL_KINDS)
     verify_manifest(directory)
     meta: dict[str, Any] = json.loads((directory / META).read_text())
     hf_dir = directory / HF_DIR

@@ -27,9 +27,11 @@ from verl_trainer.export.shards import SafetensorsShardWriter, parse_size
 from verl_trainer.utils.distributed import all_gather_object, get_rank
 from verl_trainer.utils.fs import ensure_replaceable, replace_dir_atomically
 
-__all__ = ["MODEL_TYPES", "HFLayout", "save_hf_model"]
+__all__ = ["HF_MODEL_KINDS", "MODEL_TYPES", "HFLayout", "save_hf_model"]
 
 MODEL_TYPES = ("language_model", "value_model")
+HF_MODEL_KINDS = ("hf_export", "warm_start")
+"""Marker kinds of the HF model directories the project writes; an export replaces only one of these."""
 _NOT_SAVED = ("_attn_implementation_internal", "_attn_implementation", "attn_implementation")
 
 
@@ -164,10 +166,11 @@ def save_hf_model(
         ``str(path)``.
 
     Raises:
-        NotOwnedError: Before any tensor is gathered, if ``path`` holds files verl-trainer did not write.
+        NotOwnedError: Before any tensor is gathered, if ``path`` holds files verl-trainer did not write or
+            is another kind of its directories (a checkpoint, the task data, ...).
         ValueError: If the tensors do not match the architecture of ``config`` (on every rank).
     """
-    ensure_replaceable(path, what)
+    ensure_replaceable(path, what, HF_MODEL_KINDS)
     shard_bytes = parse_size(max_shard_size)
     layout = HFLayout(config, model_type)
     named = layout.canonical(named_tensors)
@@ -178,7 +181,7 @@ def save_hf_model(
                 path,
                 lambda tmp: _write(tmp, layout, named, config, shard_bytes, dtype, tokenizer,
                                    generation_config, model_type),
-                "hf_export", what,
+                "hf_export", what, replaces=HF_MODEL_KINDS,
             )
         except ValueError:
             raise  # a mismatch of names: every rank raises it from the same stream

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -194,8 +195,8 @@ class _Buckets(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -222,27 +223,27 @@ class _Buckets(torch.autograd.Function):
             _write(plan, out_units, i, ob.view(count * length * heads_kv, -1))
             saved += [qb, kb, vb, probs]
         ctx.save_for_backward(*saved)
-        ctx.plan, ctx.scale = plan, scale  # type: ignore[attr-defined]
-        ctx.widths = (query.shape[1], key.shape[1], value.shape[1])  # type: ignore[attr-defined]
+        ctx.plan, ctx.scale = plan, scale
+        ctx.widths = (query.shape[1], key.shape[1], value.shape[1])
         return out, *(_read(plan, x, i) for x in (q, k, v) for i in plan.sdpa)
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, *grad_parts: torch.Tensor
+    def backward(
+        ctx: Any, grad_out: torch.Tensor, *grad_parts: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        plan: BucketPlan = ctx.plan  # type: ignore[attr-defined]
+        plan: BucketPlan = ctx.plan
         n = grad_out.shape[0]
-        grads = [grad_out.new_empty(n, w) for w in ctx.widths]  # type: ignore[attr-defined]
+        grads = [grad_out.new_empty(n, w) for w in ctx.widths]
         units = [_units(g, plan.heads_kv) for g in grads]
         dout = _units(grad_out.contiguous(), plan.heads_kv)
-        saved = iter(ctx.saved_tensors)  # type: ignore[attr-defined]
+        saved = iter(ctx.saved_tensors)
         parts = iter(grad_parts)
         for i, kv_major in enumerate(plan.matmul):
             if not kv_major:
                 continue
             qb, kb, vb, probs = next(saved), next(saved), next(saved), next(saved)
             dob = _read(plan, dout, i).view(qb.shape[0], qb.shape[1], -1)
-            d = matmul_attention_backward(dob, qb, kb, vb, probs, ctx.scale)  # type: ignore[attr-defined]
+            d = matmul_attention_backward(dob, qb, kb, vb, probs, ctx.scale)
             for x, dx in zip(units, d):
                 _write(plan, x, i, dx.view(-1, x.shape[1]))
         for x in units:
@@ -255,10 +256,10 @@ class _PutRows(torch.autograd.Function):
     """Writes the sdpa buckets' outputs into ``out`` (in place) next to the short buckets' rows."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, plan: BucketPlan, out: torch.Tensor, *parts: torch.Tensor
+    def forward(
+        ctx: Any, plan: BucketPlan, out: torch.Tensor, *parts: torch.Tensor
     ) -> torch.Tensor:
-        ctx.plan = plan  # type: ignore[attr-defined]
+        ctx.plan = plan
         units = _units(out, plan.heads_kv)
         for i, part in zip(plan.sdpa, parts):
             _write(plan, units, i, part)
@@ -266,10 +267,10 @@ class _PutRows(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    def backward(
+        ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        plan: BucketPlan = ctx.plan  # type: ignore[attr-defined]
+        plan: BucketPlan = ctx.plan
         units = _units(grad.contiguous(), plan.heads_kv)
         return None, grad, *(_read(plan, units, i) for i in plan.sdpa)
 

@@ -23,8 +23,9 @@ from transformers import (
 
 import verl_trainer.models.attention  # noqa: F401  (registers "verl_varlen" before any from_pretrained)
 from verl_trainer.models.source import resolve_model_path
+from verl_trainer.models.weight_files import check_weight_dir
 
-__all__ = ["load_causal_lm", "load_tokenizer", "load_value_model"]
+__all__ = ["load_causal_lm", "load_reward_model", "load_tokenizer", "load_value_model"]
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
@@ -50,9 +51,14 @@ def load_causal_lm(
     Returns:
         The model (train mode is left to the caller; ``from_pretrained`` returns it in eval mode).
 
+    Raises:
+        DamagedWeightsError: If a ``*.safetensors`` file is truncated (naming it), before loading.
+
     """
+    path = resolve_model_path(path)
+    check_weight_dir(path)  # a truncated model.safetensors is named, not a deep safetensors error
     return AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(path), attn_implementation=attn_implementation, dtype=torch_dtype, **kwargs
+        path, attn_implementation=attn_implementation, dtype=torch_dtype, **kwargs
     )
 
 
@@ -81,6 +87,7 @@ def load_value_model(
 
     """
     path = resolve_model_path(path)
+    check_weight_dir(path)
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(path)
     config.num_labels = 1
     default_dropout = getattr(config, "classifier_dropout", None) or 0.0
@@ -90,3 +97,32 @@ def load_value_model(
         return AutoModelForTokenClassification.from_pretrained(
             path, config=config, attn_implementation=attn_implementation, dtype=torch_dtype, **kwargs
         )
+
+
+def load_reward_model(path: str | Path, attn_implementation: str | None = None,
+                      torch_dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A frozen reward model (a ``*ForSequenceClassification`` checkpoint, one label) as a value model.
+
+    It is loaded as ``AutoModelForTokenClassification`` with one label (what the ``value_model`` engines
+    run: a score per position), with the checkpoint's own head: a sequence classifier's ``score`` has no
+    bias, so none is added. The score of a whole sequence is the head at its last token.
+
+    Raises:
+        ValueError: The checkpoint has no trained ``score`` head (not a reward model), or more than one label.
+    """
+    path = resolve_model_path(path)
+    config = AutoConfig.from_pretrained(path)
+    classifier = any(str(a).endswith("ForSequenceClassification") for a in config.architectures or [])
+    if classifier and config.num_labels != 1:
+        raise ValueError(f"reward model {path!r} has num_labels={config.num_labels}; a reward model scores "
+                         "with one label (AutoModelForSequenceClassification(num_labels=1))")
+    config.num_labels = 1
+    config.token_classification_bias = False
+    config.classifier_dropout = 0.0
+    model, info = AutoModelForTokenClassification.from_pretrained(
+        path, config=config, attn_implementation=attn_implementation, dtype=torch_dtype,
+        output_loading_info=True)
+    if any(key.startswith("score.") for key in info.get("missing_keys", ())):
+        raise ValueError(f"{path!r} has no trained 'score' head, so it is not a reward model: save an "
+                         "AutoModelForSequenceClassification(num_labels=1) there")
+    return model.eval().requires_grad_(False)

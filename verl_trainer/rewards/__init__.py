@@ -1,20 +1,16 @@
 """Rule-based rewards: a registry of verl-compatible reward functions, and batch scoring.
 
-``get_reward_fn("math")`` (or ``"math_exact"``, ``"format"``, ``"my_pkg.rewards:fn"``,
+``default_compute_score`` scores by data source as verl's does (GSM8K, MATH through math-verify, the
+arithmetic task; :mod:`verl_trainer.rewards.verifiable`). ``get_reward_fn("math")`` (or ``"math_exact"``,
+``"format"``, ``"default_compute_score"``, ``"my_pkg.rewards:fn"``,
 ``"path/to/file.py:fn"``) returns a function with verl's ``compute_score`` signature;
 ``score_batch(batch, reward_fn)`` scores a rollout batch, writes ``token_level_scores`` and returns the
 reward metrics.
 """
 
-from verl_trainer.rewards import rule_based
-from verl_trainer.rewards.compute import (
-    ACCURACY_KEY,
-    RewardFunctions,
-    compute_rewards,
-    reward_metrics,
-    score_batch,
-    token_level_scores,
-)
+from typing import Any
+
+from verl_trainer.rewards import rule_based, verifiable
 from verl_trainer.rewards.registry import (
     REWARD_REGISTRY,
     RewardFn,
@@ -28,10 +24,32 @@ from verl_trainer.rewards.rule_based import (
     extract_answer,
     format_reward,
     is_well_formatted,
+    last_boxed,
     math_exact,
     math_reward,
     parse_number,
 )
+from verl_trainer.rewards.verifiable import (
+    KNOWN_DATA_SOURCES,
+    RewardTimeoutError,
+    check_data_sources,
+    configure_score_pool,
+    default_compute_score,
+)
+
+_COMPUTE = ("ACCURACY_KEY", "RewardFunctions", "compute_rewards", "reward_metrics", "score_batch",
+            "token_level_scores")
+"""Names of :mod:`verl_trainer.rewards.compute` (torch), imported on first use: the reward functions
+themselves stay light, so a scoring worker process (:mod:`verl_trainer.rewards.verifiable`) starts fast."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _COMPUTE:
+        from verl_trainer.rewards import compute
+
+        return getattr(compute, name)
+    raise AttributeError(f"module 'verl_trainer.rewards' has no attribute {name!r}")
+
 
 DEFAULT_REWARD = "math"
 """The reward of the default recipes: exact answer 1, well-formatted wrong answer 0.1."""
@@ -40,16 +58,22 @@ __all__ = [
     "ACCURACY_KEY",
     "DEFAULT_REWARD",
     "FORMAT_SCORE",
+    "KNOWN_DATA_SOURCES",
     "REWARD_REGISTRY",
     "RewardFn",
     "RewardFunctions",
+    "RewardTimeoutError",
     "answers_match",
     "available_rewards",
+    "check_data_sources",
     "compute_rewards",
+    "configure_score_pool",
+    "default_compute_score",
     "extract_answer",
     "format_reward",
     "get_reward_fn",
     "is_well_formatted",
+    "last_boxed",
     "math_exact",
     "math_reward",
     "parse_number",
@@ -58,4 +82,5 @@ __all__ = [
     "rule_based",
     "score_batch",
     "token_level_scores",
+    "verifiable",
 ]

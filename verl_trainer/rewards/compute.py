@@ -8,7 +8,7 @@ token** of the sample (the eos when the response stopped), the position verl use
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,11 +17,22 @@ from tensordict import TensorDict
 from verl_trainer.data import schema
 from verl_trainer.data.prompts import non_tensor_list, non_tensor_lists
 from verl_trainer.metrics import Metric
+from verl_trainer.rewards.failures import (
+    RewardError,
+    RewardFailure,
+    check_on_error,
+    describe_failures,
+    policy_hint,
+)
 from verl_trainer.rewards.registry import RewardFn, get_reward_fn
+from verl_trainer.rewards.results import RewardReturnError, as_number, as_score, check_trl_output, returned
 from verl_trainer.rewards.signature import TRL, reward_style
 
 ACCURACY_KEY = "acc"
 """A reward function's per-sample correctness entry; logged as ``{prefix}/accuracy``."""
+FAILED_KEY = "_failed"
+TIMED_OUT_KEY = "_timed_out"
+"""``info`` entries ``[B]`` (1 where a reward call failed / timed out); counted, not averaged, in metrics."""
 
 
 def _accepts_extra_info(fn: RewardFn) -> bool:
@@ -53,16 +64,26 @@ class RewardFunctions:
     function's ``None`` counts 0). With several functions each one's mean is logged as
     ``reward/<name>/mean``.
 
+    A call that raises, times out or returns a non-number is a failure (:mod:`verl_trainer.rewards.failures`):
+    it scores 0, is recorded in :attr:`failures` and marked in ``info`` (:data:`FAILED_KEY`,
+    :data:`TIMED_OUT_KEY`); :func:`compute_rewards` raises for it under ``on_error="error"``.
+
     Args:
         functions: A function, a name / ``"module:function"`` / ``"file.py:function"``, or a list of them.
         weights: One weight per function (default 1.0 each).
+        on_error: ``error`` | ``drop`` | ``zero`` (see :mod:`verl_trainer.rewards.failures`).
 
     Raises:
-        ValueError: No function, an unknown one, one with neither signature, or weights that do not match.
+        ValueError: No function, an unknown one, one with neither signature, weights that do not match, or
+            an unknown ``on_error``.
     """
 
     def __init__(self, functions: str | RewardFn | Sequence[str | RewardFn],
-                 weights: Sequence[float] | None = None) -> None:
+                 weights: Sequence[float] | None = None, on_error: str = "error") -> None:
+        check_on_error(on_error)
+        self.on_error = on_error
+        self.failures: list[RewardFailure] = []
+        """The failed calls of the last :meth:`__call__`."""
         specs = [functions] if isinstance(functions, str) or callable(functions) else list(functions)
         if not specs:
             raise ValueError("reward: give at least one reward function (algorithm.reward.name)")
@@ -80,31 +101,59 @@ class RewardFunctions:
     def __len__(self) -> int:
         return len(self.functions)
 
-    def _call_verl(self, fn: RewardFn, texts: Sequence[str], truths: Sequence[Any], sources: Sequence[str],
-                   extras: Sequence[Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def check_data_sources(self, sources: Iterable[str]) -> None:
+        """Before any model loads: each function that declares ``fn.check_data_sources`` checks ``sources``.
+
+        Raises:
+            ValueError: A function cannot score one of them (e.g.
+                :func:`~verl_trainer.rewards.default_compute_score` and an unknown data source).
+        """
+        sources = sorted({str(s) for s in sources})
+        for fn in self.functions:
+            check = getattr(fn, "check_data_sources", None)
+            if callable(check):
+                check(sources)
+
+    def _fail(self, name: str, i: int, sources: Sequence[str], texts: Sequence[str],
+              exc: BaseException | None, message: str = "") -> None:
+        text = message or f"{type(exc).__name__}: {exc}"
+        timeout = isinstance(exc, TimeoutError)
+        self.failures.append(RewardFailure(name, i, str(sources[i]), str(texts[i]), timeout, text))
+
+    def _call_verl(self, fn: RewardFn, name: str, texts: Sequence[str], truths: Sequence[Any],
+                   sources: Sequence[str], extras: Sequence[Any]
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         b = len(texts)
         pass_extra = _accepts_extra_info(fn)
         scores = torch.zeros(b, dtype=torch.float32)
         info: dict[str, torch.Tensor] = {}
         for i in range(b):
             kwargs = {"extra_info": extras[i]} if pass_extra else {}
-            result = fn(sources[i], texts[i], truths[i], **kwargs)
+            try:
+                result = fn(sources[i], texts[i], truths[i], **kwargs)
+            except Exception as exc:  # noqa: BLE001  (counted and handled by on_error)
+                self._fail(name, i, sources, texts, exc)
+                continue
             if isinstance(result, Mapping):
                 if "score" not in result:
-                    raise ValueError(
-                        f"reward function {fn!r} returned a dict without 'score': {dict(result)}"
-                    )
+                    missing = f"returned a dict without 'score': {dict(result)}"
+                    self._fail(name, i, sources, texts, None, missing)
+                    continue
                 for key, value in result.items():
                     if key != "score" and isinstance(value, (int, float, bool)):
                         info.setdefault(key, torch.zeros(b, dtype=torch.float32))[i] = float(value)
-                result = result["score"]
-            scores[i] = float(result)
+                key, result = "score", result["score"]
+            else:
+                key = None
+            try:
+                scores[i] = as_score(result, key=key)
+            except RewardReturnError as exc:
+                self._fail(name, i, sources, texts, None, str(exc))
         return scores, info
 
-    @staticmethod
-    def _call_trl(fn: RewardFn, name: str, texts: Sequence[str], truths: Sequence[Any],
-                  sources: Sequence[str], extras: Sequence[Any], columns: Sequence[Mapping[str, Any]]
-                  ) -> torch.Tensor:
+    def _call_trl(self, fn: RewardFn, name: str, texts: Sequence[str], truths: Sequence[Any],
+                  sources: Sequence[str], extras: Sequence[Any], columns: Sequence[Mapping[str, Any]],
+                  shared: Mapping[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         b = len(texts)
         prompts = [c.get("prompt") for c in columns]
         chat = any(isinstance(p, list) for p in prompts)
@@ -115,7 +164,7 @@ class RewardFunctions:
                                   "extra_info": list(extras)}
         for key in sorted({k for c in columns for k in c} - {"prompt"} - set(kwargs)):
             kwargs[key] = [c.get(key) for c in columns]
-        kwargs = {"prompts": prompts, "completions": completions, **kwargs}
+        kwargs = {"prompts": prompts, "completions": completions, **kwargs, **(shared or {})}
         required = [n for n, p in inspect.signature(fn).parameters.items()
                     if p.default is inspect.Parameter.empty
                     and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
@@ -123,17 +172,31 @@ class RewardFunctions:
         if missing:
             raise ValueError(f"reward function {name} needs the columns {missing}, which the prompt file "
                              f"does not have; it has {sorted(kwargs)}")
-        out = fn(**_accepted(fn, kwargs))
-        values = list(out.tolist() if isinstance(out, torch.Tensor) else out)
-        if len(values) != b or not all(v is None or isinstance(v, (int, float, bool)) for v in values):
-            raise ValueError(f"reward function {name} (TRL signature) must return {b} numbers or None, one "
-                             f"per completion; got {type(out).__name__} {values[:4]!r}...")
-        return torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
+        try:
+            out = fn(**_accepted(fn, kwargs))
+        except Exception as exc:  # noqa: BLE001  (every sample of the call failed)
+            for i in range(b):
+                self._fail(name, i, sources, texts, exc)
+            return torch.zeros(b, dtype=torch.float32), torch.zeros(b, dtype=torch.bool)
+        values: list[Any] = check_trl_output(out, name, b)
+        for i, v in enumerate(values):
+            number = None if v is None else as_number(v)
+            if v is not None and number is None:
+                self._fail(name, i, sources, texts, None,
+                           f"returned {returned(v)}; each entry must be a number or None")
+                number = 0.0
+            values[i] = number
+        none = torch.tensor([v is None for v in values], dtype=torch.bool)
+        scores = torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float32)
+        return scores, none
 
     def __call__(self, texts: Sequence[str], ground_truths: Sequence[Any], data_sources: Sequence[str],
-                 extra_infos: Sequence[Any] | None = None, columns: Sequence[Mapping[str, Any]] | None = None
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 extra_infos: Sequence[Any] | None = None, columns: Sequence[Mapping[str, Any]] | None = None,
+                 trl_kwargs: Mapping[str, Any] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Score ``B`` responses: ``(scores [B], info)``, ``info[key]`` ``[B]`` per extra value.
+
+        ``trl_kwargs`` are passed as they are (not per sample) to TRL-style functions that accept them
+        (TRL's ``trainer_state``, ``log_metric``).
 
         A single function's dict results report their other numbers under their own keys (``acc``); with
         several functions every key is prefixed with the function's name, and each function's scores
@@ -144,18 +207,34 @@ class RewardFunctions:
         cols = list(columns) if columns is not None else [{} for _ in range(b)]
         total = torch.zeros(b, dtype=torch.float32)
         info: dict[str, torch.Tensor] = {}
+        self.failures = []
         for fn, name, style, weight in zip(self.functions, self.names, self.styles, self.weights):
             if style == TRL:
-                scores, own = self._call_trl(fn, name, texts, ground_truths, data_sources, extras, cols), {}
+                (scores, none), own = self._call_trl(fn, name, texts, ground_truths, data_sources, extras,
+                                                     cols, trl_kwargs), {}
             else:
-                scores, own = self._call_verl(fn, texts, ground_truths, data_sources, extras)
-            total += weight * torch.nan_to_num(scores, nan=0.0)
+                scores, own = self._call_verl(fn, name, texts, ground_truths, data_sources, extras)
+                none = None
+            # The raw scores are added as they are: a NaN or inf stays non-finite in the total, where the
+            # non-finite guard sees it (algorithm.non_finite). Only a TRL ``None`` (the function does not
+            # apply to that sample) counts 0, by its own mask.
+            total += weight * scores
             if len(self) == 1:
                 info.update(own)
             else:
                 info.update({f"{name}/{key}": value for key, value in own.items()})
-                info[f"{name}/mean"] = scores
+                info[f"{name}/mean"] = scores if none is None else scores.masked_fill(none, float("nan"))
+        failed, timed_out = torch.zeros(b), torch.zeros(b)
+        for f in self.failures:
+            (timed_out if f.timeout else failed)[f.index] = 1.0
+        info[FAILED_KEY], info[TIMED_OUT_KEY] = torch.maximum(failed, timed_out), timed_out
         return total, info
+
+    def raise_failures(self, where: str = "") -> None:
+        """Under ``on_error="error"``: :class:`RewardError` naming the failed calls of the last call."""
+        if self.failures and self.on_error == "error":
+            listed = describe_failures([f.describe(where) for f in self.failures], len(self.failures))
+            raise RewardError(f"{len(self.failures)} reward call(s) failed: {listed}; {policy_hint()}")
 
 
 def compute_rewards(
@@ -166,6 +245,8 @@ def compute_rewards(
     extra_infos: Sequence[Mapping[str, Any] | None] | None = None,
     return_info: bool = False,
     columns: Sequence[Mapping[str, Any]] | None = None,
+    raise_on_error: bool = True,
+    trl_kwargs: Mapping[str, Any] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Score every response with rule-based reward functions.
 
@@ -178,6 +259,10 @@ def compute_rewards(
         extra_infos: ``B`` dicts passed as ``extra_info`` (when the function accepts it).
         return_info: Also return the other numeric entries (see :meth:`RewardFunctions.__call__`).
         columns: ``B`` dicts: the prompt as written and the prompt file's other columns (TRL functions).
+        raise_on_error: Raise :class:`~verl_trainer.rewards.failures.RewardError` for failed calls under
+            ``on_error="error"`` (``False``: the caller does, e.g. on every rank together).
+        trl_kwargs: Keyword arguments for TRL-style functions, the same for every sample (``trainer_state``,
+            ``log_metric``).
 
     Returns:
         ``scores`` ``[B]`` float32; with ``return_info``, ``(scores, info)`` where ``info[key]`` is
@@ -193,7 +278,9 @@ def compute_rewards(
             f"sources{'' if extra_infos is None else f', {len(extra_infos)} extra_infos'}; they must match"
         )
     functions = reward_fn if isinstance(reward_fn, RewardFunctions) else RewardFunctions(reward_fn)
-    scores, info = functions(texts, ground_truths, data_sources, extra_infos, columns)
+    scores, info = functions(texts, ground_truths, data_sources, extra_infos, columns, trl_kwargs)
+    if raise_on_error:
+        functions.raise_failures()
     return (scores, info) if return_info else scores
 
 
@@ -254,6 +341,8 @@ def reward_metrics(
         f"{prefix}/max": Metric.max(values),
     }
     for key, per_sample in (info or {}).items():
+        if key.startswith("_"):  # failure marks: counted over ranks by the caller, not averaged
+            continue
         v = per_sample[real].float()
         v = v[~v.isnan()]  # a TRL function's None: not part of its mean
         name = "accuracy" if key == ACCURACY_KEY else key
@@ -277,14 +366,21 @@ def _response_texts(batch: TensorDict, tokenizer: Any) -> list[str]:
         return non_tensor_list(batch, "response_text")
     if tokenizer is None:
         raise ValueError("the batch has no 'response_text'; pass the tokenizer to decode the responses")
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in _completion_ids(batch)]
+
+
+def _completion_ids(batch: TensorDict) -> list[list[int]]:
+    """Each row's response token ids (TRL's ``completion_ids``)."""
     ids, start, length = batch[schema.INPUT_IDS], batch[schema.PROMPT_LEN], batch[schema.RESPONSE_LEN]
-    return [tokenizer.decode(ids[i, s: s + n].tolist(), skip_special_tokens=True)
-            for i, (s, n) in enumerate(zip(start.tolist(), length.tolist()))]
+    return [ids[i, s: s + n].tolist() for i, (s, n) in enumerate(zip(start.tolist(), length.tolist()))]
 
 
 def score_batch(batch: TensorDict, reward_fn: str | RewardFn | RewardFunctions, tokenizer: Any = None,
-                prefix: str = "reward", on_scores: Callable[[TensorDict, torch.Tensor], None] | None = None,
-                ) -> tuple[torch.Tensor, dict[str, Metric]]:
+                prefix: str = "reward",
+                on_scores: Callable[[TensorDict, torch.Tensor, dict[str, torch.Tensor]], None] | None = None,
+                return_info: bool = False, raise_on_error: bool = True,
+                trl_kwargs: Mapping[str, Any] | None = None,
+                ) -> tuple[torch.Tensor, dict[str, Metric]] | tuple[torch.Tensor, dict[str, Metric], dict]:
     """Score a rollout batch in place: sets ``token_level_scores`` ``[B, T]`` and returns the metrics.
 
     Reads the non-tensor entries a rollout writes (``response_text``, ``ground_truth``, ``data_source``,
@@ -296,11 +392,17 @@ def score_batch(batch: TensorDict, reward_fn: str | RewardFn | RewardFunctions, 
         reward_fn: Function, name or ``"module:function"``.
         tokenizer: Only needed when the batch has no ``response_text``.
         prefix: Metric-name prefix (e.g. ``"val/reward"`` for validation).
-        on_scores: Called as ``on_scores(batch, scores)`` before the scores are placed on tokens and the
-            metrics computed; it may edit both in place (the non-finite check turns samples into padding).
+        on_scores: Called as ``on_scores(batch, scores, info)`` before the scores are placed on tokens and
+            the metrics computed; it may edit both in place (the failure and non-finite checks turn samples
+            into padding).
+        return_info: Also return the reward's other per-sample values (``info[key]`` ``[B]``, e.g. ``acc``).
+        raise_on_error: See :func:`compute_rewards`.
+        trl_kwargs: See :func:`compute_rewards`. TRL-style functions also get ``completion_ids`` (TRL's
+            name): each response's token ids, a list of ints per sample.
 
     Returns:
-        ``(scores [B], metrics)`` — see :func:`reward_metrics`.
+        ``(scores [B], metrics)`` — see :func:`reward_metrics`; with ``return_info``,
+        ``(scores, metrics, info)``.
 
     """
     texts = _response_texts(batch, tokenizer)
@@ -308,11 +410,14 @@ def score_batch(batch: TensorDict, reward_fn: str | RewardFn | RewardFunctions, 
     truths = data.get("ground_truth", [None] * len(texts))
     sources = data.get("data_source", ["unknown"] * len(texts))
     extras = data.get("extra_info")
+    columns = data.get("columns") or [{} for _ in texts]
+    columns = [{**c, "completion_ids": ids} for c, ids in zip(columns, _completion_ids(batch))]
     scores, info = compute_rewards(texts, truths, sources, reward_fn, extras, return_info=True,
-                                   columns=data.get("columns"))
+                                   columns=columns, raise_on_error=raise_on_error, trl_kwargs=trl_kwargs)
     if on_scores is not None:
-        on_scores(batch, scores)
+        on_scores(batch, scores, info)
     mask = batch[schema.RESPONSE_MASK] if schema.RESPONSE_MASK in batch.keys() else batch[schema.LOSS_MASK]
     batch[schema.TOKEN_LEVEL_SCORES] = token_level_scores(scores, mask)
     uids = batch[schema.UID] if schema.UID in batch.keys() else None
-    return scores, reward_metrics(scores, info, uids, ~schema.real_mask(batch), prefix)
+    metrics = reward_metrics(scores, info, uids, ~schema.real_mask(batch), prefix)
+    return (scores, metrics, info) if return_info else (scores, metrics)

@@ -14,10 +14,7 @@ accepts it.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from verl_trainer.rewards.signature import reward_style
@@ -36,18 +33,6 @@ def register_reward(*names: str) -> Callable[[RewardFn], RewardFn]:
     return REWARD_REGISTRY.register(*names)
 
 
-def _load_from_file(file: str) -> Any:
-    path = Path(file)
-    if not path.is_file():
-        raise ValueError(f"reward function file {file!r} does not exist")
-    spec = importlib.util.spec_from_file_location(f"_verl_trainer_user_reward_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"cannot import {file!r} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
     """Resolve a reward function.
 
@@ -60,8 +45,8 @@ def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
         The function.
 
     Raises:
-        ValueError: Unknown name (the message lists the registered ones), a module or attribute that does
-            not exist, or an attribute that is not callable.
+        ValueError: Unknown name (the message lists the registered ones), a module, file or attribute that
+            does not exist (``utils.registry.load_object``), or an attribute that is not callable.
 
     """
     if callable(name_or_path):
@@ -70,23 +55,7 @@ def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
         raise TypeError(
             f"reward function must be a name, 'module:function' or a callable, got {name_or_path!r}"
         )
-    if ":" not in name_or_path:
-        return check_reward_signature(REWARD_REGISTRY.get(name_or_path), name_or_path)
-    target, _, attr = name_or_path.rpartition(":")
-    if not target or not attr:
-        raise ValueError(f"reward function {name_or_path!r}: expected 'module.path:function'")
-    if target.endswith(".py") or "/" in target:
-        module = _load_from_file(target)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as err:
-            raise ValueError(
-                f"reward function {name_or_path!r}: cannot import module {target!r} ({err})"
-            ) from err
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ValueError(f"reward function {name_or_path!r}: module {target!r} has no attribute {attr!r}")
+    fn = REWARD_REGISTRY.resolve(name_or_path)  # a name, "module:function" or "file.py:function"
     if not callable(fn):
         raise ValueError(f"reward function {name_or_path!r} is a {type(fn).__name__}, not a callable")
     return check_reward_signature(fn, name_or_path)

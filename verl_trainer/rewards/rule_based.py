@@ -27,7 +27,7 @@ FORMAT_SCORE = 0.1
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
 _NUMBER_RE = re.compile(_NUMBER)
 _HASH_RE = re.compile(r"####\s*(.*)", re.DOTALL)
-_BOXED_RE = re.compile(r"\\boxed\{([^{}]*)\}")
+_BOXED = "\\boxed"
 _FORMATS = (
     re.compile(rf"\s*(?:{_NUMBER})\s*"),
     re.compile(rf".*####\s*\$?(?:{_NUMBER})\s*", re.DOTALL),
@@ -51,6 +51,23 @@ def parse_number(text: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def last_boxed(text: str) -> str | None:
+    r"""The content of the last ``\boxed{...}`` of ``text``, nested braces kept (``\frac{1}{2}``).
+
+    Returns:
+        The content, stripped, or ``None`` without a complete ``\boxed{}``.
+    """
+    start = text.rfind(_BOXED + "{")
+    while start != -1:
+        depth, i = 0, start + len(_BOXED)
+        for i in range(start + len(_BOXED), len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start + len(_BOXED) + 1: i].strip()
+        start = text.rfind(_BOXED + "{", 0, start)  # unclosed: try the one before
+    return None
+
+
 def extract_answer(text: str) -> str | None:
     """The final answer of a response or a GSM8K-style solution (see the module docstring).
 
@@ -68,9 +85,9 @@ def extract_answer(text: str) -> str | None:
             return match.group(0)
         tail = hashes[1].strip()
         return tail.splitlines()[0].strip() if tail else None
-    boxed = _BOXED_RE.findall(text)
-    if boxed:
-        return boxed[-1].strip()
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
     numbers = _NUMBER_RE.findall(text)
     return numbers[-1] if numbers else None
 
@@ -97,6 +114,16 @@ def is_well_formatted(text: str) -> bool:
     return any(pattern.fullmatch(text) for pattern in _FORMATS)
 
 
+def _require_truth(ground_truth: Any, name: str) -> None:
+    if ground_truth is None:
+        raise ValueError(
+            f"reward {name!r} compares the answer with the ground truth, and this prompt has none: give the "
+            "prompt rows a ground truth (verl's reward_model.ground_truth, a ground_truth column, or TRL's "
+            "solution), or use a reward that needs none (algorithm.reward.name=format, or a TRL-style "
+            "function)"
+        )
+
+
 @register_reward("math_exact")
 def math_exact(data_source: str, solution_str: str, ground_truth: Any,
                extra_info: dict | None = None) -> dict[str, float]:
@@ -106,6 +133,7 @@ def math_exact(data_source: str, solution_str: str, ground_truth: Any,
         ``{"score": s, "acc": s}``.
 
     """
+    _require_truth(ground_truth, "math_exact")
     correct = float(answers_match(extract_answer(solution_str), ground_truth))
     return {"score": correct, "acc": correct}
 
@@ -132,7 +160,15 @@ def math_reward(data_source: str, solution_str: str, ground_truth: Any, extra_in
         ``{"score": ..., "acc": 0 or 1, "format": 0 or 1}``.
 
     """
+    _require_truth(ground_truth, "math")
     correct = float(answers_match(extract_answer(solution_str), ground_truth))
     formatted = float(is_well_formatted(solution_str))
     score = 1.0 if correct else format_score * formatted
     return {"score": score, "acc": correct, "format": formatted}
+
+
+@register_reward("none")
+def no_reward(data_source: str, solution_str: str, ground_truth: Any,
+              extra_info: dict | None = None) -> float:
+    """0 for every response: the rule part of a run whose reward is a reward model alone."""
+    return 0.0

@@ -1,51 +1,85 @@
-"""Rollout: sample responses from the current policy (HF ``generate`` everywhere, vLLM on GPU).
+"""Rollout: sample responses from the current policy (HF ``generate``, or a colocated vLLM engine).
 
 ``build_rollout(config, model_path)`` picks the backend. ``vllm`` is never imported unless it is
-installed and chosen: :class:`VLLMRollout` loads on first access of the attribute.
+installed and chosen: :class:`VLLMRollout` loads on first access of the attribute. ``docs/rollout.md``
+compares the two and states the ``auto`` rule.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from verl_trainer.rollout.agent_loop import AgentLoop, Trajectory
 from verl_trainer.rollout.base import (
+    AGENT_INFO,
     RESPONSE_TEXT,
     ROLLOUT_NON_TENSOR_KEYS,
     BaseRollout,
-    derive_seed,
+    derive_sample_seed,
     truncate_at_eos,
 )
 from verl_trainer.rollout.config import RolloutConfig
 from verl_trainer.rollout.hf import HFRollout
+from verl_trainer.rollout.vllm_support import check_vllm_rollout, model_config, vllm_available
 
 __all__ = [
+    "AGENT_INFO",
+    "AUTO_CPU_VLLM_MIN_PARAMS",
+    "AgentLoop",
     "RESPONSE_TEXT",
     "ROLLOUT_NON_TENSOR_KEYS",
     "BaseRollout",
     "HFRollout",
     "RolloutConfig",
+    "Trajectory",
     "build_rollout",
-    "derive_seed",
+    "decoder_params",
+    "check_vllm_rollout",
+    "derive_sample_seed",
     "resolve_rollout_name",
     "truncate_at_eos",
     "vllm_available",
 ]
 
 
-def vllm_available() -> bool:
-    """True when the ``vllm`` package is installed (checked without importing it)."""
-    return importlib.util.find_spec("vllm") is not None
+AUTO_CPU_VLLM_MIN_PARAMS = 100_000_000
+"""``auto`` on CPU picks vLLM for models with at least this many decoder parameters (``12 * layers *
+hidden**2``). ``bench/rollout.py``: Qwen2.5-0.5B's layers (231M) vLLM 1.5x faster per token; hidden 256 /
+4 layers (3M) level (0.9-1.1x); the demo (0.1M) HF 3.4x faster."""
 
 
-def resolve_rollout_name(name: str) -> str:
-    """``"auto"`` -> ``"vllm"`` when vllm is installed and CUDA is available, else ``"hf"``."""
-    if name == "auto":
-        return "vllm" if vllm_available() and torch.cuda.is_available() else "hf"
-    return name
+def decoder_params(model: str | Path) -> int:
+    """``12 * num_hidden_layers * hidden_size**2``: a transformer's decoder parameters, from config.json."""
+    config = model_config(model)
+    return 12 * int(config["num_hidden_layers"]) * int(config["hidden_size"]) ** 2
+
+
+def resolve_rollout_name(config: RolloutConfig | str, model: Any = None) -> str:
+    """The backend ``"auto"`` stands for where this runs (any other name is returned as is).
+
+    ``"vllm"`` when vllm is installed, ``model`` is a checkpoint directory vLLM can run here
+    (:func:`check_vllm_rollout`), and either CUDA is available or the model is large enough for vLLM to be
+    faster on CPU (:data:`AUTO_CPU_VLLM_MIN_PARAMS`); else ``"hf"`` (``docs/rollout.md``).
+
+    Args:
+        config: The rollout settings, or just the name.
+        model: The policy's checkpoint directory (``None`` or a model object: ``"hf"``).
+    """
+    name = config if isinstance(config, str) else config.name
+    if name != "auto":
+        return name
+    if not (vllm_available() and isinstance(model, (str, Path))):
+        return "hf"
+    try:
+        if not torch.cuda.is_available() and decoder_params(model) < AUTO_CPU_VLLM_MIN_PARAMS:
+            return "hf"
+        check_vllm_rollout(model, 1 if isinstance(config, str) else config.tensor_parallel_size)
+    except (ValueError, FileNotFoundError, KeyError):
+        return "hf"
+    return "vllm"
 
 
 def build_rollout(config: RolloutConfig, model: Any, tokenizer: Any = None) -> BaseRollout:
@@ -57,20 +91,23 @@ def build_rollout(config: RolloutConfig, model: Any, tokenizer: Any = None) -> B
         tokenizer: Defaults to the tokenizer saved with the checkpoint.
 
     Returns:
-        An :class:`HFRollout` or :class:`VLLMRollout`.
+        An :class:`HFRollout` or :class:`VLLMRollout`; with ``config.multi_turn.enable`` it rolls out
+        multi-turn trajectories through an :class:`AgentLoop`.
 
     """
-    name = resolve_rollout_name(config.name)
+    name = resolve_rollout_name(config, model)
     if name == "vllm":
-        if not vllm_available():
-            raise ImportError("RolloutConfig(name='vllm') needs the vllm package (pip install vllm), "
-                              "or use name='hf' / 'auto'")
-        from verl_trainer.rollout.vllm_rollout import VLLMRollout
-
         if not isinstance(model, (str, Path)):
             raise ValueError("the vllm rollout loads from a checkpoint directory; pass a path")
-        return VLLMRollout(config, model, tokenizer)
-    return HFRollout(config, model, tokenizer)
+        check_vllm_rollout(model, config.tensor_parallel_size)  # before vllm or any model loads
+        from verl_trainer.rollout.vllm_rollout import VLLMRollout
+
+        rollout: BaseRollout = VLLMRollout(config, model, tokenizer)
+    else:
+        rollout = HFRollout(config, model, tokenizer)
+    if config.multi_turn.enable:
+        rollout.agent_loop = AgentLoop(config.multi_turn, rollout.tokenizer, rollout.eos_token_ids)
+    return rollout
 
 
 def __getattr__(name: str) -> Any:

@@ -1,15 +1,18 @@
 """The rollout interface: prompt batch in, schema batch of sampled responses out; weights synced in.
 
 A backend implements two things: :meth:`BaseRollout.generate_token_ids` (prompt id lists -> response id
-lists, sampled with a given config and seed) and :meth:`BaseRollout.update_weights`. Everything else —
+lists and the sampler's log-prob of each id, sampled with a given config and one seed per response) and
+:meth:`BaseRollout.update_weights`. Everything else —
 repeating each prompt ``n`` times, cutting responses at the first eos, building the schema batch and
 carrying the reward data — is shared here, so every backend returns the same batch.
 
 **Output batch** (``TensorDict``, ``batch_size=[B * n]``, samples of prompt ``i`` at rows
 ``i * n .. i * n + n - 1``): the keys of :func:`verl_trainer.data.packing.make_batch` —
 ``input_ids`` = prompt + response right-padded ``[B*n, T]``, ``attention_mask``, ``position_ids``,
-``loss_mask`` = ``response_mask`` (1 on the response tokens, float32), ``uid`` (the prompt's group id,
-shared by its ``n`` samples), ``seq_len``, ``prompt_len``, ``response_len``, ``is_padding`` — plus these
+``loss_mask`` = ``response_mask`` (1 on the response tokens, float32), ``rollout_log_probs`` ``[B*n, T]``
+float32 (the sampler's log-prob of each response token, at the token's position as ``old_log_probs``;
+0 elsewhere), ``uid`` (the prompt's group id, shared by its ``n`` samples), ``seq_len``, ``prompt_len``,
+``response_len``, ``is_padding`` — plus these
 **non-tensor** entries (``tensordict.NonTensorStack``: one Python object per sample; they follow
 indexing, ``torch.cat`` and ``repeat_interleave``):
 
@@ -18,6 +21,12 @@ indexing, ``torch.cat`` and ``repeat_interleave``):
 
 A response ends at its first eos token, which is **kept** as the last response token (the model learns
 to stop; ``response_len`` counts it). A response that hit ``max_new_tokens`` has no eos.
+
+**Seeds.** Response ``j`` of prompt ``i`` is sampled from its own seed,
+:func:`derive_sample_seed` ``(seed, step, prompt index, j)``: the prompt index is the dataset index of the
+prompt (``prompt_index``, else the batch's ``uid``) and ``step`` the training step (``step``, else the
+number of earlier :meth:`BaseRollout.generate` calls), so a response does not depend on the rank that
+samples it, the dp size or the other prompts of its batch.
 
 Non-tensor entries cannot travel through tensor collectives (sample exchange, balancing): drop them
 with :func:`verl_trainer.data.schema.tensor_only` once rewards are computed.
@@ -37,18 +46,28 @@ from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.data.prompts import NON_TENSOR_KEYS, collate_prompts, non_tensor_lists, prompt_token_lists
 from verl_trainer.rollout.config import RolloutConfig
-from verl_trainer.utils.distributed import get_rank
+from verl_trainer.utils.listing import first_of
 
 RESPONSE_TEXT = "response_text"
+AGENT_INFO = "agent_info"
+"""Non-tensor key of a multi-turn rollout: per sample, :meth:`Trajectory.info` (turns, tool calls, reward)."""
 ROLLOUT_NON_TENSOR_KEYS = (*NON_TENSOR_KEYS, RESPONSE_TEXT)
 """Non-tensor keys of a rollout batch."""
 
 _MIX = 1_000_003
+_MOD = 2**63 - 1
 
 
-def derive_seed(seed: int, rank: int, call: int) -> int:
-    """A 63-bit seed for generate call ``call`` on rank ``rank`` of a run seeded with ``seed``."""
-    return ((seed * _MIX + rank) * _MIX + call) % (2**63 - 1)
+def derive_sample_seed(seed: int, step: int, prompt_index: int, sample_index: int, stream: int = 0) -> int:
+    """The 63-bit seed of one response: sample ``sample_index`` of prompt ``prompt_index`` at ``step``.
+
+    Independent of the rank and the batch, so a run samples the same responses at any dp size.
+    ``stream`` separates uses of the same step (0: training, 1: validation).
+    """
+    key = seed
+    for part in (stream, step, prompt_index, sample_index):
+        key = (key * _MIX + int(part) + 1) % _MOD
+    return key
 
 
 def truncate_at_eos(tokens: Sequence[int], eos_token_ids: Iterable[int]) -> list[int]:
@@ -69,6 +88,40 @@ def truncate_at_eos(tokens: Sequence[int], eos_token_ids: Iterable[int]) -> list
     return list(tokens)
 
 
+def _place_log_probs(batch: TensorDict, log_probs: list[list[float]]) -> torch.Tensor:
+    """``[B, T]`` float32: each response's log-probs at its tokens' positions (``prompt_len ..``), else 0."""
+    out = torch.zeros(batch[schema.INPUT_IDS].shape, dtype=torch.float32)
+    for row, (start, values) in enumerate(zip(batch[schema.PROMPT_LEN].tolist(), log_probs)):
+        length = int(batch[schema.RESPONSE_LEN][row])
+        if len(values) != length:
+            raise RuntimeError(f"response {row}: {len(values)} log-probs for {length} tokens; a backend "
+                               "returns one log-prob per generated id")
+        out[row, start: start + len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
+
+
+def weight_mismatch_report(unknown: list[str], missing: list[str], shapes: list[str]) -> str:
+    """The ``update_weights`` error of a rollout whose sent tensors do not match its model's.
+
+    Args:
+        unknown: Sent names the rollout model does not have.
+        missing: Rollout parameters that were not sent.
+        shapes: ``"name (sent shape) vs (model shape)"`` entries.
+    """
+    parts = []
+    if unknown:
+        parts.append(f"names the rollout model does not have: {first_of(unknown, 5)}")
+    if missing:
+        parts.append(f"rollout parameters that were not sent: {first_of(missing, 5)}")
+    if shapes:
+        parts.append(f"shape mismatches: {first_of(shapes, 5)}")
+    return (
+        "update_weights: the sent tensors do not match the rollout model — " + "; ".join(parts) + ". "
+        "Send the HF state_dict names of the same architecture (engine.get_per_tensor_param()); strip "
+        "wrapper prefixes such as 'module.' or '_orig_mod.' first."
+    )
+
+
 class BaseRollout(ABC):
     """Generates ``n`` responses per prompt; receives the trained weights after each update.
 
@@ -84,9 +137,12 @@ class BaseRollout(ABC):
         self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.eos_token_ids = self._eos_ids(tokenizer)
         self._calls = 0
+        self.agent_loop: Any = None
+        """An :class:`~verl_trainer.rollout.agent_loop.AgentLoop` for multi-turn rollouts (set by
+        :func:`verl_trainer.rollout.build_rollout` when ``multi_turn.enable``); ``None``: single-turn."""
         self.data_rank: int | None = None
-        """The data-parallel rank that seeds sampling (the ranks of one SP / TP group hold the same
-        prompts and must sample the same responses); ``None``: the global rank."""
+        """The data-parallel rank of this process (the ranks of one SP / TP group hold the same prompts);
+        informational: sampling is seeded per response, not per rank (see the module docstring)."""
 
     @staticmethod
     def _eos_ids(tokenizer: Any, extra: int | Sequence[int] | None = None) -> list[int]:
@@ -100,17 +156,19 @@ class BaseRollout(ABC):
     # ------------------------------------------------------------------------------------ backend
     @abstractmethod
     def generate_token_ids(self, prompts: list[list[int]], config: RolloutConfig,
-                           seed: int) -> list[list[int]]:
+                           seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
         """Sample one response per prompt (prompts arrive already repeated ``n`` times).
 
         Args:
             prompts: Prompt id lists, no padding.
             config: The sampling settings of this call (``n`` already applied, ignore it).
-            seed: The seed of this call (derive every random draw from it).
+            seeds: One seed per prompt: every random draw of response ``k`` comes from ``seeds[k]``
+                (a backend without per-request seeds documents what it does instead).
 
         Returns:
-            One list of generated ids per prompt; the eos cut is applied afterwards by the caller, so
-            trailing padding after an eos is harmless.
+            ``(ids, log_probs)``: one list of generated ids per prompt, and per id the log-prob the sampler
+            drew it with (after temperature / top-k / top-p: vLLM's ``processed_logprobs``). The eos cut is
+            applied afterwards by the caller, so trailing padding after an eos is harmless.
 
         """
 
@@ -138,13 +196,18 @@ class BaseRollout(ABC):
         return self.update_weights(params.items())
 
     # ------------------------------------------------------------------------------------ shared
-    def generate(self, prompt_batch: TensorDict | Sequence[Mapping[str, Any]],
-                 **overrides: Any) -> TensorDict:
+    def generate(self, prompt_batch: TensorDict | Sequence[Mapping[str, Any]], step: int | None = None,
+                 prompt_index: torch.Tensor | None = None, stream: int = 0, **overrides: Any) -> TensorDict:
         """Sample ``n`` responses per prompt and return the schema batch (see the module docstring).
 
         Args:
             prompt_batch: A prompt batch from :func:`verl_trainer.data.prompts.collate_prompts`, or the
                 dataset items themselves (dicts with ``input_ids``, ``index``, reward fields).
+            step: The step that seeds the sampling (the trainer's global step); ``None``: the number of
+                earlier calls.
+            prompt_index: ``[B]`` the prompts' dataset indices (the same on any dp size); ``None``: the
+                batch's ``uid`` (``collate_prompts`` sets it to the dataset index).
+            stream: Seed stream (0: training, 1: validation), so the two never share seeds.
             **overrides: Per-call :class:`RolloutConfig` fields, e.g. ``n=1, do_sample=False`` for
                 validation.
 
@@ -155,21 +218,39 @@ class BaseRollout(ABC):
         if not isinstance(prompt_batch, TensorDict):
             prompt_batch = collate_prompts(list(prompt_batch), self.pad_token_id)
         config = dataclasses.replace(self.config, **overrides) if overrides else self.config
-        rank = get_rank() if self.data_rank is None else self.data_rank
-        seed = derive_seed(config.seed, rank, self._calls)
+        step = self._calls if step is None else int(step)
         self._calls += 1
 
         n = config.n
-        prompts = [p for p in prompt_token_lists(prompt_batch) for _ in range(n)]
-        generated = self.generate_token_ids(prompts, config, seed) if prompts else []
-        if len(generated) != len(prompts):
-            raise RuntimeError(
-                f"{type(self).__name__} returned {len(generated)} responses for {len(prompts)} prompts"
-            )
-        responses = [truncate_at_eos(g, self.eos_token_ids)[: config.max_new_tokens] for g in generated]
         has_uid = schema.UID in prompt_batch.keys()
+        if prompt_index is None:
+            prompt_index = prompt_batch[schema.UID] if has_uid else torch.arange(len(prompt_batch))
+        seeds = [derive_sample_seed(config.seed, step, int(i), j, stream)
+                 for i in prompt_index.tolist() for j in range(n)]
+        prompts = [p for p in prompt_token_lists(prompt_batch) for _ in range(n)]
+        trajectories = None
+        if self.agent_loop is not None and prompts:
+            columns = non_tensor_lists(prompt_batch)
+            rows = [{k: v[i] for k, v in columns.items()} for i in range(len(prompt_batch)) for _ in range(n)]
+            trajectories = self.agent_loop.run(
+                self.generate_token_ids, prompts, rows, config, seeds,
+                lambda s, turn: derive_sample_seed(s, turn, 0, 0, stream))
+            responses, log_probs = [t.ids for t in trajectories], [t.log_probs for t in trajectories]
+        else:
+            generated, log_probs = self.generate_token_ids(prompts, config, seeds) if prompts else ([], [])
+            if len(generated) != len(prompts) or len(log_probs) != len(prompts):
+                raise RuntimeError(f"{type(self).__name__} returned {len(generated)} responses and "
+                                   f"{len(log_probs)} log-prob lists for {len(prompts)} prompts")
+            responses = [truncate_at_eos(g, self.eos_token_ids)[: config.max_new_tokens] for g in generated]
         uids = (prompt_batch[schema.UID] if has_uid else torch.arange(len(prompt_batch))).repeat_interleave(n)
         batch = make_batch(prompts, responses, uids=uids, pad_token_id=self.pad_token_id)
+        batch[schema.ROLLOUT_LOG_PROBS] = _place_log_probs(batch, [lp[: len(r)] for lp, r in
+                                                                   zip(log_probs, responses)])
+        if trajectories is not None:  # train only the model's tokens: observations are masked out
+            mask = _place_log_probs(batch, [[float(m) for m in t.model_mask] for t in trajectories])
+            batch[schema.LOSS_MASK] = mask
+            batch[schema.RESPONSE_MASK] = mask.clone()
+            batch[AGENT_INFO] = NonTensorStack.from_list([t.info() for t in trajectories])
         if schema.IS_PADDING in prompt_batch.keys():  # a padding prompt's responses are padding samples
             schema.mark_padding(batch, prompt_batch[schema.IS_PADDING].to(torch.bool).repeat_interleave(n))
         for key, values in non_tensor_lists(prompt_batch).items():
@@ -180,5 +261,5 @@ class BaseRollout(ABC):
 
     @property
     def num_generate_calls(self) -> int:
-        """How many times :meth:`generate` has run (it enters the per-call seed)."""
+        """How many times :meth:`generate` has run (the seeding step when no ``step`` is given)."""
         return self._calls

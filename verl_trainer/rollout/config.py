@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+
+from verl_trainer.agents.config import MultiTurnConfig
 
 ROLLOUT_NAMES = ("auto", "hf", "vllm")
 DECODINGS = ("auto", "generate", "drop_finished")
 CACHE_IMPLEMENTATIONS = ("auto", "dynamic", "static")
+BACKEND_ONLY = {
+    "hf": ("decoding", "cache_implementation", "compile_decoding", "share_weights"),
+    "vllm": ("gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_model_len",
+             "free_cache_engine"),
+}
+"""The settings only one backend reads (``RolloutConfig.ignored_by`` names those the other one ignores)."""
 
 
 @dataclass
@@ -17,8 +25,10 @@ class RolloutConfig:
     ``top_p``, ``top_k``, ``do_sample``); ``max_new_tokens`` is verl's ``response_length``.
 
     Attributes:
-        name: Backend: ``"hf"`` (transformers ``generate``, CPU or GPU), ``"vllm"`` (GPU, needs the
-            ``vllm`` package), or ``"auto"`` (vllm when it is installed and CUDA is available, else hf).
+        name: Backend: ``"hf"`` (transformers ``generate``, CPU or GPU), ``"vllm"`` (a colocated vLLM
+            engine, CPU with the ``vllm`` extra or CUDA; ``docs/rollout.md``), or ``"auto"``: what measured
+            faster where it runs (:func:`verl_trainer.rollout.resolve_rollout_name`: vllm where it is
+            installed and can run the model, on CUDA or for models of >= 100M decoder parameters on CPU).
         n: Samples per prompt (GRPO group size). The ``n`` samples of a prompt are adjacent in the
             output and share its ``uid``.
         temperature: Sampling temperature (> 0 when ``do_sample``).
@@ -45,8 +55,15 @@ class RolloutConfig:
             device and dtype, the rollout model uses that storage itself (no second copy of the weights,
             no per-step copy); ``False``: a private copy, synced after every update.
         gpu_memory_utilization: vLLM only: fraction of GPU memory vLLM may take.
-        tensor_parallel_size: vLLM only.
-        enforce_eager: vLLM only: disable CUDA graphs.
+        tensor_parallel_size: vLLM only; must be 1 (one engine per training process, synced with full
+            tensors whatever the actor's TP size).
+        enforce_eager: vLLM only: disable CUDA graphs (always eager on CPU).
+        max_model_len: vLLM only: longest prompt + response the engine plans for (``None``: the model's
+            ``max_position_embeddings``).
+        free_cache_engine: vLLM only (verl's name): sleep between rollouts — free the KV cache and offload
+            the weights while training runs (CUDA; vLLM has no sleep mode on CPU, where it is a no-op).
+        multi_turn: Multi-turn, tool-calling and environment rollouts (``docs/agents.md``); with it on,
+            ``max_new_tokens`` is the budget of a whole trajectory (model and tool tokens together).
 
     """
 
@@ -69,6 +86,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
+    max_model_len: int | None = None
+    free_cache_engine: bool = True
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -111,8 +131,21 @@ class RolloutConfig:
         if self.compile_decoding and self.cache_implementation == "dynamic":
             raise ValueError("rollout compile_decoding=True needs cache_implementation='static' (or 'auto'): "
                              "transformers compiles decoding only over a static KV cache")
+        if self.max_model_len is not None and self.max_model_len < self.max_new_tokens + 1:
+            raise ValueError(f"rollout max_model_len={self.max_model_len} must exceed max_new_tokens="
+                             f"{self.max_new_tokens} (prompt + response), or be None (the model's length)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"rollout dtype={self.dtype!r}; choose float32, bfloat16 or float16")
+
+    def ignored_by(self, backend: str) -> list[str]:
+        """``name=value`` of the settings changed from their defaults that ``backend`` does not read.
+
+        Args:
+            backend: The backend the run resolved to (``"hf"`` or ``"vllm"``).
+        """
+        defaults = type(self)()
+        return [f"{name}={getattr(self, name)}" for other, names in BACKEND_ONLY.items() if other != backend
+                for name in names if getattr(self, name) != getattr(defaults, name)]
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

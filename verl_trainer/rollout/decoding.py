@@ -15,11 +15,17 @@ float32 logits of the last position, then transformers' own ``TemperatureLogitsW
 attention mask as ``generate`` computes them. While no row is dropped it draws the same random numbers
 as ``generate`` and returns the same tokens (``drop_at=float("inf")``: always); dropping rows changes which
 random numbers a row gets, not the distribution it samples from (tests: ``tests/rollout/test_decoding.py``).
+
+With ``seeds`` (one per row, what :class:`~verl_trainer.rollout.hf.HFRollout` passes) each row draws from
+its own stream instead (:mod:`verl_trainer.rollout.sampling`): a row's tokens then do not depend on the
+other rows of the batch, nor on when rows are dropped. Either way the loop returns, per token, its log-prob
+under the distribution it was drawn from (after temperature / top-k / top-p).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 
 import torch
 from transformers import (
@@ -31,6 +37,9 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from verl_trainer.rollout.divergence import check_logits
+from verl_trainer.rollout.sampling import row_uniforms, sample_rows
 
 DROP_AT = 0.125
 """Drop finished rows once they are at least this fraction of the live rows (measured on the CPU
@@ -89,7 +98,8 @@ def sample_dropping_finished(
     attention_mask: torch.Tensor,
     config: GenerationConfig,
     drop_at: float = DROP_AT,
-) -> list[list[int]]:
+    seeds: Sequence[int] | None = None,
+) -> tuple[list[list[int]], list[list[float]]]:
     """Sample up to ``config.max_new_tokens`` tokens per row, removing finished rows as they pile up.
 
     Args:
@@ -100,9 +110,12 @@ def sample_dropping_finished(
             ``max_new_tokens``; anything else set is refused.
         drop_at: Drop finished rows once they are at least this fraction of the live rows (> 0;
             ``float("inf")``: never, which samples token for token as ``generate``).
+        seeds: One seed per row: row-seeded sampling (:mod:`verl_trainer.rollout.sampling`); ``None``:
+            ``torch.multinomial`` on the global RNG, as ``generate``.
 
     Returns:
-        ``B`` lists of generated ids, each ending at its first eos (kept) or at ``max_new_tokens``.
+        ``(ids, log_probs)``: ``B`` lists of generated ids, each ending at its first eos (kept) or at
+        ``max_new_tokens``, and per id its log-prob under the (warped) distribution it was drawn from.
 
     """
     _check_supported(config)
@@ -113,7 +126,12 @@ def sample_dropping_finished(
     pad = int(config.pad_token_id if config.pad_token_id is not None else 0)
     warpers = logits_warpers(config)
     batch = input_ids.shape[0]
+    if seeds is not None and len(seeds) != batch:
+        raise ValueError(f"got {len(seeds)} seeds for {batch} rows; give one seed per row")
+    seeded = seeds is not None and config.do_sample
+    uniforms = row_uniforms(seeds, max_new, input_ids.device) if seeded else None
     out = torch.full((batch, max_new), pad, dtype=torch.long, device=input_ids.device)
+    out_log_probs = torch.zeros((batch, max_new), dtype=torch.float32, device=input_ids.device)
     lengths = torch.full((batch,), max_new, dtype=torch.long, device=input_ids.device)
 
     cache = DynamicCache(config=model.config)
@@ -126,13 +144,18 @@ def sample_dropping_finished(
     next_pos = positions[:, -1:] + 1
     finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     for step in range(max_new):
+        check_logits(logits[:, -1, :])  # diverged weights: named, not a sampler error (or, greedy, token 0)
         scores = warpers(input_ids, logits[:, -1, :].to(dtype=torch.float32))
-        if config.do_sample:
+        if uniforms is not None:
+            tokens, log_probs = sample_rows(scores, uniforms[rows, step])
+        elif config.do_sample:
             tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            log_probs = torch.log_softmax(scores, dim=-1).gather(-1, tokens[:, None]).squeeze(1)
         else:
-            tokens = scores.argmax(dim=-1)
+            tokens, log_probs = sample_rows(scores, None)
         tokens = torch.where(finished, torch.full_like(tokens, pad), tokens)
         out[rows, step] = tokens
+        out_log_probs[rows, step] = log_probs
         ends = torch.isin(tokens, eos) & ~finished
         lengths[rows[ends]] = step + 1
         finished |= ends
@@ -148,7 +171,9 @@ def sample_dropping_finished(
         logits = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_pos,
                        use_cache=True, **cache_arg).logits
         next_pos = next_pos + 1
-    return [row[:n] for row, n in zip(out.tolist(), lengths.tolist())]
+    lengths_list = lengths.tolist()
+    return ([row[:n] for row, n in zip(out.tolist(), lengths_list)],
+            [row[:n] for row, n in zip(out_log_probs.tolist(), lengths_list)])
 
 
 __all__ = ["DROP_AT", "logits_warpers", "sample_dropping_finished"]

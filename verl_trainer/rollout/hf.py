@@ -11,9 +11,11 @@ import torch
 from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 
 from verl_trainer.models.loading import load_causal_lm, load_tokenizer
-from verl_trainer.rollout.base import BaseRollout
+from verl_trainer.rollout.base import BaseRollout, weight_mismatch_report
 from verl_trainer.rollout.config import RolloutConfig
-from verl_trainer.rollout.decoding import sample_dropping_finished
+from verl_trainer.rollout.decoding import logits_warpers, sample_dropping_finished
+from verl_trainer.rollout.divergence import DivergenceError, diverged, is_sampler_error
+from verl_trainer.rollout.sampling import RowSampler, row_uniforms
 from verl_trainer.utils.device import get_torch_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,24 +47,6 @@ def resolve_decoding(config: RolloutConfig, device: torch.device) -> tuple[str, 
     if config.compile_decoding is not None:
         return decoding, cache, config.compile_decoding
     return decoding, cache, cache == "static" and cuda
-
-
-def _mismatch_report(unknown: list[str], missing: list[str], shapes: list[str]) -> str:
-    def head(names: list[str]) -> str:
-        return ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
-
-    parts = []
-    if unknown:
-        parts.append(f"names the rollout model does not have: {head(unknown)}")
-    if missing:
-        parts.append(f"rollout parameters that were not sent: {head(missing)}")
-    if shapes:
-        parts.append(f"shape mismatches: {head(shapes)}")
-    return (
-        "update_weights: the sent tensors do not match the rollout model — " + "; ".join(parts) + ". "
-        "Send the HF state_dict names of the same architecture (engine.get_per_tensor_param()); strip "
-        "wrapper prefixes such as 'module.' or '_orig_mod.' first."
-    )
 
 
 class HFRollout(BaseRollout):
@@ -136,38 +120,63 @@ class HFRollout(BaseRollout):
         return ids.to(self.device), mask.to(self.device)
 
     def generate_token_ids(self, prompts: list[list[int]], config: RolloutConfig,
-                           seed: int) -> list[list[int]]:
+                           seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
         """Sample one response per prompt, in chunks of ``config.generation_batch_size`` sequences.
 
-        Each chunk is one ``model.generate`` call, or one :func:`sample_dropping_finished` loop
-        (``config.decoding``, see :func:`resolve_decoding`).
+        Each chunk is one :func:`sample_dropping_finished` loop or one ``model.generate`` call
+        (``config.decoding``, see :func:`resolve_decoding`); both draw response ``k``'s tokens from
+        ``seeds[k]`` alone (:mod:`verl_trainer.rollout.sampling`), so a response does not depend on its
+        chunk, its batch or the rank. ``generate`` runs greedily over a :class:`RowSampler` that draws
+        the tokens.
 
         Args:
             prompts: ``N`` prompt id lists (each prompt already repeated ``n`` times).
             config: This call's sampling settings.
-            seed: Seeds torch's RNG for the call (the global RNG state is restored afterwards).
+            seeds: ``N`` seeds, one per response.
 
         Returns:
-            ``N`` lists of generated ids (``[P + R]`` outputs with their prompt part ``[P]`` removed).
+            ``(ids, log_probs)``: ``N`` lists of generated ids (``[P + R]`` outputs with their prompt part
+            ``[P]`` removed) and the log-prob of each id under the distribution it was drawn from.
 
         """
         gen_config = self.generation_config(config)
         drop_finished = resolve_decoding(config, self.device)[0] == "drop_finished"
         chunk = config.generation_batch_size or len(prompts)
-        devices = [self.device] if self.device.type == "cuda" else []
-        out: list[list[int]] = []
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.manual_seed(seed)
+        ids: list[list[int]] = []
+        log_probs: list[list[float]] = []
+        with torch.no_grad():
             for start in range(0, len(prompts), chunk):
                 input_ids, attention_mask = self._left_pad(prompts[start: start + chunk])
-                if drop_finished:
-                    out.extend(sample_dropping_finished(self.model, input_ids, attention_mask, gen_config))
-                    continue
-                sequences = self.model.generate(
-                    input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config
-                )
-                out.extend(sequences[:, input_ids.shape[1]:].tolist())
-        return out
+                chunk_seeds = seeds[start: start + chunk]
+                try:
+                    if drop_finished:
+                        out, lps = sample_dropping_finished(self.model, input_ids, attention_mask,
+                                                            gen_config, seeds=chunk_seeds)
+                    else:
+                        out, lps = self._generate(input_ids, attention_mask, gen_config, chunk_seeds)
+                except RuntimeError as exc:  # NaN logits: a sampler error, unless it is said what it is
+                    if isinstance(exc, DivergenceError) or is_sampler_error(exc):
+                        raise diverged(self.model, exc) from exc
+                    raise
+                ids.extend(out)
+                log_probs.extend(lps)
+        return ids, log_probs
+
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gen_config: GenerationConfig,
+                  seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """One ``model.generate`` call, greedy over a :class:`RowSampler` (row-seeded draws, log-probs)."""
+        width = input_ids.shape[1]
+        sampled = gen_config.do_sample
+        uniforms = row_uniforms(seeds, gen_config.max_new_tokens, self.device) if sampled else None
+        sampler = RowSampler(logits_warpers(gen_config), uniforms, width)
+        greedy = copy.deepcopy(gen_config)
+        greedy.do_sample = False
+        greedy.temperature, greedy.top_p, greedy.top_k = None, None, None
+        sequences = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                        generation_config=greedy, logits_processor=[sampler])
+        out = sequences[:, width:].tolist()
+        lps = sampler.log_probs.tolist()
+        return out, [lp[: len(o)] for lp, o in zip(lps, out)]
 
     def share_weights(self, params: Mapping[str, torch.Tensor]) -> int:
         """Make the rollout model's parameters aliases of ``params`` (the actor's own storage).
@@ -213,7 +222,7 @@ class HFRollout(BaseRollout):
                         setattr(self.model.get_submodule(module_name), attr, shared)
                 count += 1
         if unknown or missing or shapes:
-            raise ValueError(_mismatch_report(unknown, missing, shapes))
+            raise ValueError(weight_mismatch_report(unknown, missing, shapes))
         return count
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -252,5 +261,5 @@ class HFRollout(BaseRollout):
                 count += 1
         missing = [name for name, t in targets.items() if t.data_ptr() not in written]
         if unknown or missing or shapes:
-            raise ValueError(_mismatch_report(unknown, missing, shapes))
+            raise ValueError(weight_mismatch_report(unknown, missing, shapes))
         return count

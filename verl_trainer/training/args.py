@@ -31,7 +31,7 @@ class TrainerArgs:
         log_every_n_steps: Logging interval.
         default_root_dir: Where logs and checkpoints go (``None``: the working directory).
         val_check_interval: Validate every N trainer steps (an int) or every fraction of an epoch (a float in
-            ``(0, 1]``) during fit (``None``: only through ``validate`` / ``check_val_every_n_epoch``).
+            ``(0, 1]``) during fit (``None``: at the end of the epochs ``check_val_every_n_epoch`` selects).
         enable_progress_bar: Show the progress bar.
         enable_checkpointing: Save a checkpoint at the end of fit.
         seed: Seed of everything.
@@ -52,7 +52,8 @@ class TrainerArgs:
             ``timedelta`` arguments), decided on rank 0 for every rank.
         min_steps: Trainer steps before a stop request (``EarlyStopping``) is honoured.
         min_epochs: Epochs before a stop request is honoured.
-        check_val_every_n_epoch: Validate at the end of every N-th epoch (``None``: not per epoch).
+        check_val_every_n_epoch: Validate at the end of every N-th epoch when there is validation data
+            (Lightning's default, 1: every epoch; ``None``: not per epoch, only ``val_check_interval``).
         num_sanity_val_steps: Validation batches run before the first training step (``-1``: all); their
             metrics are not logged.
         deterministic: ``True``: ``torch.use_deterministic_algorithms(True)``; ``"warn"``: warn only.
@@ -84,7 +85,7 @@ class TrainerArgs:
     max_time: Any = None
     min_steps: int | None = None
     min_epochs: int | None = None
-    check_val_every_n_epoch: int | None = None
+    check_val_every_n_epoch: int | None = 1
     num_sanity_val_steps: int = 0
     deterministic: Any = False
 

@@ -25,15 +25,27 @@ import json
 import re
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from verl_trainer.engine.checkpoint import atomic_checkpoint_dir, get_rng_state, set_rng_state
+from verl_trainer.engine.checkpoint import (
+    CHECKPOINT_KIND,
+    atomic_checkpoint_dir,
+    get_rng_state,
+    set_rng_state,
+)
 from verl_trainer.utils.distributed import barrier, get_rank
-from verl_trainer.utils.fs import OWNER_MARKER, clean_stale, is_owned, read_marker, remove_owned
+from verl_trainer.utils.fs import (
+    OWNER_MARKER,
+    NotOwnedError,
+    clean_stale,
+    is_owned,
+    read_marker,
+    remove_owned,
+)
 from verl_trainer.utils.manifest import verify_manifest
 from verl_trainer.utils.safe_load import safe_torch_load
 
@@ -198,9 +210,11 @@ def load_rng(path: Path) -> bool:
     return True
 
 
-def prune_checkpoints(dirpath: str | Path, keep: int, current_step: int, run_id: str | None = None
-                      ) -> list[Path]:
+def prune_checkpoints(dirpath: str | Path, keep: int, current_step: int, run_id: str | None = None,
+                      protect: Collection[int] = ()) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints of run ``run_id``, and its stale temporaries.
+
+    The checkpoints of the steps in ``protect`` are kept too (``ModelCheckpoint(monitor=)``: the best ones).
 
     Checkpoints of other runs are never touched. Rank 0 only (the caller checks). Deletion goes through
     :func:`~verl_trainer.utils.fs.remove_owned`: only directories carrying the project's marker,
@@ -209,18 +223,24 @@ def prune_checkpoints(dirpath: str | Path, keep: int, current_step: int, run_id:
     """
     removed: list[Path] = []
     ours = [(step, path) for step, path in list_checkpoints(dirpath) if checkpoint_run_id(path) == run_id]
-    for _, path in ours[:-keep] if keep > 0 else ours:
+    for step, path in ours[:-keep] if keep > 0 else ours:
+        if step in protect:
+            continue
         if not is_owned(path):
             warnings.warn(f"not pruning {str(path)!r}: it has no {OWNER_MARKER} marker, so verl-trainer "
                           f"did not write it", stacklevel=2)
             continue
-        remove_owned(path, "checkpoint")
+        try:
+            remove_owned(path, "checkpoint", CHECKPOINT_KIND)
+        except NotOwnedError as exc:  # e.g. a user's file inside it: kept, the run goes on
+            warnings.warn(f"not pruning: {exc}", stacklevel=2)
+            continue
         removed.append(path)
-    for entry in Path(dirpath).glob(".step_*.tmp"):
-        match = re.match(r"^\.step_(\d+)\.tmp$", entry.name)
+    for entry in Path(dirpath).glob(".step_*.tmp*"):
+        match = re.match(r"^\.step_(\d+)\.tmp(-\w+)?$", entry.name)
         marker = read_marker(entry) or {}
         if match and int(match.group(1)) <= current_step and marker.get("run_id") == run_id:
-            remove_owned(entry, "checkpoint")
+            remove_owned(entry, "checkpoint", CHECKPOINT_KIND)
             removed.append(entry)
     return removed
 
@@ -243,7 +263,7 @@ def claim_checkpoint_dir(dirpath: str | Path, run_id: str | None, resumed: bool 
     Raises:
         FileExistsError: If ``dirpath`` holds checkpoints of another run, naming them and the fix.
     """
-    cleaned = clean_stale(dirpath, (".step_*.tmp", ".step_*.trash-*"))
+    cleaned = clean_stale(dirpath, (".step_*.tmp*", ".step_*.trash-*"))
     others = {rid: steps for rid, steps in runs_in(dirpath).items() if not resumed or rid != run_id}
     if others:
         action = f"run {run_id}" if resumed else "a new run"

@@ -97,6 +97,20 @@ class ResumableDistributedSampler(Sampler[int]):
         return max(0, self.total - self.start) // self.num_replicas
 
 
+def refuse_raw_rows(source: Any, what: str) -> None:
+    """An HF ``datasets`` object of rows is refused naming the datamodule that takes it (no-op otherwise).
+
+    Raises:
+        TypeError: ``source`` is a ``datasets.Dataset`` / ``DatasetDict`` / ``IterableDataset``.
+    """
+    if type(source).__module__.split(".")[0] == "datasets":
+        raise TypeError(
+            f"the {what} is a {type(source).__name__} of rows, which needs tokenising and batching: pass "
+            "datamodule=PromptDataModule(DataConfig(train_batch_size=...), tokenizer, train_dataset=ds) (RL) "
+            "or SFTDataModule(...) (SFT) from verl_trainer.algorithms"
+        )
+
+
 def as_dataloader(source: Any, what: str) -> DataLoader:
     """``source`` as a DataLoader: a DataLoader as is, a Dataset of ready batches unbatched.
 
@@ -109,6 +123,7 @@ def as_dataloader(source: Any, what: str) -> DataLoader:
         return DataLoader(source, batch_size=None)
     if isinstance(source, Dataset) and not isinstance(source, IterableDataset) and hasattr(source, "__len__"):
         return DataLoader(source, batch_size=None, shuffle=False)
+    refuse_raw_rows(source, what)
     raise TypeError(
         f"the {what} must be a torch DataLoader (over a map-style or iterable dataset) or a Dataset whose "
         f"items are batches, got {type(source).__name__}"

@@ -46,11 +46,15 @@ def _evaluate(trainer: Trainer, prefix: str, loader: ShardedLoader, step_name: s
     trainer.flush_metrics()
     trainer.call_hook(f"on_{prefix}_start")
     trainer.call_hook(f"on_{prefix}_epoch_start")
-    with torch.no_grad():
-        for batch_idx, batch in _batches(loader, limit):
-            trainer.call_hook(f"on_{prefix}_batch_start", batch, batch_idx)
-            outputs = step(batch, batch_idx)
-            trainer.call_hook(f"on_{prefix}_batch_end", outputs, batch, batch_idx)
+    trainer.evaluating = True  # self.log's on_step / on_epoch: evaluation values are per run
+    try:
+        with torch.no_grad():
+            for batch_idx, batch in _batches(loader, limit):
+                trainer.call_hook(f"on_{prefix}_batch_start", batch, batch_idx)
+                outputs = step(batch, batch_idx)
+                trainer.call_hook(f"on_{prefix}_batch_end", outputs, batch, batch_idx)
+    finally:
+        trainer.evaluating = False
     trainer.call_hook(f"on_{prefix}_epoch_end")
     trainer.call_hook(f"on_{prefix}_end")
     return trainer.logging.pending()

@@ -10,12 +10,13 @@ misspellings) into one clear ``TypeError``.
 from __future__ import annotations
 
 import difflib
-import re
 from collections.abc import Iterable, Mapping
-from datetime import timedelta
 from typing import Any
 
+from verl_trainer.utils.durations import parse_max_time
+
 __all__ = [
+    "HARMLESS_VALUES",
     "UNSUPPORTED_ARGS",
     "check_accumulate",
     "check_gradient_clip",
@@ -46,19 +47,49 @@ UNSUPPORTED_ARGS: dict[str, str] = {
 }
 """Lightning ``Trainer`` arguments with no meaning here → what to use instead."""
 
+HARMLESS_VALUES: dict[str, tuple[Any, ...]] = {
+    "enable_model_summary": (True, False, None),
+    "benchmark": (None, False),
+    "inference_mode": (True, False),
+    "use_distributed_sampler": (True,),
+    "detect_anomaly": (False,),
+    "sync_batchnorm": (False,),
+    "barebones": (False,),
+    "reload_dataloaders_every_n_epochs": (0,),
+    "profiler": (None,),
+    "plugins": (None,),
+    "overfit_batches": (0, 0.0),
+    "model_registry": (None,),
+}
+"""Values of :data:`UNSUPPORTED_ARGS` that are accepted because they ask for what happens here anyway
+(Lightning's defaults, and ``enable_model_summary`` / ``inference_mode`` at any value: no summary is
+printed, evaluation runs without gradients either way); any other value is refused with the fix."""
+
+
+def _is_harmless(name: str, value: Any) -> bool:
+    return any(value is v or (type(value) is type(v) and value == v) for v in HARMLESS_VALUES.get(name, ()))
+
 
 def reject_unknown_args(kwargs: Mapping[str, Any], known: Iterable[str]) -> None:
     """Raise one ``TypeError`` for keyword arguments the Trainer does not take.
 
+    Lightning arguments at a value that asks for what happens here anyway (:data:`HARMLESS_VALUES`) are
+    accepted and ignored.
+
     Raises:
         TypeError: Naming each argument, with what to use instead (Lightning names) or the closest names.
     """
+    kwargs = {name: value for name, value in kwargs.items() if not _is_harmless(name, value)}
     if not kwargs:
         return
     known = sorted(known)
     lines = []
-    for name in kwargs:
-        if name in UNSUPPORTED_ARGS:
+    for name, value in kwargs.items():
+        if name in HARMLESS_VALUES:
+            accepted = " or ".join(repr(v) for v in HARMLESS_VALUES[name])
+            lines.append(f"{name}={value!r}: Lightning's argument is accepted here only as {accepted} (what "
+                         f"happens here anyway); {UNSUPPORTED_ARGS[name]}")
+        elif name in UNSUPPORTED_ARGS:
             lines.append(f"{name}: Lightning's argument has no meaning here; {UNSUPPORTED_ARGS[name]}")
         else:
             close = difflib.get_close_matches(name, known, n=3)
@@ -169,35 +200,3 @@ def check_gradient_clip(value: Any, algorithm: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise ValueError(f"gradient_clip_val={value!r}; use a number >= 0 (0: no clipping) or None")
     return float(value)
-
-
-_DHMS = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
-
-
-def parse_max_time(value: Any) -> timedelta | None:
-    """``max_time`` as a ``timedelta``: ``"DD:HH:MM:SS"``, a ``timedelta`` or a dict of its arguments.
-
-    Raises:
-        ValueError: Any other value, or a duration <= 0.
-    """
-    if value is None:
-        return None
-    duration = None
-    if isinstance(value, timedelta):
-        duration = value
-    elif isinstance(value, str) and (match := _DHMS.match(value.strip())):
-        d, h, m, s = (int(x) for x in match.groups())
-        duration = timedelta(days=d, hours=h, minutes=m, seconds=s)
-    elif isinstance(value, Mapping):
-        try:
-            duration = timedelta(**dict(value))
-        except TypeError as exc:
-            raise ValueError(
-                f"max_time={dict(value)!r}: {exc}; use timedelta's keys (days, hours, ...)"
-            ) from None
-    if duration is None or duration.total_seconds() <= 0:
-        raise ValueError(
-            f"max_time={value!r}; use 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a datetime.timedelta or a dict "
-            "such as {'hours': 12}, longer than 0"
-        )
-    return duration

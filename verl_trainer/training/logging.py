@@ -44,8 +44,15 @@ def accumulate_outputs(acc: MetricAccumulator, outputs: Mapping[str, Any] | None
     Raises:
         TypeError: ``outputs`` is not a mapping.
     """
-    if not outputs:
+    if outputs is None or (isinstance(outputs, Mapping) and not outputs):
         return
+    if isinstance(outputs, torch.Tensor):  # Lightning's habit: return the loss and let the trainer step
+        raise TypeError(
+            "training_step/validation_step returned a tensor (Lightning's loss); here the engine runs "
+            "backward and the optimizer step inside the step: call out = self.actor.train_batch(batch, "
+            "loss_fn, hooks=self.step_hooks) and return a mapping of metrics, e.g. {'train/loss': "
+            "out['loss']} (docs/lightning.md, Modules)"
+        )
     if not isinstance(outputs, Mapping):
         raise TypeError(
             f"training_step/validation_step must return a mapping or None, got {type(outputs).__name__}"
@@ -85,13 +92,20 @@ class MetricLogging:
         self._built = False
         self._acc = MetricAccumulator()
         self._pending: dict[str, float] = {}
+        self.run_config: dict[str, Any] | None = None  # the recipes' whole resolved config (plain data)
 
     def setup(self, is_global_zero: bool, hparams: Any = None) -> None:
-        """Build the loggers once (rank 0) and log ``hparams`` (plain data) to them."""
+        """Build the loggers once (rank 0) and log ``hparams`` (plain data) to them.
+
+        With :attr:`run_config` set (the recipes set their whole resolved config: trainer, model, data,
+        ...), that is logged, its ``algorithm`` section replaced by the module's own ``hparams``.
+        """
         if not self._built:
             self._built = True
             self.loggers = build_loggers(self.spec, self.root_dir) if is_global_zero else []
         flat = plain_hparams(hparams or {})
+        if self.run_config is not None:
+            flat = {**plain_hparams(self.run_config), **({"algorithm": flat} if flat else {})}
         if flat:
             for lg in self.loggers:
                 lg.log_hyperparams(flat)

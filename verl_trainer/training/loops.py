@@ -47,6 +47,7 @@ from verl_trainer.training import checkpoint as ckpt
 from verl_trainer.training import evaluation, resume_check
 from verl_trainer.training.data import ShardedLoader, as_dataloader, make_sharded_loader
 from verl_trainer.training.evaluation import EVAL_STAGES
+from verl_trainer.training.stage_data import is_datamodule
 from verl_trainer.utils.distributed import barrier, broadcast_object
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ def _loader(trainer: Trainer, kind: str, datamodule: Any, module: Any, direct: b
     if datamodule is not None:
         if callable(getattr(datamodule, method, None)):
             source = getattr(datamodule, method)()
-        elif direct and not _is_datamodule(datamodule):
+        elif direct and not is_datamodule(datamodule):
             source = datamodule
     elif callable(getattr(module, method, None)):
         source = getattr(module, method)()
@@ -94,10 +95,6 @@ def _loader(trainer: Trainer, kind: str, datamodule: Any, module: Any, direct: b
     loader = as_dataloader(source, f"{kind} data")
     return make_sharded_loader(loader, trainer.dp_rank, trainer.dp_size, trainer.seed,
                                tag_padding=kind in ("val", "test"), limit=trainer.limits[kind])
-
-
-def _is_datamodule(obj: Any) -> bool:
-    return any(callable(getattr(obj, f"{k}_dataloader", None)) for k in ("train", "val", "test", "predict"))
 
 
 def apply_deterministic(setting: bool | str) -> None:
@@ -110,6 +107,7 @@ def apply_deterministic(setting: bool | str) -> None:
 def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_path: Any) -> Any:
     """Set up ``stage`` (``fit`` / ``validate`` / ``test`` / ``predict``) on this rank and run it."""
     trainer.module, trainer.state, trainer.should_stop = module, stage, False
+    trainer.datamodule = datamodule  # Lightning's attribute; its fingerprint goes into checkpoints
     module.trainer = trainer
     if datamodule is not None and hasattr(datamodule, "trainer"):
         datamodule.trainer = trainer  # Lightning's attribute: the datamodule reads trainer.dp_size

@@ -2,7 +2,8 @@
 
 Every checkpoint's ``meta.json`` records the run's settings (:func:`run_metadata`): strategy, world
 size, precision, seed, ``max_steps``, the engines, each engine's model architecture and the module's
-config (flattened, with its sha256). A resume compares them with the current run before anything is
+config (flattened, with its sha256), and the run's inputs by content (``run_inputs.py``: the LoRA base
+weights, the data files). A resume compares them with the current run before anything is
 loaded (:func:`check_run_settings` before the engines are built, :func:`check_models` after) and
 sorts every difference:
 
@@ -11,7 +12,7 @@ sorts every difference:
   precision, another model architecture or LoRA layout, an engine the checkpoint lacks, another seed
   (the data order and every random state continue the checkpoint's run: a new seed cannot apply to a
   run half done, so a resume with one would silently not be what it says), another world size with
-  DeepSpeed (its ZeRO partitions are saved per rank).
+  DeepSpeed (its ZeRO partitions are saved per rank), other LoRA base weights, other training data.
 * **applies, and is logged** — another world size with ``fsdp``/``fsdp2`` (DCP reshards the state;
   the data position is kept as a global sample count), another ``max_steps``, and every other config
   value: optimizer settings (lr, betas, weight decay, schedule) are put back into the restored
@@ -25,6 +26,8 @@ import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from verl_trainer.training import run_inputs
 
 if TYPE_CHECKING:
     from verl_trainer.trainer import Trainer
@@ -87,6 +90,9 @@ def run_metadata(trainer: Trainer) -> dict[str, Any]:
         "models": {name: model_fingerprint(e) for name, e in module.engines.items()} if module else {},
         "hparams": hparams,
         "config_sha256": hashlib.sha256(json.dumps(hparams, sort_keys=True).encode()).hexdigest(),
+        "base_weights": {name: fp for name, e in (module.engines.items() if module else [])
+                         if (fp := run_inputs.base_weights_fingerprint(e)) is not None},
+        "data": run_inputs.data_fingerprint(getattr(trainer, "datamodule", None)),
     }
 
 
@@ -153,6 +159,12 @@ def check_run_settings(trainer: Trainer, path: Path, meta: dict[str, Any]) -> li
         changes.append(f"world size: {meta['world_size']} -> {trainer.world_size} (DCP reshards the state)")
     if "max_steps" in meta and meta["max_steps"] != trainer.max_steps:
         changes.append(f"trainer.max_steps: {meta['max_steps']} -> {trainer.max_steps}")
+    if isinstance(meta.get("data"), dict):
+        now = run_inputs.data_fingerprint(getattr(trainer, "datamodule", None))
+        applied, refusal = run_inputs.check_data(path, meta["data"], now)
+        if refusal is not None:
+            raise ResumeMismatchError(refusal)
+        changes += applied
     saved = meta.get("hparams")
     if isinstance(saved, dict) and trainer.module is not None:
         now = flatten(dict(trainer.module.hparams))
@@ -181,6 +193,10 @@ def check_models(path: Path, meta: dict[str, Any], engines: dict[str, Any]) -> N
                 f"no state for (it holds {sorted(saved_engines)}; e.g. a KL loss turned on adds 'ref'); "
                 f"{_fix(path)}"
             )
+    if isinstance(meta.get("base_weights"), dict):
+        refusal = run_inputs.check_base_weights(path, meta["base_weights"], engines)
+        if refusal is not None:
+            raise ResumeMismatchError(refusal)
     for name, shape in (meta.get("models") or {}).items():
         if name not in engines:
             continue

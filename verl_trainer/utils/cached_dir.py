@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_trainer.utils.fs import OWNER_MARKER, read_marker
+from verl_trainer.utils.listing import first_of
 from verl_trainer.utils.manifest import file_digest
 
 __all__ = ["HASH_LIMIT", "fingerprint", "is_current", "normalize", "recorded_settings", "settings_difference"]
@@ -83,4 +84,4 @@ def settings_difference(path: str | os.PathLike, settings: dict[str, Any]) -> st
         a, b = before.get(key), after.get(key)
         short = len(repr(a)) + len(repr(b)) < 60
         parts.append(f"{key}: {a!r} -> {b!r}" if short else f"{key} changed")
-    return "; ".join(parts[:6]) + (f"; and {len(parts) - 6} more" if len(parts) > 6 else "")
+    return first_of(parts, 6, "; ")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_trainer.utils.distributed import all_gather_object, get_rank, get_world_size
+from verl_trainer.utils.listing import first_of
 
 __all__ = ["MANIFEST_FILE", "CorruptCheckpointError", "file_digest", "verify_manifest", "write_manifest"]
 
@@ -151,7 +152,7 @@ def verify_manifest(directory: str | os.PathLike, recurse: bool = True) -> None:
         if recurse:
             pending.extend(root / sub for sub in manifest.get("nested", []))
     if problems:
-        listed = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        listed = first_of(problems, 8, "; ")
         raise CorruptCheckpointError(
             f"checkpoint {str(directory)!r} failed its integrity check: {listed}. Refusing to resume from "
             f"it: resume from another checkpoint (ckpt_path=<an earlier step_* directory>), or restore it "

@@ -4,12 +4,21 @@ A :class:`Registry` maps a name to an object and behaves as a dict (verl's regis
 code written against them runs here). Registering a name twice raises with a hint; looking up a missing
 name raises :class:`UnknownKeyError` (both a ``KeyError`` and a ``ValueError``) listing what exists.
 The engine registry keys on a tuple (model_type, backend, device, vendor) and builds on the same class.
+
+Configs name a part by its registered name or by where it is defined: ``"package.module:name"``
+(imported) or ``"path/to/file.py:name"`` (the file loaded once per run), the same for rewards, policy
+losses, advantage estimators and callbacks (:func:`load_object`, :meth:`Registry.resolve`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
 import sys
 from collections.abc import Callable, Hashable, Iterable, Iterator, MutableMapping
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -104,6 +113,19 @@ class Registry(MutableMapping[Hashable, T], Generic[T]):
         """The registered keys as a sorted, comma-separated string."""
         return keys_repr(self._entries)
 
+    def resolve(self, key: Hashable) -> T:
+        """The object under ``key``, or the one ``"module:name"`` / ``"file.py:name"`` names.
+
+        See :func:`load_object`.
+
+        Raises:
+            UnknownKeyError: An unknown registered name (listing the registered ones).
+            ValueError: A module, file or attribute that does not exist.
+        """
+        if is_object_path(key):
+            return load_object(str(key), self.kind)
+        return self[key]
+
     def remove(self, key: Hashable) -> Any:
         """Unregister ``key`` (for tests and plugins); returns the removed object."""
         return self._entries.pop(key)
@@ -138,3 +160,67 @@ def as_list(value: str | Iterable[str] | None) -> list[str | None]:
     if value is None or isinstance(value, str):
         return [value]
     return list(value)
+
+
+_FILE_MODULES: dict[Path, ModuleType] = {}
+
+
+def is_object_path(key: object) -> bool:
+    """Whether ``key`` names an object by where it is defined (``"module:name"``, ``"file.py:name"``)."""
+    return isinstance(key, str) and ":" in key
+
+
+def _module_from_file(path: Path, kind: str) -> ModuleType:
+    """The module of a Python file, executed the first time it is asked for (later: the same module)."""
+    path = path.resolve()
+    if path in _FILE_MODULES:
+        return _FILE_MODULES[path]
+    name = f"_verl_trainer_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{kind} file {str(path)!r}: cannot import it as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up there
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    _FILE_MODULES[path] = module
+    return module
+
+
+def load_object(spec: str, kind: str) -> Any:
+    """The object ``spec`` names: ``"package.module:name"`` (imported) or ``"path/to/file.py:name"``.
+
+    A file is loaded once per process (resolving it again returns the same objects, so a decorator in it
+    registers once). ``name`` may be dotted (``"file.py:Class.method"``).
+
+    Args:
+        spec: ``"<module or file>:<name>"``.
+        kind: What is loaded, for messages (``"reward function"``, ``"policy loss"``, ...).
+
+    Raises:
+        ValueError: A malformed spec, a module that cannot be imported, a file that does not exist, or a
+            missing attribute; the message names the spec and the fix.
+    """
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise ValueError(f"{kind} {spec!r}: expected 'module.path:name' or 'path/to/file.py:name'")
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        path = Path(target)
+        if not path.is_file():
+            raise ValueError(f"{kind} file {target!r} does not exist (from {spec!r}); give an existing "
+                             "file.py:name or package.module:name")
+        module = _module_from_file(path, kind)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as err:
+            raise ValueError(f"{kind} {spec!r}: cannot import module {target!r} ({err})") from err
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, _MISSING)
+        if obj is _MISSING:
+            raise ValueError(f"{kind} {spec!r}: module {target!r} has no attribute {attr!r}")
+    return obj

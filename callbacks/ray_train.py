@@ -1,0 +1,119 @@
+"""RayTrainReport: every checkpoint the Trainer saves goes to Ray Train, and a restarted run resumes from it.
+
+Under Ray Train (``ray.train.torch.TorchTrainer``), the workers run an ordinary recipe or ``Trainer.fit``:
+Ray starts the processes, sets ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` and
+initialises the process group, which the Trainer joins as it is. Two things need this callback:
+
+* Ray keeps (and hands back after a failure) only checkpoints given to ``ray.train.report``, and every
+  worker must call it the same number of times. After each complete save of the Trainer's
+  :class:`~verl_trainer.callbacks.ModelCheckpoint`, every rank reports: global rank 0 with the checkpoint
+  directory (written by all ranks, so one report holds every shard; the ranks share that directory as
+  they do for any multi-node checkpoint), the others with metrics only.
+* Ray Train 2 has no ``resume_from_checkpoint``: when Ray restarts the workers (a worker died, up to
+  ``FailureConfig(max_failures)``) or a run is started again under the same ``RunConfig(name)``,
+  ``ray.train.get_checkpoint()`` is the latest reported checkpoint. :meth:`RayTrainReport.resume_path`
+  gives its local directory, to pass as ``ckpt_path`` (recipes: ``trainer.ckpt_path=...``).
+
+``examples/ray_grpo.py`` runs a recipe this way; ``docs/ray.md`` maps Ray's placement to ``devices`` /
+``num_nodes``. Needs the ``ray`` extra (``pip install 'verl-trainer[ray]'``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from verl_trainer.callbacks.base import Callback
+from verl_trainer.callbacks.model_checkpoint import ModelCheckpoint
+
+
+def _ray_train() -> Any:
+    """``ray.train``, or an error saying how to install it."""
+    try:
+        import ray.train
+    except ImportError as exc:
+        raise ImportError(
+            "RayTrainReport needs Ray Train: install the `ray` extra (pip install 'verl-trainer[ray]')"
+        ) from exc
+    return ray.train
+
+
+def _in_ray_train_worker(train: Any) -> bool:
+    try:
+        train.get_context().get_world_rank()
+    except Exception:  # noqa: BLE001 - Ray raises different errors outside a worker across versions
+        return False
+    return True
+
+
+class RayTrainReport(Callback):
+    """Report each checkpoint of the Trainer's ``ModelCheckpoint`` to Ray Train, from every rank.
+
+    Args:
+        metrics: Names of the step's logged metrics (``trainer.callback_metrics``) attached to each
+            reported checkpoint, besides ``step`` (rank 0's values; Ray keeps those).
+
+    Raises:
+        ValueError: At ``setup`` (on every rank, before any step) if the Trainer has no
+            ``ModelCheckpoint`` (``enable_checkpointing=False``) or the process is not a Ray Train worker.
+    """
+
+    def __init__(self, metrics: tuple[str, ...] = ()) -> None:
+        self.metrics = tuple(metrics)
+        self.reported: list[Path] = []
+        self._listening: ModelCheckpoint | None = None
+
+    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+        """Subscribe to the ``ModelCheckpoint``'s saves (fit only)."""
+        if stage != "fit" or self._listening is not None:
+            return
+        checkpoints = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+        if not checkpoints:
+            raise ValueError(
+                "RayTrainReport reports the checkpoints of a ModelCheckpoint, but this Trainer has none "
+                "(enable_checkpointing=False); turn checkpointing on (recipes: "
+                "trainer.enable_checkpointing=true, trainer.checkpoint.every_n_train_steps=N) "
+                "or drop RayTrainReport"
+            )
+        if not _in_ray_train_worker(_ray_train()):
+            raise ValueError(
+                "RayTrainReport works inside a Ray Train worker (the train_loop_per_worker of "
+                "ray.train.torch.TorchTrainer), and this process is not one; run it through a TorchTrainer "
+                "(examples/ray_grpo.py) or drop RayTrainReport"
+            )
+        self._listening = checkpoints[0]
+        self._listening.save_listeners.append(self._report)
+
+    def teardown(self, trainer: Any, module: Any, stage: str) -> None:
+        """Unsubscribe (a later ``fit`` subscribes again)."""
+        if self._listening is not None:
+            self._listening.save_listeners.remove(self._report)
+            self._listening = None
+
+    def _report(self, trainer: Any, path: Path) -> None:
+        """Every rank: ``ray.train.report``; rank 0 attaches the checkpoint directory ``path``."""
+        train = _ray_train()
+        metrics: dict[str, Any] = {"step": trainer.global_step}
+        logged = getattr(trainer, "callback_metrics", {}) or {}
+        for name in self.metrics:
+            if name in logged:
+                metrics[name] = float(logged[name])
+        checkpoint = train.Checkpoint.from_directory(str(path)) if trainer.is_global_zero else None
+        train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=path.name)
+        self.reported.append(path)
+
+    @staticmethod
+    def resume_path() -> str | None:
+        """The local directory of Ray's latest reported checkpoint for this run, or ``None`` (a fresh run).
+
+        Call it in the train function, before ``fit``, and pass the result as ``ckpt_path``. A checkpoint
+        on the local or a shared file system is used where it lies; one in remote storage (``s3://``) is
+        downloaded into a temporary directory first.
+        """
+        train = _ray_train()
+        checkpoint = train.get_checkpoint()
+        if checkpoint is None:
+            return None
+        if Path(checkpoint.path).is_dir():
+            return str(Path(checkpoint.path))
+        return checkpoint.to_directory()

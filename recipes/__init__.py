@@ -1,0 +1,11 @@
+"""The recipes, installed as ``verl_trainer.recipes`` (``setup.py`` maps this directory; DESIGN §13).
+
+Each recipe runs three ways, the same code and the same YAML configs (``configs/``, shipped in the package
+as :mod:`verl_trainer.recipes.configs`)::
+
+    python recipes/grpo.py key=value ...              # a clone
+    verl-trainer grpo key=value ...                   # a pip install (verl_trainer/cli.py)
+    python -m verl_trainer.recipes.grpo key=value ...
+"""
+
+RECIPES = ("sft", "ppo", "grpo", "dr_grpo")

@@ -1,0 +1,48 @@
+"""The "how to add ..." blocks of ``docs/architecture.md`` run as written (the backend one: tests/engine)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from verl_trainer.algorithms import GRPO, GRPOConfig
+from verl_trainer.core_algos.advantages import ADV_ESTIMATOR_REGISTRY, estimator_inputs
+from verl_trainer.core_algos.policy_losses import POLICY_LOSS_REGISTRY
+from verl_trainer.data import schema
+from verl_trainer.data.packing import make_batch
+from verl_trainer.losses import PPOLossConfig
+from verl_trainer.metrics import Metric
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+
+
+def doc_block(heading: str) -> str:
+    """The first python block after ``heading`` in ``docs/architecture.md``."""
+    text = DOC.read_text()
+    return re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S).group(1)
+
+
+def test_the_loss_and_estimator_recipe_registers_names_configs_use():
+    exec(compile(doc_block("**A policy loss or an advantage estimator.**"), str(DOC), "exec"), {})
+    try:
+        assert estimator_inputs("my_adv") == {"index"}
+        config = GRPOConfig(adv_estimator="my_adv")  # accepted by name, like the built-in ones
+        assert PPOLossConfig(policy_loss="my_loss").policy_loss == "my_loss"
+        batch = make_batch([[4, 5]] * 4, [[6], [6, 7], [6], [6, 7, 8]], uids=[0, 0, 1, 1])
+        mask = batch[schema.RESPONSE_MASK]
+        rewards = torch.zeros(mask.shape)
+        rewards[torch.arange(4), mask.float().cumsum(-1).argmax(-1)] = torch.tensor([1.0, 0.0, 0.5, 0.5])
+        batch[schema.TOKEN_LEVEL_REWARDS] = rewards
+        GRPO(config).compute_advantages(batch, torch.zeros(4), {})
+        per_sample = (batch[schema.ADVANTAGES] * mask).sum(-1) / mask.sum(-1)
+        torch.testing.assert_close(per_sample, torch.tensor([0.5, -0.5, 0.0, 0.0]))
+        log_prob = torch.randn(mask.shape, requires_grad=True)
+        advantages = batch[schema.ADVANTAGES]
+        loss, metrics = POLICY_LOSS_REGISTRY["my_loss"](log_prob.detach(), log_prob, advantages, mask)
+        loss.backward()
+        assert torch.isfinite(loss) and isinstance(metrics["actor/my_metric"], Metric)
+        assert log_prob.grad is not None and log_prob.grad[~mask.bool()].abs().sum() == 0
+    finally:
+        del ADV_ESTIMATOR_REGISTRY["my_adv"], POLICY_LOSS_REGISTRY["my_loss"]

@@ -1,0 +1,101 @@
+"""``algorithm.rollout.multi_turn``: the typed settings of multi-turn, tool-calling rollouts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl_trainer.agents.environment import Environment
+from verl_trainer.agents.parsers import TOOL_CALL_PARSERS
+from verl_trainer.agents.tools import Tool, as_tool
+from verl_trainer.utils.registry import load_object
+
+__all__ = ["MultiTurnConfig", "resolve_environment", "resolve_tools"]
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts: the policy calls tools / talks to an environment until done.
+
+    Attributes:
+        enable: Turn multi-turn rollouts on (off: one response per prompt, as before).
+        max_turns: Most assistant turns per trajectory.
+        max_tool_response_length: Characters of one tool's output kept (the rest is cut, marked ``...``).
+        tool_timeout_s: Wall-clock seconds a turn's tool calls may take; a call still running then is
+            answered with a timeout error observation (counted as ``agent/tool_timeouts``).
+        tool_call_format: The parser of the model's tool calls (``"hermes"``:
+            ``<tool_call>{json}</tool_call>`` of Qwen / Hermes chat templates), or (in Python) a parser
+            callable.
+        tools: Tools as ``"file.py:name"`` / ``"module:name"`` (like reward functions) naming a typed
+            function, a :class:`~verl_trainer.agents.Tool` subclass or instance; or (in Python) the objects.
+        environment: An :class:`~verl_trainer.agents.Environment` subclass (``"file.py:Name"`` or the class);
+            ``None``: none (a turn without a tool call ends the trajectory).
+        reward_weight: Weight of the trajectory's environment + tool reward, added to the reward functions'
+            score (``algorithm.reward.name``).
+    """
+
+    enable: bool = False
+    max_turns: int = 4
+    max_tool_response_length: int = 256
+    tool_timeout_s: float = 10.0
+    tool_call_format: Any = "hermes"
+    tools: list[Any] = field(default_factory=list)
+    environment: Any = None
+    reward_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        where = "algorithm.rollout.multi_turn"
+        if self.max_turns < 1:
+            raise ValueError(f"{where}.max_turns={self.max_turns} must be >= 1 "
+                             "(assistant turns per trajectory)")
+        if self.max_tool_response_length < 1:
+            raise ValueError(f"{where}.max_tool_response_length={self.max_tool_response_length} must be >= 1")
+        if not self.tool_timeout_s > 0:
+            raise ValueError(f"{where}.tool_timeout_s={self.tool_timeout_s} must be > 0 seconds")
+        if not callable(self.tool_call_format) and self.tool_call_format not in TOOL_CALL_PARSERS:
+            raise ValueError(f"{where}.tool_call_format={self.tool_call_format!r} is unknown; choose one of "
+                             f"{TOOL_CALL_PARSERS.keys_repr()} or register a parser in "
+                             "verl_trainer.agents.TOOL_CALL_PARSERS")
+        if self.enable:  # load the user's code now: a bad name fails before any model loads
+            resolve_tools(self.tools)
+            resolve_environment(self.environment)
+            if not self.tools and self.environment is None:
+                raise ValueError(f"{where}.enable=true with no tools and no environment: name tools "
+                                 f"({where}.tools=[path/to/tools.py:fn]) or an environment")
+
+
+def resolve_tools(specs: list[Any]) -> list[Tool]:
+    """The :class:`Tool` objects ``specs`` name (strings are loaded with the reward loader).
+
+    Raises:
+        ValueError: A name that does not load, an object that is not a tool, or two tools of one name.
+    """
+    tools: list[Tool] = []
+    for spec in specs:
+        obj = load_object(spec, "tool") if isinstance(spec, str) else spec
+        tools.append(as_tool(obj))
+    names = [t.name for t in tools]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"algorithm.rollout.multi_turn.tools: several tools are named {duplicates}; "
+                         "tool names must be unique")
+    return tools
+
+
+def resolve_environment(spec: Any) -> Callable[[], Environment] | None:
+    """The environment class (or zero-argument factory) ``spec`` names; ``None`` for none.
+
+    Raises:
+        ValueError: A name that does not load, or an object that is neither an ``Environment`` subclass
+            nor a callable.
+    """
+    if spec is None or spec == "":
+        return None
+    obj = load_object(spec, "environment") if isinstance(spec, str) else spec
+    if isinstance(obj, type) and not issubclass(obj, Environment):
+        raise ValueError(f"environment {spec!r} is the class {obj.__name__}, not a subclass of "
+                         "verl_trainer.agents.Environment")
+    if not callable(obj):
+        raise ValueError(f"environment {spec!r} is a {type(obj).__name__}; give an Environment subclass")
+    return obj

@@ -1,0 +1,118 @@
+"""Tools a policy may call during a rollout: verl-style tool classes, and plain typed functions (TRL's way).
+
+A :class:`Tool` lives for the whole run and serves many trajectories at once; each trajectory gets its own
+instance id (verl's ``BaseTool``: ``create`` / ``execute`` / ``calc_reward`` / ``release``)::
+
+    class Counter(Tool):
+        name = "count"
+        def schema(self) -> dict: ...              # the OpenAI function schema the chat template shows
+        def create(self, instance_id, row): ...     # a trajectory starts (row: its prompt row)
+        def execute(self, instance_id, arguments) -> str: ...
+        def reward(self, instance_id) -> float: ... # added to the trajectory's reward
+        def release(self, instance_id): ...         # the trajectory ended
+
+A plain function with type hints and a Google docstring is a tool too (:class:`FunctionTool`): its schema
+comes from ``transformers.utils.get_json_schema`` (transformers' chat-template tool support), its return
+value (``str()``-ed) is the observation. :func:`as_tool` turns either into a :class:`Tool`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from transformers.utils import get_json_schema
+
+__all__ = ["FunctionTool", "Tool", "ToolError", "as_tool"]
+
+
+class ToolError(Exception):
+    """A tool call the tool refuses (bad arguments, a failed computation): its message is the observation."""
+
+
+class Tool:
+    """A tool with per-trajectory state (verl's ``BaseTool`` life cycle).
+
+    Subclasses set :attr:`name` and implement :meth:`schema` and :meth:`execute`; :meth:`create`,
+    :meth:`reward` and :meth:`release` default to no state and no reward. Calls for different
+    trajectories may run concurrently (threads): keep per-trajectory state keyed by ``instance_id``.
+    """
+
+    name: str = ""
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI-style function schema (``{"type": "function", "function": {...}}``)."""
+        raise NotImplementedError
+
+    def create(self, instance_id: str, row: Mapping[str, Any]) -> None:
+        """A trajectory starts; ``row``: its prompt's ``ground_truth``, ``data_source``, ``extra_info``."""
+
+    def execute(self, instance_id: str, arguments: dict[str, Any]) -> str:
+        """Run one call; the returned text is the observation. Raise :class:`ToolError` for a refused call."""
+        raise NotImplementedError
+
+    def reward(self, instance_id: str) -> float:
+        """This tool's reward for the trajectory (added to the environment's); default 0."""
+        return 0.0
+
+    def release(self, instance_id: str) -> None:
+        """The trajectory ended: free its state."""
+
+
+class FunctionTool(Tool):
+    """A plain typed function as a tool (TRL's ``tools=[fn]``).
+
+    Args:
+        fn: A function whose arguments have type hints and whose Google docstring describes it and each
+            argument (what ``get_json_schema`` needs).
+
+    Raises:
+        ValueError: ``fn`` lacks the hints or docstring (the message says what is missing).
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        try:
+            self._schema = get_json_schema(fn)
+        except Exception as exc:  # transformers' DocstringParsingException / TypeHintParsingException
+            raise ValueError(f"tool {getattr(fn, '__name__', fn)!r} cannot be described to the model: {exc}. "
+                             "Give every argument a type hint and the function a Google docstring with an "
+                             "Args: entry per argument") from exc
+        self.fn = fn
+        self.name = self._schema["function"]["name"]
+        self._params = set(inspect.signature(fn).parameters)
+
+    def schema(self) -> dict[str, Any]:
+        """The schema ``get_json_schema`` derived from the hints and docstring."""
+        return self._schema
+
+    def execute(self, instance_id: str, arguments: dict[str, Any]) -> str:
+        """Call the function with the model's arguments (unknown ones are a :class:`ToolError`)."""
+        unknown = sorted(set(arguments) - self._params)
+        if unknown:
+            raise ToolError(f"{self.name} has no argument(s) {unknown}; its arguments are "
+                            f"{sorted(self._params)}")
+        try:
+            return str(self.fn(**arguments))
+        except TypeError as exc:  # missing / wrongly typed arguments
+            raise ToolError(f"{self.name}: {exc}") from exc
+
+
+def as_tool(obj: Any) -> Tool:
+    """A :class:`Tool` instance as is, a ``Tool`` subclass instantiated, a plain function wrapped.
+
+    Raises:
+        ValueError: ``obj`` is none of these.
+    """
+    if isinstance(obj, Tool):
+        tool = obj
+    elif isinstance(obj, type) and issubclass(obj, Tool):
+        tool = obj()
+    elif callable(obj) and inspect.isroutine(obj):
+        tool = FunctionTool(obj)
+    else:
+        raise ValueError(f"{obj!r} is not a tool: give a typed function with a docstring, a Tool subclass or "
+                         "a Tool instance")
+    if not tool.name:
+        raise ValueError(f"tool {obj!r} has no name; set the class attribute `name`")
+    return tool

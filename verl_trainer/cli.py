@@ -1,0 +1,56 @@
+"""``verl-trainer <command> [args]``: the recipes and tools by name, for a pip install (DESIGN §13).
+
+    verl-trainer grpo key=value ...              = python recipes/grpo.py key=value ... in a clone
+    verl-trainer grpo --config dapo ...          a config shipped with the package, by name
+    verl-trainer sft | ppo | dr_grpo ...         the other recipes
+    verl-trainer evaluate MODEL data.val_files=...   = python -m verl_trainer.evaluate
+    verl-trainer export CKPT_DIR OUT_DIR         = python -m verl_trainer.export
+
+Also ``python -m verl_trainer <command> ...`` and ``python -m verl_trainer.recipes.<recipe> ...``. The
+recipes read the YAML configs shipped in the package (:mod:`verl_trainer.recipes.configs`); relative
+paths in them (``outputs/...``) are relative to the directory the command runs in.
+
+``sys.argv`` is left as it is: ``Trainer(devices=N)`` re-runs this same command line for ranks 1..N-1
+(Lightning's script launcher), so the children run the same command.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+
+from verl_trainer.recipes import RECIPES
+
+TOOLS = {"evaluate": "verl_trainer.evaluate.__main__", "export": "verl_trainer.export.__main__"}
+COMMANDS = {**{name: f"verl_trainer.recipes.{name}" for name in RECIPES}, **TOOLS}
+
+
+def usage() -> str:
+    """The command list ``verl-trainer --help`` prints."""
+    from verl_trainer.recipes.configs import config_names
+
+    return (f"usage: verl-trainer {{{','.join(COMMANDS)}}} [--config NAME_OR_YAML] [key=value ...]\n\n"
+            f"recipes: {', '.join(RECIPES)}  (`verl-trainer grpo --help` lists a recipe's options)\n"
+            f"tools:   evaluate (a model or checkpoint on a validation set), export (a checkpoint to HF)\n"
+            f"configs shipped with the package (--config NAME): {', '.join(config_names())}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv[0]`` (default ``sys.argv[1:]``) with the rest of the arguments.
+
+    Returns:
+        The exit status: the command's, 0 after ``--help``, 2 for a missing or unknown command.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if args else sys.stderr, end="")
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        close = difflib.get_close_matches(name, COMMANDS, n=2)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        print(f"verl-trainer: unknown command {name!r}{hint}\n\n{usage()}", file=sys.stderr, end="")
+        return 2
+    status = importlib.import_module(COMMANDS[name]).main(argv=rest)
+    return status if isinstance(status, int) else 0
