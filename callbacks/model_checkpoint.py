@@ -133,6 +133,9 @@ class ModelCheckpoint(Callback):
         self.last_saved_step: int | None = None
         self.last_path: Path | None = None
         self.run_id: str | None = None
+        self.new_run_id: str | None = None
+        """The id a fresh run records in its checkpoints (``None``: a random one); set by a launcher that
+        identifies runs itself (:class:`~verl_trainer.callbacks.RayTrainReport`: the Ray Train run)."""
         self._resumed = False
         self._lock: DirectoryLock | None = None
         self.save_listeners: list[Callable[[Any, Path], None]] = []
@@ -181,7 +184,8 @@ class ModelCheckpoint(Callback):
         decision: list[Any] = [None, None, []]
         if trainer.is_global_zero:
             try:
-                run_id, cleaned = claim_checkpoint_dir(self.dirpath, self.run_id, self._resumed)
+                run_id, cleaned = claim_checkpoint_dir(self.dirpath, self.run_id, self._resumed,
+                                                       new_id=self.new_run_id)
                 decision = [run_id, None, [str(p) for p in cleaned]]
             except FileExistsError as exc:
                 decision = [None, str(exc), []]

@@ -11,8 +11,12 @@ initialises the process group, which the Trainer joins as it is. Two things need
   they do for any multi-node checkpoint), the others with metrics only.
 * Ray Train 2 has no ``resume_from_checkpoint``: when Ray restarts the workers (a worker died, up to
   ``FailureConfig(max_failures)``) or a run is started again under the same ``RunConfig(name)``,
-  ``ray.train.get_checkpoint()`` is the latest reported checkpoint. :meth:`RayTrainReport.resume_path`
-  gives its local directory, to pass as ``ckpt_path`` (recipes: ``trainer.ckpt_path=...``).
+  ``ray.train.get_checkpoint()`` is the latest checkpoint Ray registered. A worker that dies after a save
+  but before Ray registered it (Ray does so once every rank reported) leaves a newer checkpoint in the
+  Trainer's own directory: every attempt of one Ray run records the same run id in its checkpoints
+  (:func:`ray_run_id`), so :meth:`RayTrainReport.resume_path` finds it and returns the newer of the two,
+  to pass as ``ckpt_path`` (recipes: ``trainer.ckpt_path=...``). Checkpoints of any other run in that
+  directory are still refused.
 
 ``examples/ray_grpo.py`` runs a recipe this way; ``docs/ray.md`` maps Ray's placement to ``devices`` /
 ``num_nodes``. Needs the ``ray`` extra (``pip install 'verl-trainer[ray]'``).
@@ -20,11 +24,13 @@ initialises the process group, which the Trainer joins as it is. Two things need
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
 from verl_trainer.callbacks.base import Callback
 from verl_trainer.callbacks.model_checkpoint import ModelCheckpoint
+from verl_trainer.training.checkpoint import checkpoint_run_id, list_checkpoints
 
 
 def _ray_train() -> Any:
@@ -44,6 +50,21 @@ def _in_ray_train_worker(train: Any) -> bool:
     except Exception:  # noqa: BLE001 - Ray raises different errors outside a worker across versions
         return False
     return True
+
+
+def ray_run_id() -> str:
+    """This Ray Train run's id for the Trainer's checkpoints: ``ray-`` and a hash of its storage and name.
+
+    Every attempt of the run (Ray's restarts after a failure; the run started again under the same name
+    and storage) gets the same id, so an attempt recognises the checkpoints an earlier one wrote.
+    """
+    context = _ray_train().get_context()
+    where = context.get_experiment_name()
+    try:  # a DeveloperAPI in Ray 2.x: the run's directory in its storage
+        where = str(context.get_storage().experiment_fs_path)
+    except Exception:  # noqa: BLE001 - the name alone where Ray does not offer it
+        pass
+    return "ray-" + hashlib.sha256(where.encode()).hexdigest()[:10]
 
 
 class RayTrainReport(Callback):
@@ -82,6 +103,7 @@ class RayTrainReport(Callback):
                 "(examples/ray_grpo.py) or drop RayTrainReport"
             )
         self._listening = checkpoints[0]
+        self._listening.new_run_id = ray_run_id()
         self._listening.save_listeners.append(self._report)
 
     def teardown(self, trainer: Any, module: Any, stage: str) -> None:
@@ -103,17 +125,26 @@ class RayTrainReport(Callback):
         self.reported.append(path)
 
     @staticmethod
-    def resume_path() -> str | None:
-        """The local directory of Ray's latest reported checkpoint for this run, or ``None`` (a fresh run).
+    def resume_path(checkpoint_dir: str | Path | None = None) -> str | None:
+        """The checkpoint a (re)started attempt of this Ray run resumes from, or ``None`` (a fresh run).
 
-        Call it in the train function, before ``fit``, and pass the result as ``ckpt_path``. A checkpoint
-        on the local or a shared file system is used where it lies; one in remote storage (``s3://``) is
-        downloaded into a temporary directory first.
+        The newer of Ray's latest registered checkpoint and the newest complete checkpoint this Ray run
+        wrote into ``checkpoint_dir`` (the Trainer's ``ModelCheckpoint`` directory; recorded with
+        :func:`ray_run_id`), Ray's on a tie. Call it in the train function on every rank, before ``fit``,
+        and pass the result as ``ckpt_path``. Ray's checkpoint is used where it lies on a local or shared
+        file system; one in remote storage (``s3://``) is downloaded into a temporary directory first.
         """
         train = _ray_train()
+        found: list[tuple[int, int, str]] = []  # (step, Ray's first on a tie, path)
+        if checkpoint_dir is not None:
+            run_id = ray_run_id()
+            found += [(step, 0, str(path)) for step, path in list_checkpoints(checkpoint_dir)
+                      if checkpoint_run_id(path) == run_id]
         checkpoint = train.get_checkpoint()
-        if checkpoint is None:
-            return None
-        if Path(checkpoint.path).is_dir():
-            return str(Path(checkpoint.path))
-        return checkpoint.to_directory()
+        if checkpoint is not None:
+            local = Path(checkpoint.path)
+            path = str(local) if local.is_dir() else checkpoint.to_directory()
+            tail = local.name.rpartition("_")[2]  # reported as step_000050 (ModelCheckpoint's folder name)
+            step = int(tail) if tail.isdigit() else -1
+            found.append((step, 1, path))
+        return max(found)[2] if found else None

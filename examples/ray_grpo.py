@@ -15,8 +15,9 @@ as the checkpoints are.
 Checkpoints: every save of the recipe's ``ModelCheckpoint`` (``trainer.checkpoint.every_n_train_steps``) is
 reported to Ray Train (:class:`~verl_trainer.callbacks.RayTrainReport`) and stored under
 ``--storage-path/--name``. When a worker dies, Ray restarts all of them (up to ``--max-failures`` times) and
-the run resumes from the latest reported checkpoint; running the script again with the same ``--name``
-and ``--storage-path`` resumes the same way.
+the run resumes from its latest checkpoint (the newer of Ray's latest registered one and the newest this
+run wrote into the Trainer's checkpoint directory); running the script again with the same ``--name`` and
+``--storage-path`` resumes the same way.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def train_loop(config: dict[str, Any]) -> None:
     from verl_trainer.recipes import grpo
 
     argv = list(config["argv"])
-    resume = RayTrainReport.resume_path()
+    resume = RayTrainReport.resume_path(config["checkpoint_dir"])
     if resume is not None:
-        print(f"resuming from Ray's latest checkpoint {resume}", flush=True)
+        print(f"resuming from this Ray run's latest checkpoint {resume}", flush=True)
         argv.append(f"trainer.ckpt_path={resume}")  # the last override wins
     grpo.main(argv=argv, callbacks=[RayTrainReport(metrics=("reward/mean",))])
 
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     if not cfg.trainer.enable_checkpointing:
         raise SystemExit("trainer.enable_checkpointing=false: Ray could not resume a failed run; turn it on")
     workers = cfg.trainer.devices * cfg.trainer.num_nodes
+    checkpoint_dir = str(Path(cfg.trainer.checkpoint.dirpath or Path(cfg.trainer.default_root_dir or ".",
+                                                                      "checkpoints")).absolute())
 
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     ray.init(address=args.address, _node_ip_address=args.node_ip_address)
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"launch_dir": os.getcwd(), "argv": recipe_argv},
+        train_loop_config={"launch_dir": os.getcwd(), "argv": recipe_argv, "checkpoint_dir": checkpoint_dir},
         torch_config=TorchConfig(backend="nccl" if args.gpus else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=workers, use_gpu=args.gpus, resources_per_worker={"CPU": args.cpus_per_worker},

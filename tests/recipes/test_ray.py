@@ -183,6 +183,6 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes(one_node, ray_cluster,
 
     out = run_watched(ray_cluster, ray_command(ray_cluster, assets, tmp_path),
                       kill_when=kill_after_first_report)
-    assert "resuming from Ray's latest checkpoint" in out, out[-6000:]
+    assert "resuming from this Ray run's latest checkpoint" in out, out[-6000:]
     assert "ray run done: 2 workers" in out, out[-3000:]
     assert_same_run(tmp_path, one_node)

@@ -43,6 +43,10 @@ class ConfigProblemsError(ValueError):
         super().__init__(listed(problems))
         self.problems = list(problems)
 
+    def __reduce__(self) -> tuple[type, tuple[list[str]]]:
+        """Pickled with its own arguments (Ray and multiprocessing send errors between processes)."""
+        return type(self), (self.problems,)
+
 
 def _valid_keys(schema: Any, full_key: str) -> list[str]:
     """The field names at the parent level of ``full_key`` in ``schema`` (for error messages)."""

@@ -245,11 +245,12 @@ def prune_checkpoints(dirpath: str | Path, keep: int, current_step: int, run_id:
     return removed
 
 
-def claim_checkpoint_dir(dirpath: str | Path, run_id: str | None, resumed: bool = False
-                         ) -> tuple[str | None, list[Path]]:
+def claim_checkpoint_dir(dirpath: str | Path, run_id: str | None, resumed: bool = False,
+                         new_id: str | None = None) -> tuple[str | None, list[Path]]:
     """Prepare ``dirpath`` for run ``run_id``; rank 0 only.
 
-    ``resumed=False``: a fresh run (every checkpoint in ``dirpath`` is another run's; it gets a new id).
+    ``resumed=False``: a fresh run (every checkpoint in ``dirpath`` is another run's; it gets ``new_id``,
+    or a new random id when that is ``None``).
     ``resumed=True``: a run restored from a checkpoint recording ``run_id`` (``None`` for one written
     before run ids existed: it keeps ``None`` and owns the checkpoints without an id).
 
@@ -273,4 +274,4 @@ def claim_checkpoint_dir(dirpath: str | Path, run_id: str | None, resumed: bool 
             f"ckpt_path='last' (recipes: trainer.ckpt_path=last), or give this run another directory "
             f"(default_root_dir, or ModelCheckpoint(dirpath=...))"
         )
-    return run_id if resumed else uuid.uuid4().hex[:12], cleaned
+    return run_id if resumed else (new_id or uuid.uuid4().hex[:12]), cleaned

@@ -61,6 +61,10 @@ class RankFailedError(RuntimeError):
         self.rank = rank
         self.traceback = message
 
+    def __reduce__(self) -> tuple[type, tuple[int, str]]:
+        """Pickled with its own arguments (Ray and multiprocessing send errors between processes)."""
+        return type(self), (self.rank, self.traceback)
+
 
 class CollectiveTimeoutError(RuntimeError):
     """A collective waited longer than the collective timeout for the other ranks."""
