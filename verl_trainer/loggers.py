@@ -1,4 +1,4 @@
-"""Loggers of the Trainer: Lightning's ``WandbLogger`` and ``CSVLogger``, on global rank 0 only.
+"""Loggers of the Trainer: Lightning's CSV, wandb, TensorBoard and MLflow loggers, on global rank 0 only.
 
 ``Trainer(logger=...)`` accepts:
 
@@ -9,6 +9,12 @@
 * ``"wandb"``: ``WandbLogger(save_dir=default_root_dir, project="verl-trainer")`` — the run directory is
   ``<default_root_dir>/wandb/``; it runs **offline automatically** when no API key is configured
   (``WANDB_API_KEY`` or a ``api.wandb.ai`` entry in ``~/.netrc``) and ``WANDB_MODE`` is not set;
+* ``"tensorboard"``: ``TensorBoardLogger(save_dir=default_root_dir)`` (needs ``tensorboard`` or
+  ``tensorboardX``: otherwise a ``ValueError`` naming the package);
+* ``"mlflow"``: ``MLFlowLogger(experiment_name="verl-trainer")`` writing to a local store,
+  ``file:<default_root_dir>/mlruns`` (``MLFLOW_TRACKING_URI`` when set), never a server unless you name
+  one (needs the ``mlflow`` extra: ``pip install verl-trainer[mlflow]``, the tracking client
+  ``mlflow-skinny``, or full ``mlflow``; otherwise a ``ValueError`` naming it);
 * a Lightning ``Logger`` instance, or a list mixing any of these.
 
 String specs are built at ``fit`` time on global rank 0 only (other ranks log nothing); hyperparameters
@@ -25,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "LOGGER_NAMES", "TensorBoardLogger", "build_loggers", "validate_logger_spec", "wandb_api_key_available",
+    "LOGGER_NAMES", "MLFlowLogger", "TensorBoardLogger", "build_loggers", "validate_logger_spec",
+    "wandb_api_key_available",
 ]
 
-LOGGER_NAMES = ("csv", "wandb", "tensorboard")
+LOGGER_NAMES = ("csv", "wandb", "tensorboard", "mlflow")
 WANDB_PROJECT = "verl-trainer"
 
 
@@ -57,8 +64,8 @@ def validate_logger_spec(spec: Any) -> None:
         TypeError: For a value that is neither a name, a bool, a Logger nor a list of those.
     """
     for item in _as_list(spec):
-        if item == "tensorboard":
-            _require_tensorboard()
+        if item in _REQUIRES:
+            _REQUIRES[item]()
         if isinstance(item, str):
             if item not in LOGGER_NAMES:
                 raise ValueError(
@@ -69,7 +76,8 @@ def validate_logger_spec(spec: Any) -> None:
             raise TypeError("a logger list may hold names and Logger instances, not booleans or None")
         elif not _is_logger(item):
             raise TypeError(
-                f"logger must be 'wandb', 'csv', True, False, a Lightning Logger or a list of these, got "
+                f"logger must be one of {LOGGER_NAMES}, True, False, a Lightning Logger or a list of these, "
+                f"got "
                 f"{type(item).__name__}"
             )
 
@@ -118,6 +126,47 @@ def TensorBoardLogger(save_dir: str, name: str | None = "lightning_logs", versio
     return LightningTensorBoardLogger(save_dir=save_dir, name=name, version=version, **kwargs)
 
 
+def _require_mlflow() -> None:
+    if importlib.util.find_spec("mlflow") is None:
+        raise ValueError(
+            "logger='mlflow' needs the mlflow package, which is not installed; run `pip install "
+            "verl-trainer[mlflow]` (the tracking client, mlflow-skinny) or `pip install mlflow`, or use "
+            "logger='csv' / 'wandb'"
+        )
+
+
+def MLFlowLogger(experiment_name: str = WANDB_PROJECT, run_name: str | None = None,  # noqa: N802
+                 tracking_uri: str | None = None, save_dir: str = ".", **kwargs: Any) -> Any:
+    """Lightning's ``MLFlowLogger`` writing to a local file store unless ``tracking_uri`` names another.
+
+    Args:
+        experiment_name: The MLflow experiment (verl: ``trainer.project_name``).
+        run_name: The run's name (verl: ``trainer.experiment_name``).
+        tracking_uri: Where runs are stored; ``None``: ``MLFLOW_TRACKING_URI`` when set, else
+            ``file:<save_dir>/mlruns``. Read them back with ``mlflow.MlflowClient(tracking_uri)``.
+        save_dir: The directory of the default file store.
+        kwargs: Lightning's other ``MLFlowLogger`` arguments (``tags``, ``log_model``, ``prefix``, ...).
+
+    Raises:
+        ValueError: mlflow is not installed (names the extra to install).
+    """
+    _require_mlflow()
+    from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
+
+    if tracking_uri is None:
+        tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"file:{Path(save_dir).resolve() / 'mlruns'}"
+    if tracking_uri.startswith("file:"):
+        # mlflow 3 keeps the file store in maintenance mode and refuses it unless told; it is the store
+        # that needs no server and no database package, so it is the default here
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return LightningMLFlowLogger(experiment_name=experiment_name, run_name=run_name,
+                                 tracking_uri=tracking_uri, **kwargs)
+
+
+_REQUIRES = {"tensorboard": _require_tensorboard, "mlflow": _require_mlflow}
+"""Logger names whose package is optional: the check that names what to install."""
+
+
 def make_csv_logger(root_dir: str) -> Any:
     """``CSVLogger`` under ``root_dir/lightning_logs/version_N``."""
     from lightning.pytorch.loggers import CSVLogger
@@ -135,6 +184,8 @@ def build_loggers(spec: Any, root_dir: str) -> list[Any]:
             loggers.append(make_wandb_logger(root_dir))
         elif item == "tensorboard":
             loggers.append(TensorBoardLogger(root_dir))
+        elif item == "mlflow":
+            loggers.append(MLFlowLogger(save_dir=root_dir))
         else:
             loggers.append(item)
     return loggers

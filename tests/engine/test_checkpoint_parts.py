@@ -17,7 +17,8 @@ from verl_trainer.engine.checkpoint import (
     set_rng_state,
 )
 from verl_trainer.engine.config import OptimConfig
-from verl_trainer.engine.optim import build_lr_scheduler, build_optimizer
+from verl_trainer.engine.optim import build_lr_scheduler
+from verl_trainer.engine.optimizers import build_optimizer
 
 
 def _write(path, text):

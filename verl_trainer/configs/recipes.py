@@ -28,6 +28,9 @@ from verl_trainer.data.tasks import ArithmeticTaskConfig
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.training.args import TrainerArgs
 
+NAMED_LOGGERS = frozenset({"wandb", "mlflow"})
+"""Loggers that ``trainer.project_name`` / ``experiment_name`` name (verl: wandb and mlflow)."""
+
 __all__ = [
     "CheckpointConfig",
     "DEMO_MODEL_PATH",
@@ -88,9 +91,9 @@ class TrainerConfig(TrainerArgs):
         checkpoint: Periodic checkpoints (with ``enable_checkpointing``).
         ckpt_path: Resume: ``last`` (the newest checkpoint in the checkpoint directory; a fresh start with a
             warning when there is none) or a ``step_*`` checkpoint directory; ``null``: a fresh run.
-        project_name: The wandb project (verl's ``trainer.project_name``; default ``verl-trainer``);
-            accepted and noted as unused when ``logger`` has no wandb.
-        experiment_name: The wandb run name (verl's ``trainer.experiment_name``); the same.
+        project_name: The wandb project / MLflow experiment (verl's ``trainer.project_name``; default
+            ``verl-trainer``); accepted and noted as unused when ``logger`` has neither.
+        experiment_name: The wandb / MLflow run name (verl's ``trainer.experiment_name``); the same.
         callbacks: More callbacks, by name: a built-in's class name, ``"package.module:Name"`` or
             ``"path/to/file.py:Name"``, alone or as ``{name: ..., init_args: {...}}``
             (:mod:`verl_trainer.configs.callbacks`); checked when the config is built, added after the
@@ -133,30 +136,34 @@ class TrainerConfig(TrainerArgs):
         return Trainer(**kwargs)
 
     def _named_wandb(self, logger: Any) -> Any:
-        """``"wandb"`` in ``logger`` as a WandbLogger with ``project_name`` / ``experiment_name``."""
+        """``"wandb"`` / ``"mlflow"`` in ``logger`` as loggers named by ``project_name``.
+
+        As in verl: the wandb project and run name, the MLflow experiment and run name.
+        """
         if self.project_name is None and self.experiment_name is None:
             return logger
-        from verl_trainer.loggers import WANDB_PROJECT, make_wandb_logger
+        from verl_trainer.loggers import WANDB_PROJECT, MLFlowLogger, make_wandb_logger
 
         items = logger if isinstance(logger, (list, tuple)) else [logger]
-        if "wandb" not in items:
+        if not NAMED_LOGGERS & {i for i in items if isinstance(i, str)}:
             return logger  # nothing to name (see unused_settings; the warm start logs nowhere)
-        run = make_wandb_logger(str(self.default_root_dir or "."), project=self.project_name or WANDB_PROJECT,
-                                name=self.experiment_name)
-        return [run if item == "wandb" else item for item in items]
+        root, project = str(self.default_root_dir or "."), self.project_name or WANDB_PROJECT
+        named = {"wandb": lambda: make_wandb_logger(root, project=project, name=self.experiment_name),
+                 "mlflow": lambda: MLFlowLogger(project, run_name=self.experiment_name, save_dir=root)}
+        return [named[item]() if isinstance(item, str) and item in named else item for item in items]
 
     def unused_settings(self) -> list[str]:
         """Notes on settings accepted but not used, for the recipe to print.
 
-        verl's ``trainer.project_name`` / ``experiment_name`` name the wandb run; with a logger list
+        verl's ``trainer.project_name`` / ``experiment_name`` name the wandb / mlflow run; with a logger list
         without wandb (verl's ``trainer.logger=['console']``) there is none to name.
         """
         items = self.logger if isinstance(self.logger, (list, tuple)) else [self.logger]
         named = [f"trainer.{k}={getattr(self, k)}" for k in ("project_name", "experiment_name")
                  if getattr(self, k)]
-        if named and "wandb" not in items:
-            return [f"{' '.join(named)} not used: they name the wandb run and trainer.logger="
-                    f"{self.logger!r} has no wandb (add wandb to trainer.logger to log there)"]
+        if named and not NAMED_LOGGERS & {i for i in items if isinstance(i, str)}:
+            return [f"{' '.join(named)} not used: they name the wandb / mlflow run and trainer.logger="
+                    f"{self.logger!r} has neither (add wandb or mlflow to trainer.logger to log there)"]
         return []
 
     def export_torch_dtype(self) -> Any:

@@ -46,6 +46,10 @@ RESUME_PATH = "resume_path"
 """verl's ``trainer.resume_mode`` that takes the checkpoint from ``trainer.resume_from_path``."""
 
 
+def _null_is_empty(value: str) -> str:
+    return "{}" if value.strip() in ("null", "None", "~") else value
+
+
 def _resume_mode(value: str) -> str:
     modes = {"auto": "last", "disable": "null"}
     if value not in modes:
@@ -117,8 +121,8 @@ VERL_KEYS: dict[str, Alias] = {
                                  "auto → last, disable → null, resume_path → trainer.resume_from_path"),
     "trainer.resume_from_path": Alias("trainer.ckpt_path"),
     "trainer.logger": Alias("trainer.logger", _loggers, "'console' dropped (the progress bar)"),
-    "trainer.project_name": Alias("trainer.project_name", None, "the wandb project"),
-    "trainer.experiment_name": Alias("trainer.experiment_name", None, "the wandb run name"),
+    "trainer.project_name": Alias("trainer.project_name", None, "the wandb project / mlflow experiment"),
+    "trainer.experiment_name": Alias("trainer.experiment_name", None, "the wandb / mlflow run name"),
     "trainer.critic_warmup": Alias("algorithm.critic.warmup_steps", None, "PPO"),
     # data
     "data.max_response_length": Alias("algorithm.rollout.max_new_tokens"),
@@ -158,6 +162,11 @@ VERL_KEYS: dict[str, Alias] = {
     f"{_ACTOR}.optim.min_lr_ratio": Alias("algorithm.actor.optim.min_lr_ratio"),
     f"{_ACTOR}.optim.total_training_steps": Alias("algorithm.actor.optim.total_training_steps"),
     f"{_ACTOR}.optim.warmup_style": Alias("algorithm.actor.optim.lr_scheduler"),
+    f"{_ACTOR}.optim.optimizer": Alias("algorithm.actor.optim.optimizer", None,
+                                       "AdamW (default), Adam, SGD, any torch.optim class, module:Class"),
+    f"{_ACTOR}.optim.optimizer_impl": Alias("algorithm.actor.optim.optimizer_impl"),
+    f"{_ACTOR}.optim.override_optimizer_config": Alias("algorithm.actor.optim.override_optimizer_config",
+                                                       _null_is_empty, "null → {}"),
     f"{_ACTOR}.ulysses_sequence_parallel_size":
         Alias("algorithm.actor.engine.ulysses_sequence_parallel_size"),
     f"{_ACTOR}.fsdp_config.param_offload": Alias("algorithm.actor.engine.param_offload"),
@@ -210,6 +219,10 @@ VERL_KEYS: dict[str, Alias] = {
     # critic (PPO)
     "critic.model.path": Alias("algorithm.critic.engine.model_path"),
     "critic.optim.lr": Alias("algorithm.critic.optim.lr"),
+    "critic.optim.optimizer": Alias("algorithm.critic.optim.optimizer"),
+    "critic.optim.optimizer_impl": Alias("algorithm.critic.optim.optimizer_impl"),
+    "critic.optim.override_optimizer_config": Alias("algorithm.critic.optim.override_optimizer_config",
+                                                    _null_is_empty, "null → {}"),
     "critic.ppo_micro_batch_size_per_gpu": Alias("algorithm.critic.engine.micro_batch_size_per_gpu"),
     "critic.use_dynamic_bsz": Alias("algorithm.critic.engine.use_dynamic_bsz"),
     "critic.ppo_max_token_len_per_gpu": Alias("algorithm.critic.engine.max_token_len_per_gpu"),

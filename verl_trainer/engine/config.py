@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import torch
 
+from verl_trainer.engine.optimizers import DEFAULT_IMPL, optimizer_kwargs, resolve_optimizer
+
 LR_SCHEDULERS = ("constant", "cosine", "linear")
 DECAYING_SCHEDULERS = ("cosine", "linear")
 DTYPES: dict[str, torch.dtype] = {
@@ -92,13 +94,20 @@ RUN_LENGTH = -1
 
 @dataclass
 class OptimConfig(_Validated):
-    """AdamW + learning-rate schedule + gradient clipping.
+    """Optimizer (AdamW by default) + learning-rate schedule + gradient clipping.
 
     Attributes:
+        optimizer: The optimizer class (verl's ``optim.optimizer``): ``"adamw"`` (default), ``"adam"``,
+            ``"sgd"`` (any case), another ``torch.optim`` class by name, or ``"module:Class"`` /
+            ``"file.py:Class"`` (``engine/optimizers.py``). An unknown name raises, listing the valid ones.
+        optimizer_impl: verl's ``optim.optimizer_impl``: the module a class name is taken from
+            (``"torch.optim"``: the registered names, then ``torch.optim``).
+        override_optimizer_config: verl's key: more keyword arguments of the optimizer (``momentum``,
+            ``nesterov``, ``amsgrad``, ...), applied over ``lr`` / ``betas`` / ``eps`` / ``weight_decay``.
         lr: Peak learning rate.
-        betas: AdamW betas.
-        weight_decay: AdamW decoupled weight decay (applied to every parameter, as verl does).
-        eps: AdamW epsilon.
+        betas: Adam-family betas (passed to classes that take ``betas``).
+        weight_decay: Weight decay (AdamW's decoupled; applied to every parameter, as verl does).
+        eps: Adam-family epsilon (passed to classes that take ``eps``).
         clip_grad: Max total grad norm; ``None`` or ``<= 0`` disables clipping (the norm is still
             computed and a non-finite norm still skips the step).
         lr_scheduler: ``"constant"`` (after warmup), ``"cosine"`` (warmup then cosine decay to
@@ -113,6 +122,9 @@ class OptimConfig(_Validated):
 
     """
 
+    optimizer: str = "adamw"
+    optimizer_impl: str = DEFAULT_IMPL
+    override_optimizer_config: dict[str, Any] = field(default_factory=dict)
     lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.01
@@ -125,6 +137,9 @@ class OptimConfig(_Validated):
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # type: ignore[assignment]  # YAML gives lists
+        self.override_optimizer_config = dict(self.override_optimizer_config or {})  # verl's null: none
+        cls = resolve_optimizer(self.optimizer, self.optimizer_impl)  # an unknown name fails here, early
+        self._check_optimizer_kwargs(cls)
         _check(self.lr >= 0, f"OptimConfig.lr must be >= 0, got {self.lr}")
         _check(
             len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
@@ -151,6 +166,18 @@ class OptimConfig(_Validated):
                 f"trainer.max_steps > {self.warmup_steps}, or lower warmup_steps), or use "
                 f"lr_scheduler='constant'",
             )
+
+    def _check_optimizer_kwargs(self, cls: type[torch.optim.Optimizer]) -> None:
+        """Build ``cls`` over one tensor: a keyword it does not take or a bad value fails here, early."""
+        kwargs = optimizer_kwargs(cls, self)
+        try:
+            cls([torch.zeros(1, requires_grad=True)], **kwargs)
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"optim.optimizer={self.optimizer!r} ({cls.__module__}.{cls.__qualname__}) refuses its "
+                f"arguments {kwargs}: {err}; fix optim.override_optimizer_config (or lr / betas / eps / "
+                f"weight_decay)"
+            ) from None
 
     @property
     def clipping_enabled(self) -> bool:

@@ -42,7 +42,8 @@ from verl_trainer.engine.base import BaseEngine
 from verl_trainer.engine.config import MODEL_TYPES, EngineConfig, OptimConfig
 from verl_trainer.engine.deepspeed_checkpoint import DeepSpeedCheckpointMixin
 from verl_trainer.engine.deepspeed_config import build_deepspeed_config
-from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler, build_optimizer
+from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler
+from verl_trainer.engine.optimizers import build_optimizer
 from verl_trainer.engine.registry import EngineRegistry
 from verl_trainer.engine.topology import engine_topology
 from verl_trainer.utils.distributed import is_initialized

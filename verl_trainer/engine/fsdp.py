@@ -24,7 +24,8 @@ from verl_trainer.engine.config import MODEL_TYPES, EngineConfig, OptimConfig
 from verl_trainer.engine.heads import VocabSlice
 from verl_trainer.engine.loss_scale import build_grad_scaler, uses_loss_scaling
 from verl_trainer.engine.offload import move_grads, move_module, move_optimizer_state
-from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler, build_optimizer
+from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler
+from verl_trainer.engine.optimizers import build_optimizer
 from verl_trainer.engine.parallelize import apply_fsdp1, apply_fsdp2
 from verl_trainer.engine.pipeline import PipelineParallel, check_pipeline_model
 from verl_trainer.engine.registry import EngineRegistry

@@ -1,4 +1,6 @@
-"""Optimizer part: AdamW and the LR schedule built from :class:`OptimConfig`, and the step logic.
+"""Optimizer part: the LR schedule built from :class:`OptimConfig`, and the step logic.
+
+The optimizer itself is built by ``engine/optimizers.py`` (AdamW by default, or any class by name).
 
 :class:`OptimizerMixin` gives an engine ``optimizer_zero_grad``, ``optimizer_step`` (clip; a non-finite
 total grad norm zeroes the grads and skips the step; float16 compute: loss scaling, ``engine/loss_scale.py``)
@@ -17,29 +19,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from verl_trainer.engine.config import OptimConfig
+from verl_trainer.engine.optimizers import optimizer_kwargs
 from verl_trainer.engine.topology import Topology
 from verl_trainer.utils.distributed import all_reduce
-
-
-def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over ``params`` (weight decay on every parameter, as verl does), fused where torch has it.
-
-    The fused kernel (CPU and CUDA; it takes FSDP2's DTensor parameters) does the update of torch's
-    default per-tensor loop (equal to round-off) in one pass; where it is not available (another
-    device, a non-float parameter) the multi-tensor ``foreach`` implementation is used.
-
-    Args:
-        params: Trainable parameters (plain or DTensor).
-        config: Optimizer config.
-
-    """
-    trainable = [p for p in params if p.requires_grad]
-    kwargs = {"lr": config.lr, "betas": tuple(config.betas), "eps": config.eps,
-              "weight_decay": config.weight_decay}
-    try:
-        return torch.optim.AdamW(trainable, fused=True, **kwargs)
-    except (RuntimeError, ValueError):
-        return torch.optim.AdamW(trainable, foreach=True, **kwargs)
 
 
 class WarmupSchedule:
@@ -209,19 +191,19 @@ class OptimizerMixin:
     def apply_optim_config(self) -> None:
         """Make the optimizer and LR schedule follow :attr:`optim_config` again after a checkpoint load.
 
-        Loading restores the optimizer's ``lr``/``betas``/``eps``/``weight_decay`` and the schedule's peak
-        lr and shape from the checkpoint; a resume whose config changed them would silently keep the old
-        ones. This puts the config's values back while keeping the moments and the schedule's position
-        (``last_epoch``), so a new learning rate or schedule applies from the next step. With unchanged
-        settings nothing changes (the lr is recomputed with the same formula ``LambdaLR`` uses).
+        Loading restores the optimizer's ``lr``/``betas``/``eps``/``weight_decay`` (``momentum``, ...) and
+        the schedule's peak lr and shape from the checkpoint; a resume whose config changed them would
+        silently keep the old ones. This puts the config's values back while keeping the moments and the
+        schedule's position (``last_epoch``), so a new learning rate or schedule applies from the next step.
+        Unchanged settings change nothing (the lr is recomputed with the formula ``LambdaLR`` uses).
         """
         cfg, scheduler = self.optim_config, self.lr_scheduler
         if cfg is None or self.optimizer is None:
             return
         groups = scheduler.optimizer.param_groups if scheduler is not None else self.optimizer.param_groups
+        settings = optimizer_kwargs(type(self.optimizer), cfg)  # betas/eps/... as this class takes them
         for group in groups:
-            group.update(betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
-                         initial_lr=cfg.lr)
+            group.update({k: v for k, v in settings.items() if k in group and k != "lr"}, initial_lr=cfg.lr)
         if scheduler is None:
             for group in groups:
                 group["lr"] = cfg.lr

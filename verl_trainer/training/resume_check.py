@@ -11,7 +11,8 @@ sorts every difference:
   fix, on every rank together: another strategy (each backend has its own checkpoint format), another
   precision, another model architecture or LoRA layout, an engine the checkpoint lacks, another seed
   (the data order and every random state continue the checkpoint's run: a new seed cannot apply to a
-  run half done, so a resume with one would silently not be what it says), another world size with
+  run half done, so a resume with one would silently not be what it says), another optimizer class
+  (``optim.optimizer`` / ``optimizer_impl``: its state is another class's), another world size with
   DeepSpeed (its ZeRO partitions are saved per rank), other LoRA base weights, other training data.
 * **applies, and is logged** — another world size with ``fsdp``/``fsdp2`` (DCP reshards the state;
   the data position is kept as a global sample count), another ``max_steps``, and every other config
@@ -50,6 +51,11 @@ MODEL_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_h
 """The HF config entries that shape the parameters (a checkpoint's tensors fit only this model)."""
 STATE_KEYS = ("lora_rank", "target_modules")
 """Engine config entries (any engine) that change which parameters exist."""
+
+OPTIMIZER_KEYS = ("optimizer", "optimizer_impl")
+"""Optimizer config entries that change what the optimizer state holds (AdamW's moments, SGD's momentum)."""
+OPTIMIZER_DEFAULTS = ("adamw", "torch.optim")
+"""Their values in checkpoints written before they existed (absent there: AdamW was the only optimizer)."""
 
 
 class ResumeMismatchError(ValueError):
@@ -174,6 +180,10 @@ def check_run_settings(trainer: Trainer, path: Path, meta: dict[str, Any]) -> li
                 continue
             if key.rsplit(".", 1)[-1] in STATE_KEYS:
                 raise _mismatch(path, f"config {key}", old, new, "it changes which parameters the model has")
+            other_class = old != "<absent>" or new not in OPTIMIZER_DEFAULTS
+            if key.rsplit(".", 1)[-1] in OPTIMIZER_KEYS and other_class:
+                raise _mismatch(path, f"config {key}", old, new,
+                                "the checkpoint holds the other optimizer's state")
             changes.append(f"config {key}: {old!r} -> {new!r}")
     return changes
 
