@@ -3,6 +3,7 @@ single-process reference step. (The DeepSpeed engine tests import these too.)"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,15 +96,22 @@ def padded_values(logits: torch.Tensor) -> torch.Tensor:
 
 
 def reference_step(model_path: str, batch: TensorDict, optim: OptimConfig, model_type: str = "language_model",
-                   seed: int = 42, steps: int = 1) -> dict[str, Any]:
-    """One (or more) single-process plain-PyTorch AdamW step(s) on the whole padded batch."""
+                   seed: int = 42, steps: int = 1,
+                   make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> dict[str, Any]:
+    """One (or more) single-process plain-PyTorch step(s) on the whole padded batch.
+
+    The optimizer is AdamW from ``optim``'s lr / betas / eps / weight decay, or ``make_optimizer(params)``.
+    """
     if model_type == "language_model":
         model = load_causal_lm(model_path, attn_implementation="sdpa")
     else:
         model = load_value_model(model_path, attn_implementation="sdpa", seed=seed)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                            weight_decay=optim.weight_decay)
+    if make_optimizer is not None:
+        opt = make_optimizer(model.parameters())
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                weight_decay=optim.weight_decay)
     info = GlobalBatchInfo(dp_size=1, batch_num_tokens=int(batch["loss_mask"].sum()),
                            global_batch_size=batch.batch_size[0])
     losses, norms = [], []
@@ -148,6 +156,38 @@ def train_steps_on_rank(backend: str, model_type: str, model_path: str, batch: T
             results.append(engine.train_batch(shard, loss_fn))
     params = collect_params(engine)
     return {"results": results, "params": params if rank == 0 else None}
+
+
+def save_load_step_rank(backend: str, model_path: str, batches: list[TensorDict], optim: OptimConfig,
+                        ckpt: str) -> dict[str, Any]:
+    """Step, save, step on one engine; load the save into a fresh engine and step it the same.
+
+    Returns ``exact`` (the two engines' parameters equal bitwise), the checkpoint's meta, both lrs,
+    whether the RNG was restored, and the restored optimizer's first state (``step_state``: its ``step``
+    for Adam-style state, ``state_keys``: its keys, e.g. SGD's ``momentum_buffer``).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shards = [rank_shard(b, rank, world) for b in batches]
+    a = build_engine(backend, "language_model", model_path, optim, micro_batch_size_per_gpu=2)
+    a.train_batch(shards[0], nll_loss)
+    a.lr_scheduler_step()
+    a.save_checkpoint(ckpt, global_step=1)
+    with torch.random.fork_rng(devices=[]):
+        want_rng = torch.rand(4)  # what the RNG gives right after the save
+    torch.manual_seed(1234)
+    b = build_engine(backend, "language_model", model_path, optim, micro_batch_size_per_gpu=2)
+    meta = b.load_checkpoint(ckpt)
+    b.apply_optim_config()  # as a resume does (loops.py): unchanged settings change nothing
+    rng_restored = torch.equal(torch.rand(4), want_rng)
+    for engine in (a, b):  # step -> step   vs   save -> load -> step
+        engine.train_batch(shards[1], nll_loss)
+        engine.lr_scheduler_step()
+    lrs = a.get_lr(), b.get_lr()
+    pa, pb = collect_params(a), collect_params(b)
+    exact = all(torch.equal(pa[k], pb[k]) for k in pa) and pa.keys() == pb.keys()
+    first = next(iter(b.optimizer.state.values()))
+    return {"exact": exact, "meta": meta, "lrs": lrs, "rng_restored": rng_restored,
+            "step_state": float(first["step"]) if "step" in first else None, "state_keys": sorted(first)}
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

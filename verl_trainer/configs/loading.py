@@ -85,6 +85,21 @@ def _merge(base: DictConfig, other: Any, schema: type, source: str) -> DictConfi
     return merged
 
 
+def _open_free_dicts(config: DictConfig) -> None:
+    """Let ``dict[str, Any]`` fields (``override_optimizer_config``, ``deepspeed_config``) take new keys.
+
+    The struct flag that makes an unknown dataclass key an error also refuses every key of a free-form
+    dict (``optim.override_optimizer_config.momentum=0.9``); those nodes are opened, the rest stay closed.
+    """
+    for key in config:
+        node = config._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
+            if OmegaConf.get_type(node) is dict:
+                OmegaConf.set_struct(node, False)
+            else:
+                _open_free_dicts(node)
+
+
 def load_config(schema: type[T], path: str | os.PathLike | None = None,
                 overrides: Sequence[str] = ()) -> T:
     """Build ``schema`` from its defaults, a YAML file and ``key=value`` overrides.
@@ -106,6 +121,7 @@ def load_config(schema: type[T], path: str | os.PathLike | None = None,
         raise TypeError(f"load_config needs a dataclass type as schema, got {schema!r}")
     config = OmegaConf.structured(schema)
     OmegaConf.set_struct(config, True)
+    _open_free_dicts(config)
     if path is not None:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"config file {os.fspath(path)!r} does not exist")

@@ -71,7 +71,7 @@ def resolve_optimizer(name: str, impl: str = DEFAULT_IMPL) -> type[torch.optim.O
     else:
         cls = getattr(importlib.import_module(DEFAULT_IMPL), name, None)
         if cls is None:
-            raise UnknownKeyError(f"unknown optimizer {name!r}; {_choices()}")
+            raise UnknownKeyError(f"unknown optimizer: optim.optimizer={name!r}; {_choices()}")
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
         raise ValueError(f"optim.optimizer={name!r} is {cls!r}, not a torch.optim.Optimizer subclass; "
                          f"{_choices()}")
