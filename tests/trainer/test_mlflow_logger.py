@@ -1,0 +1,66 @@
+"""logger="mlflow" (the Trainer's argument) and verl's ``trainer.logger=['console','mlflow']``: a short SFT
+fit logs to a local MLflow file store under the run directory, read back through mlflow's own client.
+
+Needs the ``mlflow`` extra (``pip install verl-trainer[mlflow]``); CI installs it in its extras stage
+(``scripts/ci_ray.sh`` runs the tests marked ``mlflow``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.common import SFTData, read_csv_metrics, sft_module, tiny_model
+from verl_trainer import Trainer
+from verl_trainer.testing.distributed import run_distributed
+
+pytestmark = [pytest.mark.mlflow,
+              pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="needs the mlflow extra")]
+
+
+def _fit(model_path: str, root: str) -> dict:
+    trainer = Trainer(devices=1, max_steps=3, logger=["csv", "mlflow"], enable_progress_bar=False,
+                      enable_checkpointing=False, default_root_dir=root, seed=5)
+    trainer.fit(sft_module(model_path, micro_batch_size=2, lr=1e-3), SFTData(n=12, batch_size=4))
+    mlflow_logger = trainer.loggers[1]
+    return {"run_id": mlflow_logger.run_id, "type": type(mlflow_logger).__name__}
+
+
+def test_a_fit_logs_to_a_local_mlflow_store_read_back_with_mlflow(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root = tmp_path / "run"
+    out = run_distributed(_fit, 1, tiny_model(tmp_path / "model"), str(root), timeout=300,
+                          env={"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": ""})[0]
+    assert out["type"] == "MLFlowLogger" and (root / "mlruns").is_dir()  # a file store, no server
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow.MlflowClient(f"file:{root / 'mlruns'}")
+    run = client.get_run(out["run_id"])
+    assert client.get_experiment(run.info.experiment_id).name == "verl-trainer"
+    history = client.get_metric_history(out["run_id"], "sft/loss")
+    csv = read_csv_metrics(root / "lightning_logs" / "version_0")
+    assert sorted(m.step for m in history) == sorted(csv) == [1, 2, 3]
+    for m in history:  # the same numbers the CSV logger wrote
+        assert m.value == pytest.approx(csv[m.step]["sft/loss"], rel=1e-6)
+    assert run.data.params["model_path"] == str(tmp_path / "model")  # the hyperparameters
+
+
+def test_verl_logger_list_with_mlflow_names_the_experiment_and_run(tmp_path, monkeypatch):
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    from verl_trainer.configs.loading import load_config
+    from verl_trainer.configs.recipes import GRPORecipeConfig
+    from verl_trainer.configs.verl_keys import translate_overrides
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    verl = ["trainer.logger=['console','mlflow']", "trainer.project_name=my_project",
+            "trainer.experiment_name=exp1", f"trainer.default_root_dir={tmp_path}"]
+    overrides, _ = translate_overrides(GRPORecipeConfig, verl)
+    config = load_config(GRPORecipeConfig, None, overrides).trainer
+    assert config.unused_settings() == []  # the names are used: mlflow's experiment and run
+    logger = config.build(enable_checkpointing=False).logging.spec[0]
+    assert isinstance(logger, MLFlowLogger) and logger._experiment_name == "my_project"
+    assert logger._run_name == "exp1"
+    assert logger._tracking_uri == f"file:{Path(tmp_path).resolve() / 'mlruns'}"
