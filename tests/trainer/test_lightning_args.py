@@ -156,3 +156,14 @@ def test_tensorboard_logger_names_the_package():
         pytest.skip("tensorboard is installed here")
     with pytest.raises(ValueError, match="needs the tensorboard package.*pip install tensorboard"):
         Trainer(logger="tensorboard")
+
+
+def test_mlflow_logger_names_the_extra():
+    """logger='mlflow' without mlflow installed: the error names the extra (test_mlflow_logger.py
+    runs a fit with it where it is installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("mlflow"):
+        pytest.skip("mlflow is installed here")
+    with pytest.raises(ValueError, match=r"needs the mlflow package.*pip install verl-trainer\[mlflow\]"):
+        Trainer(logger=["csv", "mlflow"])
