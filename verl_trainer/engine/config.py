@@ -138,8 +138,6 @@ class OptimConfig(_Validated):
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # type: ignore[assignment]  # YAML gives lists
         self.override_optimizer_config = dict(self.override_optimizer_config or {})  # verl's null: none
-        cls = resolve_optimizer(self.optimizer, self.optimizer_impl)  # an unknown name fails here, early
-        self._check_optimizer_kwargs(cls)
         _check(self.lr >= 0, f"OptimConfig.lr must be >= 0, got {self.lr}")
         _check(
             len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
@@ -166,6 +164,8 @@ class OptimConfig(_Validated):
                 f"trainer.max_steps > {self.warmup_steps}, or lower warmup_steps), or use "
                 f"lr_scheduler='constant'",
             )
+        cls = resolve_optimizer(self.optimizer, self.optimizer_impl)  # an unknown name fails here, early
+        self._check_optimizer_kwargs(cls)
 
     def _check_optimizer_kwargs(self, cls: type[torch.optim.Optimizer]) -> None:
         """Build ``cls`` over one tensor: a keyword it does not take or a bad value fails here, early."""
