@@ -10,7 +10,7 @@
   ``<default_root_dir>/wandb/``; it runs **offline automatically** when no API key is configured
   (``WANDB_API_KEY`` or a ``api.wandb.ai`` entry in ``~/.netrc``) and ``WANDB_MODE`` is not set;
 * ``"tensorboard"``: ``TensorBoardLogger(save_dir=default_root_dir)`` (needs ``tensorboard`` or
-  ``tensorboardX``: otherwise a ``ValueError`` naming the package);
+  ``tensorboardX``, e.g. ``pip install verl-trainer[tensorboard]``: otherwise a ``ValueError`` naming it);
 * ``"mlflow"``: ``MLFlowLogger(experiment_name="verl-trainer")`` writing to a local store,
   ``file:<default_root_dir>/mlruns`` (``MLFLOW_TRACKING_URI`` when set), never a server unless you name
   one (needs the ``mlflow`` extra: ``pip install verl-trainer[mlflow]``, the tracking client
@@ -109,7 +109,8 @@ def _require_tensorboard() -> None:
     if not any(importlib.util.find_spec(name) for name in ("tensorboard", "tensorboardX")):
         raise ValueError(
             "logger='tensorboard' needs the tensorboard package, which is not installed; run `pip install "
-            "tensorboard` (or tensorboardX), or use logger='csv' / 'wandb'"
+            "tensorboard` (or tensorboardX; the extra: `pip install verl-trainer[tensorboard]`), or use "
+            "logger='csv' / 'wandb'"
         )
 
 

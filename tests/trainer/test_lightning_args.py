@@ -159,7 +159,7 @@ def test_tensorboard_logger_names_the_package():
 
 
 def test_mlflow_logger_names_the_extra():
-    """logger='mlflow' without mlflow installed: the error names the extra (test_mlflow_logger.py
+    """logger='mlflow' without mlflow installed: the error names the extra (test_logger_extras.py
     runs a fit with it where it is installed)."""
     import importlib.util
 
