@@ -128,7 +128,8 @@ def test_sgd_momentum_on_fsdp1_and_deepspeed(backend, model_path, tmp_path):
 
 
 def test_unknown_optimizer_is_refused_early_with_the_valid_names(tmp_path):
-    with pytest.raises(ValueError, match=r"optim.optimizer='adamm'; registered: 'adam', 'adamw', 'sgd'"):
+    with pytest.raises(ValueError, match=r"optim.optimizer='adamm'; registered: 'adam', 'adamw', "
+                                         r"'adamw_torch', 'adamw_torch_fused', 'sgd'"):
         OptimConfig(optimizer="adamm")
     with pytest.raises(ValueError, match="not a torch.optim.Optimizer subclass"):
         OptimConfig(optimizer="torch.nn:Linear")

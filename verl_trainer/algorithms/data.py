@@ -25,6 +25,21 @@ from verl_trainer.utils.distributed import get_world_size
 __all__ = ["DataConfig", "PromptDataModule", "SFTDataModule", "dp_size_now"]
 
 
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+def _hub_dataset_hint(path: str, what: str) -> str:
+    """For a missing ``path`` of the form ``org/name`` (a hub dataset id, TRL's habit): the fix."""
+    from verl_trainer.models.source import looks_like_hub_id
+
+    if not looks_like_hub_id(path) or Path(path).suffix in DATA_SUFFIXES:
+        return ""
+    return (f"; {path!r} looks like a hub dataset id, and hub datasets are not loaded by id here: save it "
+            f"to a file first (`datasets.load_dataset({path!r}, split='train').to_parquet('train.parquet')`) "
+            f"and set {what}=train.parquet, or hand the datasets.Dataset to the data module "
+            f"(PromptDataModule / SFTDataModule(..., train_dataset=ds))")
+
+
 @dataclass
 class DataConfig:
     """Where the data is and how it is batched.
@@ -116,7 +131,8 @@ class _DataModule:
         if self._rows[what] is not None:  # rows given in place of the file (a datasets.Dataset, a list)
             return self._dataset(self._rows[what])
         if not Path(path).is_file():
-            raise FileNotFoundError(f"{what}={path!r} does not exist (relative paths start at {os.getcwd()})")
+            raise FileNotFoundError(f"{what}={path!r} does not exist (relative paths start at {os.getcwd()})"
+                                    f"{_hub_dataset_hint(path, what)}")
         return self._dataset(path)
 
     def fingerprint(self) -> dict[str, Any]:

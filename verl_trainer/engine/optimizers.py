@@ -3,7 +3,8 @@
 ``OptimConfig.optimizer`` names a torch optimizer class, as verl's ``optim.optimizer`` does:
 
 * a registered name (:data:`OPTIMIZERS`): ``"adamw"`` (the default), ``"adam"``, ``"sgd"``; case does not
-  matter, so verl's spellings ``AdamW`` / ``Adam`` / ``SGD`` work;
+  matter, so verl's spellings ``AdamW`` / ``Adam`` / ``SGD`` work; HF / TRL's ``optim="adamw_torch"`` and
+  ``"adamw_torch_fused"`` are AdamW;
 * another class of ``torch.optim`` by its name (``RMSprop``, ``Adagrad``, ...), or of the module
   ``OptimConfig.optimizer_impl`` names (verl's key: ``optimizer_impl=bitsandbytes.optim
   optimizer=AdamW8bit``);
@@ -37,6 +38,8 @@ OPTIMIZERS: Registry[type[torch.optim.Optimizer]] = Registry("optimizer")
 OPTIMIZERS.add("adamw", torch.optim.AdamW)
 OPTIMIZERS.add("adam", torch.optim.Adam)
 OPTIMIZERS.add("sgd", torch.optim.SGD)
+OPTIMIZERS.add("adamw_torch", torch.optim.AdamW)  # HF TrainingArguments' / TRL's optim= names
+OPTIMIZERS.add("adamw_torch_fused", torch.optim.AdamW)
 
 _FUSED = (torch.optim.AdamW, torch.optim.Adam)
 """Classes built with ``fused=True`` first (the fused kernel takes FSDP2's DTensor parameters)."""
