@@ -32,7 +32,9 @@ def check_lightning_habits(module: Any) -> None:
         problems.append(
             "configure_optimizers(): not called here; each engine carries its optimizer and LR schedule: "
             "return EngineSpec('language_model', EngineConfig(...), OptimConfig(lr=..., lr_scheduler="
-            "'cosine', warmup_steps=...)) from configure_engines() (verl_trainer.engine.config)"
+            "'cosine', warmup_steps=..., optimizer='sgd' (or 'adam', any torch.optim class, 'module:Class'), "
+            "override_optimizer_config={'momentum': 0.9})) from configure_engines() "
+            "(verl_trainer.engine.config)"
         )
     hooks = sorted(h for h in HOOK_NAMES - set(MODULE_METHODS) if callable(getattr(module, h, None)))
     if hooks:
