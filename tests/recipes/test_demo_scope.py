@@ -92,7 +92,8 @@ def test_print_config_shows_the_notes(capsys):
     out = capsys.readouterr().out
     assert done.value.code == 0
     assert "# note: warm_start: off" in out and "\n  enable: false\n" in out
-    assert "# note: trainer.project_name=p trainer.experiment_name=e not used: they name the wandb run" in out
+    assert ("# note: trainer.project_name=p trainer.experiment_name=e not used: they name the wandb / mlflow "
+            "run") in out
 
 
 def _run(cwd: Path, *args: str) -> str:
