@@ -5,16 +5,17 @@ model-type and LoRA parts) with the LR schedule of ``OptimizerMixin`` and DeepSp
 registered for both model types; it adds only what is DeepSpeed-specific:
 
 * ``deepspeed.initialize`` with a generated config dict (``engine/deepspeed_config.py``) and the torch
-  ``AdamW`` built from ``OptimConfig``; ``gradient_accumulation_steps`` stays 1 and the engine marks the
-  last micro-batch with ``set_gradient_accumulation_boundary``, so no loss is divided by the micro-batch
-  count. Gradients are reduced once per step, after the last micro-batch: ZeRO-1 at that boundary;
+  optimizer built from ``OptimConfig`` (AdamW by default, any class by name: ``engine/optimizers.py``; the
+  config sets ``zero_allow_untested_optimizer``); ``gradient_accumulation_steps`` stays 1 and the engine
+  marks the last micro-batch with ``set_gradient_accumulation_boundary``, so no loss is divided by the
+  micro-batch count. Gradients are reduced once per step, after the last micro-batch: ZeRO-1 at that boundary;
   ZeRO-2/3 (which reduce inside every backward, and whose ``no_sync`` refuses) inside one DeepSpeed
   ``coalesce_grad_reduction`` block spanning the step's micro-batches (see ``_grad_sync_context``).
 * Every forward goes through the DeepSpeed engine (``DeepSpeedEngine.forward``): ZeRO-3 gives wrong
   gradients from the second micro-batch on when the HF module is called directly.
 * ``optimizer_step`` is DeepSpeed's ``step``: global grad norm, clipping, and a non-finite norm zeroes the
   gradients and skips the step (fp32 and bf16; fp16 also adjusts its loss scale). The LR schedule is a
-  torch ``LambdaLR`` on the same AdamW, stepped by ``lr_scheduler_step`` only.
+  torch ``LambdaLR`` on the same optimizer, stepped by ``lr_scheduler_step`` only.
 * ``get_per_tensor_param`` gathers one ZeRO-3 parameter at a time (``GatheredParameters``).
 * Checkpoints: DeepSpeed's own format under ``path/deepspeed/`` (model + ZeRO optimizer partitions),
   plus the shared ``extra_state_rank{r}.pt`` (scheduler, RNG), ``meta.json`` and the HF config; written
@@ -131,7 +132,7 @@ class DeepSpeedEngine(OptimizerMixin, DeepSpeedCheckpointMixin, BaseEngine):
 
     # ----------------------------------------------------------------------------------- lifecycle
     def initialize(self) -> None:
-        """Load the HF model and hand it with AdamW to ``deepspeed.initialize``; a collective, idempotent.
+        """Hand the HF model and its optimizer to ``deepspeed.initialize``; a collective, idempotent.
 
         Raises:
             RuntimeError: If no process group is initialised.
@@ -169,7 +170,7 @@ class DeepSpeedEngine(OptimizerMixin, DeepSpeedCheckpointMixin, BaseEngine):
             and hasattr(self.ds_engine, "coalesce_grad_reduction")
             and hasattr(self.ds_engine.optimizer, "_coalesce_grad_reduction")
         )
-        # ZeRO steps this same AdamW (its param groups now hold the flat fp32 partitions), so the
+        # ZeRO steps this same optimizer (its param groups now hold the flat fp32 partitions), so the
         # LambdaLR on it sets the lr DeepSpeed uses, and get_lr / lr_scheduler_step read it there.
         self.optimizer = optimizer
         if optimizer is not None and self.optim_config is not None:
