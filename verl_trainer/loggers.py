@@ -64,7 +64,7 @@ def validate_logger_spec(spec: Any) -> None:
         TypeError: For a value that is neither a name, a bool, a Logger nor a list of those.
     """
     for item in _as_list(spec):
-        if item in _REQUIRES:
+        if isinstance(item, str) and item in _REQUIRES:
             _REQUIRES[item]()
         if isinstance(item, str):
             if item not in LOGGER_NAMES:
@@ -77,8 +77,7 @@ def validate_logger_spec(spec: Any) -> None:
         elif not _is_logger(item):
             raise TypeError(
                 f"logger must be one of {LOGGER_NAMES}, True, False, a Lightning Logger or a list of these, "
-                f"got "
-                f"{type(item).__name__}"
+                f"got {type(item).__name__}"
             )
 
 

@@ -116,7 +116,7 @@ def build_deepspeed_config(
         **_precision_sections(config),
     }
     if config.optimizer_offload and device_type != "cpu":
-        generated["zero_force_ds_cpu_optimizer"] = False  # we hand DeepSpeed a torch AdamW
+        generated["zero_force_ds_cpu_optimizer"] = False  # we hand DeepSpeed a torch optimizer
     raw = dict(config.deepspeed_config or {})
     bad = [k for k in _FORBIDDEN_SECTIONS if k in raw]
     if bad:
