@@ -51,9 +51,10 @@ class SFTData:
         return DataLoader(self.val, batch_size=self.batch_size, collate_fn=collate_sft)
 
 
-def sft_module(model_path: str, micro_batch_size: int = 2, lr: float = 1e-3) -> SFT:
+def sft_module(model_path: str, micro_batch_size: int = 2, lr: float = 1e-3, optimizer: str = "adamw") -> SFT:
     engine = EngineConfig(micro_batch_size_per_gpu=micro_batch_size)
-    return SFT(SFTConfig(model_path=model_path, engine=engine, optim=OptimConfig(lr=lr, weight_decay=0.0)))
+    optim = OptimConfig(lr=lr, weight_decay=0.0, optimizer=optimizer)
+    return SFT(SFTConfig(model_path=model_path, engine=engine, optim=optim))
 
 
 class HookRecorder(Callback):

@@ -2,8 +2,8 @@
 
 One 1-rank process (fsdp2, CPU) writes a 2-step SFT checkpoint, then resumes it with:
 
-* another strategy (deepspeed), another seed, another model: clear errors naming both values, raised
-  before any engine is built;
+* another strategy (deepspeed), another seed, another model, another optimizer class (``optim.optimizer``):
+  clear errors naming both values, raised before any engine is built;
 * another learning rate and ``max_steps``: the resume runs, lists both changes, and the new learning
   rate is the optimizer's (the checkpoint had restored the old one before).
 
@@ -53,6 +53,8 @@ def _resumes(model: str, other_model: str, root: str) -> dict:
         out["strategy"] = deepspeed
     out["seed"] = _refused(lambda: _trainer(root_p / "a", seed=4), sft_module(model), ckpt)
     out["model"] = _refused(lambda: _trainer(root_p / "a", max_steps=3), sft_module(other_model), ckpt)
+    sgd = sft_module(model, optimizer="sgd")
+    out["optimizer"] = _refused(lambda: _trainer(root_p / "a", max_steps=3), sgd, ckpt)
 
     changed = sft_module(model, lr=5e-4)
     trainer = _trainer(root_p / "a", max_steps=3)
@@ -91,6 +93,12 @@ def test_other_model_is_refused_naming_the_difference(results):
     message, _ = results["model"]
     assert "engine 'actor' has another model" in message, message
     assert "hidden_size: 32 in the checkpoint, 48 now" in message, message
+
+
+def test_other_optimizer_class_is_refused(results):
+    message, built = results["optimizer"]
+    assert "config optim.optimizer is 'sgd' in this run but 'adamw' in the checkpoint" in message, message
+    assert "the other optimizer's state" in message and not built
 
 
 def test_new_learning_rate_applies_and_is_listed(results):
