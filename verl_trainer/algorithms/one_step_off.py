@@ -41,6 +41,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_trainer.data import schema
+from verl_trainer.data.prompts import prompt_token_lists
 from verl_trainer.metrics import Metric
 from verl_trainer.rollout.divergence import DivergenceError
 
@@ -70,8 +71,8 @@ def check_async_rollout(rollout: Any) -> None:
 class _Generation:
     """One generation on the background thread: its prompts, the weights' version, the outcome."""
 
-    prompts: torch.Tensor
-    """``[B, P]`` the prompt ids it was started with (to check the step's batch is the read-ahead one)."""
+    prompts: list[list[int]]
+    """The prompt ids it was started with (to check the step's batch is the read-ahead one)."""
     prompt_index: torch.Tensor
     """``[B]`` the prompts' dataset indices (the sampling seeds)."""
     version: int
@@ -82,10 +83,9 @@ class _Generation:
     seconds: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
 
-    def matches(self, prompts: torch.Tensor, prompt_index: torch.Tensor) -> bool:
+    def matches(self, prompts: list[list[int]], prompt_index: torch.Tensor) -> bool:
         """Whether it generated for these prompts (the step's batch is the one read ahead)."""
-        return (torch.equal(self.prompt_index, prompt_index) and self.prompts.shape == prompts.shape
-                and torch.equal(self.prompts, prompts))
+        return torch.equal(self.prompt_index, prompt_index) and self.prompts == prompts
 
 
 class OneStepOffRollout:
@@ -142,7 +142,7 @@ class OneStepOffRollout:
         gen.done.set()
 
     def _start(self, prompt_batch: TensorDict, step: int, background: bool) -> _Generation:
-        gen = _Generation(prompts=prompt_batch[schema.INPUT_IDS].clone(),
+        gen = _Generation(prompts=prompt_token_lists(prompt_batch),
                           prompt_index=prompt_batch[schema.UID].clone(), version=self.synced_at or 0)
         prompt_batch = self.module._unique_uids(prompt_batch)
         if background:
@@ -171,7 +171,7 @@ class OneStepOffRollout:
         self.wait()
         gen, self.pending = self.pending, None
         sync_s = self.sync()  # every rank, every step: the copy is a collective
-        if gen is None or not gen.matches(batch[schema.INPUT_IDS], prompt_index):
+        if gen is None or not gen.matches(prompt_token_lists(batch), prompt_index):
             gen = self._start(batch, step, background=False)  # no usable read-ahead: generate now
         idle = time.perf_counter() - start - sync_s
         if gen.error is not None:
