@@ -15,18 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.trainer.common import tiny_model
-from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
+from tests.algorithms.short_grpo import ROOT, make_assets, short_grpo_config
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("one_step_off")
-    tiny_model(base / "model")
-    write_arithmetic_task(base / "data", ArithmeticTaskConfig(num_train=40, num_val=4, holdout_fraction=0.2))
+    base = make_assets(tmp_path_factory.mktemp("one_step_off"), num_train=40)
     (base / "reward.py").write_text(  # varies on a random model (the task's reward is 0 everywhere there)
         "def length(prompts, completions, **kwargs):\n"
         "    return [float(sum(map(ord, c)) % 7) for c in completions]\n")
@@ -38,7 +34,6 @@ def _grpo_fit(model: str, data: str, root: str, *overrides: str, devices: int = 
     from verl_trainer import Trainer
     from verl_trainer.algorithms import GRPO, PromptDataModule
     from verl_trainer.callbacks import Callback
-    from verl_trainer.configs import GRPORecipeConfig, load_config
     from verl_trainer.models.loading import load_tokenizer
 
     class Record(Callback):
@@ -56,13 +51,8 @@ def _grpo_fit(model: str, data: str, root: str, *overrides: str, devices: int = 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             self.metrics.append(dict(trainer.callback_metrics))
 
-    cfg = load_config(GRPORecipeConfig, ROOT / "configs" / "grpo.yaml", [
-        f"algorithm.model_path={model}", f"data.train_files={data}/train.jsonl",
-        f"data.val_files={data}/val.jsonl", "data.train_batch_size=4", "algorithm.rollout.n=4",
-        "algorithm.rollout.max_new_tokens=4", "algorithm.actor.ppo_mini_batch_size=4",
-        "algorithm.rollout_correction.level=token", "algorithm.actor.optim.lr=1e-2",
-        f"algorithm.reward.name={Path(model).parent / 'reward.py'}:length", *overrides,
-    ])
+    cfg = short_grpo_config(model, data, f"algorithm.reward.name={Path(model).parent / 'reward.py'}:length",
+                            *overrides)
     record = Record()
     trainer = Trainer(devices=devices, max_steps=STEPS, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, default_root_dir=root, val_check_interval=None,
