@@ -570,6 +570,13 @@ class Trainer(LightningAttributes):
                 os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
             return loops.run_stage(self, stage, module, datamodule, ckpt_path)
 
+    def peek_next_batch(self) -> Any | None:
+        """This rank's batch of the next training step, read ahead without consuming it (``None``: unknown).
+
+        See :func:`verl_trainer.training.loops.peek_next_step_batch`.
+        """
+        return loops.peek_next_step_batch(self)
+
     # ------------------------------------------------------------------------------------- checkpoints
     @property
     def checkpoint_dir(self) -> Path:

@@ -11,27 +11,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.trainer.common import tiny_model
-from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
+from tests.algorithms.short_grpo import make_assets, short_grpo_config
 from verl_trainer.testing import run_distributed
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("dp_rollout")
-    tiny_model(base / "model")
-    write_arithmetic_task(base / "data", ArithmeticTaskConfig(num_train=24, num_val=4, holdout_fraction=0.2))
-    return base
+    return make_assets(tmp_path_factory.mktemp("dp_rollout"))
 
 
 def _grpo_fit(model: str, data: str, root: str) -> dict:
     from verl_trainer import Trainer
     from verl_trainer.algorithms import GRPO, PromptDataModule
     from verl_trainer.callbacks import Callback
-    from verl_trainer.configs import GRPORecipeConfig, load_config
     from verl_trainer.data import schema
     from verl_trainer.models.loading import load_tokenizer
 
@@ -51,12 +45,7 @@ def _grpo_fit(model: str, data: str, root: str) -> dict:
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             self.metrics.append(dict(trainer.callback_metrics))
 
-    cfg = load_config(GRPORecipeConfig, ROOT / "configs" / "grpo.yaml", [
-        f"algorithm.model_path={model}", f"data.train_files={data}/train.jsonl",
-        f"data.val_files={data}/val.jsonl", "data.train_batch_size=4", "algorithm.rollout.n=4",
-        "algorithm.rollout.max_new_tokens=4", "algorithm.actor.ppo_mini_batch_size=4",
-        "algorithm.rollout_correction.level=token", "algorithm.actor.optim.lr=1e-2",
-    ])
+    cfg = short_grpo_config(model, data)
     record = Record()
     trainer = Trainer(devices=dist.get_world_size(), max_steps=STEPS, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root,

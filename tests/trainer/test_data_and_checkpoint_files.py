@@ -62,6 +62,21 @@ def test_sharded_loader_position_round_trip():
     assert first and expected and not set(sum(first, [])) & set(sum(expected, []))
 
 
+def test_peek_reads_the_next_batches_without_consuming_them():
+    """The one-step-off rollout's read-ahead: the batches that come next, also past the epoch's end."""
+    data = DataLoader(list(range(12)), batch_size=2, shuffle=True)
+    loader = ShardedLoader(data, dp_rank=1, dp_size=2, seed=3)
+    epoch0 = [b.tolist() for b in loader.epoch_batches()]  # 3 batches on this rank
+    assert [b.tolist() for b in loader.peek(2)] == epoch0[:2]
+    loader.advance(), loader.advance()
+    assert [b.tolist() for b in loader.peek(2)] == epoch0[2:]  # the epoch's last batch only
+    assert loader.state_dict() == {"epoch": 0, "samples": 8}  # peeking moved nothing
+    loader.advance()
+    ahead = [b.tolist() for b in loader.peek(1)]  # exhausted: the next epoch's first batch
+    loader.next_epoch()
+    assert ahead == [next(iter(loader.epoch_batches())).tolist()]
+
+
 def test_unshardable_sources():
     with pytest.raises(TypeError, match="map-style"):
         as_dataloader(iter([1, 2]), "train data")

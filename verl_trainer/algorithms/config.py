@@ -307,6 +307,14 @@ class RLConfig:
                 "actor has no adapters; set actor.engine.lora_rank > 0, or ref.in_actor=false (a separate "
                 "reference engine)"
             )
+        if self.rollout.max_staleness and self.rollout_correction.level is None:
+            raise ValueError(
+                f"rollout.max_staleness={self.rollout.max_staleness} trains on responses sampled by the "
+                "weights of the step before, so the loss needs the importance correction between those "
+                "and the "
+                "trainer's: set algorithm.rollout_correction.level=token (truncated IS, threshold 2) or "
+                "sequence, or max_staleness=0"
+            )
         buffer = self.reward.overlong_buffer
         if buffer.enable and buffer.len > self.rollout.max_new_tokens:
             raise ValueError(

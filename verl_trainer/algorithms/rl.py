@@ -20,7 +20,9 @@ Logged (reductions declared, so the values are those of the whole step on one pr
 ``actor/grad_norm``, ``actor/lr``, ``actor/old_log_probs_reused`` (1: no separate old-log-prob forward),
 the train/inference mismatch of the old log-probs and the rollout's (``rollout_corr/*``,
 ``training/rollout_probs_diff_*``; with ``rollout_correction`` on, the policy loss is importance-weighted),
-``timing/*``; validation: ``val/reward/*``, ``val/response_length/*``; with ``val_rollout.n > 1``
+``timing/*``; with ``rollout.max_staleness=1`` (:mod:`verl_trainer.algorithms.one_step_off`) the rollout of
+the next step runs while this one trains, and ``rollout/staleness``, ``timing/idle_s`` are logged;
+validation: ``val/reward/*``, ``val/response_length/*``; with ``val_rollout.n > 1``
 ``val/pass@k``, ``val/maj@k``, ``val/mean@k``, ``val/best@k``, ``val/worst@k`` overall and per data source.
 
 Sampling is seeded per response from ``(rollout.seed, global step, the prompt's dataset index, sample
@@ -42,6 +44,7 @@ from verl_trainer.algorithms.config import RLConfig
 from verl_trainer.algorithms.dapo import overlong_penalty
 from verl_trainer.algorithms.distributed import count_mini_batches, split_mini_batches
 from verl_trainer.algorithms.non_finite import NonFiniteGuard
+from verl_trainer.algorithms.one_step_off import OneStepOffRollout, check_async_rollout
 from verl_trainer.algorithms.reward_failures import check_reward_failures
 from verl_trainer.algorithms.reward_model import REWARD_MODEL_ENGINE, RewardModel, split_reward_models
 from verl_trainer.balancing import required_batch_multiple
@@ -132,6 +135,8 @@ class RLModule(TrainingModule):
         self.reward_model = RewardModel(config.reward.model) if config.reward.model.enable else None
         self.rollout: BaseRollout | None = None
         self._rollout_stale = False
+        self.one_step_off = OneStepOffRollout(self) if config.rollout.max_staleness else None
+        """With ``rollout.max_staleness=1``: the next step's generation on a background thread."""
         estimator = getattr(config, "adv_estimator", None)  # one that normalises within a prompt's group
         group_estimator = estimator is not None and "index" in estimator_inputs(estimator)
         self.non_finite = NonFiniteGuard(config.non_finite, group_estimator)
@@ -181,6 +186,8 @@ class RLModule(TrainingModule):
         """Build the rollout copy of the policy (once; it lives as long as the module)."""
         if self.rollout is None:
             self.rollout = build_rollout(self.config.rollout, self.config.model_path)
+            if self.one_step_off is not None:
+                check_async_rollout(self.rollout)
             self._rollout_stale = True  # the actor may not be model_path's weights (e.g. saved LoRA adapters)
 
     # ------------------------------------------------------------------------------------- the step
@@ -373,11 +380,13 @@ class RLModule(TrainingModule):
 
         Where the actor holds its parameters whole on this rank (``engine.get_shareable_params()``) and
         ``rollout.share_weights`` is on, the rollout aliases them (no copy; a no-op after the first
-        call); else every tensor is streamed into the rollout's copy.
+        call); else every tensor is streamed into the rollout's copy (always with ``max_staleness >= 1``:
+        the rollout generates while the actor trains).
         """
         actor = self.engines["actor"]
+        share = self.config.rollout.share_weights and not self.config.rollout.max_staleness
         with actor.eval_mode():
-            shareable = actor.get_shareable_params() if self.config.rollout.share_weights else None
+            shareable = actor.get_shareable_params() if share else None
             if shareable is not None:
                 self.rollout.share_weights(shareable)
             else:
@@ -388,18 +397,21 @@ class RLModule(TrainingModule):
 
     def training_step(self, batch: TensorDict, batch_idx: int) -> StepOutput:
         """One RL step on this rank's prompt batch (see the module docstring)."""
-        if self._rollout_stale:
+        if self._rollout_stale and self.one_step_off is None:
             self.sync_rollout()
         trainer = self.trainer
         t0 = time.perf_counter()
         metrics: dict[str, Any] = {}
         self.non_finite.dropped = 0
         prompt_index = batch[schema.UID].clone()  # dataset indices: the sampling seeds, at any dp size
-        try:
-            rollout_batch = self.rollout.generate(self._unique_uids(batch), step=trainer.global_step,
-                                                  prompt_index=prompt_index)
-        except DivergenceError as exc:  # the update before this step made the weights non-finite
-            raise DivergenceError(f"step {trainer.global_step + 1} (its rollout): {exc}") from None
+        if self.one_step_off is not None:  # read ahead one step: generated while the step before trained
+            rollout_batch = self.one_step_off.rollout_batch(batch, prompt_index, metrics)
+        else:
+            try:
+                rollout_batch = self.rollout.generate(self._unique_uids(batch), step=trainer.global_step,
+                                                      prompt_index=prompt_index)
+            except DivergenceError as exc:  # the update before this step made the weights non-finite
+                raise DivergenceError(f"step {trainer.global_step + 1} (its rollout): {exc}") from None
         t_rollout = time.perf_counter() - t0
         scores = self.score(rollout_batch, metrics)
         self.compute_advantages(rollout_batch, scores, metrics)
@@ -427,12 +439,14 @@ class RLModule(TrainingModule):
             if self.actor_update_due():
                 metrics.update(self.run_updates("actor", actor_loss, mini_batches, actor_cfg.ppo_epochs,
                                                 calculate_entropy=actor_cfg.calculate_entropy))
-                self.sync_rollout()
+                if self.one_step_off is None:  # one step off: synced at the next step's start
+                    self.sync_rollout()
         engine_skipped, overflow_only = self._updates_skipped(metrics) if do_update else (False, False)
         # a float16 overflow skip is reported (update_skipped) but is no sign of a broken run
         self.non_finite.end_step(all_dropped or (engine_skipped and not overflow_only), self._step)
         metrics["actor/update_skipped"] = 0.0 if do_update and not engine_skipped else 1.0
-        metrics["timing/rollout_s"] = t_rollout
+        if self.one_step_off is None:
+            metrics["timing/rollout_s"] = t_rollout
         metrics["timing/update_s"] = time.perf_counter() - t1
         metrics["timing/step_s"] = time.perf_counter() - t0
         return metrics
@@ -445,7 +459,9 @@ class RLModule(TrainingModule):
         ``val/mean@k``, ``val/best@k``, ``val/worst@k`` and the same per source, ``val/<data_source>/pass@k``
         (:mod:`verl_trainer.evaluate.validation`).
         """
-        if self._rollout_stale:
+        if self.one_step_off is not None:
+            self.one_step_off.before_validation()
+        elif self._rollout_stale:
             self.sync_rollout()
         v = self.config.val_rollout
         step = self.trainer.global_step if self.trainer is not None else None

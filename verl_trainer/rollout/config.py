@@ -9,6 +9,8 @@ from verl_trainer.agents.config import MultiTurnConfig
 ROLLOUT_NAMES = ("auto", "hf", "vllm")
 DECODINGS = ("auto", "generate", "drop_finished")
 CACHE_IMPLEMENTATIONS = ("auto", "dynamic", "static")
+MAX_STALENESS = (0, 1)
+"""The supported ``max_staleness`` values: synchronous, and one-step-off."""
 BACKEND_ONLY = {
     "hf": ("decoding", "cache_implementation", "compile_decoding", "share_weights"),
     "vllm": ("gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_model_len",
@@ -53,7 +55,8 @@ class RolloutConfig:
         share_weights: hf only: where the actor engine holds its parameters whole on this rank (one
             shard rank, no TP / LoRA / offload: ``engine.get_shareable_params()``) in the rollout's
             device and dtype, the rollout model uses that storage itself (no second copy of the weights,
-            no per-step copy); ``False``: a private copy, synced after every update.
+            no per-step copy); ``False``: a private copy, synced after every update. Not used with
+            ``max_staleness >= 1``: generation then runs while the actor trains, so it needs its own copy.
         gpu_memory_utilization: vLLM only: fraction of GPU memory vLLM may take.
         tensor_parallel_size: vLLM only; must be 1 (one engine per training process, synced with full
             tensors whatever the actor's TP size).
@@ -64,6 +67,11 @@ class RolloutConfig:
             the weights while training runs (CUDA; vLLM has no sleep mode on CPU, where it is a no-op).
         multi_turn: Multi-turn, tool-calling and environment rollouts (``docs/agents.md``); with it on,
             ``max_new_tokens`` is the budget of a whole trajectory (model and tool tokens together).
+        max_staleness: ``0``: synchronous (generate, then train, every step). ``1``: one-step-off
+            asynchronous rollout — the next step's responses are generated on a background thread, with
+            the weights of the step it started from, while this step trains
+            (:mod:`verl_trainer.algorithms.one_step_off`; hf rollout, single-turn, and
+            ``rollout_correction`` on; ``docs/rollout.md``).
 
     """
 
@@ -89,6 +97,7 @@ class RolloutConfig:
     max_model_len: int | None = None
     free_cache_engine: bool = True
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -136,6 +145,30 @@ class RolloutConfig:
                              f"{self.max_new_tokens} (prompt + response), or be None (the model's length)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"rollout dtype={self.dtype!r}; choose float32, bfloat16 or float16")
+        self._check_staleness()
+
+    def _check_staleness(self) -> None:
+        """``max_staleness`` is 0 or 1, and 1 only with the backends and modes built for it."""
+        if self.max_staleness not in MAX_STALENESS:
+            raise ValueError(
+                f"rollout max_staleness={self.max_staleness!r}; choose one of {MAX_STALENESS} (0: "
+                "synchronous, 1: one-step-off asynchronous rollout; deeper pipelines are not built)"
+            )
+        if not self.max_staleness:
+            return
+        if self.name == "vllm":
+            raise ValueError(
+                "rollout max_staleness=1 with name='vllm': the colocated vLLM engine cannot generate while "
+                "the actor trains in the same process (it reloads weights in place and sleeps between "
+                "rollouts); "
+                "use name='hf' for the asynchronous rollout, or max_staleness=0 with vllm"
+            )
+        if self.multi_turn.enable:
+            raise ValueError(
+                "rollout max_staleness=1 with multi_turn.enable=true: the asynchronous rollout is built for "
+                "single-turn sampling only (tool calls and environments are not proven on a background "
+                "thread); set max_staleness=0 for multi-turn rollouts"
+            )
 
     def ignored_by(self, backend: str) -> list[str]:
         """``name=value`` of the settings changed from their defaults that ``backend`` does not read.

@@ -172,8 +172,12 @@ class HFRollout(BaseRollout):
         greedy = copy.deepcopy(gen_config)
         greedy.do_sample = False
         greedy.temperature, greedy.top_p, greedy.top_k = None, None, None
+        # synced_gpus=False: each rank holds a whole copy and samples its own prompts (transformers would
+        # otherwise all-reduce every decoding step under ZeRO-3 / FSDP, a collective the one-step-off
+        # rollout's background thread must never run)
         sequences = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                        generation_config=greedy, logits_processor=[sampler])
+                                        generation_config=greedy, logits_processor=[sampler],
+                                        synced_gpus=False)
         out = sequences[:, width:].tolist()
         lps = sampler.log_probs.tolist()
         return out, [lp[: len(o)] for lp, o in zip(lps, out)]

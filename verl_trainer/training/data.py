@@ -20,6 +20,7 @@ metric counts a sample twice and the values do not depend on the number of devic
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -226,6 +227,27 @@ class ShardedLoader(LoaderPosition):
                 rows = repeated[i * per:(i + 1) * per] if per is not None else repeated[i].expand(len(batch))
                 batch = _tagged(batch, rows)
             yield batch
+
+
+    def peek(self, count: int) -> list[Any]:
+        """Up to ``count`` batches that follow the current position, without consuming them.
+
+        When the current epoch's batches are all consumed, the first batches of the next epoch (its own
+        permutation). The batches are read from a fresh single-process loader over the same dataset and
+        sampler settings, so they are the ones :meth:`epoch_batches` yields next.
+
+        Args:
+            count: Batches wanted (one optimizer step's ``accumulate_grad_batches``).
+        """
+        epoch, batches = (self.epoch + 1, 0) if self.exhausted() else (self.epoch, self.batches)
+        sampler = copy.copy(self.sampler)
+        sampler.set_epoch(epoch)
+        sampler.set_start(batches * self.samples_per_batch * self.dp_size)
+        loader = DataLoader(self.loader.dataset, batch_size=self.batch_size, sampler=sampler,
+                            collate_fn=self.loader.collate_fn if self.batch_size is not None else None,
+                            drop_last=self.loader.drop_last)
+        left = min(count, self.limited_len() - batches)
+        return [to_schema_batch(batch) for _, batch in zip(range(left), loader)]
 
 
 def make_sharded_loader(loader: DataLoader, dp_rank: int, dp_size: int, seed: int, tag_padding: bool = False,

@@ -194,6 +194,26 @@ def _step_batches(trainer: Trainer, loader: ShardedLoader) -> Any:
         yield concat_batches(group), loader.batches - 1
 
 
+def peek_next_step_batch(trainer: Trainer) -> Any | None:
+    """The batch of the next optimizer step, read ahead without consuming it (``None``: no next step known).
+
+    ``None`` when this step is the last one (``max_steps``, or the last epoch of ``max_epochs``) or the data
+    is a stream (an iterable dataset cannot be read twice). A stop requested later (``should_stop``,
+    ``max_time``) leaves the read-ahead batch unused. The loader position is not moved, so a checkpoint
+    saved now resumes at that batch. The one-step-off rollout uses it to generate the next step's
+    responses while this step trains (:mod:`verl_trainer.algorithms.one_step_off`).
+    """
+    loader = trainer.train_loader
+    if not isinstance(loader, ShardedLoader) or 0 < trainer.max_steps <= trainer.global_step + 1:
+        return None
+    if loader.exhausted() and trainer.max_epochs is not None and loader.epoch + 1 >= trainer.max_epochs:
+        return None
+    group = loader.peek(trainer.accumulate_grad_batches)
+    if not group:
+        return None
+    return group[0] if len(group) == 1 else concat_batches(group)
+
+
 def fit_loop(trainer: Trainer) -> None:
     """Run training steps until ``max_steps`` / ``max_epochs`` / ``max_time`` / ``trainer.should_stop``."""
     module, loader = trainer.module, trainer.train_loader

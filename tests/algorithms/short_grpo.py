@@ -1,0 +1,32 @@
+"""A short GRPO run's pieces, shared by the rollout tests: a tiny model with the arithmetic task, and the
+demo recipe's config at a small batch (4 prompts x 4 samples, 4 new tokens, TIS on, lr 1e-2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.trainer.common import tiny_model
+from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_assets(base: Path, num_train: int = 24) -> Path:
+    """``base/model`` (a tiny Llama) and ``base/data`` (the arithmetic task, 4 validation prompts)."""
+    tiny_model(base / "model")
+    task = ArithmeticTaskConfig(num_train=num_train, num_val=4, holdout_fraction=0.2)
+    write_arithmetic_task(base / "data", task)
+    return base
+
+
+def short_grpo_config(model: str, data: str, *overrides: str) -> Any:
+    """``configs/grpo.yaml`` with the small batch above and ``overrides`` (a ``GRPORecipeConfig``)."""
+    from verl_trainer.configs import GRPORecipeConfig, load_config
+
+    return load_config(GRPORecipeConfig, ROOT / "configs" / "grpo.yaml", [
+        f"algorithm.model_path={model}", f"data.train_files={data}/train.jsonl",
+        f"data.val_files={data}/val.jsonl", "data.train_batch_size=4", "algorithm.rollout.n=4",
+        "algorithm.rollout.max_new_tokens=4", "algorithm.actor.ppo_mini_batch_size=4",
+        "algorithm.rollout_correction.level=token", "algorithm.actor.optim.lr=1e-2", *overrides,
+    ])
