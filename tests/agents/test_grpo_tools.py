@@ -64,7 +64,8 @@ def _fit(base: str, root: str, dynamic: bool) -> dict:
             self.metrics.append(dict(trainer.callback_metrics))
 
     overrides = [
-        f"algorithm.model_path={base}/model", f"data.train_files={base}/train.jsonl", f"data.val_files={base}/val.jsonl",
+        f"algorithm.model_path={base}/model", f"data.train_files={base}/train.jsonl",
+        f"data.val_files={base}/val.jsonl",
         "data.train_batch_size=4", "data.max_prompt_length=32", "algorithm.rollout.n=2",
         "algorithm.rollout.max_new_tokens=120", "algorithm.rollout.temperature=1.0",
         "algorithm.actor.ppo_mini_batch_size=4", "algorithm.actor.optim.lr=1e-4",

@@ -54,7 +54,8 @@ def test_prompt_ids_contain_the_tool_schemas_when_multi_turn_is_on(tmp_path):
 
 def test_no_schemas_when_multi_turn_or_tools_in_prompt_is_off():
     assert prompt_tool_schemas(MultiTurnConfig(enable=False, tools=[CALCULATOR])) is None
-    assert prompt_tool_schemas(MultiTurnConfig(enable=True, tools=[CALCULATOR], tools_in_prompt=False)) is None
+    off = MultiTurnConfig(enable=True, tools=[CALCULATOR], tools_in_prompt=False)
+    assert prompt_tool_schemas(off) is None
 
 
 def test_a_template_that_ignores_tools_or_a_plain_text_prompt_is_refused_with_the_fix(tmp_path):

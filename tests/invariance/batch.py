@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from tests.invariance.cases import MULTI_TURN_LOSS, Case
 from tests.engine.common import VOCAB_HIGH, VOCAB_LOW, padded_log_probs, padded_values
+from tests.invariance.cases import MULTI_TURN_LOSS, Case
 from verl_trainer.data.packing import make_batch
 from verl_trainer.models.loading import load_causal_lm, load_value_model
 

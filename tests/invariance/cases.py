@@ -239,7 +239,8 @@ SLICE: tuple[Case, ...] = (
 and KL, dp=2, dynamic micro-batching, balancing with padding samples) in two aggregation modes, plus one
 fsdp and one deepspeed case, all on 2 ranks; dp=1 x tp=2 in both modes and dp=1 x pp=2 with dynamic
 micro-batches (1F1B) (2 ranks, the same spawn); the headline configuration with the rollout
-correction and on the multi-turn batch (the same spawn); and the same headline configuration at dp=2 x sp=2 on 4 ranks. The default
+correction and on the multi-turn batch (the same spawn); and the same headline configuration at
+dp=2 x sp=2 on 4 ranks. The default
 run costs three process spawns (the 1-rank references, the 2-rank cases, the 4-rank case)."""
 
 

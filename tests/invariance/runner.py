@@ -75,8 +75,8 @@ def deepspeed_available() -> bool:
 
 def make_loss_fn(case: Case) -> Callable[..., Any]:
     """The loss function of ``case`` (PPO with entropy bonus and KL loss on; ``ppo_is``: and token-level
-    TIS of the rollout -> trainer ratio, threshold 2: the batch's ratios are e^{+-1} and e^{+-0.2}; ``ppo_mt``:
-    the PPO loss, on the multi-turn batch)."""
+    TIS of the rollout -> trainer ratio, threshold 2: the batch's ratios are e^{+-1} and e^{+-0.2};
+    ``ppo_mt``: the PPO loss, on the multi-turn batch)."""
     factor = LOSS_SCALE_FACTOR if case.agg == "seq-mean-token-sum-norm" else None
     if case.loss in PPO_LOSSES:
         correction = RolloutCorrectionConfig(level="token", threshold=2.0) if case.loss == CORRECTION_LOSS \

@@ -201,7 +201,8 @@ def save_rows(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]],
-                  chat_template: bool | None = None, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+                  chat_template: bool | None = None,
+                  tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
     """Tokenise a prompt to ids (no special tokens added beyond what the chat template writes).
 
     Args:
@@ -221,8 +222,8 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]],
     """
     use_template = isinstance(prompt, list) if chat_template is None else chat_template
     if tools and not use_template:
-        raise ValueError(f"prompt {str(prompt)[:60]!r} is plain text, so the tools' schemas cannot be rendered "
-                         "into it: give chat-list prompts or set data.chat_template=true, or set "
+        raise ValueError(f"prompt {str(prompt)[:60]!r} is plain text, so the tools' schemas cannot be "
+                         "rendered into it: give chat-list prompts or set data.chat_template=true, or set "
                          "algorithm.rollout.multi_turn.tools_in_prompt=false and describe the tools yourself")
     if use_template:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]

@@ -74,8 +74,8 @@ class ArithmeticTaskConfig:
         if self.num_train < 0 or self.num_val < 0:
             raise ValueError(f"num_train={self.num_train} and num_val={self.num_val} must be >= 0")
         if not 0 <= self.tool_traces <= self.num_train:
-            raise ValueError(f"tool_traces={self.tool_traces} must be in [0, num_train={self.num_train}] (traces "
-                             "are made from the training rows)")
+            raise ValueError(f"tool_traces={self.tool_traces} must be in [0, num_train={self.num_train}] "
+                             "(traces are made from the training rows)")
 
 
 def solve(a: int, op: str, b: int) -> int:

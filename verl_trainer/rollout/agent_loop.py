@@ -257,7 +257,8 @@ class AgentLoop:
             return list(pool.map(step, envs, messages))
 
 
-def agent_rewards_and_metrics(batch: TensorDict, prefix: str = "agent") -> tuple[torch.Tensor, dict[str, Metric]]:
+def agent_rewards_and_metrics(batch: TensorDict,
+                              prefix: str = "agent") -> tuple[torch.Tensor, dict[str, Metric]]:
     """The trajectories' environment + tool rewards ``[B]`` and the ``agent/*`` metrics of a rollout batch.
 
     Metrics (real samples only, means over trajectories, reduced as ``MEAN`` weighted by the rank's real
