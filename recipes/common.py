@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from verl_trainer.agents import prompt_tool_schemas
 from verl_trainer.algorithms.data import DataConfig, SFTDataModule
 from verl_trainer.algorithms.sft import SFT, SFTConfig
 from verl_trainer.callbacks import ProgressBar
@@ -187,7 +188,8 @@ def prepare(cfg: Any, trainer: Any, module_cls: type, data_cls: type) -> Run:
         names = ", ".join(f"algorithm.rollout.{setting}" for setting in ignored)
         print(f"note: the {backend} rollout does not read {names} (settings of the other backend; "
               f"algorithm.rollout.name={rollout.name})", flush=True)
-    data = data_cls(cfg.data, load_tokenizer(explicit or base))
+    tools = prompt_tool_schemas(rollout.multi_turn) if rollout is not None else None
+    data = data_cls(cfg.data, load_tokenizer(explicit or base), **({"tools": tools} if tools else {}))
     dp_size = trainer.check(module, datamodule=data)
     if cfg.trainer.max_epochs is not None:  # the epochs' step count, as verl counts it
         module = module_cls(_set_run_length(cfg, trainer, module.config, data.batches_per_epoch(dp_size)))

@@ -1,6 +1,8 @@
 """GRPO with the calculator tool, at dp=1 and at dp=2 with dynamic micro-batches (real gloo ranks): the same
 multi-turn trajectories, the same losses and metrics and the same final weights; the loss mask covers
-exactly the model's tokens."""
+exactly the model's tokens. Validation after the fit reports the agent metrics (``val/agent/*``) with the
+same values at both sizes: 3 validation prompts on 2 ranks make one padding sample, which must count
+nowhere."""
 
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ from verl_trainer.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
+VAL_ROWS = 3
+AGENT_VAL = ("val/agent/turns", "val/agent/tool_calls", "val/agent/tool_errors", "val/agent/correct_tool_use",
+             "val/agent/tool_calls/calculator", "val/agent/tool_token_share", "val/reward/mean")
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +29,7 @@ def assets(tmp_path_factory) -> Path:
     tool_policy(base / "model")
     rows = [to_verl_row([{"role": "user", "content": q}], str(eval(q[:-1])), "arithmetic") for q in QUESTIONS]
     save_rows(rows, base / "train.jsonl")
+    save_rows(rows[:VAL_ROWS], base / "val.jsonl")
     return base
 
 
@@ -58,7 +64,8 @@ def _fit(base: str, root: str, dynamic: bool) -> dict:
             self.metrics.append(dict(trainer.callback_metrics))
 
     overrides = [
-        f"algorithm.model_path={base}/model", f"data.train_files={base}/train.jsonl", "data.val_files=null",
+        f"algorithm.model_path={base}/model", f"data.train_files={base}/train.jsonl",
+        f"data.val_files={base}/val.jsonl",
         "data.train_batch_size=4", "data.max_prompt_length=32", "algorithm.rollout.n=2",
         "algorithm.rollout.max_new_tokens=120", "algorithm.rollout.temperature=1.0",
         "algorithm.actor.ppo_mini_batch_size=4", "algorithm.actor.optim.lr=1e-4",
@@ -75,10 +82,12 @@ def _fit(base: str, root: str, dynamic: bool) -> dict:
                       enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root,
                       val_check_interval=None, callbacks=[record], seed=7)
     module = GRPO(cfg.algorithm)
-    trainer.fit(module, datamodule=PromptDataModule(cfg.data, load_tokenizer(f"{base}/model")))
+    data = PromptDataModule(cfg.data, load_tokenizer(f"{base}/model"))
+    trainer.fit(module, datamodule=data)
     params = {n: t.detach().clone() for n, t in module.actor.get_per_tensor_param()}
     rank0 = dist.get_rank() == 0
-    return {"rows": record.rows, "metrics": record.metrics, "params": params if rank0 else None}
+    val = trainer.validate(module, datamodule=data)[0]
+    return {"rows": record.rows, "metrics": record.metrics, "params": params if rank0 else None, "val": val}
 
 
 @pytest.mark.slow
@@ -94,3 +103,7 @@ def test_grpo_with_the_calculator_is_the_same_run_at_dp1_and_dp2_with_dynamic_mi
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (step, key)
     for name, tensor in one["params"].items():
         torch.testing.assert_close(two[0]["params"][name], tensor, rtol=1e-4, atol=1e-5)
+    assert two[0]["val"] == two[1]["val"], "every rank logs the same reduced validation metrics"
+    assert one["val"]["val/agent/tool_calls"] > 0 and one["val"]["val/agent/correct_tool_use"] > 0
+    for key in AGENT_VAL:
+        assert two[0]["val"][key] == pytest.approx(one["val"][key], rel=1e-6, abs=1e-7), key

@@ -14,6 +14,8 @@ deterministic and keep every discrete decision far from its threshold, so round-
 * ``ref_log_prob``, ``advantages`` and ``returns`` are seeded noise;
 * ``rollout_log_probs = old_log_probs + d'`` with ``d'`` in {-1, -0.2, 0.2, 1}: rollout -> trainer ratios
   ``exp(-d')`` of 2.7, 1.2, 0.8, 0.37, far from the truncation threshold 2 of the ``ppo_is`` loss.
+
+:func:`multi_turn_batch` is the same batch laid out as a multi-turn rollout makes it (``ppo_mt`` cases).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from tensordict import TensorDict
 
 from tests.engine.common import VOCAB_HIGH, VOCAB_LOW, padded_log_probs, padded_values
+from tests.invariance.cases import MULTI_TURN_LOSS, Case
 from verl_trainer.data.packing import make_batch
 from verl_trainer.models.loading import load_causal_lm, load_value_model
 
@@ -78,3 +81,32 @@ def shard_for(batch: TensorDict, rank: int, dp: int, balance: bool) -> TensorDic
     sizes = UNEVEN_SIZES[dp] if balance else [batch.batch_size[0] // dp] * dp
     start = sum(sizes[:rank])
     return batch[start : start + sizes[rank]]
+
+
+MIN_MULTI_TURN_RESPONSE = 6
+"""Responses at least this long hold a tool-observation span (shorter ones are single-turn)."""
+
+
+def multi_turn_batch(batch: TensorDict) -> TensorDict:
+    """``batch`` as a multi-turn rollout lays it out: a tool-observation span inside each longer response.
+
+    Response ``r`` tokens long (``r >= MIN_MULTI_TURN_RESPONSE``): model turn, then observation tokens at
+    response positions ``[r // 3, r // 3 + max(2, r // 4))``, then the model's next turn. On the span
+    ``loss_mask`` and ``response_mask`` are 0 and every per-token RL field is 0, as
+    :class:`~verl_trainer.rollout.AgentLoop` leaves them (``rollout_log_probs`` 0 on observations).
+    """
+    batch = batch.clone()
+    observation = torch.zeros_like(batch["response_mask"], dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(batch["prompt_len"].tolist(), batch["response_len"].tolist())):
+        if r >= MIN_MULTI_TURN_RESPONSE:
+            start = p + r // 3
+            observation[i, start: start + max(2, r // 4)] = True
+    for key in ("loss_mask", "response_mask", "old_log_probs", "ref_log_prob", "advantages", "values",
+                "returns", "rollout_log_probs"):
+        batch[key] = batch[key].masked_fill(observation, 0.0)
+    return batch
+
+
+def batch_for(case: Case, batch: TensorDict) -> TensorDict:
+    """The global batch ``case`` trains on: :func:`multi_turn_batch` for ``ppo_mt``, else ``batch``."""
+    return multi_turn_batch(batch) if case.loss == MULTI_TURN_LOSS else batch

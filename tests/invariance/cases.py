@@ -22,6 +22,9 @@ The matrix is the union of these blocks (a full cross product would be ~1000 eng
   the batch's ``old_log_probs`` to its ``rollout_log_probs``, with the mismatch metrics), fsdp2: token-mean
   and seq-mean-token-mean on dp in {1, 2} x every micro-batching x balancing off/on, plus dp=1 with
   sp=2, tp=2 and pp=2 (dynamic micro-batches).
+* **multi-turn** (``ppo_mt``: the PPO loss on the batch as a multi-turn rollout makes it, tool-observation
+  spans inside the responses with loss and response mask 0, ``batch.multi_turn_batch``), fsdp2: token-mean
+  and seq-mean-token-mean on dp in {1, 2} x every micro-batching x balancing off/on.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ PP_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 CORRECTION_LOSS = "ppo_is"
 CORRECTION_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
+MULTI_TURN_LOSS = "ppo_mt"
+MULTI_TURN_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+
+PPO_LOSSES = ("ppo", CORRECTION_LOSS, MULTI_TURN_LOSS)
+"""The PPO-loss kinds (entropy bonus and KL loss on); they run in the same spawns."""
+
 REFERENCE_STRATEGY = "fsdp2"
 
 
@@ -61,7 +70,8 @@ class Case:
 
     Attributes:
         loss: ``"ppo"`` (entropy bonus and KL loss on), ``"ppo_is"`` (the same with token-level TIS of the
-            rollout -> trainer ratio), ``"value"`` or ``"sft"``.
+            rollout -> trainer ratio), ``"ppo_mt"`` (``"ppo"`` on the multi-turn batch), ``"value"`` or
+            ``"sft"``.
         agg: The ``loss_agg_mode``.
         dp: Data-parallel size.
         micro: ``"one"`` micro-batch per rank, ``"fixed1"`` / ``"fixed2"`` samples per micro-batch, or
@@ -185,6 +195,12 @@ def correction_cases() -> list[Case]:
     return cases
 
 
+def multi_turn_cases() -> list[Case]:
+    """The multi-turn block (fsdp2): every layout at dp in {1, 2} in the multi-turn agg modes."""
+    return [Case(MULTI_TURN_LOSS, agg, dp, micro, bal, "fsdp2")
+            for agg, dp, micro, bal in product(MULTI_TURN_AGG_MODES, (1, 2), MICRO, (False, True))]
+
+
 def all_cases() -> list[Case]:
     """The whole matrix (references excluded), in a stable order."""
     cases: set[Case] = set()
@@ -198,6 +214,7 @@ def all_cases() -> list[Case]:
     cases.update(tp_cases())
     cases.update(pp_cases())
     cases.update(correction_cases())
+    cases.update(multi_turn_cases())
     return sorted(c for c in cases if not c.is_reference)
 
 
@@ -216,12 +233,14 @@ SLICE: tuple[Case, ...] = (
     Case("ppo", "seq-mean-token-mean", 1, "fixed1", False, "fsdp2", tp=2),
     Case("ppo", "token-mean", 1, "dynamic", False, "fsdp2", pp=2),
     Case(CORRECTION_LOSS, "token-mean", 2, "dynamic", True, "fsdp2"),
+    Case(MULTI_TURN_LOSS, "token-mean", 2, "dynamic", True, "fsdp2"),
 )
 """The representative slice that runs in the default CI: the headline configuration (PPO with entropy
 and KL, dp=2, dynamic micro-batching, balancing with padding samples) in two aggregation modes, plus one
 fsdp and one deepspeed case, all on 2 ranks; dp=1 x tp=2 in both modes and dp=1 x pp=2 with dynamic
 micro-batches (1F1B) (2 ranks, the same spawn); the headline configuration with the rollout
-correction (the same spawn); and the same headline configuration at dp=2 x sp=2 on 4 ranks. The default
+correction and on the multi-turn batch (the same spawn); and the same headline configuration at
+dp=2 x sp=2 on 4 ranks. The default
 run costs three process spawns (the 1-rank references, the 2-rank cases, the 4-rank case)."""
 
 

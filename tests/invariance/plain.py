@@ -15,8 +15,8 @@ import torch
 from tensordict import TensorDict
 
 from tests.engine.common import padded_log_probs, padded_values
-from tests.invariance.batch import VALUE_SEED
-from tests.invariance.cases import CORRECTION_LOSS, Case
+from tests.invariance.batch import VALUE_SEED, batch_for
+from tests.invariance.cases import PPO_LOSSES, Case
 from tests.invariance.runner import OPTIM, make_loss_fn, outputs_by_uid
 from verl_trainer.engine import GlobalBatchInfo
 from verl_trainer.metrics import reduce_metrics
@@ -31,6 +31,7 @@ def padded_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def plain_step(case: Case, model_path: str, batch: TensorDict) -> dict[str, Any]:
     """One single-process plain-PyTorch step of ``case``'s loss on the whole padded batch."""
+    batch = batch_for(case, batch)
     if case.model_type == "value_model":
         model = load_value_model(model_path, attn_implementation="sdpa", seed=VALUE_SEED)
     else:
@@ -44,7 +45,7 @@ def plain_step(case: Case, model_path: str, batch: TensorDict) -> dict[str, Any]
         model_output = {"log_probs": padded_log_probs(out.logits, batch["input_ids"])}
         with torch.no_grad():
             outputs = outputs_by_uid({**model_output, "entropy": padded_entropy(out.logits)}, batch)
-        if case.loss in ("ppo", CORRECTION_LOSS):
+        if case.loss in PPO_LOSSES:
             model_output["entropy"] = padded_entropy(out.logits)
     # global_batch_size counts every real sample, the all-zero-mask one included (the engine's definition)
     info = GlobalBatchInfo(dp_size=1, batch_num_tokens=int(batch["loss_mask"].sum()),

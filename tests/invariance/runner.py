@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from tests.invariance.batch import BATCH_MULTIPLE, shard_for
-from tests.invariance.cases import CORRECTION_LOSS, XFAIL, Case
+from tests.invariance.batch import BATCH_MULTIPLE, batch_for, shard_for
+from tests.invariance.cases import CORRECTION_LOSS, PPO_LOSSES, XFAIL, Case
 from verl_trainer.callbacks.sequence_balancing import balance_batch
 from verl_trainer.core_algos import RolloutCorrectionConfig
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
@@ -75,9 +75,10 @@ def deepspeed_available() -> bool:
 
 def make_loss_fn(case: Case) -> Callable[..., Any]:
     """The loss function of ``case`` (PPO with entropy bonus and KL loss on; ``ppo_is``: and token-level
-    TIS of the rollout -> trainer ratio, threshold 2: the batch's ratios are e^{+-1} and e^{+-0.2})."""
+    TIS of the rollout -> trainer ratio, threshold 2: the batch's ratios are e^{+-1} and e^{+-0.2};
+    ``ppo_mt``: the PPO loss, on the multi-turn batch)."""
     factor = LOSS_SCALE_FACTOR if case.agg == "seq-mean-token-sum-norm" else None
-    if case.loss in ("ppo", CORRECTION_LOSS):
+    if case.loss in PPO_LOSSES:
         correction = RolloutCorrectionConfig(level="token", threshold=2.0) if case.loss == CORRECTION_LOSS \
             else None
         return ppo_loss(PPOLossConfig(loss_agg_mode=case.agg, entropy_coeff=0.01, use_kl_loss=True,
@@ -139,7 +140,7 @@ def run_case_on_rank(case: Case, model_path: str, batch: TensorDict) -> dict[str
                          f"tp={topo.tp_size} x pp={topo.pp_size}")
     # every SP / TP rank of a DP group starts from (and, balanced, ends with) that DP rank's samples: the
     # starting shard is chosen by dp_rank and the exchange runs within the DP group
-    shard = shard_for(batch, topo.dp_rank, case.dp, case.balance)
+    shard = shard_for(batch_for(case, batch), topo.dp_rank, case.dp, case.balance)
     balance_metrics: dict[str, float] = {}
     if case.balance:
         shard, balance_metrics = balance_batch(shard, engine.get_data_parallel_group(),
@@ -147,7 +148,7 @@ def run_case_on_rank(case: Case, model_path: str, batch: TensorDict) -> dict[str
     entropy = {"calculate_entropy": True} if case.model_type == "language_model" else {}
     with engine.eval_mode():
         infer = engine.infer_batch(shard, **entropy)
-    kwargs = {"calculate_entropy": True} if case.loss in ("ppo", CORRECTION_LOSS) else {}
+    kwargs = {"calculate_entropy": True} if case.loss in PPO_LOSSES else {}
     with engine.train_mode():
         out = engine.train_batch(shard, make_loss_fn(case), **kwargs)
     metrics = reduce_metrics(out["metrics"])
@@ -221,7 +222,7 @@ def chunk_key(case: Case) -> tuple:
     three spawns (the 1-rank references, the 2-rank cases and one 4-rank dp=2 x sp=2 case). A case in
     ``XFAIL`` runs in a spawn of its own (a failing rank ends the spawn it is in).
     """
-    loss = "ppo" if case.loss == CORRECTION_LOSS else case.loss  # the rollout correction joins ppo's spawn
+    loss = "ppo" if case.loss in PPO_LOSSES else case.loss  # the correction and multi-turn join ppo's spawn
     if case in XFAIL:
         return case.world, case.sp, loss, case.id
     return case.world, case.sp, loss

@@ -11,7 +11,16 @@ from __future__ import annotations
 import pytest
 from tensordict import TensorDict
 
-from tests.invariance.cases import AGG_MODES, CORRECTION_AGG_MODES, CORRECTION_LOSS, LOSSES, SLICE, Case
+from tests.invariance.cases import (
+    AGG_MODES,
+    CORRECTION_AGG_MODES,
+    CORRECTION_LOSS,
+    LOSSES,
+    MULTI_TURN_AGG_MODES,
+    MULTI_TURN_LOSS,
+    SLICE,
+    Case,
+)
 from tests.invariance.compare import compare, failures
 from tests.invariance.plain import plain_step
 from tests.invariance.results import MatrixResults
@@ -23,7 +32,9 @@ def reference_params() -> list:
     """Every reference; the two the default slice needs anyway run by default, the rest with the full."""
     params = []
     pairs = [(loss, agg) for loss in LOSSES for agg in AGG_MODES]
-    for loss, agg in pairs + [(CORRECTION_LOSS, agg) for agg in CORRECTION_AGG_MODES]:
+    pairs += [(CORRECTION_LOSS, agg) for agg in CORRECTION_AGG_MODES]
+    pairs += [(MULTI_TURN_LOSS, agg) for agg in MULTI_TURN_AGG_MODES]
+    for loss, agg in pairs:
         case = Case(loss, agg, 1, "one", False, "fsdp2")
         marks = [pytest.mark.invariance]
         if (loss, agg) not in SLICE_REFS:

@@ -5,7 +5,12 @@ names in ``algorithm.rollout.multi_turn``.
 """
 
 from verl_trainer.agents.builtin_tools import calculator, python
-from verl_trainer.agents.config import MultiTurnConfig, resolve_environment, resolve_tools
+from verl_trainer.agents.config import (
+    MultiTurnConfig,
+    prompt_tool_schemas,
+    resolve_environment,
+    resolve_tools,
+)
 from verl_trainer.agents.environment import Environment, StepResult
 from verl_trainer.agents.parsers import (
     TOOL_CALL_PARSERS,
@@ -32,6 +37,7 @@ __all__ = [
     "calculator",
     "get_tool_call_parser",
     "parse_hermes",
+    "prompt_tool_schemas",
     "python",
     "resolve_environment",
     "resolve_tools",

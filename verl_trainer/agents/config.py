@@ -11,7 +11,7 @@ from verl_trainer.agents.parsers import TOOL_CALL_PARSERS
 from verl_trainer.agents.tools import Tool, as_tool
 from verl_trainer.utils.registry import load_object
 
-__all__ = ["MultiTurnConfig", "resolve_environment", "resolve_tools"]
+__all__ = ["MultiTurnConfig", "prompt_tool_schemas", "resolve_environment", "resolve_tools"]
 
 
 @dataclass
@@ -33,6 +33,9 @@ class MultiTurnConfig:
             ``None``: none (a turn without a tool call ends the trajectory).
         reward_weight: Weight of the trajectory's environment + tool reward, added to the reward functions'
             score (``algorithm.reward.name``).
+        tools_in_prompt: Render the tools' JSON schemas into every prompt through the chat template
+            (``apply_chat_template(..., tools=...)``, transformers' tool use), so the model sees them; off:
+            the prompts describe the tools themselves (or a warm-started model knows them).
     """
 
     enable: bool = False
@@ -43,6 +46,7 @@ class MultiTurnConfig:
     tools: list[Any] = field(default_factory=list)
     environment: Any = None
     reward_weight: float = 1.0
+    tools_in_prompt: bool = True
 
     def __post_init__(self) -> None:
         where = "algorithm.rollout.multi_turn"
@@ -81,6 +85,16 @@ def resolve_tools(specs: list[Any]) -> list[Tool]:
         raise ValueError(f"algorithm.rollout.multi_turn.tools: several tools are named {duplicates}; "
                          "tool names must be unique")
     return tools
+
+
+def prompt_tool_schemas(config: MultiTurnConfig) -> list[dict[str, Any]] | None:
+    """The JSON schemas the prompts show (``tools=`` of the chat template), or ``None``.
+
+    ``None`` when multi-turn is off, ``tools_in_prompt`` is off or there are no tools.
+    """
+    if not (config.enable and config.tools_in_prompt and config.tools):
+        return None
+    return [tool.schema() for tool in resolve_tools(config.tools)]
 
 
 def resolve_environment(spec: Any) -> Callable[[], Environment] | None:

@@ -223,13 +223,22 @@ class PromptDataModule(_DataModule):
             ``reward_model.ground_truth``, ``ground_truth`` or TRL's ``solution``, optional; any other
             column, passed by name to TRL-style rewards).
         val_dataset: Rows in place of ``config.val_files``.
+        tools: The tools' JSON schemas, rendered into every prompt by the chat template (multi-turn:
+            ``verl_trainer.agents.prompt_tool_schemas(algorithm.rollout.multi_turn)``; the recipes pass
+            them); ``None``: none.
     """
+
+    def __init__(self, config: DataConfig, tokenizer: Any, sp_size: int = 1, train_dataset: Any = None,
+                 val_dataset: Any = None, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(config, tokenizer, sp_size, train_dataset, val_dataset)
+        self.tools = tools
 
     def _dataset(self, source: Any) -> PromptDataset:
         cfg = self.config
         return PromptDataset(source, self.tokenizer, cfg.max_prompt_length, truncation=cfg.truncation,
                              chat_template=cfg.chat_template,
-                             filter_overlong_prompts=cfg.filter_overlong_prompts, prompt_key=cfg.prompt_key)
+                             filter_overlong_prompts=cfg.filter_overlong_prompts, prompt_key=cfg.prompt_key,
+                             tools=self.tools)
 
 
     def data_sources(self) -> set[str]:

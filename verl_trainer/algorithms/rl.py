@@ -23,7 +23,8 @@ the train/inference mismatch of the old log-probs and the rollout's (``rollout_c
 ``timing/*``; with ``rollout.max_staleness=1`` (:mod:`verl_trainer.algorithms.one_step_off`) the rollout of
 the next step runs while this one trains, and ``rollout/staleness``, ``timing/idle_s`` are logged;
 validation: ``val/reward/*``, ``val/response_length/*``; with ``val_rollout.n > 1``
-``val/pass@k``, ``val/maj@k``, ``val/mean@k``, ``val/best@k``, ``val/worst@k`` overall and per data source.
+``val/pass@k``, ``val/maj@k``, ``val/mean@k``, ``val/best@k``, ``val/worst@k`` overall and per data source;
+multi-turn: ``agent/*`` and ``val/agent/*`` (``verl_trainer.rollout.agent_loop.agent_rewards_and_metrics``).
 
 Sampling is seeded per response from ``(rollout.seed, global step, the prompt's dataset index, sample
 index)``, so the responses of a step do not depend on the dp size (:mod:`verl_trainer.rollout.base`).
@@ -457,7 +458,8 @@ class RLModule(TrainingModule):
 
         With ``val_rollout.n > 1`` (or ``val_rollout.k`` set) also ``val/pass@k``, ``val/maj@k``,
         ``val/mean@k``, ``val/best@k``, ``val/worst@k`` and the same per source, ``val/<data_source>/pass@k``
-        (:mod:`verl_trainer.evaluate.validation`).
+        (:mod:`verl_trainer.evaluate.validation`). Multi-turn: ``val/agent/*`` (turns, tool calls, errors,
+        timeouts, correct tool use, tool-token share; the environment's reward is logged, not added).
         """
         if self.one_step_off is not None:
             self.one_step_off.before_validation()
@@ -476,6 +478,8 @@ class RLModule(TrainingModule):
         scores, reward_metrics, info = score_batch(rollout_batch, self.reward_fn, prefix="val/reward",
                                                    on_scores=check, return_info=True, raise_on_error=False)
         metrics.update(reward_metrics)
+        if AGENT_INFO in rollout_batch.keys():  # multi-turn: val/agent/turns, tool calls, correct tool use...
+            metrics.update(agent_rewards_and_metrics(rollout_batch, prefix="val/agent")[1])
         if v.n == 1:
             metrics.pop("val/reward/zero_std_group_frac", None)
         if v.ks:  # pass@k, maj@k, ... over the n samples of each prompt, overall and per data_source

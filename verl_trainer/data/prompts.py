@@ -201,7 +201,8 @@ def save_rows(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]],
-                  chat_template: bool | None = None) -> list[int]:
+                  chat_template: bool | None = None,
+                  tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
     """Tokenise a prompt to ids (no special tokens added beyond what the chat template writes).
 
     Args:
@@ -210,22 +211,52 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]],
         chat_template: ``None``: chat lists go through the tokenizer's chat template (with the generation
             prompt), strings are encoded as they are. ``True``: a string is wrapped as one user message
             first. ``False``: a chat list is joined as ``"role: content"`` lines.
+        tools: JSON schemas of the tools (multi-turn rollouts), rendered by the chat template
+            (``apply_chat_template(..., tools=tools)``, as transformers does for tool use); ``None``: none.
 
     Returns:
         The token ids.
 
+    Raises:
+        ValueError: ``tools`` with a prompt that does not go through the chat template.
     """
     use_template = isinstance(prompt, list) if chat_template is None else chat_template
+    if tools and not use_template:
+        raise ValueError(f"prompt {str(prompt)[:60]!r} is plain text, so the tools' schemas cannot be "
+                         "rendered into it: give chat-list prompts or set data.chat_template=true, or set "
+                         "algorithm.rollout.multi_turn.tools_in_prompt=false and describe the tools yourself")
     if use_template:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template; pass chat_template=False")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        extra = {"tools": list(tools)} if tools else {}
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     else:
         text = prompt if isinstance(prompt, str) else "".join(
             f"{m['role']}: {m['content']}\n" for m in prompt
         )
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def check_template_renders_tools(tokenizer: Any, tools: Sequence[Mapping[str, Any]]) -> None:
+    """Fail early when the tokenizer's chat template ignores ``tools`` (the model would never see them).
+
+    Raises:
+        ValueError: The template renders the same text with and without the tools.
+    """
+    probe = [{"role": "user", "content": "hi"}]
+    render = getattr(tokenizer, "apply_chat_template", None)
+    if not getattr(tokenizer, "chat_template", None) or render is None:
+        raise ValueError("the tokenizer has no chat_template, so the tools' schemas cannot be put in the "
+                         "prompts; give a tokenizer with one, or set "
+                         "algorithm.rollout.multi_turn.tools_in_prompt=false and describe the tools yourself")
+    plain = render(probe, add_generation_prompt=True, tokenize=False)
+    if render(probe, add_generation_prompt=True, tokenize=False, tools=list(tools)) == plain:
+        names = [t.get("function", t).get("name") for t in tools]
+        raise ValueError(f"the tokenizer's chat template ignores tools= (its output does not change with the "
+                         f"schemas of {names}), so the model would not see them; use a template that renders "
+                         "tools (Qwen2.5, Hermes, Llama 3.1 do), or set "
+                         "algorithm.rollout.multi_turn.tools_in_prompt=false and describe the tools yourself")
 
 
 def truncate(ids: list[int], max_length: int, mode: str) -> list[int]:
@@ -263,18 +294,24 @@ class PromptDataset(Dataset):
         name: What the messages call the source (e.g. the file's path).
         prompt_key: The prompt column of a file (verl's ``data.prompt_key``); records given as a list are
             already normalised.
+        tools: The tools' JSON schemas, rendered into every prompt by the chat template (multi-turn
+            rollouts: :func:`verl_trainer.agents.prompt_tool_schemas`); ``None``: none.
 
     Raises:
         ValueError: A prompt longer than ``max_prompt_length`` with ``truncation="error"`` (the message
-            names the row, its length and both fixes), or no prompt left after filtering.
+            names the row, its length and both fixes), no prompt left after filtering, or ``tools`` that
+            the tokenizer's chat template does not render.
     """
 
     def __init__(self, source: str | Path | Sequence[Mapping[str, Any]], tokenizer: Any,
                  max_prompt_length: int = 512, truncation: str = "error",
                  chat_template: bool | None = None, filter_overlong_prompts: bool = False,
-                 name: str | None = None, prompt_key: str = "prompt") -> None:
+                 name: str | None = None, prompt_key: str = "prompt",
+                 tools: Sequence[Mapping[str, Any]] | None = None) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation={truncation!r}; choose one of {TRUNCATION_MODES}")
+        if tools:
+            check_template_renders_tools(tokenizer, tools)
         records = load_prompts(source, prompt_key) if isinstance(source, (str, Path)) else [
             row if _is_record(row) else normalize_record(row, i, prompt_key) for i, row in enumerate(source)]
         name = name or (str(source) if isinstance(source, (str, Path)) else "the prompts")
@@ -283,7 +320,7 @@ class PromptDataset(Dataset):
         self.num_filtered = 0
         self.items: list[dict[str, Any]] = []
         for rec in records:
-            ids = encode_prompt(tokenizer, rec["prompt"], chat_template)
+            ids = encode_prompt(tokenizer, rec["prompt"], chat_template, tools)
             if len(ids) > max_prompt_length:
                 if filter_overlong_prompts:
                     self.num_filtered += 1

@@ -17,6 +17,7 @@ the seed.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ class ArithmeticTaskConfig:
             instead of the plain string.
         data_source: The ``data_source`` column.
         seed: Seed of every random choice.
+        tool_traces: Also write ``sft_tool_train``: this many calculator tool-use traces (chat rows, see
+            :func:`tool_trace_rows`) of the first training rows, for an SFT warm start before multi-turn RL
+            (``configs/grpo_tools.yaml``); 0: none.
 
     """
 
@@ -56,6 +60,7 @@ class ArithmeticTaskConfig:
     chat: bool = False
     data_source: str = "arithmetic"
     seed: int = 0
+    tool_traces: int = 0
 
     def __post_init__(self) -> None:
         self.operations = tuple(self.operations)
@@ -68,6 +73,9 @@ class ArithmeticTaskConfig:
             raise ValueError(f"holdout_fraction={self.holdout_fraction} must be in [0, 1)")
         if self.num_train < 0 or self.num_val < 0:
             raise ValueError(f"num_train={self.num_train} and num_val={self.num_val} must be >= 0")
+        if not 0 <= self.tool_traces <= self.num_train:
+            raise ValueError(f"tool_traces={self.tool_traces} must be in [0, num_train={self.num_train}] "
+                             "(traces are made from the training rows)")
 
 
 def solve(a: int, op: str, b: int) -> int:
@@ -122,6 +130,36 @@ def sft_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [{"prompt": r["prompt"], "response": str(r["reward_model"]["ground_truth"])} for r in rows]
 
 
+def tool_trace_rows(rows: Sequence[Mapping[str, Any]], end_of_turn: str = "<eos>") -> list[dict[str, Any]]:
+    """Calculator tool-use traces as SFT chat rows (``messages``; the loss on the assistant turns only).
+
+    A trace: the user's question, the assistant's Hermes call of ``calculator`` on the question's
+    expression, the tool's result, the assistant's answer::
+
+        user: 12*34=
+        assistant: <tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call><eos>
+        tool: 408
+        assistant: 408<eos>
+
+    Args:
+        rows: Verl rows of this task (``extra_info.question``, the ground truth).
+        end_of_turn: Text ending each assistant turn, so the model learns to stop there and the multi-turn
+            rollout runs the call (the tiny models' templates end a message with a newline only; their
+            tokenizer's eos is ``<eos>``).
+    """
+    traces = []
+    for row in rows:
+        question, answer = row["extra_info"]["question"], str(row["reward_model"]["ground_truth"])
+        call = json.dumps({"name": "calculator", "arguments": {"expression": question.rstrip("=")}})
+        traces.append({"messages": [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": f"<tool_call>{call}</tool_call>{end_of_turn}"},
+            {"role": "tool", "content": answer},
+            {"role": "assistant", "content": f"{answer}{end_of_turn}"},
+        ]})
+    return traces
+
+
 def write_arithmetic_task(out_dir: str | Path, config: ArithmeticTaskConfig | None = None,
                           fmt: str = "jsonl") -> dict[str, Path]:
     """Write ``train``, ``val`` (RL prompts) and ``sft_train``, ``sft_val`` files to ``out_dir``.
@@ -132,7 +170,8 @@ def write_arithmetic_task(out_dir: str | Path, config: ArithmeticTaskConfig | No
         fmt: ``"jsonl"`` or ``"parquet"``.
 
     Returns:
-        ``{"train": path, "val": path, "sft_train": path, "sft_val": path}``.
+        ``{"train": path, "val": path, "sft_train": path, "sft_val": path}``, and ``"sft_tool_train"``
+        with ``config.tool_traces``.
 
     """
     if fmt not in ("jsonl", "parquet"):
@@ -140,9 +179,13 @@ def write_arithmetic_task(out_dir: str | Path, config: ArithmeticTaskConfig | No
     config = config or ArithmeticTaskConfig()
     train, val = make_arithmetic_rows(config)
     out = Path(out_dir)
-    return {
+    paths = {
         "train": save_rows(train, out / f"train.{fmt}"),
         "val": save_rows(val, out / f"val.{fmt}"),
         "sft_train": save_rows(sft_rows(train), out / f"sft_train.{fmt}"),
         "sft_val": save_rows(sft_rows(val), out / f"sft_val.{fmt}"),
     }
+    if config.tool_traces:
+        traces = tool_trace_rows(train[: config.tool_traces])
+        paths["sft_tool_train"] = save_rows(traces, out / f"sft_tool_train.{fmt}")
+    return paths

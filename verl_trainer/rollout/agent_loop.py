@@ -103,10 +103,6 @@ class AgentLoop:
         self.parse = get_tool_call_parser(config.tool_call_format)
         self.encoder = ObservationEncoder(tokenizer, sorted(self.eos))
 
-    def tool_schemas(self) -> list[dict[str, Any]]:
-        """The tools' JSON schemas, for ``apply_chat_template(..., tools=...)`` of the prompts."""
-        return [t.schema() for t in self.tools.values()]
-
     # ----------------------------------------------------------------------------------------- tools
     def _call(self, instance_id: str, call: ToolCall | MalformedToolCall) -> tuple[str, str]:
         """``(status, text)`` of one call: status ``ok`` or ``error`` (never raises)."""
@@ -261,12 +257,20 @@ class AgentLoop:
             return list(pool.map(step, envs, messages))
 
 
-def agent_rewards_and_metrics(batch: TensorDict) -> tuple[torch.Tensor, dict[str, Metric]]:
+def agent_rewards_and_metrics(batch: TensorDict,
+                              prefix: str = "agent") -> tuple[torch.Tensor, dict[str, Metric]]:
     """The trajectories' environment + tool rewards ``[B]`` and the ``agent/*`` metrics of a rollout batch.
 
-    Metrics (real samples only, means over trajectories): ``agent/turns``, ``agent/tool_calls``,
-    ``agent/tool_errors``, ``agent/tool_timeouts``, ``agent/env_reward``, ``agent/tool_calls/<name>``;
-    ``agent/tool_token_share``: observation tokens over all response tokens.
+    Metrics (real samples only, means over trajectories, reduced as ``MEAN`` weighted by the rank's real
+    trajectories, so the logged value is the whole batch's over every dp rank): ``{prefix}/turns``,
+    ``{prefix}/tool_calls``, ``{prefix}/tool_errors``, ``{prefix}/tool_timeouts``, ``{prefix}/env_reward``,
+    ``{prefix}/tool_calls/<name>``; ``{prefix}/correct_tool_use``: the share of trajectories that called a
+    tool and got every call answered (no error, no timeout); ``{prefix}/tool_token_share``: observation
+    tokens over all response tokens (weighted by the response tokens).
+
+    Args:
+        batch: A rollout batch with :data:`~verl_trainer.rollout.base.AGENT_INFO`.
+        prefix: The metrics' prefix (``"agent"`` in training, ``"val/agent"`` in validation).
     """
     infos = list(batch[AGENT_INFO])
     real = schema.real_mask(batch).tolist()
@@ -279,13 +283,15 @@ def agent_rewards_and_metrics(batch: TensorDict) -> tuple[torch.Tensor, dict[str
         return Metric.mean(torch.tensor(sum(values) / count if count else 0.0), weight=count)
 
     for key in ("turns", "tool_calls", "tool_errors", "tool_timeouts"):
-        metrics[f"agent/{key}"] = mean([float(i[key]) for i in kept])
-    metrics["agent/env_reward"] = mean([float(i["reward"]) for i in kept])
+        metrics[f"{prefix}/{key}"] = mean([float(i[key]) for i in kept])
+    metrics[f"{prefix}/correct_tool_use"] = mean([float(i["tool_calls"] > 0 and i["tool_errors"] == 0
+                                                        and i["tool_timeouts"] == 0) for i in kept])
+    metrics[f"{prefix}/env_reward"] = mean([float(i["reward"]) for i in kept])
     for name in sorted({n for i in kept for n in i["per_tool"]}):
-        metrics[f"agent/tool_calls/{name}"] = mean([float(i["per_tool"].get(name, 0)) for i in kept])
+        metrics[f"{prefix}/tool_calls/{name}"] = mean([float(i["per_tool"].get(name, 0)) for i in kept])
     lens = batch[schema.RESPONSE_LEN][schema.real_mask(batch)]
     total = float(lens.sum())
     observed = float(sum(i["observation_tokens"] for i in kept))
-    metrics["agent/tool_token_share"] = Metric.mean(torch.tensor(observed / total if total else 0.0),
-                                                    weight=total)
+    metrics[f"{prefix}/tool_token_share"] = Metric.mean(torch.tensor(observed / total if total else 0.0),
+                                                        weight=total)
     return rewards, metrics
