@@ -6,8 +6,45 @@ import torch
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# What a Trainer or engine started in the pytest process leaves behind: every later test and every
+# subprocess it starts would inherit them (a recipe launched by a later test rendezvoused on a port this
+# process still held: EADDRINUSE).
+_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                "NODE_RANK", "VERL_TRAINER_LAUNCHER_PID")
+
 
 @pytest.fixture(autouse=True)
 def _deterministic_seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind(request):
+    """Fail a test that leaves a process group or launch variables in the pytest process, and undo them.
+
+    A test that runs a Trainer or an engine does it on spawned ranks
+    (``verl_trainer.testing.run_distributed``); a test file that CI runs in its own process and that
+    makes a process group on purpose is marked ``own_process_group``.
+    """
+    before = {name: os.environ.get(name) for name in _LAUNCH_VARS}
+    yield
+    if request.node.get_closest_marker("own_process_group"):
+        return
+    import torch.distributed as dist
+
+    left = []
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        left.append("an initialised default process group")
+    changed = sorted(name for name, value in before.items() if os.environ.get(name) != value)
+    for name in changed:
+        if before[name] is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before[name]
+    if changed:
+        left.append("environment variables " + ", ".join(changed))
+    if left:
+        pytest.fail(f"this test left {' and '.join(left)} in the pytest process (undone now); run Trainers "
+                    "and engines on spawned ranks with verl_trainer.testing.run_distributed", pytrace=False)

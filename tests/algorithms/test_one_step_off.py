@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.algorithms.short_grpo import ROOT, make_assets, short_grpo_config
+from verl_trainer.testing import run_distributed
 
 STEPS = 3
 
@@ -67,7 +68,7 @@ def _without_timing(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if not k.startswith("timing/")}
 
 
-def test_staleness_zero_is_the_synchronous_run(assets, tmp_path):
+def _staleness_zero_is_the_synchronous_run(assets: Path, tmp_path: Path) -> None:
     args = (str(assets / "model"), str(assets / "data"))
     plain = _grpo_fit(*args, str(tmp_path / "plain"))
     zero = _grpo_fit(*args, str(tmp_path / "zero"), "algorithm.rollout.max_staleness=0")
@@ -81,7 +82,7 @@ def test_staleness_zero_is_the_synchronous_run(assets, tmp_path):
         assert torch.equal(zero["params"][name], tensor), name
 
 
-def test_staleness_one_samples_with_the_weights_of_the_step_before(assets, tmp_path):
+def _staleness_one_samples_with_the_weights_of_the_step_before(assets: Path, tmp_path: Path) -> None:
     from verl_trainer.data import schema
     from verl_trainer.rollout import HFRollout
 
@@ -105,6 +106,17 @@ def test_staleness_one_samples_with_the_weights_of_the_step_before(assets, tmp_p
     torch.testing.assert_close(again[schema.ROLLOUT_LOG_PROBS], trained[schema.ROLLOUT_LOG_PROBS])
     assert one["module"].one_step_off.pending is None  # the last step reads nothing ahead
     assert not all(torch.equal(one["params"][n], t) for n, t in sync["params"].items())
+
+
+# Each runs its fits on one spawned rank: a Trainer in the pytest process would leave its process group
+# and launch variables to every later test.
+def test_staleness_zero_is_the_synchronous_run(assets, tmp_path):
+    run_distributed(_staleness_zero_is_the_synchronous_run, 1, assets, tmp_path, timeout=600)
+
+
+def test_staleness_one_samples_with_the_weights_of_the_step_before(assets, tmp_path):
+    run_distributed(_staleness_one_samples_with_the_weights_of_the_step_before, 1, assets, tmp_path,
+                    timeout=600)
 
 
 @pytest.mark.parametrize(("overrides", "match"), [

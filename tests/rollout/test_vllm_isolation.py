@@ -15,7 +15,7 @@ from verl_trainer.models import load_tokenizer, make_tiny_model
 from verl_trainer.rollout import RolloutConfig, build_rollout
 from verl_trainer.testing.distributed import find_free_port
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.own_process_group]
 pytest.importorskip("vllm")
 
 

@@ -10,7 +10,7 @@ from verl_trainer.models import load_tokenizer, make_tiny_model
 from verl_trainer.models.loading import load_causal_lm
 from verl_trainer.rollout import HFRollout, RolloutConfig, build_rollout
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.own_process_group]  # an in-process engine
 vllm = pytest.importorskip("vllm")
 
 SHAPE = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
