@@ -11,7 +11,7 @@ from verl_trainer.data.prompts import save_rows, to_verl_row
 from verl_trainer.evaluate.__main__ import main
 from verl_trainer.models import make_tiny_model
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.vllm, pytest.mark.own_process_group]  # the evaluation builds an in-process engine
 pytest.importorskip("vllm")
 
 

@@ -3,7 +3,7 @@
 With ``EngineConfig.lora_rank > 0`` (or ``lora_adapter_path``) :func:`apply_lora` wraps the loaded model in a
 ``PeftModel`` (``get_peft_model`` / ``PeftModel.from_pretrained``) before FSDP, FSDP2 or DeepSpeed shards it:
 every base weight is frozen, only the adapters (and a value model's ``score`` head, through peft's
-``modules_to_save``) are trainable, so ``optim.build_optimizer`` (trainable parameters only) gives AdamW and
+``modules_to_save``) are trainable, so ``build_optimizer`` (trainable parameters only) gives AdamW and
 its state the adapters alone. peft's wrapper passes the forward keywords through unchanged
 (``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``, the Ulysses group), so packed varlen attention,
 Ulysses SP and dynamic micro-batching run as without LoRA.
