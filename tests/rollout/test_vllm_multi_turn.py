@@ -2,8 +2,12 @@
 
 The policy is ``tests/agents/common.py``'s warm-started tool model (a real model trained on a few
 calculator traces, so greedy decoding makes the tool call by itself; no forced prefix), in a vLLM-sized
-shape (head size 32). One engine for the module; the sampled test swaps random weights into it.
+shape (head size 32). In that shape the 150-step warm start learns the call's format but not to copy the
+operands (every prompt gets the same well-formed call, e.g. ``7+1``), so the test reads the call from the
+sampled text. One engine for the module; the sampled tests swap random weights into it.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -11,7 +15,6 @@ import torch
 from tests.agents.common import (
     QUESTIONS,
     Again,
-    call_text,
     check_again_trajectories,
     prompts,
     record_turns,
@@ -19,7 +22,7 @@ from tests.agents.common import (
     sampled_turns,
     tool_policy,
 )
-from verl_trainer.agents import MultiTurnConfig, ObservationEncoder, calculator
+from verl_trainer.agents import MultiTurnConfig, ObservationEncoder, calculator, parse_hermes
 from verl_trainer.data import schema
 from verl_trainer.models import load_tokenizer, make_tiny_model
 from verl_trainer.models.loading import load_causal_lm
@@ -69,14 +72,15 @@ def test_greedy_tool_calls_on_vllm_equal_the_hf_rollout_token_for_token(rollout,
     assert len(recorded) == 2  # turn 0: the tool call; turn 1: the answer to the calculator's result
     sampled = sampled_turns(batch, recorded, rollout.eos_token_ids)
     observations = ObservationEncoder(tokenizer, rollout.eos_token_ids)
-    eos = [tokenizer.eos_token_id]
-    for row, question in enumerate(QUESTIONS):
+    eos = set(rollout.eos_token_ids)
+    for row in range(len(QUESTIONS)):
         ids, mask, log_probs = response(batch, row)
-        answer = str(eval(question[:-1]))  # noqa: S307 - the test's own questions
-        first = tokenizer.encode(call_text(question[:-1]), add_special_tokens=False) + eos
-        observation = observations.encode([{"role": "tool", "content": answer}])
-        assert ids[: len(first)] == first, tokenizer.decode(ids)  # the model made the call, vLLM sampled it
-        assert ids[len(first): len(first) + len(observation)] == observation  # the calculator's answer
+        first = ids[: next(k + 1 for k, t in enumerate(ids) if t in eos)]  # the model's first turn
+        (call,) = parse_hermes(tokenizer.decode(first, skip_special_tokens=True))  # a well-formed call
+        assert call.name == "calculator" and first[-1] in eos, tokenizer.decode(ids)
+        message = {"role": "tool", "name": "calculator", "content": calculator(**call.arguments)}
+        observation = observations.encode([message])  # the tool's answer, through the chat template
+        assert ids[len(first): len(first) + len(observation)] == observation
         rest = len(ids) - len(first) - len(observation)
         assert rest > 0 and mask == [1.0] * len(first) + [0.0] * len(observation) + [1.0] * rest
         assert [t for t, m in zip(ids, mask) if m] == sampled[row]  # trained ids = vLLM's sampled ids
@@ -84,7 +88,7 @@ def test_greedy_tool_calls_on_vllm_equal_the_hf_rollout_token_for_token(rollout,
         info = batch[AGENT_INFO][row]
         assert (info["turns"], info["tool_calls"], info["tool_errors"]) == (2, 1, 0)
         assert info["per_tool"] == {"calculator": 1}
-        assert {"role": "tool", "content": answer} in info["messages"]
+        assert message in info["messages"]
     model_tokens = batch[schema.LOSS_MASK].bool()
     assert (batch[schema.RESPONSE_MASK] == batch[schema.LOSS_MASK]).all()
     expected = model_log_probs(policy, batch)  # greedy: the log-probs of the unwarped distribution
@@ -100,20 +104,31 @@ def test_greedy_tool_calls_on_vllm_equal_the_hf_rollout_token_for_token(rollout,
     assert [i["messages"] for i in batch[AGENT_INFO]] == [i["messages"] for i in hf[AGENT_INFO]]
 
 
-def test_sampled_trajectories_train_the_sampled_ids_with_their_log_probs(rollout, recorded, policy,
-                                                                          tmp_path):
-    """Random weights synced into the engine, an environment, temperature 1.5: several turns, the trained
-    ids are vLLM's sampled ids (also where decode-then-encode differs), the log-probs are the model's."""
-    other = make_tiny_model(tmp_path / "random", num_hidden_layers=1, seed=5, **SHAPE)
+@contextlib.contextmanager
+def random_weights(rollout, policy: str, other: str, multi_turn: MultiTurnConfig):
+    """The engine with ``other``'s weights (a sync) and another multi-turn loop; the policy's after."""
     tools_loop = rollout.agent_loop
     rollout.update_weights(load_causal_lm(other).state_dict().items())
-    rollout.agent_loop = AgentLoop(MultiTurnConfig(enable=True, environment=Again, max_turns=3),
-                                   rollout.tokenizer, rollout.eos_token_ids)
+    rollout.agent_loop = AgentLoop(multi_turn, rollout.tokenizer, rollout.eos_token_ids)
     try:
-        batch = rollout.generate(prompts(other), n=2, do_sample=True, temperature=1.5, max_new_tokens=120)
+        yield
     finally:
         rollout.agent_loop = tools_loop
         rollout.update_weights(load_causal_lm(policy).state_dict().items())
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory) -> str:
+    """Random weights of the policy's shape."""
+    return make_tiny_model(tmp_path_factory.mktemp("vllm_random") / "model", num_hidden_layers=1, seed=5,
+                           **SHAPE)
+
+
+def test_sampled_trajectories_train_the_sampled_ids_with_their_log_probs(rollout, recorded, policy, other):
+    """Random weights synced into the engine, an environment, temperature 1.5: several turns, the trained
+    ids are vLLM's sampled ids (also where decode-then-encode differs), the log-probs are the model's."""
+    with random_weights(rollout, policy, other, MultiTurnConfig(enable=True, environment=Again, max_turns=3)):
+        batch = rollout.generate(prompts(other), n=2, do_sample=True, temperature=1.5, max_new_tokens=120)
     assert len(recorded) >= 2  # several turns
     check_again_trajectories(batch, recorded, load_tokenizer(other), rollout.eos_token_ids)
     mask = batch[schema.LOSS_MASK].bool()
@@ -121,3 +136,24 @@ def test_sampled_trajectories_train_the_sampled_ids_with_their_log_probs(rollout
     assert (lps[~mask] == 0).all() and (lps[mask] < 0).all()
     diff = (lps - model_log_probs(other, batch, temperature=1.5))[mask].abs().max().item()
     assert diff < 1e-4, diff
+
+
+def test_trajectories_end_where_they_fill_max_model_len(rollout, recorded, policy, other):
+    """Long prompts (200 of max_model_len=256 tokens): a trajectory ends when prompt + trajectory fill the
+    engine's context, never asks vLLM for more (it would refuse the next turn's context) and never ends on
+    an unanswered observation; a prompt that fills the context is refused naming the keys."""
+    questions = tuple("1+" * 98 + q for q in ("2=", "3="))
+    items = prompts(other, questions)
+    with random_weights(rollout, policy, other, MultiTurnConfig(enable=True, environment=Again, max_turns=4)):
+        batch = rollout.generate(items, n=4, do_sample=True, temperature=1.5)
+        too_long = prompts(other, ("1+" * 130 + "2=",))
+        with pytest.raises(ValueError, match=r"max_model_len=256; raise algorithm.rollout.max_model_len"):
+            rollout.generate(too_long)
+    seq_len = batch[schema.PROMPT_LEN] + batch[schema.RESPONSE_LEN]
+    assert int(batch[schema.PROMPT_LEN].min()) >= 200 and int(seq_len.max()) == 256  # some filled it
+    assert (seq_len <= 256).all()
+    sampled = sampled_turns(batch, recorded, rollout.eos_token_ids)
+    for row in range(batch.batch_size[0]):
+        ids, mask, _ = response(batch, row)
+        assert [t for t, m in zip(ids, mask) if m] == sampled[row] and mask[-1] == 1.0
+    assert max(i["turns"] for i in batch[AGENT_INFO]) >= 2  # observations were appended within the limit

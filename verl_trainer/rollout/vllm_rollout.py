@@ -103,6 +103,7 @@ class VLLMRollout(BaseRollout):
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         with self.state.entered():
             self.llm = vllm.LLM(**kwargs)
+        self.context_limit = int(self.llm.model_config.max_model_len)
 
     # ------------------------------------------------------------------------------------ sleep / wake
     def sleep(self) -> None:
@@ -139,10 +140,23 @@ class VLLMRollout(BaseRollout):
                            seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
         """Sample one response per prompt (request ``k`` seeded with ``seeds[k]``); vLLM batches them.
 
+        A request stops at its eos, at ``config.max_new_tokens`` or where prompt + response fill
+        :attr:`context_limit` (``max_model_len``); the multi-turn loop keeps trajectories within it.
+
         Returns:
             ``(ids, log_probs)``: per request its generated ids (an eos it stopped on is the last id) and
             each id's log-prob under the sampling distribution.
+
+        Raises:
+            ValueError: A prompt that already fills ``max_model_len`` (naming the keys to change).
         """
+        full = next((p for p in prompts if len(p) >= self.context_limit), None)
+        if full is not None:
+            raise ValueError(
+                f"a prompt of {len(full)} tokens leaves no room to generate within the vLLM engine's "
+                f"max_model_len={self.context_limit}; raise algorithm.rollout.max_model_len (prompt + "
+                "response) or lower data.max_prompt_length"
+            )
         self.wake_up()
         requests = [{"prompt_token_ids": p} for p in prompts]
         params = [self.sampling_params(config, s) for s in seeds]
