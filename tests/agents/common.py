@@ -19,10 +19,11 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from verl_trainer.agents import Environment, ObservationEncoder, StepResult
 from verl_trainer.data import schema
-from verl_trainer.data.prompts import PromptDataset, to_verl_row
+from verl_trainer.data.prompts import PromptDataset, save_rows, to_verl_row
 from verl_trainer.models.loading import load_causal_lm, load_tokenizer
 from verl_trainer.models.tiny import make_tiny_model
 from verl_trainer.rollout import AGENT_INFO
@@ -166,3 +167,82 @@ def check_again_trajectories(batch, calls: list, tokenizer, eos_token_ids) -> No
     rewards = [i["reward"] for i in batch[AGENT_INFO]]
     assert rewards == [1.0 if t == 2 and f else 0.0 for t, f in zip(turns, finished)]
     assert 1.0 in rewards  # some rows went through two turns
+
+
+def tool_assets(base: Path, val_rows: int, **shape: int) -> Path:
+    """``base/model`` (:func:`tool_policy` of ``shape``), ``base/train.jsonl`` (:data:`QUESTIONS`) and
+    ``base/val.jsonl`` (the first ``val_rows``)."""
+    tool_policy(base / "model", **shape)
+    rows = [to_verl_row([{"role": "user", "content": q}], str(eval(q[:-1])), "arithmetic")  # noqa: S307
+            for q in QUESTIONS]
+    save_rows(rows, base / "train.jsonl")
+    save_rows(rows[:val_rows], base / "val.jsonl")
+    return base
+
+
+def fit_grpo_tools(base: str, root: str, dynamic: bool, steps: int, extra: tuple[str, ...] = ()) -> dict:
+    """GRPO with the calculator for ``steps`` steps on :func:`tool_assets` ``base`` (run on spawned ranks).
+
+    Every rollout batch is checked (observations masked, 0 rollout log-prob there). ``extra``: more
+    recipe overrides (e.g. the vLLM rollout).
+
+    Returns:
+        ``rows`` (per step the ``(ids, mask)`` of each sample), ``metrics`` (per step), ``params`` (rank 0's
+        final weights) and ``val`` (validation metrics after the fit).
+    """
+    from verl_trainer import Trainer
+    from verl_trainer.algorithms import GRPO, PromptDataModule
+    from verl_trainer.callbacks import Callback
+    from verl_trainer.configs import GRPORecipeConfig, load_config
+    from verl_trainer.data import schema
+    from verl_trainer.models.loading import load_tokenizer
+    from verl_trainer.rollout import AGENT_INFO
+
+    class Record(Callback):
+        def __init__(self) -> None:
+            self.rows: list[list[tuple]] = []
+            self.metrics: list[dict[str, float]] = []
+
+        def on_rollout_end(self, trainer, module, batch) -> None:
+            step = []
+            for i in range(batch.batch_size[0]):
+                n, p = int(batch[schema.SEQ_LEN][i]), int(batch[schema.PROMPT_LEN][i])
+                mask = batch[schema.LOSS_MASK][i]
+                info = batch[AGENT_INFO][i]
+                assert int((mask[p:n] == 0).sum()) == info["observation_tokens"]  # observations masked
+                assert float(mask[:p].sum()) == 0.0 and float(mask[n:].sum()) == 0.0
+                assert torch.equal(batch[schema.ROLLOUT_LOG_PROBS][i][mask == 0],
+                                   torch.zeros(int((mask == 0).sum())))
+                step.append((tuple(batch[schema.INPUT_IDS][i, :n].tolist()), tuple(mask[:n].tolist())))
+            self.rows.append(step)
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            self.metrics.append(dict(trainer.callback_metrics))
+
+    overrides = [
+        f"algorithm.model_path={base}/model", f"data.train_files={base}/train.jsonl",
+        f"data.val_files={base}/val.jsonl",
+        "data.train_batch_size=4", "data.max_prompt_length=32", "algorithm.rollout.n=2",
+        "algorithm.rollout.max_new_tokens=120", "algorithm.rollout.temperature=1.0",
+        "algorithm.actor.ppo_mini_batch_size=4", "algorithm.actor.optim.lr=1e-4",
+        "algorithm.rollout.multi_turn.enable=true", "algorithm.rollout.multi_turn.max_turns=2",
+        "algorithm.rollout.multi_turn.tools=[verl_trainer.agents.builtin_tools:calculator]",
+        "algorithm.reward.name=math", "algorithm.rollout_correction.level=token",
+    ]
+    overrides += list(extra)
+    if dynamic:
+        overrides += ["algorithm.actor.engine.use_dynamic_bsz=true",
+                      "algorithm.actor.engine.max_token_len_per_gpu=200"]
+    cfg = load_config(GRPORecipeConfig, Path(__file__).resolve().parents[2] / "configs" / "grpo.yaml",
+                      overrides)
+    record = Record()
+    trainer = Trainer(devices=dist.get_world_size(), max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root,
+                      val_check_interval=None, callbacks=[record], seed=7)
+    module = GRPO(cfg.algorithm)
+    data = PromptDataModule(cfg.data, load_tokenizer(f"{base}/model"))
+    trainer.fit(module, datamodule=data)
+    params = {n: t.detach().clone() for n, t in module.actor.get_per_tensor_param()}
+    rank0 = dist.get_rank() == 0
+    val = trainer.validate(module, datamodule=data)[0]
+    return {"rows": record.rows, "metrics": record.metrics, "params": params if rank0 else None, "val": val}

@@ -16,10 +16,12 @@ from tests.agents.common import (
     QUESTIONS,
     Again,
     check_again_trajectories,
+    fit_grpo_tools,
     prompts,
     record_turns,
     response,
     sampled_turns,
+    tool_assets,
     tool_policy,
 )
 from verl_trainer.agents import MultiTurnConfig, ObservationEncoder, calculator, parse_hermes
@@ -27,6 +29,7 @@ from verl_trainer.data import schema
 from verl_trainer.models import load_tokenizer, make_tiny_model
 from verl_trainer.models.loading import load_causal_lm
 from verl_trainer.rollout import AGENT_INFO, AgentLoop, RolloutConfig, build_rollout
+from verl_trainer.testing import run_distributed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.own_process_group]  # an in-process engine
 vllm = pytest.importorskip("vllm")
@@ -157,3 +160,18 @@ def test_trajectories_end_where_they_fill_max_model_len(rollout, recorded, polic
         ids, mask, _ = response(batch, row)
         assert [t for t, m in zip(ids, mask) if m] == sampled[row] and mask[-1] == 1.0
     assert max(i["turns"] for i in batch[AGENT_INFO]) >= 2  # observations were appended within the limit
+
+
+@pytest.mark.slow  # a spawned rank builds its own engine, trains 2 GRPO steps and validates (~60 s)
+def test_grpo_with_the_calculator_on_vllm(tmp_path):
+    """The trainer with the vLLM rollout and the calculator: tools are called, observations are masked
+    (checked on every rollout batch), the sampled log-probs of the model tokens equal the actor's
+    recompute."""
+    base = tool_assets(tmp_path / "assets", 2, **SHAPE)
+    (out,) = run_distributed(fit_grpo_tools, 1, str(base), str(tmp_path / "run"), False, 2,
+                             ("algorithm.rollout.name=vllm", "algorithm.rollout.max_model_len=256"),
+                             timeout=900)
+    for step, metrics in enumerate(out["metrics"]):
+        assert metrics["agent/tool_calls"] > 0 and metrics["agent/tool_token_share"] > 0, step
+        assert metrics["rollout_corr/log_prob_abs_diff_max"] < 1e-4, (step, metrics)
+    assert out["val"]["val/agent/tool_calls"] > 0
