@@ -107,6 +107,21 @@ def test_greedy_tool_calls_on_vllm_equal_the_hf_rollout_token_for_token(rollout,
     assert [i["messages"] for i in batch[AGENT_INFO]] == [i["messages"] for i in hf[AGENT_INFO]]
 
 
+def test_the_engine_sleeps_after_the_rollout_not_between_turns(rollout, recorded, policy):
+    """With ``free_cache_engine`` (CUDA) a sleep frees the KV cache and offloads the weights; a multi-turn
+    rollout sleeps once, after its last turn. On CPU sleep / wake are no-ops: this checks their order."""
+    events: list[str] = []
+    for name in ("wake_up", "sleep"):
+        real = getattr(rollout, name)
+        setattr(rollout, name, lambda *a, _real=real, _name=name, **k: (events.append(_name),
+                                                                        _real(*a, **k))[1])
+    try:
+        rollout.generate(prompts(policy, QUESTIONS[:2]))
+    finally:
+        del rollout.wake_up, rollout.sleep
+    assert len(recorded) == 2 and events.count("sleep") == 1 and events[-1] == "sleep", events
+
+
 @contextlib.contextmanager
 def random_weights(rollout, policy: str, other: str, multi_turn: MultiTurnConfig):
     """The engine with ``other``'s weights (a sync) and another multi-turn loop; the policy's after."""

