@@ -9,11 +9,19 @@ import time
 import pytest
 import torch
 
-from tests.agents.common import QUESTIONS, call_text, tool_policy
+from tests.agents.common import (
+    QUESTIONS,
+    Again,
+    call_text,
+    check_again_trajectories,
+    prompts,
+    record_turns,
+    response,
+    tool_policy,
+)
 from tests.trainer.common import tiny_model
-from verl_trainer.agents import Environment, MultiTurnConfig, ObservationEncoder, StepResult, Tool, calculator
+from verl_trainer.agents import MultiTurnConfig, ObservationEncoder, Tool, calculator
 from verl_trainer.data import schema
-from verl_trainer.data.prompts import PromptDataset, to_verl_row
 from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.rollout import AGENT_INFO, RESPONSE_TEXT, RolloutConfig, build_rollout
 
@@ -28,36 +36,10 @@ def random_model(tmp_path_factory) -> str:
     return tiny_model(tmp_path_factory.mktemp("random_policy") / "model")
 
 
-def prompts(model: str, questions=QUESTIONS) -> PromptDataset:
-    rows = [to_verl_row([{"role": "user", "content": q}], str(eval(q[:-1])), "arithmetic") for q in questions]
-    return PromptDataset(rows, load_tokenizer(model))
-
-
 def rollout_of(model: str, multi_turn: MultiTurnConfig, **sampling):
     config = RolloutConfig(device="cpu", max_new_tokens=sampling.pop("max_new_tokens", 160),
                            multi_turn=multi_turn, **sampling)
     return build_rollout(config, model)
-
-
-def record_turns(rollout) -> list:
-    """Keep what the backend sampled, call by call (the real call runs)."""
-    calls = []
-    generate = rollout.generate_token_ids
-
-    def recording(prompts, config, seeds):
-        out = generate(prompts, config, seeds)
-        calls.append((prompts, out[0]))
-        return out
-
-    rollout.generate_token_ids = recording
-    return calls
-
-
-def response(batch, row: int) -> tuple[list[int], list[float], list[float]]:
-    start, length = int(batch[schema.PROMPT_LEN][row]), int(batch[schema.RESPONSE_LEN][row])
-    part = slice(start, start + length)
-    return (batch[schema.INPUT_IDS][row, part].tolist(), batch[schema.LOSS_MASK][row, part].tolist(),
-            batch[schema.ROLLOUT_LOG_PROBS][row, part].tolist())
 
 
 def test_the_policy_calls_the_calculator_and_tool_tokens_are_masked(policy):
@@ -83,17 +65,6 @@ def test_the_policy_calls_the_calculator_and_tool_tokens_are_masked(policy):
         assert f"tool: {answer}" in batch[RESPONSE_TEXT][row]
 
 
-class Again(Environment):
-    """Answers the first message with "no"; the second ends the episode with reward 1."""
-
-    def reset(self, row):
-        self.seen = 0
-
-    def step(self, message):
-        self.seen += 1
-        return StepResult("no", 1.0 if self.seen == 2 else 0.0, self.seen == 2)
-
-
 def test_trained_ids_are_the_sampled_ids_even_where_decode_then_encode_differs(random_model):
     tokenizer = load_tokenizer(random_model)
     rollout = rollout_of(random_model, MultiTurnConfig(enable=True, environment=Again, max_turns=3), n=2,
@@ -101,37 +72,7 @@ def test_trained_ids_are_the_sampled_ids_even_where_decode_then_encode_differs(r
     calls = record_turns(rollout)
     batch = rollout.generate(prompts(random_model))
     assert len(calls) >= 2  # several turns
-    encoder = ObservationEncoder(tokenizer, rollout.eos_token_ids)
-    observation = encoder.encode([{"role": "user", "content": "no"}])
-    eos = set(rollout.eos_token_ids)
-    rows = range(batch.batch_size[0])
-    turns = [batch[AGENT_INFO][r]["turns"] for r in rows]
-    sampled: dict[int, list[int]] = {r: [] for r in rows}  # each row's model turns, as the backend gave them
-    for t, (contexts, outs) in enumerate(calls):
-        active = [r for r in rows if turns[r] > t]  # the loop asks for the unfinished rows, in order
-        assert len(active) == len(outs)
-        for r, context, out in zip(active, contexts, outs):
-            ids, _, _ = response(batch, r)
-            prompt_len = int(batch[schema.PROMPT_LEN][r])
-            assert context == batch[schema.INPUT_IDS][r, : len(context)].tolist()  # this row's history
-            cut = next((k + 1 for k, tok in enumerate(out) if tok in eos), len(out))
-            sampled[r].extend(out[:cut][: len(ids) - (len(context) - prompt_len)])
-    differs = 0
-    finished = []  # the row's last turn ended with eos (a whole message the environment answered)
-    for row in rows:
-        ids, mask, _ = response(batch, row)
-        trained = [t for t, m in zip(ids, mask) if m == 1]
-        assert trained == sampled[row]
-        finished.append(trained[-1] in eos)
-        observed = [t for t, m in zip(ids, mask) if m == 0]
-        assert observed == (observation * (turns[row] - 1))[: len(observed)]
-        body = [t for t in trained if t not in eos]  # sampled special tokens (pad, bos, unk) amid the text
-        text = tokenizer.decode(body, skip_special_tokens=True)
-        differs += tokenizer.encode(text, add_special_tokens=False) != body
-    assert differs > 0  # re-tokenising the decoded text would have trained other ids
-    rewards = [i["reward"] for i in batch[AGENT_INFO]]
-    assert rewards == [1.0 if t == 2 and f else 0.0 for t, f in zip(turns, finished)]
-    assert 1.0 in rewards  # some rows went through two turns
+    check_again_trajectories(batch, calls, tokenizer, rollout.eos_token_ids)
 
 
 def test_a_trajectory_without_tool_calls_is_the_single_turn_response(random_model):

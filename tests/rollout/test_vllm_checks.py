@@ -17,6 +17,8 @@ from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
 from verl_trainer.models.tiny import make_tiny_model
 from verl_trainer.rollout import (
     AUTO_CPU_VLLM_MIN_PARAMS,
+    BaseRollout,
+    HFRollout,
     RolloutConfig,
     build_rollout,
     check_vllm_rollout,
@@ -24,6 +26,7 @@ from verl_trainer.rollout import (
     resolve_rollout_name,
     vllm_available,
 )
+from verl_trainer.rollout.vllm_support import generation_eos_ids
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="needs the vllm extra")
 
@@ -89,3 +92,17 @@ def test_auto_picks_vllm_on_cuda_or_for_large_models(head16, tmp_path):
     assert resolve_rollout_name(auto, None) == "hf"
     assert resolve_rollout_name(RolloutConfig(name="vllm"), head16) == "vllm"  # as asked (then refused)
     assert resolve_rollout_name(RolloutConfig(name="hf"), large) == "hf"
+
+
+def test_the_vllm_rollout_ends_turns_on_the_eos_ids_hf_generate_stops_on(tmp_path):
+    """``generation_eos_ids`` (what VLLMRollout adds to the tokenizer's eos) reads
+    ``generation_config.json``, else ``config.json``, as ``from_pretrained`` does for the HF rollout: the
+    two cut turns on the same ids."""
+    path = Path(make_tiny_model(tmp_path / "m", hidden_size=32, num_hidden_layers=1, seed=0))
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, 7]}))
+    assert generation_eos_ids(path) == [2, 7]
+    hf = HFRollout(RolloutConfig(device="cpu"), str(path))
+    assert hf.eos_token_ids == BaseRollout._eos_ids(hf.tokenizer, generation_eos_ids(path)) == [2, 7]
+    (path / "generation_config.json").unlink()
+    assert generation_eos_ids(path) == [json.loads((path / "config.json").read_text())["eos_token_id"]]

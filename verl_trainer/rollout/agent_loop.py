@@ -10,8 +10,9 @@ an environment's answer a ``role: user`` message, rendered through the chat temp
 
 A trajectory ends when a turn makes no tool call and the environment (if any) says done, at
 ``max_turns`` assistant turns, or when its tokens reach ``max_new_tokens`` (model and observation tokens
-together: the response budget); an observation is appended whole or, when it would leave no room for the
-model's answer, not at all (the trajectory ends there). Turn 0 samples from the response's own seed,
+together: the response budget) or, with a backend of bounded context (vLLM's ``max_model_len``), when
+prompt and trajectory fill that context; an observation is appended whole or, when it would leave no room
+for the model's answer, not at all (the trajectory ends there). Turn 0 samples from the response's own seed,
 so a trajectory whose first turn calls no tool is exactly the single-turn rollout's response; turn ``t``
 samples from a seed derived from it.
 """
@@ -141,7 +142,8 @@ class AgentLoop:
 
     # ------------------------------------------------------------------------------------------ loop
     def run(self, generate: GenerateFn, prompts: list[list[int]], rows: list[Mapping[str, Any]], config: Any,
-            seeds: list[int], derive_seed: Callable[[int, int], int]) -> list[Trajectory]:
+            seeds: list[int], derive_seed: Callable[[int, int], int],
+            context_limit: int | None = None) -> list[Trajectory]:
         """Roll out one trajectory per prompt.
 
         Args:
@@ -153,11 +155,16 @@ class AgentLoop:
                 response budget of a whole trajectory).
             seeds: ``N`` seeds, one per trajectory (turn 0 samples from it).
             derive_seed: ``(seed, turn) -> seed`` of a later turn.
+            context_limit: The most tokens (prompt + trajectory) the backend can hold (vLLM's
+                ``max_model_len``); ``None``: unbounded (HF). A trajectory's budget is then
+                ``min(max_new_tokens, context_limit - prompt length)``, so no turn asks for a context the
+                backend cannot take.
 
         Returns:
             ``N`` :class:`Trajectory` objects.
         """
-        budget = config.max_new_tokens
+        budgets = [config.max_new_tokens if context_limit is None else
+                   max(1, min(config.max_new_tokens, context_limit - len(p))) for p in prompts]
         trajs = [Trajectory() for _ in prompts]
         ids = [uuid.uuid4().hex for _ in prompts]
         envs: list[Environment | None] = [self.environment() if self.environment else None for _ in prompts]
@@ -171,9 +178,9 @@ class AgentLoop:
                 active = [i for i, t in enumerate(trajs) if not t.done]
                 if not active:
                     break
-                self._model_turn(generate, prompts, trajs, active, config, budget,
+                self._model_turn(generate, prompts, trajs, active, config, budgets,
                                  [seeds[i] if turn == 0 else derive_seed(seeds[i], turn) for i in active])
-                self._observe(trajs, active, ids, envs, budget, last=turn == self.config.max_turns - 1)
+                self._observe(trajs, active, ids, envs, budgets, last=turn == self.config.max_turns - 1)
             for i, t in enumerate(trajs):
                 t.reward += sum(float(tool.reward(ids[i])) for tool in self.tools.values())
         finally:
@@ -185,8 +192,8 @@ class AgentLoop:
         return trajs
 
     def _model_turn(self, generate: GenerateFn, prompts: list[list[int]], trajs: list[Trajectory],
-                    active: list[int], config: Any, budget: int, seeds: list[int]) -> None:
-        left = [budget - len(trajs[i].ids) for i in active]
+                    active: list[int], config: Any, budgets: list[int], seeds: list[int]) -> None:
+        left = [budgets[i] - len(trajs[i].ids) for i in active]
         turn_config = dataclasses.replace(config, max_new_tokens=max(left))
         out, lps = generate([prompts[i] + trajs[i].ids for i in active], turn_config, seeds)
         for i, room, sampled, lp in zip(active, left, out, lps):
@@ -197,11 +204,11 @@ class AgentLoop:
             traj.turns += 1
             text = self.tokenizer.decode(sampled[:cut], skip_special_tokens=True)
             traj.messages.append({"role": "assistant", "content": text})
-            if len(traj.ids) >= budget:
+            if len(traj.ids) >= budgets[i]:
                 traj.done = True
 
     def _observe(self, trajs: list[Trajectory], active: list[int], ids: list[str],
-                 envs: list[Environment | None], budget: int, last: bool) -> None:
+                 envs: list[Environment | None], budgets: list[int], last: bool) -> None:
         """Tool calls and environment steps of this turn's messages; observations appended as tokens."""
         jobs: list[tuple[int, ToolCall | MalformedToolCall]] = []
         steps: list[int] = []
@@ -237,7 +244,7 @@ class AgentLoop:
                 traj.done = True
                 continue
             tokens = self.encoder.encode(messages)
-            if len(traj.ids) + len(tokens) >= budget:  # no room left to answer it: the trajectory ends here
+            if len(traj.ids) + len(tokens) >= budgets[i]:  # no room left to answer it: it ends here
                 traj.done = True
                 continue
             traj.messages.extend(messages)

@@ -140,6 +140,10 @@ class BaseRollout(ABC):
         self.agent_loop: Any = None
         """An :class:`~verl_trainer.rollout.agent_loop.AgentLoop` for multi-turn rollouts (set by
         :func:`verl_trainer.rollout.build_rollout` when ``multi_turn.enable``); ``None``: single-turn."""
+        self.context_limit: int | None = None
+        """The most tokens (prompt + response) the backend can hold (vLLM's ``max_model_len``); ``None``:
+        unbounded. Multi-turn trajectories end when they fill it (a single-turn response is cut there by
+        the backend itself)."""
         self.data_rank: int | None = None
         """The data-parallel rank of this process (the ranks of one SP / TP group hold the same prompts);
         informational: sampling is seeded per response, not per rank (see the module docstring)."""
@@ -234,7 +238,7 @@ class BaseRollout(ABC):
             rows = [{k: v[i] for k, v in columns.items()} for i in range(len(prompt_batch)) for _ in range(n)]
             trajectories = self.agent_loop.run(
                 self.generate_token_ids, prompts, rows, config, seeds,
-                lambda s, turn: derive_sample_seed(s, turn, 0, 0, stream))
+                lambda s, turn: derive_sample_seed(s, turn, 0, 0, stream), self.context_limit)
             responses, log_probs = [t.ids for t in trajectories], [t.log_probs for t in trajectories]
         else:
             generated, log_probs = self.generate_token_ids(prompts, config, seeds) if prompts else ([], [])

