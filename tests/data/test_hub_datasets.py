@@ -73,7 +73,8 @@ def test_the_cache_is_the_layout_huggingface_hub_reads(hf_home):
     info = scan_cache_dir(hf_home / "hub")
     assert not info.warnings
     found = {r.repo_id: (r.repo_type, sorted(r.refs), r.nb_files) for r in info.repos}
-    assert found == {"tiny-org/tiny-math": ("dataset", ["main"], 5), "tiny-org/tiny-chat": ("dataset", ["main"], 2)}
+    assert found == {"tiny-org/tiny-math": ("dataset", ["main"], 5),
+                     "tiny-org/tiny-chat": ("dataset", ["main"], 2)}
 
 
 def test_grpo_data_module_reads_a_cached_hub_id_train_and_test_splits(hf_home):
@@ -134,8 +135,6 @@ def test_local_files_come_first_and_data_file_names_are_never_hub_ids(hf_home, t
     assert parse_hub_dataset("tiny-org/tiny-math") is None  # a local file of that name
     assert parse_hub_dataset("missing/train.parquet") is None and parse_hub_dataset("./a/b") is None
     assert parse_hub_dataset("org/name:cfg@test").text() == "org/name:cfg@test"
-    data = PromptDataModule(DataConfig(train_files="missing/train.parquet", train_batch_size=2),
-                            build_tokenizer())
-    with pytest.raises(FileNotFoundError, match=r"does not exist \(relative paths start at [^;]*\)$"):
-        data.check(dp_size=1)
+    with pytest.raises(ValueError, match="cannot read prompts from 'tiny-org/tiny-math': use a .parquet"):
+        PromptDataset("tiny-org/tiny-math", build_tokenizer())  # the local file, not the cached dataset
     assert data_fingerprint("missing/train.parquet") is None and data_fingerprint("nobody/nothing") is None
