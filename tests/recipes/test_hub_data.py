@@ -18,15 +18,15 @@ from verl_trainer.testing.hub_cache import parquet_bytes, write_cached_dataset
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _args(tmp_path: Path, *overrides: str) -> list[str]:
+def _args(tmp_path: Path, *overrides: str, devices: int = 1) -> list[str]:
     model = make_tiny_model(tmp_path / "model", hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
-    return ["trainer.devices=1", "trainer.max_steps=2", "trainer.val_check_interval=null",
+    return [f"trainer.devices={devices}", "trainer.max_steps=2", "trainer.val_check_interval=null",
             "trainer.logger=[csv]", f"trainer.default_root_dir={tmp_path}/run", f"model.path={model}",
             f"task.dir={tmp_path}/task", "data.train_batch_size=4",
-            "algorithm.engine.micro_batch_size_per_gpu=4", "trainer.export_hf=false", *overrides]
+            "algorithm.engine.micro_batch_size_per_gpu=2", "trainer.export_hf=false", *overrides]
 
 
-@pytest.mark.slow  # 25-40 s on a loaded 2-core machine; the data path itself: tests/data/test_hub_datasets.py
+@pytest.mark.slow  # 2 ranks: ~60 s on a loaded 2-core machine (data path: tests/data/test_hub_datasets.py)
 def test_sft_recipe_trains_on_a_cached_hub_dataset_id(tmp_path):
     rows = [{"prompt": f"{i}+1=", "response": str(i + 1)} for i in range(8)]
     write_cached_dataset(tmp_path / "hf_home" / "hub", "tiny-org/tiny-sft", {
@@ -36,7 +36,8 @@ def test_sft_recipe_trains_on_a_cached_hub_dataset_id(tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     env.pop("HF_HUB_CACHE", None)
-    args = _args(tmp_path, "data.train_files=tiny-org/tiny-sft", "data.val_files=tiny-org/tiny-sft")
+    args = _args(tmp_path, "data.train_files=tiny-org/tiny-sft", "data.val_files=tiny-org/tiny-sft",
+                 devices=2)  # both ranks read the cache
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
