@@ -138,3 +138,17 @@ def test_local_files_come_first_and_data_file_names_are_never_hub_ids(hf_home, t
     with pytest.raises(ValueError, match="cannot read prompts from 'tiny-org/tiny-math': use a .parquet"):
         PromptDataset("tiny-org/tiny-math", build_tokenizer())  # the local file, not the cached dataset
     assert data_fingerprint("missing/train.parquet") is None and data_fingerprint("nobody/nothing") is None
+
+
+def test_a_snapshot_the_cache_knows_is_partial_is_read_for_the_files_it_has(hf_home):
+    """``load_dataset(id, "main")`` fetches one config's files; a tree listing that ``snapshot_download``
+    cached names all of them, so ``local_files_only`` raises ``IncompleteSnapshotError``: its
+    ``snapshot_path`` (documented for this) is read."""
+    from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
+
+    repo = hf_home / "hub" / "datasets--tiny-org--tiny-math"
+    listed = [p.relative_to(repo / "snapshots" / COMMIT).as_posix()
+              for p in (repo / "snapshots" / COMMIT).rglob("*") if p.is_file()]
+    entries = {name: TreeCacheEntry(size=1, blob_id="0" * 40) for name in [*listed, "extra/train.parquet"]}
+    write_tree_cache(str(repo), COMMIT, entries)
+    assert len(PromptDataset("tiny-org/tiny-math:main", build_tokenizer())) == 8
