@@ -133,7 +133,8 @@ def test_local_files_come_first_and_data_file_names_are_never_hub_ids(hf_home, t
     (tmp_path / "tiny-org").mkdir()
     (tmp_path / "tiny-org" / "tiny-math").write_text(json.dumps({"prompt": "local", "solution": "1"}) + "\n")
     assert parse_hub_dataset("tiny-org/tiny-math") is None  # a local file of that name
-    assert parse_hub_dataset("missing/train.parquet") is None and parse_hub_dataset("./a/b") is None
+    for local in ("missing/train.parquet", "missing/train.csv", "./a/b", "../a", "/abs/path"):
+        assert parse_hub_dataset(local) is None, local
     assert parse_hub_dataset("org/name:cfg@test").text() == "org/name:cfg@test"
     with pytest.raises(ValueError, match="cannot read prompts from 'tiny-org/tiny-math': use a .parquet"):
         PromptDataset("tiny-org/tiny-math", build_tokenizer())  # the local file, not the cached dataset

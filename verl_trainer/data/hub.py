@@ -36,7 +36,7 @@ from verl_trainer.models.source import hub_cache_dir, looks_like_hub_id
 __all__ = ["HubDataset", "HubDatasetNotFoundError", "data_fingerprint", "hub_snapshot", "parse_hub_dataset",
            "read_hub_rows", "with_default_split"]
 
-DATA_SUFFIXES = (".parquet", ".pq", ".jsonl", ".json")
+DATA_SUFFIXES = (".parquet", ".pq", ".jsonl", ".json", ".csv", ".tsv", ".txt", ".arrow")
 """Local data files; a path with one of these suffixes is never taken for a hub id."""
 
 _REF = re.compile(r"^(?P<repo>[^:@]+)(?::(?P<config>[^:@]+))?(?:@(?P<split>[^@]+))?$")
