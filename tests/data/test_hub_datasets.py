@@ -118,9 +118,11 @@ def test_a_missing_id_config_or_split_is_named_with_the_fix(hf_home, tmp_path, m
     assert str(hf_home / "hub" / "datasets--openai--gsm8k") in message
     assert "huggingface-cli download --repo-type dataset openai/gsm8k" in message
     assert "never downloads data" in message and "local .parquet / .jsonl file" in message
-    with pytest.raises(ValueError, match=r"has several configs and no default; its configs: main, socratic\. "
-                                         r"Choose one: tiny-org/tiny-math:main$"):
-        PromptDataset("tiny-org/tiny-math", tok)
+    data = PromptDataModule(DataConfig(train_files="tiny-org/tiny-math", train_batch_size=2), tok)
+    with pytest.raises(ValueError, match=r"^data.train_files='tiny-org/tiny-math' \(the cached dataset at "
+                                         r".*\) has several configs and no default; its configs: main, "
+                                         r"socratic\. Choose one: tiny-org/tiny-math:main$"):
+        data.check(dp_size=1)
     with pytest.raises(ValueError, match=r"has no split 'validation'; its splits: train, test\. "
                                          r"Choose one: tiny-org/tiny-math:main@train$"):
         PromptDataset("tiny-org/tiny-math:main@validation", tok)

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from verl_trainer.data.hub import data_fingerprint, hub_snapshot, parse_hub_dataset, with_default_split
+from verl_trainer.data.hub import data_fingerprint, parse_hub_dataset, resolve_hub_split, with_default_split
 from verl_trainer.data.prompts import TRUNCATION_MODES, PromptDataset
 from verl_trainer.data.sft import SFTDataset
 from verl_trainer.utils.distributed import get_world_size
@@ -121,8 +121,9 @@ class _DataModule:
             return self._dataset(path)
         if parse_hub_dataset(path) is None:
             raise FileNotFoundError(f"{what}={path!r} does not exist (relative paths start at {os.getcwd()})")
-        hub_snapshot(path, what)  # one not in the local HF cache: the error names the setting, here
-        return self._dataset(with_default_split(path, "test" if what == "data.val_files" else "train"))
+        split = "test" if what == "data.val_files" else "train"  # TRL's defaults
+        resolve_hub_split(path, what, split)  # not cached, no such config / split: errors name the setting
+        return self._dataset(with_default_split(path, split))
 
     def fingerprint(self) -> dict[str, Any]:
         """The data files by path and content, recorded in checkpoints (``training/run_inputs.py``)."""

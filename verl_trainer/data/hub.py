@@ -34,7 +34,7 @@ from typing import Any
 from verl_trainer.models.source import hub_cache_dir, looks_like_hub_id
 
 __all__ = ["HubDataset", "HubDatasetNotFoundError", "data_fingerprint", "hub_snapshot", "parse_hub_dataset",
-           "read_hub_rows", "with_default_split"]
+           "read_hub_rows", "resolve_hub_split", "with_default_split"]
 
 DATA_SUFFIXES = (".parquet", ".pq", ".jsonl", ".json", ".csv", ".tsv", ".txt", ".arrow")
 """Local data files; a path with one of these suffixes is never taken for a hub id."""
@@ -135,13 +135,26 @@ def _choose(choices: list[str], given: str | None, kind: str, where: str, exampl
     raise ValueError(f"{where} {said}; its {kind}s: {', '.join(choices)}. Choose one: {example(choices[0])}")
 
 
-def read_hub_rows(path: str, what: str | None = None, default_split: str = "train") -> list[dict[str, Any]]:
-    """The rows of one split of a cached hub dataset, as dicts (see the module).
+def _datasets(where: str) -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{where}: reading a hub dataset needs the `datasets` library: "
+                         "pip install 'verl-trainer[data]' (or pip install datasets)") from None
+    return datasets
+
+
+def resolve_hub_split(path: str, what: str | None = None,
+                      default_split: str = "train") -> tuple[Path, str, str]:
+    """The cached snapshot, config and split that the hub dataset ``path`` names; nothing is read yet.
 
     Args:
         path: ``org/name[:config][@split]``.
-        what: How the user named the setting, for the messages.
+        what: How the user named the setting (``"data.train_files"``), for the messages.
         default_split: The split when ``path`` names none.
+
+    Returns:
+        ``(snapshot directory, config, split)``.
 
     Raises:
         HubDatasetNotFoundError: The dataset is not in the local hub cache.
@@ -152,11 +165,7 @@ def read_hub_rows(path: str, what: str | None = None, default_split: str = "trai
     ref = parse_hub_dataset(path)
     assert ref is not None  # hub_snapshot checked it
     where = f"{_named(path, what)} (the cached dataset at {snapshot})"
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError(f"{where}: reading a hub dataset needs the `datasets` library: "
-                         "pip install 'verl-trainer[data]' (or pip install datasets)") from None
+    datasets = _datasets(where)
     configs = datasets.get_dataset_config_names(str(snapshot))
     default = datasets.get_dataset_default_config_name(str(snapshot))
     config = ref.config or default or (configs[0] if len(configs) == 1 else None)
@@ -165,7 +174,17 @@ def read_hub_rows(path: str, what: str | None = None, default_split: str = "trai
     splits = datasets.get_dataset_split_names(str(snapshot), config)
     split = _choose(splits, ref.split or default_split, "split", where,
                     lambda s: HubDataset(ref.repo_id, ref.config, s).text())
-    stream = datasets.load_dataset(str(snapshot), config, split=split, streaming=True)
+    return snapshot, config, split
+
+
+def read_hub_rows(path: str, what: str | None = None, default_split: str = "train") -> list[dict[str, Any]]:
+    """The rows of one split of a cached hub dataset, as dicts (see the module).
+
+    The files are streamed in place (``load_dataset(snapshot, config, split=..., streaming=True)``).
+    Arguments and errors: :func:`resolve_hub_split`.
+    """
+    snapshot, config, split = resolve_hub_split(path, what, default_split)
+    stream = _datasets(path).load_dataset(str(snapshot), config, split=split, streaming=True)
     return [dict(row) for row in stream]
 
 

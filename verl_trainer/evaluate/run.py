@@ -68,7 +68,7 @@ def hf_model_dir(model: str) -> Iterator[str]:
 
 
 def _sample_and_score(cfg: EvaluateConfig, model_dir: str) -> list[PromptSamples]:
-    from verl_trainer.data.hub import hub_snapshot, parse_hub_dataset, with_default_split
+    from verl_trainer.data.hub import parse_hub_dataset, resolve_hub_split, with_default_split
     from verl_trainer.data.prompts import NON_TENSOR_KEYS, PromptDataset, non_tensor_lists
     from verl_trainer.data.schema import UID
     from verl_trainer.models.loading import load_tokenizer
@@ -79,7 +79,7 @@ def _sample_and_score(cfg: EvaluateConfig, model_dir: str) -> list[PromptSamples
     data = cfg.data
     prompts = str(data.val_files)
     if parse_hub_dataset(prompts) is not None:
-        hub_snapshot(prompts, "data.val_files")  # not in the local HF cache: the error says so, here
+        resolve_hub_split(prompts, "data.val_files", "test")  # not cached, no such config / split: said here
         prompts = with_default_split(prompts, "test")
     elif not Path(prompts).is_file():
         raise FileNotFoundError(f"data.val_files={data.val_files!r} does not exist (relative paths start at "
