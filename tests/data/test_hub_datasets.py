@@ -144,9 +144,9 @@ def test_local_files_come_first_and_data_file_names_are_never_hub_ids(hf_home, t
 
 
 def test_a_snapshot_the_cache_knows_is_partial_is_read_for_the_files_it_has(hf_home):
-    """``load_dataset(id, "main")`` fetches one config's files; a tree listing that ``snapshot_download``
-    cached names all of them, so ``local_files_only`` raises ``IncompleteSnapshotError``: its
-    ``snapshot_path`` (documented for this) is read."""
+    """``hf download --include 'main/*'`` fetches one config's files and caches the repository's file
+    listing, which names all of them, so ``local_files_only`` raises ``IncompleteSnapshotError``: its
+    ``snapshot_path`` (documented for this) is read, with a warning."""
     from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
 
     repo = hf_home / "hub" / "datasets--tiny-org--tiny-math"
@@ -154,4 +154,5 @@ def test_a_snapshot_the_cache_knows_is_partial_is_read_for_the_files_it_has(hf_h
               for p in (repo / "snapshots" / COMMIT).rglob("*") if p.is_file()]
     entries = {name: TreeCacheEntry(size=1, blob_id="0" * 40) for name in [*listed, "extra/train.parquet"]}
     write_tree_cache(str(repo), COMMIT, entries)
-    assert len(PromptDataset("tiny-org/tiny-math:main", build_tokenizer())) == 8
+    with pytest.warns(UserWarning, match=r"is incomplete: 1 file\(s\) are missing \(extra/train.parquet\)"):
+        assert len(PromptDataset("tiny-org/tiny-math:main", build_tokenizer())) == 8

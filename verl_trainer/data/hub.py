@@ -8,7 +8,8 @@ a local file. It is read from the **hub cache** (``HF_HUB_CACHE``, else ``HF_HOM
 commit named by ``refs/main``):
 
 1. ``huggingface_hub.snapshot_download(id, repo_type="dataset", local_files_only=True)`` finds the cached
-   snapshot (a snapshot the cache itself knows to be partial is used as it is: its files are all there is);
+   snapshot (one that the cache's own file listing shows partial, e.g. after ``hf download --include``, is
+   read for the files it has, with a warning naming what is missing);
 2. ``datasets`` reads that directory as it reads the Hub repository: the configs of its dataset card
    (``README.md``), the splits by file name (``train``, ``test``, ``validation``, ...), parquet / jsonl / json
    / csv / arrow files. It streams the files in place (``load_dataset(snapshot, config, split=...,
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,7 +115,10 @@ def hub_snapshot(path: str, what: str | None = None) -> Path:
     try:
         return Path(snapshot_download(ref.repo_id, repo_type="dataset", local_files_only=True,
                                       cache_dir=str(cache)))
-    except IncompleteSnapshotError as partial:  # e.g. one config's files, as load_dataset fetches them
+    except IncompleteSnapshotError as partial:  # e.g. `hf download --include 'main/*'`: one config's files
+        warnings.warn(f"{_named(path, what)}: {partial} Reading the files it has; a split whose files are "
+                      "missing fails, but one with some of its shards missing would be read short.",
+                      stacklevel=2)
         return Path(partial.snapshot_path)
     except LocalEntryNotFoundError:
         folder = cache / f"datasets--{ref.repo_id.replace('/', '--')}"
