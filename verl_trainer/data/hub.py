@@ -20,8 +20,9 @@ The path's syntax, TRL's ``dataset_name`` / ``dataset_config`` / ``dataset_train
 ``org/name:config`` and ``org/name:config@split``. A dataset with several configs and no default needs
 ``:config``. A missing id, config or split is an error naming it, where it was looked for and the fix.
 
-Only the hub cache is read: ``datasets``' own arrow cache (``HF_DATASETS_CACHE``) holds converted copies
-``load_dataset`` reads only through the Hub's metadata, which is not reachable offline.
+Only the hub cache is read, not ``datasets``' own arrow cache (``HF_DATASETS_CACHE``: the converted copies
+an earlier ``load_dataset`` made of the files it put in the hub cache). Split slices (``train[:10%]``) are
+not supported (streaming reads whole splits); the message lists the splits there are.
 """
 
 from __future__ import annotations
