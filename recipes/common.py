@@ -23,6 +23,7 @@ from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import DEMO_MODEL_PATH, ModelConfig, TaskConfig, TrainerConfig, WarmStartConfig
 from verl_trainer.configs.demo_scope import apply_demo_scope
 from verl_trainer.configs.run_length import run_length, with_schedule_length
+from verl_trainer.data.hub import data_fingerprint
 from verl_trainer.data.tasks import write_arithmetic_task
 from verl_trainer.export.hf_dir import HF_MODEL_KINDS
 from verl_trainer.models.loading import load_tokenizer
@@ -124,7 +125,7 @@ def warm_start_settings(cfg: WarmStartConfig, model_path: str, trainer_cfg: Trai
     """What a warm-start policy is a function of: its input model and data (by content) and its settings."""
     return {
         "model": fingerprint(resolve_model_path(model_path)),
-        "train_files": fingerprint(cfg.train_files),
+        "train_files": data_fingerprint(cfg.train_files),
         "batch_size": cfg.batch_size,
         "max_steps": cfg.max_steps,
         "optim": dataclasses.asdict(cfg.optim),

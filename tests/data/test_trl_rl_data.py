@@ -112,13 +112,10 @@ def test_grpo_fit_on_a_trl_dataset_passes_solution_and_columns_to_trl_rewards(tm
     assert out["mean_ids"] == pytest.approx(sum(ids) / len(ids))  # log_metric
 
 
-def test_a_hub_dataset_id_as_data_file_names_the_fix():
-    """TRL's ``load_dataset("openai/gsm8k")`` as ``data.train_files=openai/gsm8k``: refused, saying how."""
+def test_a_missing_data_file_says_where_relative_paths_start():
+    """(Hub dataset ids, ``data.train_files=openai/gsm8k``: ``tests/data/test_hub_datasets.py``.)"""
     from verl_trainer.algorithms.data import DataConfig, PromptDataModule
 
-    module = PromptDataModule(DataConfig(train_files="openai/gsm8k", train_batch_size=2), build_tokenizer())
-    with pytest.raises(FileNotFoundError, match=r"looks like a hub dataset id.*to_parquet.*train_dataset=ds"):
-        module.check(dp_size=1)
     module = PromptDataModule(DataConfig(train_files="missing/train.parquet", train_batch_size=2),
                               build_tokenizer())
     with pytest.raises(FileNotFoundError, match=r"does not exist \(relative paths start at [^;]*\)$"):

@@ -153,3 +153,28 @@ def test_a_checkpoint_evaluates_as_its_hf_export(setup, tmp_path, monkeypatch):
     assert reports[0]["prompts"] == reports[1]["prompts"]
     assert reports[0]["metrics"] == reports[1]["metrics"]
     assert not list(scratch.iterdir()), "the temporary HF copy of the checkpoint is removed"
+
+
+def test_a_cached_hub_dataset_id_is_evaluated_on_its_test_split(setup, tmp_path, monkeypatch, capsys):
+    """``data.val_files=org/name``: read from the local HF hub cache (split ``test``); a missing id fails."""
+    datasets = pytest.importorskip("datasets")
+    from verl_trainer.testing.hub_cache import write_cached_dataset
+
+    rows = [to_verl_row(f"{a}+{a}=", str(2 * a), "src_a") for a in range(5)]
+    write_cached_dataset(tmp_path / "hf_home" / "hub", "tiny-org/tiny-eval", {
+        "data/train.jsonl": "".join(json.dumps(r) + "\n" for r in rows[:4]),
+        "data/test.jsonl": "".join(json.dumps(r) + "\n" for r in rows[2:]),
+    })
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_home" / "datasets"))
+    out = tmp_path / "report.json"
+    args = [setup["model"], "eval.n=2", "eval.k=[1]", f"eval.output={out}", f"reward.name={setup['reward']}",
+            "eval.rollout.max_new_tokens=2", "eval.rollout.name=hf", "eval.logger=null"]
+    assert main([*args, "data.val_files=tiny-org/tiny-eval"]) == 0
+    assert [p["index"] for p in json.loads(out.read_text())["prompts"]] == [0, 1, 2]  # the 3 test rows
+    capsys.readouterr()
+    assert main([*args, "data.val_files=tiny-org/missing"]) == 1
+    err = capsys.readouterr().err
+    assert "data.val_files='tiny-org/missing' is not a local file" in err and "Loading weights" not in err
+    assert "hf download --repo-type dataset tiny-org/missing" in err

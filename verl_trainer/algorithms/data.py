@@ -18,26 +18,12 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from verl_trainer.data.hub import data_fingerprint, parse_hub_dataset, resolve_hub_split, with_default_split
 from verl_trainer.data.prompts import TRUNCATION_MODES, PromptDataset
 from verl_trainer.data.sft import SFTDataset
 from verl_trainer.utils.distributed import get_world_size
 
 __all__ = ["DataConfig", "PromptDataModule", "SFTDataModule", "dp_size_now"]
-
-
-DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
-
-
-def _hub_dataset_hint(path: str, what: str) -> str:
-    """For a missing ``path`` of the form ``org/name`` (a hub dataset id, TRL's habit): the fix."""
-    from verl_trainer.models.source import looks_like_hub_id
-
-    if not looks_like_hub_id(path) or Path(path).suffix in DATA_SUFFIXES:
-        return ""
-    return (f"; {path!r} looks like a hub dataset id, and hub datasets are not loaded by id here: save it "
-            f"to a file first (`datasets.load_dataset({path!r}, split='train').to_parquet('train.parquet')`) "
-            f"and set {what}=train.parquet, or hand the datasets.Dataset to the data module "
-            f"(PromptDataModule / SFTDataModule(..., train_dataset=ds))")
 
 
 @dataclass
@@ -46,8 +32,9 @@ class DataConfig:
 
     Attributes:
         train_files: Training file (``.jsonl`` / ``.parquet``; RL: verl's prompt columns, SFT: ``prompt``
-            and ``response``).
-        val_files: Validation file, or ``None``.
+            and ``response``), or a hub dataset id in the local HF cache (``org/name[:config][@split]``,
+            split ``train`` by default; :mod:`verl_trainer.data.hub`).
+        val_files: Validation file or cached hub dataset id (split ``test`` by default), or ``None``.
         train_batch_size: Prompts (RL) or examples (SFT) per step, over all DP ranks.
         val_batch_size: Validation prompts per batch over all DP ranks; ``None``: the whole file at once.
         max_prompt_length: Longest prompt in tokens (RL; see ``truncation``).
@@ -130,17 +117,18 @@ class _DataModule:
     def _load(self, path: str, what: str) -> Any:
         if self._rows[what] is not None:  # rows given in place of the file (a datasets.Dataset, a list)
             return self._dataset(self._rows[what])
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"{what}={path!r} does not exist (relative paths start at {os.getcwd()})"
-                                    f"{_hub_dataset_hint(path, what)}")
-        return self._dataset(path)
+        if Path(path).is_file():
+            return self._dataset(path)
+        if parse_hub_dataset(path) is None:
+            raise FileNotFoundError(f"{what}={path!r} does not exist (relative paths start at {os.getcwd()})")
+        split = "test" if what == "data.val_files" else "train"  # TRL's defaults
+        resolve_hub_split(path, what, split)  # not cached, no such config / split: errors name the setting
+        return self._dataset(with_default_split(path, split))
 
     def fingerprint(self) -> dict[str, Any]:
         """The data files by path and content, recorded in checkpoints (``training/run_inputs.py``)."""
-        from verl_trainer.utils.cached_dir import fingerprint
-
         files = {"train_files": self.config.train_files, "val_files": self.config.val_files}
-        return {key: {"path": path, "content": fingerprint(path)} for key, path in files.items() if path}
+        return {key: {"path": path, "content": data_fingerprint(path)} for key, path in files.items() if path}
 
     def check(self, dp_size: int) -> None:
         """Read, tokenise and check the data for ``dp_size`` data-parallel ranks, before any model loads.

@@ -13,7 +13,9 @@
 * any other column: passed by name to TRL-style reward functions (see ``verl_trainer.rewards.signature``).
 
 Parquet is read with pyarrow (no ``datasets`` dependency), jsonl with ``json``; a ``datasets.Dataset``
-(or any sequence of such rows) is read row by row. :func:`load_prompts` normalises every row to a
+(or any sequence of such rows) is read row by row; a hub dataset id (``openai/gsm8k``,
+``org/name:config@split``) from the local HF cache, offline (:mod:`verl_trainer.data.hub`).
+:func:`load_prompts` normalises every row to a
 *record* ``{"prompt", "ground_truth", "data_source", "extra_info", "columns",
 "index"}``.
 
@@ -54,7 +56,15 @@ TRUNCATION_MODES = ("error", "left", "right", "middle")
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """The raw rows of a ``.parquet`` (pyarrow), ``.jsonl`` or ``.json`` file, as dicts."""
+    """The raw rows of a ``.parquet`` (pyarrow), ``.jsonl`` or ``.json`` file, as dicts.
+
+    A path that is not a local file but a hub dataset id (``org/name[:config][@split]``, split ``train`` by
+    default) is read from the local HF cache (:mod:`verl_trainer.data.hub`).
+    """
+    from verl_trainer.data.hub import parse_hub_dataset, read_hub_rows
+
+    if parse_hub_dataset(path) is not None:
+        return read_hub_rows(str(path))
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in (".parquet", ".pq"):
@@ -142,7 +152,8 @@ def load_prompts(path: str | Path, prompt_key: str = "prompt",
     """Read a verl-style prompt file (parquet or jsonl) into normalised records.
 
     Args:
-        path: ``.parquet`` / ``.pq`` (pyarrow), ``.jsonl`` (one JSON object a line) or ``.json``.
+        path: ``.parquet`` / ``.pq`` (pyarrow), ``.jsonl`` (one JSON object a line) or ``.json``; or a hub
+            dataset id in the local HF cache (``org/name[:config][@split]``, :mod:`verl_trainer.data.hub`).
         prompt_key: Column holding the prompt.
         default_data_source: Used for rows without ``data_source``.
 
@@ -283,8 +294,8 @@ class PromptDataset(Dataset):
     Prompts are tokenised once, at construction.
 
     Args:
-        source: A prompt file path (see :func:`load_prompts`), rows of one (a list or a
-            ``datasets.Dataset``; normalised as :func:`normalize_record` does), or records.
+        source: A prompt file path or cached hub dataset id (see :func:`load_prompts`), rows of one (a list
+            or a ``datasets.Dataset``; normalised as :func:`normalize_record` does), or records.
         tokenizer: A transformers tokenizer.
         max_prompt_length: Longest prompt in tokens.
         truncation: What a longer prompt becomes, one of :data:`TRUNCATION_MODES`.

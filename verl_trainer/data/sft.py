@@ -230,8 +230,9 @@ class SFTDataset(Dataset):
     """SFT examples (pairs or chats, see the module docstring); :meth:`collate` builds a schema batch.
 
     Args:
-        source: An SFT file, its rows, or examples already tokenised (``(prompt_ids, response_ids)`` pairs
-            or :class:`TokenMask` values; then no tokenizer is needed).
+        source: An SFT file (or a hub dataset id in the local HF cache: ``org/name[:config][@split]``, see
+            :mod:`verl_trainer.data.hub`), its rows, or examples already tokenised (``(prompt_ids,
+            response_ids)`` pairs or :class:`TokenMask` values; then no tokenizer is needed).
         tokenizer: A transformers tokenizer with an eos token (for files and rows).
         max_length: Longest example in tokens; longer rows raise.
         chat_template: See :func:`verl_trainer.data.prompts.encode_prompt` (pair rows).

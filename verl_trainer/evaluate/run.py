@@ -68,6 +68,7 @@ def hf_model_dir(model: str) -> Iterator[str]:
 
 
 def _sample_and_score(cfg: EvaluateConfig, model_dir: str) -> list[PromptSamples]:
+    from verl_trainer.data.hub import parse_hub_dataset, resolve_hub_split, with_default_split
     from verl_trainer.data.prompts import NON_TENSOR_KEYS, PromptDataset, non_tensor_lists
     from verl_trainer.data.schema import UID
     from verl_trainer.models.loading import load_tokenizer
@@ -76,11 +77,15 @@ def _sample_and_score(cfg: EvaluateConfig, model_dir: str) -> list[PromptSamples
 
     rewards = RewardFunctions(cfg.reward.name, cfg.reward.weights, cfg.reward.on_error)
     data = cfg.data
-    if not Path(str(data.val_files)).is_file():
+    prompts = str(data.val_files)
+    if parse_hub_dataset(prompts) is not None:
+        resolve_hub_split(prompts, "data.val_files", "test")  # not cached, no such config / split: said here
+        prompts = with_default_split(prompts, "test")
+    elif not Path(prompts).is_file():
         raise FileNotFoundError(f"data.val_files={data.val_files!r} does not exist (relative paths start at "
                                 f"{os.getcwd()})")
     tokenizer = load_tokenizer(model_dir)
-    dataset = PromptDataset(data.val_files, tokenizer, data.max_prompt_length, truncation=data.truncation,
+    dataset = PromptDataset(prompts, tokenizer, data.max_prompt_length, truncation=data.truncation,
                             chat_template=data.chat_template, prompt_key=data.prompt_key,
                             filter_overlong_prompts=data.filter_overlong_prompts)
     if len(dataset) == 0:
