@@ -182,3 +182,58 @@ def test_remax_steps_at_dp1_and_dp2_use_the_greedy_baseline_and_agree(tmp_path):
             assert got[key] == pytest.approx(want_m[key], rel=1e-4, abs=1e-5), (step, key)
     means = [float(b) for _, _, b, _ in first.values()]
     assert one["metrics"][0]["reward/baseline_mean"] == pytest.approx(sum(means) / len(means), abs=1e-5)
+
+
+def _remax_one_step_off(model: str, data: str, root: str) -> dict:
+    from verl_trainer import Trainer
+    from verl_trainer.algorithms import PromptDataModule
+    from verl_trainer.callbacks import Callback
+    from verl_trainer.data.prompts import prompt_token_lists
+    from verl_trainer.models.loading import load_tokenizer
+
+    class Record(Callback):
+        def __init__(self) -> None:
+            self.prompts: list = []
+            self.baselines: list = []
+            self.metrics: list[dict] = []
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            self.prompts.append([{"input_ids": ids, "index": i} for i, ids in
+                                 zip(batch[schema.UID].tolist(), prompt_token_lists(batch))])
+
+        def on_rollout_end(self, trainer, module, batch) -> None:
+            self.baselines.append(batch[schema.REWARD_BASELINES].clone())
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            self.metrics.append(dict(trainer.callback_metrics))
+
+    cfg = short_grpo_config(model, data, "algorithm.adv_estimator=remax", f"algorithm.reward.name={REWARD}",
+                            "algorithm.rollout.n=2", "algorithm.rollout.max_staleness=1")
+    record = Record()
+    trainer = Trainer(devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, default_root_dir=root, val_check_interval=None,
+                      callbacks=[record], seed=7)
+    module = GRPO(cfg.algorithm)
+    trainer.fit(module, datamodule=PromptDataModule(cfg.data, load_tokenizer(model)))
+    newer = module.rollout.generate(record.prompts[1], do_sample=False)  # weights after step 1's update
+    return {"prompts": record.prompts, "baselines": record.baselines, "metrics": record.metrics,
+            "newer": list(newer[RESPONSE_TEXT])}
+
+
+@pytest.mark.slow
+def test_one_step_off_remax_takes_its_baseline_from_the_weights_that_sampled(tmp_path):
+    """``max_staleness=1``: step 2 is sampled by the initial weights on the background thread, and so is
+    its greedy baseline (not by the weights after step 1's update)."""
+    from verl_trainer.testing import run_distributed
+
+    assets = make_assets(tmp_path / "assets")
+    model = str(assets / "model")
+    run = run_distributed(_remax_one_step_off, 1, model, str(assets / "data"), str(tmp_path / "run"),
+                          timeout=600)[0]
+    assert [m["rollout/staleness"] for m in run["metrics"]] == [0.0, 1.0]
+    assert run["metrics"][0]["actor/grad_norm"] > 0  # step 1 changed the weights
+    rollout = HFRollout(RolloutConfig(n=1, max_new_tokens=4), model)  # the initial weights
+    greedy = rollout.generate(run["prompts"][1], do_sample=False)
+    want = torch.tensor([text_reward("", t, None) for t in greedy[RESPONSE_TEXT]])
+    torch.testing.assert_close(run["baselines"][1], want.repeat_interleave(2))
+    assert run["newer"] != list(greedy[RESPONSE_TEXT])  # the updated weights would have given others
