@@ -17,7 +17,7 @@ from verl_trainer.configs import (
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPES = {"sft": SFTRecipeConfig, "grpo": GRPORecipeConfig, "dr_grpo": GRPORecipeConfig,
            "dapo": GRPORecipeConfig, "ppo": PPORecipeConfig, "grpo_lora": GRPORecipeConfig,
-           "grpo_tools": GRPORecipeConfig}
+           "grpo_tools": GRPORecipeConfig, "remax": GRPORecipeConfig}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

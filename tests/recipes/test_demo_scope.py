@@ -21,7 +21,7 @@ from verl_trainer.models.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIGS = [("grpo", GRPORecipeConfig), ("dapo", GRPORecipeConfig), ("dr_grpo", GRPORecipeConfig),
-                ("grpo_lora", GRPORecipeConfig), ("ppo", PPORecipeConfig)]
+                ("grpo_lora", GRPORecipeConfig), ("ppo", PPORecipeConfig), ("remax", GRPORecipeConfig)]
 
 
 def parse(name: str, schema: type, *argv: str):

@@ -334,8 +334,10 @@ class GRPOConfig(RLConfig):
 
     Attributes:
         rollout: As in :class:`RLConfig`, with ``n=8`` samples per prompt by default.
-        adv_estimator: Any registered estimator that reads no critic values and no baseline rollout
-            (``grpo``, ``rloo``, ``reinforce_plus_plus``, or one of your own; ``estimator_inputs``).
+        adv_estimator: Any registered estimator that reads no critic values (``grpo``, ``rloo``,
+            ``reinforce_plus_plus``, ``remax``, or one of your own; ``estimator_inputs``). One that reads
+            ``reward_baselines`` (ReMax) gets each prompt's greedy response decoded and scored every step
+            (:mod:`verl_trainer.algorithms.greedy_baseline`); it may run with ``rollout.n=1``.
         gamma: Discount factor of estimators that discount (REINFORCE++; verl's ``algorithm.gamma``).
         norm_adv_by_std_in_grpo: Divide by the group's reward std (GRPO) or not (Dr.GRPO).
         dynamic_sampling: DAPO: drop the groups whose rewards are all equal (no learning signal) before
@@ -360,21 +362,17 @@ class GRPOConfig(RLConfig):
             )
 
     def _estimator_inputs(self) -> frozenset[str]:
-        """What ``adv_estimator`` reads; refuses one GRPO cannot feed (a critic, a baseline rollout)."""
+        """What ``adv_estimator`` reads; refuses one GRPO cannot feed (a critic's values)."""
         try:
             needs = estimator_inputs(self.adv_estimator)
         except (KeyError, ValueError) as exc:  # unknown name; a module, file or attribute that is not there
             raise ValueError(f"algorithm.adv_estimator={self.adv_estimator!r}: {exc}") from None
-        usable = [name for name in ADV_ESTIMATOR_REGISTRY if estimator_inputs(name) <= {"index"}]
+        feeds = {"index", "reward_baselines"}  # the group ids; the greedy responses' rewards (ReMax)
+        usable = [name for name in ADV_ESTIMATOR_REGISTRY if estimator_inputs(name) <= feeds]
         if "values" in needs:
             raise ValueError(
                 f"algorithm.adv_estimator={self.adv_estimator!r} reads a critic's values and GRPO has no "
                 f"critic; use PPO (recipes/ppo.py), or one of {usable}"
-            )
-        if "reward_baselines" in needs:
-            raise ValueError(
-                f"algorithm.adv_estimator={self.adv_estimator!r} needs the reward of a baseline rollout "
-                f"(ReMax: the greedy response), which the GRPO recipe does not generate; use one of {usable}"
             )
         return needs
 

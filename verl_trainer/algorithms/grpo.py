@@ -56,14 +56,16 @@ class GRPO(RLModule):
         """The configured estimator's advantages on every response token (groups whole on this rank).
 
         The estimator gets what its signature asks for (``resolve_estimator``): the group ids, the config
-        (``gamma``), ``norm_adv_by_std_in_grpo``. One whose advantages are its returns whitened over the
+        (``gamma``), ``norm_adv_by_std_in_grpo``, ReMax's ``reward_baselines`` (the greedy responses'
+        rewards, ``RLModule.score_baseline``). One whose advantages are its returns whitened over the
         batch (REINFORCE++) has its returns whitened over the whole DP batch, so no dp size changes them.
         """
         mask = batch[schema.RESPONSE_MASK]
         group = self._dp_group if self.estimator.whitens else None  # only a whitening one is a collective
+        available = {key: batch[key] for key in (schema.REWARD_BASELINES,) if key in batch.keys()}
         adv, returns = estimator_advantages(
             self.estimator, batch[schema.TOKEN_LEVEL_REWARDS], mask, group, index=batch[schema.UID],
-            norm_adv_by_std_in_grpo=self.config.norm_adv_by_std_in_grpo, config=self.config)
+            norm_adv_by_std_in_grpo=self.config.norm_adv_by_std_in_grpo, config=self.config, **available)
         batch[schema.ADVANTAGES] = adv
         batch[schema.RETURNS] = returns
         metrics.update(token_stats(adv, mask, "critic/advantages"))

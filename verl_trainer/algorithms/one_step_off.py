@@ -79,6 +79,8 @@ class _Generation:
     """``global_step`` when the sampling weights were copied (updates they contain)."""
     thread: threading.Thread | None = None
     batch: TensorDict | None = None
+    baseline: TensorDict | None = None
+    """ReMax's greedy responses to the same prompts, same weights (``RLModule.generate_baseline``)."""
     error: BaseException | None = None
     seconds: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
@@ -136,6 +138,7 @@ class OneStepOffRollout:
             with torch.no_grad():
                 gen.batch = self.module.rollout.generate(prompt_batch, step=step,
                                                          prompt_index=gen.prompt_index)
+                gen.baseline = self.module.generate_baseline(prompt_batch, step, gen.prompt_index)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread
             gen.error = exc
         gen.seconds = time.perf_counter() - start
@@ -154,7 +157,7 @@ class OneStepOffRollout:
         return gen
 
     def rollout_batch(self, batch: TensorDict, prompt_index: torch.Tensor,
-                      metrics: dict[str, Any]) -> TensorDict:
+                      metrics: dict[str, Any]) -> tuple[TensorDict, TensorDict | None]:
         """The responses this step trains on; starts the next step's generation before returning.
 
         Args:
@@ -163,7 +166,8 @@ class OneStepOffRollout:
             metrics: Receives ``rollout/staleness`` and the ``timing/*`` entries.
 
         Returns:
-            The rollout batch (as :meth:`BaseRollout.generate` returns it).
+            The rollout batch (as :meth:`BaseRollout.generate` returns it), and ReMax's greedy responses
+            (``None`` unless the estimator reads ``reward_baselines``).
         """
         trainer = self.module.trainer
         step = trainer.global_step
@@ -187,4 +191,4 @@ class OneStepOffRollout:
         metrics["timing/rollout_s"] = gen.seconds
         metrics["timing/idle_s"] = idle
         metrics["timing/weight_sync_s"] = sync_s
-        return rollout_batch
+        return rollout_batch, gen.baseline

@@ -3,6 +3,7 @@
 One ``training_step`` on each rank's prompt batch (SPMD; DESIGN.md §2)::
 
     rollout (n samples per prompt, groups whole on this rank) → rewards (+ overlong shaping)
+      [ReMax: + one greedy response per prompt, scored alike → reward_baselines; greedy_baseline.py]
       → advantages                                  [subclass: GRPO per group; PPO critic values + GAE]
       → on_rollout_end → tensor_only → select_samples [GRPO: DAPO dynamic sampling]
       → old log-probs recomputed by the actor engine (+ reference log-probs for the KL loss); skipped
@@ -17,6 +18,7 @@ Logged (reductions declared, so the values are those of the whole step on one pr
 ``critic/advantages/{mean,min,max}``, the loss metrics (``actor/pg_loss``, ``actor/pg_clipfrac``,
 ``actor/ppo_kl``, ``actor/kl_loss``, ``critic/vf_loss``, ... averaged over the step's updates),
 ``reward/errors``, ``reward/timeouts`` (failed reward calls, ``reward.on_error``), ``non_finite/*``,
+``reward/baseline_mean`` and ``timing/baseline_rollout_s`` (ReMax's greedy responses),
 ``actor/grad_norm``, ``actor/lr``, ``actor/old_log_probs_reused`` (1: no separate old-log-prob forward),
 the train/inference mismatch of the old log-probs and the rollout's (``rollout_corr/*``,
 ``training/rollout_probs_diff_*``; with ``rollout_correction`` on, the policy loss is importance-weighted),
@@ -43,7 +45,13 @@ from tensordict import TensorDict
 
 from verl_trainer.algorithms.config import RLConfig
 from verl_trainer.algorithms.dapo import overlong_penalty
-from verl_trainer.algorithms.distributed import count_mini_batches, split_mini_batches
+from verl_trainer.algorithms.distributed import count_mini_batches, drop_samples, split_mini_batches
+from verl_trainer.algorithms.greedy_baseline import (
+    attach_reward_baselines,
+    baseline_metrics,
+    generate_greedy_baseline,
+    reads_reward_baselines,
+)
 from verl_trainer.algorithms.non_finite import NonFiniteGuard
 from verl_trainer.algorithms.one_step_off import OneStepOffRollout, check_async_rollout
 from verl_trainer.algorithms.reward_failures import check_reward_failures
@@ -142,6 +150,9 @@ class RLModule(TrainingModule):
         group_estimator = estimator is not None and "index" in estimator_inputs(estimator)
         self.non_finite = NonFiniteGuard(config.non_finite, group_estimator)
         self.group_estimator = group_estimator
+        self.greedy_baseline = reads_reward_baselines(estimator)
+        """The estimator reads ``reward_baselines`` (ReMax): every step also decodes each prompt greedily
+        (:mod:`verl_trainer.algorithms.greedy_baseline`)."""
 
     @property
     def hparams(self) -> dict[str, Any]:
@@ -222,7 +233,23 @@ class RLModule(TrainingModule):
         Returns:
             ``[B]`` the (shaped) rewards the advantages are computed from.
         """
-        check = lambda b, s, info: self._check_rewards(b, s, info, metrics)  # noqa: E731
+        scores = self.sequence_rewards(batch, metrics)
+        metrics.update(response_length_metrics(batch, self.config.rollout.max_new_tokens))
+        rewards = token_level_scores(scores, batch[schema.RESPONSE_MASK])
+        batch[schema.TOKEN_LEVEL_SCORES] = rewards
+        batch[schema.TOKEN_LEVEL_REWARDS] = rewards.clone()
+        return scores
+
+    def sequence_rewards(self, batch: TensorDict, metrics: dict[str, Any], what: str = "rewards"
+                         ) -> torch.Tensor:
+        """``[B]`` rewards of a rollout batch: every part of the reward, checked (a collective).
+
+        The reward functions and the reward model (failed calls under ``reward.on_error``, non-finite
+        scores under ``non_finite.policy``: dropped samples become padding with score 0), the multi-turn
+        environment's reward, DAPO's overlong shaping. ``what`` names the values in messages and in
+        ``non_finite/{what}`` (``baseline_rewards`` for ReMax's greedy responses).
+        """
+        check = lambda b, s, info: self._check_rewards(b, s, info, metrics, what)  # noqa: E731
         scores, reward_metrics = score_batch(batch, self.reward_fn, on_scores=check, raise_on_error=False,
                                              trl_kwargs=trl_run_kwargs(self.trainer, metrics))
         metrics.update(reward_metrics)
@@ -230,17 +257,38 @@ class RLModule(TrainingModule):
             agent_rewards, agent_metrics = agent_rewards_and_metrics(batch)
             scores = scores + self.config.rollout.multi_turn.reward_weight * agent_rewards.to(scores)
             metrics.update(agent_metrics)
-        max_len = self.config.rollout.max_new_tokens
-        metrics.update(response_length_metrics(batch, max_len))
         buffer = self.config.reward.overlong_buffer
         if buffer.enable:
+            max_len = self.config.rollout.max_new_tokens
             penalty = overlong_penalty(batch[schema.RESPONSE_LEN], max_len, buffer.len, buffer.penalty_factor)
             scores = scores + penalty
             metrics["reward/overlong_penalty"] = Metric.mean(penalty.mean(), weight=penalty.numel())
-        rewards = token_level_scores(scores, batch[schema.RESPONSE_MASK])
-        batch[schema.TOKEN_LEVEL_SCORES] = rewards
-        batch[schema.TOKEN_LEVEL_REWARDS] = rewards.clone()
         return scores
+
+    def generate_baseline(self, prompt_batch: TensorDict, step: int, prompt_index: torch.Tensor
+                          ) -> TensorDict | None:
+        """ReMax's greedy response to each prompt, ``[B]``; ``None`` when the estimator reads no baselines.
+
+        Call it right after the samples' rollout, so both use the same weights
+        (:mod:`~verl_trainer.algorithms.greedy_baseline`).
+        """
+        if not self.greedy_baseline:
+            return None
+        return generate_greedy_baseline(self.rollout, prompt_batch, step, prompt_index)
+
+    def score_baseline(self, batch: TensorDict, baseline: TensorDict, metrics: dict[str, Any]) -> None:
+        """Score the greedy responses as samples and write ``reward_baselines`` ``[B * n]`` into ``batch``.
+
+        A collective (reward model, failure and non-finite counts). Samples whose greedy response was
+        dropped (a dropping failure policy) are dropped too: they have no baseline.
+        """
+        scoring: dict[str, Any] = {}
+        dropped_before = self.non_finite.dropped
+        scores = self.sequence_rewards(baseline, scoring, what="baseline_rewards")
+        orphans = attach_reward_baselines(batch, baseline, scores)
+        if self.non_finite.dropped > dropped_before:  # the same on every rank (counts over the DP group)
+            self.non_finite.dropped += drop_samples(batch, orphans, False, self._dp_group)[1]
+        metrics.update(baseline_metrics(baseline, scores, scoring))
 
     @property
     def _step(self) -> int:
@@ -252,7 +300,7 @@ class RLModule(TrainingModule):
         return self.trainer.dp_group if self.trainer is not None else None
 
     def _check_rewards(self, batch: TensorDict, scores: torch.Tensor, info: dict[str, torch.Tensor],
-                       metrics: dict[str, Any]) -> None:
+                       metrics: dict[str, Any], what: str = "rewards") -> None:
         """Failed reward calls (``reward.on_error``), then non-finite rewards (``non_finite.policy``).
 
         Each: an error on every rank, or the samples (groups) dropped with their scores set to 0.
@@ -260,7 +308,7 @@ class RLModule(TrainingModule):
         self._add_model_scores(batch, scores, info, metrics, "reward")
         self.non_finite.dropped += check_reward_failures(
             self.reward_fn, batch, scores, info, self._step, self._dp_group, metrics, self.group_estimator)
-        dropped = self.non_finite.check_samples(batch, scores, "rewards", self._step, self._dp_group, metrics)
+        dropped = self.non_finite.check_samples(batch, scores, what, self._step, self._dp_group, metrics)
         scores[dropped] = 0.0
 
     def _add_model_scores(self, batch: TensorDict, scores: torch.Tensor, info: dict[str, torch.Tensor],
@@ -406,15 +454,22 @@ class RLModule(TrainingModule):
         self.non_finite.dropped = 0
         prompt_index = batch[schema.UID].clone()  # dataset indices: the sampling seeds, at any dp size
         if self.one_step_off is not None:  # read ahead one step: generated while the step before trained
-            rollout_batch = self.one_step_off.rollout_batch(batch, prompt_index, metrics)
+            rollout_batch, baseline = self.one_step_off.rollout_batch(batch, prompt_index, metrics)
         else:
             try:
-                rollout_batch = self.rollout.generate(self._unique_uids(batch), step=trainer.global_step,
-                                                      prompt_index=prompt_index)
+                batch = self._unique_uids(batch)
+                step = trainer.global_step
+                rollout_batch = self.rollout.generate(batch, step=step, prompt_index=prompt_index)
+                t_baseline = time.perf_counter()
+                baseline = self.generate_baseline(batch, step, prompt_index)
             except DivergenceError as exc:  # the update before this step made the weights non-finite
                 raise DivergenceError(f"step {trainer.global_step + 1} (its rollout): {exc}") from None
+            if baseline is not None:
+                metrics["timing/baseline_rollout_s"] = time.perf_counter() - t_baseline
         t_rollout = time.perf_counter() - t0
         scores = self.score(rollout_batch, metrics)
+        if baseline is not None:  # ReMax: the greedy responses' rewards, as reward_baselines
+            self.score_baseline(rollout_batch, baseline, metrics)
         self.compute_advantages(rollout_batch, scores, metrics)
         self._check_advantages(rollout_batch, metrics)
         trainer.call_hook("on_rollout_end", rollout_batch)

@@ -1,8 +1,8 @@
 """The demo's own parts (the arithmetic task, its validation set, the warm start) apply only to the demo.
 
 The demo configs (``configs/grpo.yaml``, ``dapo.yaml``, ``dr_grpo.yaml``, ``grpo_lora.yaml``,
-``ppo.yaml``) train the demo's tiny model on the arithmetic task, after a short SFT warm start on the
-same task (``warm_start.enable: auto``). A verl user who keeps their command line
+``ppo.yaml``, ``remax.yaml``) train the demo's tiny model on the arithmetic task, after a short SFT warm
+start on the same task (``warm_start.enable: auto``). A verl user who keeps their command line
 (``actor_rollout_ref.model.path=Qwen/... data.train_files=gsm8k/train.parquet``) must get RL on their
 model and data, not an SFT of their model on ``"a+b="`` first. :func:`apply_demo_scope` decides, after the
 config is loaded and before anything runs:

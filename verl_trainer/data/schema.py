@@ -24,6 +24,10 @@ Per-sample tags, ``[B]``:
     prompt_len (long), response_len (long), is_padding (bool; synthetic samples added by
     ``upsample_batch_to_multiple``, their loss_mask is all zero).
 
+Per-sample values, ``[B]``:
+    reward_baselines (float32; ReMax: the reward of the greedy response to the sample's prompt,
+    :mod:`verl_trainer.algorithms.greedy_baseline`).
+
 The batch's behaviour lives here too, one definition each: :func:`sequence_lengths`, :func:`real_mask`,
 :func:`num_real`, :func:`padding_samples` / :func:`append_padding` (synthetic samples that train
 nothing) and :func:`tensor_only`; a batch that lacks what they need raises :class:`BatchSchemaError`.
@@ -55,6 +59,7 @@ SEQ_LEN = "seq_len"
 PROMPT_LEN = "prompt_len"
 RESPONSE_LEN = "response_len"
 IS_PADDING = "is_padding"
+REWARD_BASELINES = "reward_baselines"
 
 TOKEN_KEYS = (
     INPUT_IDS,
