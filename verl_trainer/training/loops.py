@@ -65,9 +65,16 @@ def seed_everything(seed: int) -> None:
 
 
 def configure_engines(trainer: Trainer, module: TrainingModule) -> None:
-    """Build and initialise the module's engines with the strategy (on its one topology), once per module."""
-    if module.engines:
-        return
+    """Build and initialise the module's engines with the strategy (on its one topology), once per module.
+
+    The module gets the run's topology with them (``module.topology``).
+    """
+    if not module.engines:
+        _build_engines(trainer, module)
+    module.topology = trainer.strategy.topology or module.topology
+
+
+def _build_engines(trainer: Trainer, module: TrainingModule) -> None:
     specs = dict(module.configure_engines())
     if trainer.gradient_clip_val is not None:  # Trainer(gradient_clip_val=) overrides OptimConfig.clip_grad
         clip = trainer.gradient_clip_val
@@ -111,6 +118,7 @@ def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_p
     module.trainer = trainer
     if datamodule is not None and hasattr(datamodule, "trainer"):
         datamodule.trainer = trainer  # Lightning's attribute: the datamodule reads trainer.dp_size
+    trainer.step_hooks = trainer.callback_step_hooks()  # the callbacks may have changed since construction
     seed_everything(trainer.seed)
     apply_deterministic(trainer.deterministic)
     trainer.logging.setup(trainer.is_global_zero)
