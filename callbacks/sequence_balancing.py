@@ -18,7 +18,7 @@ GRPO groups may be split across ranks here: advantages are computed before ``on_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tensordict import TensorDict
 
@@ -59,6 +59,16 @@ class SequenceBalancing(Callback):
         self.equal_size = equal_size
         self.prefix = prefix
         self.last_metrics: dict[str, float] = {}
+        self._run: tuple[Any, int, int] | None = None  # (dp group, hidden size, multiple) of the fit
+
+    def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        """Read the run's DP group and the module's declared sizes once: they hold for the whole fit."""
+        self._run = self._resolve(trainer, module) if is_initialized() else None
+
+    def _resolve(self, trainer: Trainer, module: TrainingModule) -> tuple[Any, int, int]:
+        hidden = self.hidden_size if self.hidden_size is not None else module.hidden_size
+        multiple = self.batch_multiple if self.batch_multiple is not None else module.required_batch_multiple
+        return trainer.dp_group, hidden, multiple
 
     def on_before_update(
         self, trainer: Trainer, module: TrainingModule, batch: TensorDict
@@ -66,10 +76,8 @@ class SequenceBalancing(Callback):
         """Return this rank's balanced part of the step's global batch; log the balance metrics."""
         if not is_initialized():
             return None
-        hidden = self.hidden_size if self.hidden_size is not None else module.hidden_size
-        multiple = self.batch_multiple if self.batch_multiple is not None else module.required_batch_multiple
-        new_batch, self.last_metrics = balance_batch(
-            batch, trainer.dp_group, hidden, multiple, self.equal_size, self.prefix
-        )
+        dp_group, hidden, multiple = self._run or self._resolve(trainer, module)
+        new_batch, self.last_metrics = balance_batch(batch, dp_group, hidden, multiple, self.equal_size,
+                                                     self.prefix)
         trainer.log_metrics({k: Metric.mean(v) for k, v in self.last_metrics.items()})  # same on every rank
         return new_batch

@@ -25,7 +25,7 @@ Optional: :meth:`~TrainingModule.validation_step`, :meth:`~TrainingModule.test_s
 with ``torch.save`` and loaded with ``weights_only=True``), :attr:`~TrainingModule.hparams` (logged once),
 ``train_dataloader()`` / ``val_dataloader()`` when no datamodule is passed to ``fit``.
 
-**Step outputs** (``training_step`` / ``validation_step`` return a mapping; ``MetricReduction`` reduces
+**Step outputs** (``training_step`` / ``validation_step`` return a mapping; the loop reduces
 it over micro-batches and ranks before anything is logged):
 
 * a :class:`~verl_trainer.metrics.Metric` — reduced as it declares (SUM / MEAN / MIN / MAX);

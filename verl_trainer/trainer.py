@@ -11,11 +11,11 @@ the module's engines with the strategy, shards the data by data-parallel rank
 (``verl_trainer.training.data``), restores a checkpoint, and runs the loop (``verl_trainer.training.loops``)
 with hooks dispatched by :meth:`Trainer.call_hook`. Invalid arguments fail here, at construction.
 
-Callback order is fixed: ``MetricReduction`` first (it turns the module's step outputs into logged
-values), then the user's callbacks in the given order (the default ``ProgressBar`` after them), and
-``ModelCheckpoint`` callbacks last, as in Lightning. Metrics of a step are logged on rank 0 after
-``on_train_batch_end`` (every ``log_every_n_steps``), or earlier when a checkpoint is saved, so a
-checkpoint never precedes its own step in the logs.
+Callback order is fixed: ``MetricReduction`` first (its group is where the loops reduce the module's
+step outputs into logged values, before any callback sees them), then the user's callbacks in the given
+order (the default ``ProgressBar`` after them), and ``ModelCheckpoint`` callbacks last, as in Lightning.
+Metrics of a step are logged on rank 0 after ``on_train_batch_end`` (every ``log_every_n_steps``), or
+earlier when a checkpoint is saved, so a checkpoint never precedes its own step in the logs.
 """
 
 from __future__ import annotations
@@ -341,6 +341,12 @@ class Trainer(LightningAttributes):
     def checkpoint_callback(self) -> ModelCheckpoint | None:
         """The first ModelCheckpoint callback, if any."""
         return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
+
+    @property
+    def metric_group(self) -> dist.ProcessGroup | None:
+        """The group the loops reduce step and evaluation outputs over (``MetricReduction.group``)."""
+        reduction = next((cb for cb in self.callbacks if isinstance(cb, MetricReduction)), None)
+        return self.dp_group if reduction is not None and reduction.group == "dp" else None
 
     @property
     def progress_bar_callback(self) -> ProgressBar | None:

@@ -44,9 +44,8 @@ from tensordict import TensorDict
 from verl_trainer.algorithms.config import RLConfig
 from verl_trainer.algorithms.dapo import overlong_penalty
 from verl_trainer.algorithms.distributed import count_mini_batches, split_mini_batches
-from verl_trainer.algorithms.non_finite import NonFiniteGuard
+from verl_trainer.algorithms.non_finite import NonFiniteGuard, check_reward_failures
 from verl_trainer.algorithms.one_step_off import OneStepOffRollout, check_async_rollout
-from verl_trainer.algorithms.reward_failures import check_reward_failures
 from verl_trainer.algorithms.reward_model import REWARD_MODEL_ENGINE, RewardModel, split_reward_models
 from verl_trainer.balancing import required_batch_multiple
 from verl_trainer.core_algos.advantages import estimator_inputs
