@@ -2,7 +2,7 @@
 
 The monitored value is read from ``trainer.callback_metrics``, which holds values already reduced over
 micro-batches and ranks — the same on every rank — so every rank takes the same decision without a
-collective. Checked at the end of each validation run (after ``MetricReduction`` reduced it), or at the end
+collective. Checked at the end of each validation run (after the loop reduced it), or at the end
 of each training epoch with ``check_on_train_epoch_end=True`` (the default when the run has no validation
 data). A stop request is honoured after ``Trainer(min_steps=, min_epochs=)``.
 """

@@ -50,7 +50,7 @@ def write_dataset(path: Path, n: int, seed: int = 0) -> Path:
 
 
 class RewardHistory(Callback):
-    """Keeps each step's reduced rewards (``MetricReduction`` runs first, so they are there)."""
+    """Keeps each step's reduced rewards (the loop reduces them before any callback runs)."""
 
     KEYS = ("reward/mean", "reward/digits/mean", "reward/starts_with_answer/mean")
 

@@ -263,18 +263,16 @@ def _budget(view: dict, max_files: int, max_hops: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="measured 2026-12-03 with the fixed tracer, rebased on main 870af16 "
-                   "and the estimator resolved once: 18 files / 38 hops / 22 back (main itself: 18 / 37 / "
-                   "21); the Trainer's shrinking (issue 30, item 2) is still to come")
 def test_the_grpo_step_orchestration_stays_short(grpo_step_views):
     """Issue 30's budget: a GRPO step with balancing, orchestration view, <= 14 files / 30 hops."""
     _budget(grpo_step_views["orchestration"], 14, 30)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="measured 2026-12-03 with the fixed tracer, rebased on main 870af16 "
-                   "and the estimator resolved once: 49 files / 171 hops / 124 back (main itself: 51 / 173 / "
-                   "124); the Trainer's shrinking (issue 30, item 2) is still to come")
+@pytest.mark.xfail(strict=True, reason="measured 2026-12-04 after the step-path shortening (wt-steppath): "
+                   "41 files / 132 hops / 93 back (main eb1d852: 51 / 173 / 124); what is left is the "
+                   "engine's own depth (base.py <-> compute.py, packing, attention, log-probs, losses, "
+                   "metrics), issue 30 item 1")
 def test_the_grpo_step_full_depth_stays_short(grpo_step_views):
     """Issue 30's budget: a GRPO step with balancing, full depth, <= 35 files / 110 hops."""
     _budget(grpo_step_views["full depth"], 35, 110)

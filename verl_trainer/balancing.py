@@ -13,6 +13,8 @@ differences, each on purpose:
 * Invalid input raises ``ValueError`` naming the numbers, instead of ``assert``.
 
 Lengths (or workloads) are non-negative numbers ``[n]``; partitions are lists of sample indices.
+:func:`balance_batch` applies them to a step: this rank's samples re-partitioned over the DP group
+(the ``SequenceBalancing`` callback's work; verl's trainer ``_balance_batch``).
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer._kk import kk_partition, stable_argsort
 from verl_trainer.data import schema
+from verl_trainer.data.exchange import exchange_samples
+from verl_trainer.utils.distributed import all_reduce
 
 __all__ = [
+    "balance_batch",
     "calculate_workload",
     "get_seqlen_balanced_partitions",
     "greedy_partition",
@@ -283,3 +289,74 @@ def upsample_batch_to_multiple(batch: TensorDict, multiple: int) -> TensorDict:
     if pad == 0:
         return batch
     return schema.append_padding(batch, pad)
+
+
+def _all_gather_lengths(lengths: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """All-gather a ``[B_r]`` long tensor whose size differs per rank; returns one tensor per rank."""
+    world = dist.get_world_size(group)
+    count = torch.tensor([lengths.numel()], dtype=torch.long)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    width = max(int(c) for c in counts)
+    padded = torch.zeros(width, dtype=torch.long)
+    padded[: lengths.numel()] = lengths
+    gathered = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    return [g[: int(c)] for g, c in zip(gathered, counts)]
+
+
+def balance_batch(
+    batch: TensorDict,
+    dp_group: dist.ProcessGroup | None = None,
+    hidden_size: int = 4096,
+    batch_multiple: int = 1,
+    equal_size: bool = True,
+    prefix: str = "global_seqlen",
+) -> tuple[TensorDict, dict[str, float]]:
+    """Re-partition samples over the DP group by workload; collective over ``dp_group``.
+
+    Args:
+        batch: This rank's padded batch ``[B_r, T_r]`` (tensor entries; ``input_ids``, ``uid``, and
+            ``seq_len`` or ``attention_mask``).
+        dp_group: The data-parallel group (``None``: the world).
+        hidden_size: Model hidden size for :func:`calculate_workload`.
+        batch_multiple: The global batch is padded to a multiple of ``lcm(dp_size, batch_multiple)``
+            (:func:`~verl_trainer.balancing.required_batch_multiple`).
+        equal_size: Every rank gets the same number of samples (needed for mini-batching).
+        prefix: Metric-name prefix.
+
+    Returns:
+        ``(new_batch, metrics)``: this rank's part (rank-major global order, synthetic samples last) and
+        the balance metrics (identical on every rank).
+    """
+    world, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    per_rank = _all_gather_lengths(schema.sequence_lengths(batch), dp_group)
+    lengths = torch.cat(per_rank)
+    n_real = lengths.numel()
+    multiple = math.lcm(world, max(int(batch_multiple), 1))
+    n_pad = (-n_real) % multiple
+    if n_real + n_pad < world:
+        n_pad += multiple  # every rank needs at least one sample
+    all_lengths = torch.cat([lengths, torch.ones(n_pad, dtype=torch.long)])
+    workloads = calculate_workload(all_lengths, hidden_size=hidden_size)
+    parts = get_seqlen_balanced_partitions(workloads.tolist(), world, equal_size)
+
+    owner = torch.empty(n_real + n_pad, dtype=torch.long)
+    for r, part in enumerate(parts):
+        owner[torch.as_tensor(part, dtype=torch.long)] = r
+    offset = sum(p.numel() for p in per_rank[:rank])
+    dest = owner[offset : offset + batch.batch_size[0]]
+    mine = exchange_samples(batch, dest, group=dp_group)
+
+    if n_pad:  # n_pad is the same on every rank: the all_reduce below is collective
+        uid_max = batch[schema.UID].max() if batch.batch_size[0] else torch.tensor(-1)
+        uid_max = int(all_reduce(uid_max.to(torch.long).reshape(1), dp_group, dist.ReduceOp.MAX)[0])
+        my_pads = torch.as_tensor([i for i in parts[rank] if i >= n_real], dtype=torch.long)
+        if my_pads.numel():
+            extra = schema.padding_samples(mine, my_pads.numel())
+            if schema.UID in mine.keys():  # unique across ranks, not only on this one
+                extra.set(schema.UID, (uid_max + 1 + my_pads - n_real).to(mine[schema.UID].dtype))
+            mine = torch.cat([schema.with_padding_tag(mine), extra])
+    metrics = log_seqlen_unbalance(all_lengths.tolist(), parts, prefix, hidden_size=hidden_size)
+    metrics[f"{prefix}/num_padding_samples"] = float(n_pad)
+    return mine, metrics

@@ -25,7 +25,7 @@ Optional: :meth:`~TrainingModule.validation_step`, :meth:`~TrainingModule.test_s
 with ``torch.save`` and loaded with ``weights_only=True``), :attr:`~TrainingModule.hparams` (logged once),
 ``train_dataloader()`` / ``val_dataloader()`` when no datamodule is passed to ``fit``.
 
-**Step outputs** (``training_step`` / ``validation_step`` return a mapping; ``MetricReduction`` reduces
+**Step outputs** (``training_step`` / ``validation_step`` return a mapping; the loop reduces
 it over micro-batches and ranks before anything is logged):
 
 * a :class:`~verl_trainer.metrics.Metric` — reduced as it declares (SUM / MEAN / MIN / MAX);
@@ -51,9 +51,9 @@ micro-batches), ``on_before_backward`` (per micro-batch), ``on_after_backward`` 
 **Declared contract** (what callbacks may ask a module): :attr:`TrainingModule.actor`,
 :attr:`TrainingModule.hidden_size` (the actor model's), :attr:`TrainingModule.required_batch_multiple`.
 
-**Data parallelism**: ``self.trainer.dp_group`` / ``dp_rank`` / ``dp_size`` are those of the run's
-topology, which the Trainer's strategy builds once and hands to every engine; the Trainer shards the data
-by them.
+**Data parallelism**: ``self.topology`` (``dp_group`` / ``dp_rank`` / ``dp_size``; also
+``self.trainer.dp_group`` / ...) is the run's topology, which the Trainer's strategy builds once, hands to
+every engine and sets on the module with them; the Trainer shards the data by it.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ from verl_trainer.metrics import Metric
 
 if TYPE_CHECKING:
     from verl_trainer.engine.base import BaseEngine
+    from verl_trainer.engine.topology import Topology
     from verl_trainer.trainer import Trainer
 
 __all__ = ["EngineSpec", "StepOutput", "TrainingModule"]
@@ -91,11 +92,14 @@ class TrainingModule:
     Attributes:
         trainer: The Trainer running this module (set by ``fit`` / ``validate``).
         engines: The initialised engines, by the names :meth:`configure_engines` returned.
+        topology: The run's process topology (``dp_group``, ``dp_rank``, ``dp_size``, ...), set with the
+            engines; ``None`` before.
     """
 
     def __init__(self) -> None:
         self.trainer: Trainer | None = None
         self.engines: dict[str, BaseEngine] = {}
+        self.topology: Topology | None = None
 
     @property
     def hparams(self) -> dict[str, Any]:

@@ -11,15 +11,16 @@ the module's engines with the strategy, shards the data by data-parallel rank
 (``verl_trainer.training.data``), restores a checkpoint, and runs the loop (``verl_trainer.training.loops``)
 with hooks dispatched by :meth:`Trainer.call_hook`. Invalid arguments fail here, at construction.
 
-Callback order is fixed: ``MetricReduction`` first (it turns the module's step outputs into logged
-values), then the user's callbacks in the given order (the default ``ProgressBar`` after them), and
-``ModelCheckpoint`` callbacks last, as in Lightning. Metrics of a step are logged on rank 0 after
-``on_train_batch_end`` (every ``log_every_n_steps``), or earlier when a checkpoint is saved, so a
-checkpoint never precedes its own step in the logs.
+Callback order is fixed: ``MetricReduction`` first (its group is where the loops reduce the module's
+step outputs into logged values, before any callback sees them), then the user's callbacks in the given
+order (the default ``ProgressBar`` after them), and ``ModelCheckpoint`` callbacks last, as in Lightning.
+Metrics of a step are logged on rank 0 after ``on_train_batch_end`` (every ``log_every_n_steps``), or
+earlier when a checkpoint is saved, so a checkpoint never precedes its own step in the logs.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Mapping, Sequence
@@ -34,7 +35,7 @@ from verl_trainer import launch
 from verl_trainer.callbacks import Callback, MetricReduction, ModelCheckpoint, ProgressBar
 from verl_trainer.callbacks.base import HOOK_NAMES, check_callback
 from verl_trainer.engine.config import EngineSpec
-from verl_trainer.engine.hooks import StepHooks
+from verl_trainer.engine.hooks import STEP_HOOK_NAMES, StepHooks
 from verl_trainer.engine.lora_files import check_adapters
 from verl_trainer.loggers import validate_logger_spec
 from verl_trainer.metrics import Metric
@@ -98,37 +99,15 @@ def _as_callback_list(callbacks: Sequence[Callback] | Callback | None) -> list[C
     return [callbacks]
 
 
+def _listens(callback: Callback, hook: str) -> bool:
+    """Whether ``callback`` implements ``hook``: what it answers for the name is not the base no-op."""
+    return getattr(getattr(callback, hook), "__func__", None) is not getattr(Callback, hook)
+
+
 def _is_interactive() -> bool:
     import __main__
 
     return not hasattr(__main__, "__file__") and __main__.__spec__ is None
-
-
-class CallbackStepHooks(StepHooks):
-    """The engine's optimizer-step hooks, dispatched to the Trainer's callbacks (``trainer.step_hooks``)."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    def on_before_zero_grad(self, optimizer: Any) -> None:
-        """``on_before_zero_grad`` with the engine's optimizer."""
-        self.trainer.call_hook("on_before_zero_grad", optimizer)
-
-    def on_micro_batches(self, micro_batches: list[Any]) -> None:
-        """``on_micro_batches`` with the planned micro-batches."""
-        self.trainer.call_hook("on_micro_batches", micro_batches)
-
-    def on_before_backward(self, loss: torch.Tensor) -> None:
-        """``on_before_backward`` with one micro-batch's loss."""
-        self.trainer.call_hook("on_before_backward", loss)
-
-    def on_after_backward(self) -> None:
-        """``on_after_backward``."""
-        self.trainer.call_hook("on_after_backward")
-
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        """``on_before_optimizer_step`` with the engine's optimizer."""
-        self.trainer.call_hook("on_before_optimizer_step", optimizer)
 
 
 class Trainer(LightningAttributes):
@@ -270,7 +249,7 @@ class Trainer(LightningAttributes):
         self.eval_loader: ShardedLoader | None = None  # test / predict data
         self.sanity_checking = False
         self.evaluating = False  # inside a validation / test / predict loop
-        self.step_hooks = CallbackStepHooks(self)
+        self.step_hooks = self.callback_step_hooks()
 
     # ----------------------------------------------------------------------------------- validation
     @staticmethod
@@ -364,6 +343,12 @@ class Trainer(LightningAttributes):
         return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
 
     @property
+    def metric_group(self) -> dist.ProcessGroup | None:
+        """The group the loops reduce step and evaluation outputs over (``MetricReduction.group``)."""
+        reduction = next((cb for cb in self.callbacks if isinstance(cb, MetricReduction)), None)
+        return self.dp_group if reduction is not None and reduction.group == "dp" else None
+
+    @property
     def progress_bar_callback(self) -> ProgressBar | None:
         """The ProgressBar callback, if any."""
         return next((cb for cb in self.callbacks if isinstance(cb, ProgressBar)), None)
@@ -381,10 +366,21 @@ class Trainer(LightningAttributes):
             raise ValueError(f"unknown hook {hook!r}; hooks: {', '.join(sorted(HOOK_NAMES))}")
         chained = hook in _CHAINED_HOOKS
         for cb in self.callbacks:
+            if not _listens(cb, hook):
+                continue  # the base class's no-op
             out = getattr(cb, hook)(self, self.module, *args)
             if chained and out is not None:
                 args = (out, *args[1:])
         return args[0] if chained else None
+
+    def callback_step_hooks(self) -> StepHooks:
+        """The engine's optimizer-step hooks: each one some callback implements dispatches to the callbacks.
+
+        The others stay ``None``, so the engine makes no call for them (``trainer.step_hooks``, set at
+        construction and again when a stage starts).
+        """
+        return StepHooks(**{name: functools.partial(self.call_hook, name) for name in STEP_HOOK_NAMES
+                            if any(_listens(cb, name) for cb in self.callbacks)})
 
     def call_before_update(self, batch: Any) -> Any:
         """Dispatch ``on_before_update`` and return the (possibly replaced) batch."""

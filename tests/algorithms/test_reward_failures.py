@@ -17,7 +17,7 @@ import torch
 from tensordict import NonTensorStack
 
 from verl_trainer.algorithms.config import RewardConfig
-from verl_trainer.algorithms.reward_failures import check_reward_failures
+from verl_trainer.algorithms.non_finite import check_reward_failures
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.rewards import RewardFunctions, compute_rewards, score_batch

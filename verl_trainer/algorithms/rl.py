@@ -52,9 +52,8 @@ from verl_trainer.algorithms.greedy_baseline import (
     generate_greedy_baseline,
     reads_reward_baselines,
 )
-from verl_trainer.algorithms.non_finite import NonFiniteGuard
+from verl_trainer.algorithms.non_finite import NonFiniteGuard, check_reward_failures
 from verl_trainer.algorithms.one_step_off import OneStepOffRollout, check_async_rollout
-from verl_trainer.algorithms.reward_failures import check_reward_failures
 from verl_trainer.algorithms.reward_model import REWARD_MODEL_ENGINE, RewardModel, split_reward_models
 from verl_trainer.balancing import required_batch_multiple
 from verl_trainer.core_algos.advantages import estimator_inputs
@@ -223,7 +222,7 @@ class RLModule(TrainingModule):
     def _unique_uids(self, prompt_batch: TensorDict) -> TensorDict:
         """Give this step's prompts uids unique over the DP ranks (a repeated prompt is a new group)."""
         b = prompt_batch.batch_size[0]
-        rank = self.trainer.dp_rank if self.trainer is not None else 0
+        rank = self.topology.dp_rank if self.topology is not None else 0
         prompt_batch[schema.UID] = rank * b + torch.arange(b, dtype=torch.long)
         return prompt_batch
 
@@ -250,8 +249,9 @@ class RLModule(TrainingModule):
         ``non_finite/{what}`` (``baseline_rewards`` for ReMax's greedy responses).
         """
         check = lambda b, s, info: self._check_rewards(b, s, info, metrics, what)  # noqa: E731
+        trl_kwargs = trl_run_kwargs(self.trainer, metrics) if self.reward_fn.takes_trl_kwargs else None
         scores, reward_metrics = score_batch(batch, self.reward_fn, on_scores=check, raise_on_error=False,
-                                             trl_kwargs=trl_run_kwargs(self.trainer, metrics))
+                                             trl_kwargs=trl_kwargs)
         metrics.update(reward_metrics)
         if AGENT_INFO in batch.keys():  # multi-turn: the environment's and the tools' trajectory reward
             agent_rewards, agent_metrics = agent_rewards_and_metrics(batch)
@@ -297,7 +297,8 @@ class RLModule(TrainingModule):
 
     @property
     def _dp_group(self) -> Any:
-        return self.trainer.dp_group if self.trainer is not None else None
+        """The run's DP group (``None``: one process, or before the engines exist)."""
+        return self.topology.dp_group if self.topology is not None else None
 
     def _check_rewards(self, batch: TensorDict, scores: torch.Tensor, info: dict[str, torch.Tensor],
                        metrics: dict[str, Any], what: str = "rewards") -> None:
@@ -382,10 +383,11 @@ class RLModule(TrainingModule):
         grad_norms: list[float] = []
         lr = 0.0
         skipped = overflows = 0
+        hooks = self.trainer.step_hooks if self.trainer is not None else None
         with engine.train_mode():
             for _ in range(epochs):
                 for mini_batch in mini_batches:
-                    out = engine.train_batch(mini_batch, loss_fn, hooks=self.step_hooks, **kwargs)
+                    out = engine.train_batch(mini_batch, loss_fn, hooks=hooks, **kwargs)
                     metrics.extend(out["metrics"])
                     grad_norms.append(float(out["grad_norm"]))
                     lr = float(out["lr"])
@@ -411,7 +413,7 @@ class RLModule(TrainingModule):
     @property
     def required_batch_multiple(self) -> int:
         """``lcm(dp, actor mini-batch × n)`` samples (the critic shares the actor's mini-batches)."""
-        dp = self.trainer.dp_size if self.trainer is not None else 1
+        dp = self.topology.dp_size if self.topology is not None else 1
         return required_batch_multiple(dp, self.config.actor.ppo_mini_batch_size, None, self.config.rollout.n)
 
     def single_actor_update(self, num_mini_batches: int) -> bool:
@@ -440,8 +442,8 @@ class RLModule(TrainingModule):
                 self.rollout.share_weights(shareable)
             else:
                 self.rollout.update_weights(actor.get_per_tensor_param())
-        if self.trainer is not None:  # SP / TP ranks of one DP rank sample the same responses
-            self.rollout.data_rank = self.trainer.dp_rank
+        if self.topology is not None:  # SP / TP ranks of one DP rank sample the same responses
+            self.rollout.data_rank = self.topology.dp_rank
         self._rollout_stale = False
 
     def training_step(self, batch: TensorDict, batch_idx: int) -> StepOutput:
@@ -476,20 +478,20 @@ class RLModule(TrainingModule):
         data, do_update = self.select_samples(schema.tensor_only(rollout_batch), scores, metrics)
         all_dropped = False
         if self.non_finite.dropped:  # every rank knows; nothing left to train on anywhere: skip
-            left = all_reduce(torch.tensor(float(schema.num_real(data))), trainer.dp_group)
+            left = all_reduce(torch.tensor(float(schema.num_real(data))), self._dp_group)
             all_dropped = float(left) == 0.0
             do_update = do_update and not all_dropped
         t1 = time.perf_counter()
         if do_update:
             actor_cfg = self.config.actor
-            num_mini = count_mini_batches(data, self.mini_batch_samples, trainer.dp_group)  # once per step
+            num_mini = count_mini_batches(data, self.mini_batch_samples, self._dp_group)  # once per step
             actor_loss = self.actor_loss
             if schema.OLD_LOG_PROBS not in data.keys():  # PPO with KL in the reward computed them already
                 reuse = self.single_actor_update(num_mini)
                 self.compute_log_probs(data, actor=not reuse)
                 metrics["actor/old_log_probs_reused"] = float(reuse)
                 actor_loss = with_on_policy_old_log_probs(actor_loss) if reuse else actor_loss
-            data = trainer.call_before_update(data)
+            data = trainer.call_hook("on_before_update", data)  # a callback may return a new batch
             mini_batches = split_mini_batches(data, num_mini)
             metrics.update(self.update_critic(mini_batches))
             if self.actor_update_due():

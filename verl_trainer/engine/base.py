@@ -273,7 +273,8 @@ class BaseEngine(ABC):
         hooks = hooks or NO_HOOKS
         info = self.compute_global_batch_info(data)
         micro_batches, batch_idx = self.make_micro_batches(data)
-        hooks.on_micro_batches(micro_batches)
+        if hooks.on_micro_batches is not None:
+            hooks.on_micro_batches(micro_batches)
         temperature = self.config.temperature if temperature is None else temperature
         step = MicroBatchStep(data, micro_batches, batch_idx, info, loss_function, forward_only,
                               calculate_entropy, temperature, hooks)
@@ -409,11 +410,14 @@ class BaseEngine(ABC):
                 f"pass an OptimConfig to build a trainable engine"
             )
         hooks = hooks or NO_HOOKS
-        hooks.on_before_zero_grad(self.optimizer)
+        if hooks.on_before_zero_grad is not None:
+            hooks.on_before_zero_grad(self.optimizer)
         self.optimizer_zero_grad()
         out = self.forward_backward_batch(data, loss_function, forward_only=False, hooks=hooks, **kwargs)
-        hooks.on_after_backward()
-        hooks.on_before_optimizer_step(self.optimizer)
+        if hooks.on_after_backward is not None:
+            hooks.on_after_backward()
+        if hooks.on_before_optimizer_step is not None:
+            hooks.on_before_optimizer_step(self.optimizer)
         lr = self.get_lr()
         grad_norm = self.optimizer_step()
         finite = math.isfinite(grad_norm)

@@ -107,7 +107,7 @@ class MicroBatchStep:
     def loss(self, outputs: dict[str, torch.Tensor], micro_batch: TensorDict) -> torch.Tensor:
         """The micro-batch's loss from its outputs ``{key: [b, t]}``; recorded, and shown to the hooks."""
         loss, metrics = self.loss_function(outputs, micro_batch, self.info)
-        if not self.forward_only:
+        if not self.forward_only and self.hooks.on_before_backward is not None:
             self.hooks.on_before_backward(loss)
         self.losses.append(loss.detach().to(torch.float64))
         self.metrics.append(dict(metrics or {}))

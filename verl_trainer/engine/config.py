@@ -179,11 +179,6 @@ class OptimConfig(_Validated):
                 f"weight_decay)"
             ) from None
 
-    @property
-    def clipping_enabled(self) -> bool:
-        """True when ``clip_grad`` is a positive number."""
-        return self.clip_grad is not None and self.clip_grad > 0
-
 
 @dataclass
 class EngineConfig(_Validated):

@@ -98,7 +98,7 @@ def build_deepspeed_config(
         ValueError: If the raw config sets ``gradient_accumulation_steps`` other than 1, adds an
             ``optimizer`` / ``scheduler`` section, or names a ZeRO stage other than ``zero_stage``.
     """
-    clip = optim_config.clip_grad if optim_config is not None and optim_config.clipping_enabled else 0.0
+    clip = optim_config.clip_grad if optim_config is not None and (optim_config.clip_grad or 0) > 0 else 0.0
     mbs = config.micro_batch_size_per_gpu
     # ZeRO-1/2 shard only optimizer state and gradients: an inference-only engine runs without ZeRO
     # (DeepSpeed refuses ZeRO-1/2 without an optimizer); ZeRO-3 still partitions its parameters.

@@ -3,7 +3,7 @@
 :meth:`BaseEngine.train_batch <verl_trainer.engine.base.BaseEngine.train_batch>` is the one
 implementation of an optimizer step (zero-grad → micro-batches → backward → clip → step → skipped-step).
 A caller that wants to see inside it — the Trainer dispatching its callbacks — passes one
-:class:`StepHooks`; the engine calls it at fixed points::
+:class:`StepHooks`; the engine calls each hook that is set, at fixed points::
 
     on_before_zero_grad(optimizer)          first, before the gradients are cleared
     on_micro_batches(micro_batches)         the planned micro-batches, before the first forward
@@ -11,37 +11,43 @@ A caller that wants to see inside it — the Trainer dispatching its callbacks �
     on_after_backward()                     after the last backward
     on_before_optimizer_step(optimizer)     before clipping and the step
 
-Every method is a no-op here; override the ones you need.
+A hook left ``None`` is not called: a step nobody watches makes no call out of the engine.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-__all__ = ["StepHooks"]
+__all__ = ["NO_HOOKS", "STEP_HOOK_NAMES", "StepHooks"]
 
 
+@dataclass(frozen=True)
 class StepHooks:
-    """Callbacks of one optimizer step (see the module docstring); the base class does nothing."""
+    """Callbacks of one optimizer step (see the module docstring); ``None``: not called.
 
-    def on_before_zero_grad(self, optimizer: Any) -> None:
-        """Before ``optimizer``'s gradients are cleared at the start of the step."""
+    Attributes:
+        on_before_zero_grad: ``f(optimizer)``, before the gradients are cleared at the start of the step.
+        on_micro_batches: ``f(micro_batches)``, the micro-batches the step will run (each ``[b, T]``),
+            before the first forward.
+        on_before_backward: ``f(loss)``, one micro-batch's loss (0-d), before its backward.
+        on_after_backward: ``f()``, every micro-batch's backward is done; gradients are synchronised.
+        on_before_optimizer_step: ``f(optimizer)``, before the gradients are clipped and the step.
+    """
 
-    def on_micro_batches(self, micro_batches: list[TensorDict]) -> None:
-        """The micro-batches the step will run (each ``[b, T]``), before the first forward."""
+    on_before_zero_grad: Callable[[Any], None] | None = None
+    on_micro_batches: Callable[[list[TensorDict]], None] | None = None
+    on_before_backward: Callable[[torch.Tensor], None] | None = None
+    on_after_backward: Callable[[], None] | None = None
+    on_before_optimizer_step: Callable[[Any], None] | None = None
 
-    def on_before_backward(self, loss: torch.Tensor) -> None:
-        """One micro-batch's loss (0-d), before its backward."""
 
-    def on_after_backward(self) -> None:
-        """Every micro-batch's backward is done; gradients are synchronised."""
-
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        """Before the gradients are clipped and ``optimizer`` steps."""
-
+STEP_HOOK_NAMES: tuple[str, ...] = tuple(f.name for f in fields(StepHooks))
+"""The hooks of one optimizer step, in the order the engine calls them."""
 
 NO_HOOKS = StepHooks()
 """The hooks of a step nobody watches."""

@@ -175,7 +175,7 @@ class OptimizerMixin:
         if scaler is not None:
             scaler.unscale_(optimizer)
         cfg = self.optim_config
-        max_norm = cfg.clip_grad if cfg is not None and cfg.clipping_enabled else None
+        max_norm = cfg.clip_grad if cfg is not None and (cfg.clip_grad or 0) > 0 else None  # a positive clip
         norm = float(self._clip_grad_norm(max_norm))
         if not math.isfinite(norm):
             optimizer.zero_grad(set_to_none=True)

@@ -13,7 +13,7 @@ pipeline stage is a dp group sharded by FSDP over ``mesh["dp"]``, and the stages
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -26,6 +26,9 @@ from verl_trainer.utils.distributed import is_initialized
 class Topology:
     """Meshes and groups of one engine.
 
+    The groups and coordinates are read off the mesh once, at construction, and kept as plain
+    attributes (a step reads them many times).
+
     Attributes:
         world_size: All ranks.
         rank: This process's global rank.
@@ -37,6 +40,14 @@ class Topology:
             with TP.
         tp_size: Tensor-parallel size (``tensor_model_parallel_size``).
         pp_size: Pipeline-parallel size (``pipeline_model_parallel_size``): the mesh is ``(pp, dp)``.
+        dp_group: The DP process group, or ``None`` when not distributed.
+        sp_group: The SP process group, or ``None`` when not distributed or under TP / PP (no SP dim).
+        pp_group: The pipeline group (this dp rank's stages, in stage order), or ``None`` without PP.
+        tp_mesh: The 1-D ``"tp"`` sub-mesh the TP plan shards on (``None`` without TP).
+        dp_rank: Coordinate of this rank on the dp dimension.
+        sp_rank: Coordinate of this rank on the sp dimension (0 under TP / PP).
+        tp_rank: Coordinate of this rank on the tp dimension (0 without TP).
+        pp_rank: This rank's pipeline stage (0 without PP).
 
     """
 
@@ -48,59 +59,25 @@ class Topology:
     shard_mesh: DeviceMesh | None = None
     tp_size: int = 1
     pp_size: int = 1
+    dp_group: dist.ProcessGroup | None = field(init=False, default=None)
+    sp_group: dist.ProcessGroup | None = field(init=False, default=None)
+    pp_group: dist.ProcessGroup | None = field(init=False, default=None)
+    tp_mesh: DeviceMesh | None = field(init=False, default=None)
+    dp_rank: int = field(init=False, default=0)
+    sp_rank: int = field(init=False, default=0)
+    tp_rank: int = field(init=False, default=0)
+    pp_rank: int = field(init=False, default=0)
 
-    def _mesh_with(self, name: str) -> DeviceMesh | None:
-        """The mesh when it has the dimension ``name``, else ``None``."""
+    def __post_init__(self) -> None:
         mesh = self.mesh
-        return mesh if mesh is not None and name in (mesh.mesh_dim_names or ()) else None
-
-    def _group(self, name: str) -> dist.ProcessGroup | None:
-        mesh = self._mesh_with(name)
-        return None if mesh is None else mesh.get_group(name)
-
-    def _rank(self, name: str) -> int:
-        mesh = self._mesh_with(name)
-        return 0 if mesh is None else mesh.get_local_rank(name)
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup | None:
-        """The DP process group, or ``None`` when not distributed."""
-        return self._group("dp")
-
-    @property
-    def sp_group(self) -> dist.ProcessGroup | None:
-        """The SP process group, or ``None`` when not distributed or under TP / PP (no SP dim)."""
-        return self._group("sp")
-
-    @property
-    def tp_mesh(self) -> DeviceMesh | None:
-        """The 1-D ``"tp"`` sub-mesh the TP plan shards on (``None`` without TP)."""
-        return None if self.mesh is None or self.tp_size == 1 else self.mesh["tp"]
-
-    @property
-    def tp_rank(self) -> int:
-        """Coordinate of this rank on the tp dimension (0 without TP)."""
-        return 0 if self.tp_size == 1 else self._rank("tp")
-
-    @property
-    def dp_rank(self) -> int:
-        """Coordinate of this rank on the dp dimension."""
-        return self._rank("dp")
-
-    @property
-    def sp_rank(self) -> int:
-        """Coordinate of this rank on the sp dimension (0 under TP / PP)."""
-        return self._rank("sp")
-
-    @property
-    def pp_group(self) -> dist.ProcessGroup | None:
-        """The pipeline group (this dp rank's stages, in stage order), or ``None`` without PP."""
-        return self._group("pp")
-
-    @property
-    def pp_rank(self) -> int:
-        """This rank's pipeline stage (0 without PP)."""
-        return self._rank("pp")
+        names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+        for dim in ("dp", "sp", "pp"):
+            if dim in names:
+                setattr(self, f"{dim}_group", mesh.get_group(dim))
+                setattr(self, f"{dim}_rank", mesh.get_local_rank(dim))
+        if mesh is not None and self.tp_size > 1:
+            self.tp_mesh = mesh["tp"]
+            self.tp_rank = mesh.get_local_rank("tp")
 
 
 def _first_parallel(sp: int, tp: int, pp: int = 1) -> tuple[str, int]:

@@ -111,12 +111,13 @@ def varlen_attention(
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
     window = sliding_window if sliding_window is not None and sliding_window < max_seqlen else None
-    out = fused_varlen_attention(
-        query, key, value, cu_seqlens, max_seqlen,
-        scaling=scaling, dropout=dropout, is_causal=is_causal, window=window,
-    )
-    if out is not None:
-        return out
+    if query.is_cuda:  # the fused kernels are CUDA-only; elsewhere the bucketed path, without a call
+        out = fused_varlen_attention(
+            query, key, value, cu_seqlens, max_seqlen,
+            scaling=scaling, dropout=dropout, is_causal=is_causal, window=window,
+        )
+        if out is not None:
+            return out
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     return bucketed_varlen_attention(
         query, key, value, lengths, scaling=scaling, dropout=dropout, is_causal=is_causal, window=window

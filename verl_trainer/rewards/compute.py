@@ -91,6 +91,8 @@ class RewardFunctions:
         names = [_display_name(spec) for spec in specs]
         self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
         self.styles = [reward_style(fn, name) for fn, name in zip(self.functions, self.names)]
+        self.takes_trl_kwargs = TRL in self.styles
+        """Whether a TRL-style function is among them (only those get ``trainer_state`` / ``log_metric``)."""
         if weights is None:
             weights = [1.0] * len(specs)
         if len(weights) != len(specs):

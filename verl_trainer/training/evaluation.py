@@ -5,8 +5,8 @@ Hook order of one validation run (test: the same with ``test`` in the names)::
     on_validation_start → on_validation_epoch_start → (on_validation_batch_start → validation_step →
     on_validation_batch_end)* → on_validation_epoch_end → on_validation_end
 
-``MetricReduction`` reduces the outputs of all batches over batches and ranks in
-``on_validation_epoch_end``, so callbacks after it (``EarlyStopping``) see ``callback_metrics``, and a
+The loop reduces the outputs of all batches over batches and ranks (over ``MetricReduction``'s group)
+before ``on_validation_epoch_end``, so callbacks (``EarlyStopping``) see ``callback_metrics``, and a
 ``ModelCheckpoint`` saving in ``on_validation_end`` sees them too. The sanity check (``num_sanity_val_steps``
 batches at the start of fit) runs the same loop between ``on_sanity_check_start`` / ``_end`` and its
 values are discarded. Predict: ``on_predict_start → on_predict_epoch_start → (on_predict_batch_start →
@@ -52,9 +52,11 @@ def _evaluate(trainer: Trainer, prefix: str, loader: ShardedLoader, step_name: s
             for batch_idx, batch in _batches(loader, limit):
                 trainer.call_hook(f"on_{prefix}_batch_start", batch, batch_idx)
                 outputs = step(batch, batch_idx)
+                trainer.logging.add(outputs)  # reduced with every batch's, once, below
                 trainer.call_hook(f"on_{prefix}_batch_end", outputs, batch, batch_idx)
     finally:
         trainer.evaluating = False
+    trainer.logging.reduce(trainer.metric_group)  # before on_*_epoch_end: callbacks see the reduced values
     trainer.call_hook(f"on_{prefix}_epoch_end")
     trainer.call_hook(f"on_{prefix}_end")
     return trainer.logging.pending()

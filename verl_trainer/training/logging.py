@@ -5,7 +5,7 @@ Everything that reaches a logger takes one path: a value declares its reduction
 accumulates it on every rank, :meth:`MetricLogging.reduce` reduces what was accumulated over
 micro-batches and ranks (a collective), the reduced values become ``callback_metrics`` and wait for
 :meth:`MetricLogging.flush`, which hands them to the loggers on global rank 0 when due. The module's step
-outputs (through ``MetricReduction``), the balance metrics of ``SequenceBalancing`` and the LR and
+outputs (added and reduced by the loops), the balance metrics of ``SequenceBalancing`` and the LR and
 throughput monitors all use it. Logging is SPMD: every rank adds the same names in the same order.
 """
 

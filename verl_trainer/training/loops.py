@@ -8,8 +8,9 @@ Hook order of ``fit`` (pinned by ``tests/trainer/test_hooks.py``; validation, te
     per epoch: on_train_epoch_start → steps → on_train_epoch_end
     per step:  on_train_batch_start → training_step (the module dispatches on_rollout_end,
                on_before_update, on_before_backward per micro-batch, on_after_backward,
-               on_before_optimizer_step) → LR schedulers step → global_step += 1 → on_train_batch_end
-               → metrics logged → [validation: on_validation_start → on_validation_epoch_start →
+               on_before_optimizer_step) → LR schedulers step → global_step += 1 → the step's outputs
+               reduced (over ``MetricReduction``'s group) → on_train_batch_end → metrics logged →
+               [validation: on_validation_start → on_validation_epoch_start →
                (on_validation_batch_start → validation_step → on_validation_batch_end)* →
                on_validation_epoch_end → on_validation_end]
     (inside train_batch, before the micro-batches: on_before_zero_grad)
@@ -65,9 +66,16 @@ def seed_everything(seed: int) -> None:
 
 
 def configure_engines(trainer: Trainer, module: TrainingModule) -> None:
-    """Build and initialise the module's engines with the strategy (on its one topology), once per module."""
-    if module.engines:
-        return
+    """Build and initialise the module's engines with the strategy (on its one topology), once per module.
+
+    The module gets the run's topology with them (``module.topology``).
+    """
+    if not module.engines:
+        _build_engines(trainer, module)
+    module.topology = trainer.strategy.topology or module.topology
+
+
+def _build_engines(trainer: Trainer, module: TrainingModule) -> None:
     specs = dict(module.configure_engines())
     if trainer.gradient_clip_val is not None:  # Trainer(gradient_clip_val=) overrides OptimConfig.clip_grad
         clip = trainer.gradient_clip_val
@@ -111,6 +119,7 @@ def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_p
     module.trainer = trainer
     if datamodule is not None and hasattr(datamodule, "trainer"):
         datamodule.trainer = trainer  # Lightning's attribute: the datamodule reads trainer.dp_size
+    trainer.step_hooks = trainer.callback_step_hooks()  # the callbacks may have changed since construction
     seed_everything(trainer.seed)
     apply_deterministic(trainer.deterministic)
     trainer.logging.setup(trainer.is_global_zero)
@@ -220,6 +229,7 @@ def fit_loop(trainer: Trainer) -> None:
     if isinstance(trainer.val_check_interval, float) and trainer.val_loader is not None:
         trainer.validation_due()  # a fraction of a stream of unknown length fails here, before any step
     started = time.monotonic()
+    metric_group = trainer.metric_group
     trainer.logging.setup(trainer.is_global_zero, module.hparams)
     trainer.call_hook("on_fit_start")
     _warn_unknown_hooks(trainer)
@@ -233,6 +243,8 @@ def fit_loop(trainer: Trainer) -> None:
             for engine in _trainable(trainer):
                 engine.lr_scheduler_step()
             trainer.global_step += 1
+            trainer.logging.add(outputs)  # the step's outputs with what was logged during it, reduced
+            trainer.logging.reduce(metric_group)  # over micro-batches and ranks before any callback sees them
             trainer.call_hook("on_train_batch_end", outputs, batch, batch_idx)
             trainer.flush_metrics()
             if trainer.validation_due():
