@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 
 from verl_trainer.models.loading import load_causal_lm, load_tokenizer
-from verl_trainer.models.source import ModelNotFoundError, looks_like_hub_id, resolve_model_path
+from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
 from verl_trainer.models.tiny import make_tiny_model
+from verl_trainer.utils.hub_cache import looks_like_hub_id
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verl_trainer.models.source import hub_cache_dir, looks_like_hub_id
+from verl_trainer.utils.hub_cache import hub_cache_dir, looks_like_hub_id
 
 __all__ = ["HubDataset", "HubDatasetNotFoundError", "data_fingerprint", "hub_snapshot", "parse_hub_dataset",
            "read_hub_rows", "resolve_hub_split", "with_default_split"]
