@@ -2,7 +2,7 @@
 
 Each save writes ``<dirpath>/step_000003/`` through :meth:`Trainer.save_checkpoint` (engines, trainer
 state, data position, module and callback states, every rank's RNG; see
-``verl_trainer.training.checkpoint``). The directory appears only once complete, so
+``verl_trainer.engine.checkpoint_dirs``). The directory appears only once complete, so
 ``fit(ckpt_path="last")`` never picks a save that was interrupted. ``dirpath`` defaults to
 ``<default_root_dir>/checkpoints``.
 
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from verl_trainer.callbacks.base import Callback
+from verl_trainer.engine.checkpoint_dirs import checkpoint_dir_name, claim_checkpoint_dir, prune_checkpoints
 from verl_trainer.export.shards import parse_size
-from verl_trainer.training.checkpoint import checkpoint_dir_name, claim_checkpoint_dir, prune_checkpoints
 from verl_trainer.utils.dir_lock import DirectoryLock, DirectoryLockedError
 from verl_trainer.utils.distributed import barrier, broadcast_object
 
@@ -177,7 +177,7 @@ class ModelCheckpoint(Callback):
 
         Rank 0 removes the half-written / half-deleted folders an interrupted save or pruning left
         (saying so) and refuses a directory holding another run's checkpoints
-        (:func:`~verl_trainer.training.checkpoint.claim_checkpoint_dir`); a fresh run gets a new run id,
+        (:func:`~verl_trainer.engine.checkpoint_dirs.claim_checkpoint_dir`); a fresh run gets a new run id,
         recorded in every checkpoint it writes. Every rank raises the same error together.
         """
         assert self.dirpath is not None

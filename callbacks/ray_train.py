@@ -30,7 +30,7 @@ from typing import Any
 
 from verl_trainer.callbacks.base import Callback
 from verl_trainer.callbacks.model_checkpoint import ModelCheckpoint
-from verl_trainer.training.checkpoint import checkpoint_run_id, list_checkpoints
+from verl_trainer.engine.checkpoint_dirs import checkpoint_run_id, list_checkpoints
 
 
 def _ray_train() -> Any:

@@ -135,7 +135,7 @@ def test_a_checkpoint_evaluates_as_its_hf_export(setup, tmp_path, monkeypatch):
     import tempfile
 
     from tests.trainer.common import tiny_model
-    from verl_trainer.export import convert_checkpoint
+    from verl_trainer.export.convert import convert_checkpoint
     from verl_trainer.testing.distributed import run_distributed
 
     model = tiny_model(tmp_path / "model")

@@ -38,8 +38,8 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 def test_model_checkpoint_save_hf_and_converter_agree(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from verl_trainer.export import convert_checkpoint
     from verl_trainer.export.__main__ import main as export_main
+    from verl_trainer.export.convert import convert_checkpoint
 
     model_path = tiny_model(tmp_path / "model")
     names = run_distributed(_fit, 1, model_path, str(tmp_path / "run"), timeout=300)[0]

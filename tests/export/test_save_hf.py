@@ -32,7 +32,7 @@ from tests.engine.common import (
     value_loss,
 )
 from verl_trainer.engine import OptimConfig
-from verl_trainer.export import convert_checkpoint
+from verl_trainer.export.convert import convert_checkpoint
 from verl_trainer.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from verl_trainer.training.checkpoint import (
+from verl_trainer.engine.checkpoint_dirs import (
     STATE_FILE,
     claim_checkpoint_dir,
     find_last_checkpoint,

@@ -52,7 +52,7 @@ def _start(model_path: str, root: Path, gate: str) -> subprocess.Popen:
 
 @pytest.mark.slow  # two processes that each load torch and transformers: ~75 s on 2 busy cores
 def test_a_second_run_in_the_same_directory_is_refused_while_the_first_runs(tmp_path):
-    from verl_trainer.training.checkpoint import find_last_checkpoint
+    from verl_trainer.engine.checkpoint_dirs import find_last_checkpoint
     from verl_trainer.utils.manifest import verify_manifest
 
     model_path = tiny_model(tmp_path / "model")

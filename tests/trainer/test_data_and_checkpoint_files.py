@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from verl_trainer.training.checkpoint import (
+from verl_trainer.engine.checkpoint_dirs import (
     STATE_FILE,
     find_last_checkpoint,
     list_checkpoints,

@@ -175,8 +175,8 @@ class TrainerConfig(TrainerArgs):
         return to_dtype(self.export_dtype)
 
     def __post_init__(self) -> None:
+        from verl_trainer.engine.checkpoint_dirs import STATE_FILE
         from verl_trainer.engine.config import DTYPES
-        from verl_trainer.training.checkpoint import STATE_FILE
 
         if self.export_dtype != "auto" and self.export_dtype not in DTYPES:
             raise ValueError(f"trainer.export_dtype={self.export_dtype!r}; choose auto or one of "

@@ -40,7 +40,7 @@ def hf_model_dir(model: str) -> Iterator[str]:
     """The HF directory of ``model``: itself, a cached hub id's snapshot, or a checkpoint converted to HF.
 
     A checkpoint (trainer ``step_*``, a checkpoints directory or an engine checkpoint) is converted into a
-    temporary directory (:func:`verl_trainer.export.convert_checkpoint`) that is removed on exit.
+    temporary directory (:func:`verl_trainer.export.convert.convert_checkpoint`) that is removed on exit.
 
     Raises:
         FileNotFoundError: ``model`` is neither (the message says what was looked for).

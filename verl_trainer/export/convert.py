@@ -43,7 +43,7 @@ def find_engine_checkpoint(path: str | os.PathLike, engine: str = "actor") -> Pa
     Raises:
         FileNotFoundError: Naming ``path``, what was looked for, and the engines it has.
     """
-    from verl_trainer.training.checkpoint import ENGINES_DIR, STATE_FILE, find_last_checkpoint
+    from verl_trainer.engine.checkpoint_dirs import ENGINES_DIR, STATE_FILE, find_last_checkpoint
 
     root = Path(path)
     if not root.is_dir():

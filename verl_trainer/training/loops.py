@@ -43,6 +43,7 @@ import torch
 
 from verl_trainer.callbacks.base import HOOK_NAMES, unknown_hooks
 from verl_trainer.data.schema import concat_batches
+from verl_trainer.engine.checkpoint_dirs import STATE_FILE, find_last_checkpoint
 from verl_trainer.engine.config import EngineSpec
 from verl_trainer.training import checkpoint as ckpt
 from verl_trainer.training import evaluation, resume_check
@@ -309,10 +310,10 @@ def save_checkpoint(trainer: Trainer, path: Path) -> None:
 def _resolve(trainer: Trainer, ckpt_path: Any) -> Path | None:
     if str(ckpt_path) != "last":
         path = Path(ckpt_path)
-        if not (path / ckpt.STATE_FILE).is_file():
+        if not (path / STATE_FILE).is_file():
             raise FileNotFoundError(f"ckpt_path={str(ckpt_path)!r} is not a complete checkpoint directory")
         return path
-    found = broadcast_object(str(ckpt.find_last_checkpoint(trainer.checkpoint_dir) or ""))  # rank 0's choice
+    found = broadcast_object(str(find_last_checkpoint(trainer.checkpoint_dir) or ""))  # rank 0's choice
     return Path(found) if found else None
 
 
