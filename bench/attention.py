@@ -9,7 +9,8 @@ The baseline is ``reference_varlen_attention``: inputs split with ``torch.split`
 one ``scaled_dot_product_attention`` per segment, one ``torch.cat`` — no copies beyond that, so only the
 per-call overhead separates it from a fused kernel. The new path is ``bucketed_varlen_attention`` (what
 the ``"verl_varlen"`` attention runs on CPU): segments of equal length form one bucket, buckets of up to
-``--matmul-max-length`` tokens run as batched matmuls (``verl_trainer.models.matmul_attention``), longer
+``--matmul-max-length`` tokens run as batched matmuls (the matmul bucket kernel of
+``verl_trainer.models.bucketed_attention``), longer
 ones one sdpa call each. Each side runs a forward and a backward of the same fp32 inputs; the sides
 alternate within each of ``--reps`` rounds (after one warm-up), and the speed-up is the median over
 rounds of loop time / new time in that round (the machine's load drifts between rounds; a round's two
@@ -40,8 +41,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verl_trainer.models.bucketed_attention import bucketed_varlen_attention  # noqa: E402
-from verl_trainer.models.matmul_attention import MATMUL_MAX_LENGTH  # noqa: E402
+from verl_trainer.models.bucketed_attention import (
+    MATMUL_MAX_LENGTH,  # noqa: E402
+    bucketed_varlen_attention,  # noqa: E402
+)
 from verl_trainer.models.varlen_kernels import reference_varlen_attention  # noqa: E402
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

@@ -36,13 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verl_trainer.data.packing import (  # noqa: E402
     PackedBatch,
-    head_positions,
     make_batch,
     pack_batch,
-    scatter_head_outputs,
     shift_to_targets,
     token_log_probs_and_entropy,
 )
+from verl_trainer.engine.heads import head_positions, scatter_head_outputs  # noqa: E402
 
 MIB = 2**20
 Outputs = tuple[torch.Tensor, torch.Tensor]

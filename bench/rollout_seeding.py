@@ -33,8 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verl_trainer.models.tiny import make_tiny_model  # noqa: E402
 from verl_trainer.rollout import HFRollout, RolloutConfig  # noqa: E402
-from verl_trainer.rollout.decoding import sample_dropping_finished  # noqa: E402
-from verl_trainer.rollout.sampling import sample_rows  # noqa: E402
+from verl_trainer.rollout.sampling import (
+    sample_dropping_finished,  # noqa: E402
+    sample_rows,  # noqa: E402
+)
 
 SHAPES = {
     "default": dict(hidden=64, layers=2, prompts=32, n=8, new=4, eos_bias=0.0),

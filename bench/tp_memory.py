@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import MIB, local_param_mib, write_model  # noqa: E402
 from verl_trainer.data.packing import (  # noqa: E402
-    head_positions,
     make_batch,
     pack_batch,
     token_log_probs_and_entropy,
 )
+from verl_trainer.engine.heads import head_positions  # noqa: E402
 from verl_trainer.engine.tensor_parallel import apply_tensor_parallel, vocab_slice_start  # noqa: E402
 from verl_trainer.engine.vocab_parallel import vocab_parallel_log_probs_and_entropy  # noqa: E402
 from verl_trainer.models import load_causal_lm  # noqa: E402

@@ -188,7 +188,7 @@ def _remax_one_step_off(model: str, data: str, root: str) -> dict:
     from verl_trainer import Trainer
     from verl_trainer.algorithms import PromptDataModule
     from verl_trainer.callbacks import Callback
-    from verl_trainer.data.prompts import prompt_token_lists
+    from verl_trainer.data.schema import prompt_token_lists
     from verl_trainer.models.loading import load_tokenizer
 
     class Record(Callback):

@@ -15,7 +15,8 @@ import pytest
 
 from verl_trainer.algorithms.data import DataConfig, PromptDataModule, SFTDataModule
 from verl_trainer.data.hub import HubDatasetNotFoundError, data_fingerprint, parse_hub_dataset
-from verl_trainer.data.prompts import PromptDataset, non_tensor_list
+from verl_trainer.data.prompts import PromptDataset
+from verl_trainer.data.schema import non_tensor_list
 from verl_trainer.data.sft import SFTDataset
 from verl_trainer.models.tiny import build_tokenizer
 from verl_trainer.testing.hub_cache import parquet_bytes, write_cached_dataset

@@ -10,11 +10,10 @@ from verl_trainer.data.prompts import (
     encode_prompt,
     load_prompts,
     make_prompt_dataloader,
-    non_tensor_lists,
-    prompt_token_lists,
     save_rows,
     to_verl_row,
 )
+from verl_trainer.data.schema import non_tensor_lists, prompt_token_lists
 from verl_trainer.models import build_tokenizer
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from verl_trainer.data.packing import head_positions, next_token_log_probs_and_entropy, pack_batch
-from verl_trainer.engine.heads import LanguageModel
+from verl_trainer.data.packing import next_token_log_probs_and_entropy, pack_batch
+from verl_trainer.engine.heads import LanguageModel, head_positions
 from verl_trainer.models import VARLEN_ATTENTION, load_causal_lm, packed_forward
 
 from .common import random_batch, tiny_model

@@ -1,15 +1,19 @@
 """The bucketed varlen attention (CPU path) equals the per-segment reference, forward and gradients.
 
-Each case runs with short buckets as batched matmuls (the default, ``verl_trainer.models.matmul_attention``),
-with every bucket as matmuls, and with every bucket as sdpa (``matmul_max_length=0``).
+Each case runs with short buckets as batched matmuls (the default: the module's matmul bucket kernel), with
+every bucket as matmuls, and with every bucket as sdpa (``matmul_max_length=0``).
 """
 
 import pytest
 import torch
 
 from verl_trainer.models.attention import varlen_attention
-from verl_trainer.models.bucketed_attention import bucketed_varlen_attention, plan_buckets
-from verl_trainer.models.matmul_attention import MATMUL_MAX_LENGTH, use_matmul_attention
+from verl_trainer.models.bucketed_attention import (
+    MATMUL_MAX_LENGTH,
+    bucketed_varlen_attention,
+    plan_buckets,
+    use_matmul_attention,
+)
 from verl_trainer.models.varlen_kernels import fused_varlen_attention, reference_varlen_attention
 
 MIXES = {

@@ -9,8 +9,8 @@ from torch import nn
 from verl_trainer.data import schema
 from verl_trainer.models import load_causal_lm, make_tiny_model
 from verl_trainer.rollout import HFRollout, RolloutConfig
-from verl_trainer.rollout.decoding import sample_dropping_finished
 from verl_trainer.rollout.hf import resolve_decoding
+from verl_trainer.rollout.sampling import sample_dropping_finished
 
 EOS = 2
 CPU = torch.device("cpu")

@@ -7,8 +7,7 @@ import torch
 
 from verl_trainer.data import schema
 from verl_trainer.rollout import HFRollout, RolloutConfig
-from verl_trainer.rollout.decoding import logits_warpers, sample_dropping_finished
-from verl_trainer.rollout.sampling import row_uniforms, sample_rows
+from verl_trainer.rollout.sampling import logits_warpers, row_uniforms, sample_dropping_finished, sample_rows
 
 from .test_decoding import EOS, _prompts, _with_eos_bias, constant_eos_model, peaked_model_path  # noqa: F401
 

@@ -41,7 +41,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_trainer.data import schema
-from verl_trainer.data.prompts import prompt_token_lists
+from verl_trainer.data.schema import prompt_token_lists
 from verl_trainer.metrics import Metric
 from verl_trainer.rollout.divergence import DivergenceError
 

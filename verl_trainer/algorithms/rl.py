@@ -58,11 +58,11 @@ from verl_trainer.algorithms.reward_model import REWARD_MODEL_ENGINE, RewardMode
 from verl_trainer.balancing import required_batch_multiple
 from verl_trainer.core_algos.advantages import estimator_inputs
 from verl_trainer.data import schema
-from verl_trainer.data.prompts import non_tensor_lists
+from verl_trainer.data.schema import non_tensor_lists
 from verl_trainer.engine.config import EngineConfig
 from verl_trainer.evaluate.validation import batch_prompt_samples, validation_metrics
 from verl_trainer.losses import ppo_loss
-from verl_trainer.metrics import Metric, Reduction
+from verl_trainer.metrics import Metric, Reduction, sample_stats
 from verl_trainer.module import EngineSpec, StepOutput, TrainingModule
 from verl_trainer.rewards import RewardFunctions, score_batch, token_level_scores
 from verl_trainer.rewards.trl_kwargs import trl_run_kwargs
@@ -79,14 +79,8 @@ def response_length_metrics(batch: TensorDict, max_len: int,
     """Mean/min/max response length and the fraction cut at ``max_len`` (real samples only)."""
     lens = batch[schema.RESPONSE_LEN].to(torch.float32)[schema.real_mask(batch)]
     count = lens.numel()
-    mean = lens.mean() if count else torch.zeros(())
     clipped = (lens >= max_len).float().mean() if count else torch.zeros(())
-    return {
-        f"{prefix}/mean": Metric.mean(mean, weight=count),
-        f"{prefix}/min": Metric.min(lens),
-        f"{prefix}/max": Metric.max(lens),
-        f"{prefix}/clip_ratio": Metric.mean(clipped, weight=count),
-    }
+    return {**sample_stats(lens, prefix), f"{prefix}/clip_ratio": Metric.mean(clipped, weight=count)}
 
 
 def _mean_over_updates(metrics: list[dict[str, Any]], num_updates: int) -> list[dict[str, Any]]:

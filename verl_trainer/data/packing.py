@@ -166,7 +166,7 @@ class PackedBatch:
         fields: Other token fields, each ``[1, N, ...]``, packed the same way.
         output_mask: ``[N]`` bool, True at the tokens whose per-token outputs (log-prob, entropy, value)
             are used — where ``loss_mask`` or ``response_mask`` is set — or ``None``: all of them.
-            The language-model head runs only where it is True (:func:`head_positions`).
+            The language-model head runs only where it is True (``engine/heads.py: head_positions``).
 
     """
 
@@ -270,61 +270,9 @@ def shift_to_targets(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Te
     return out.index_fill(0, starts[starts < values.numel()], 0.0)
 
 
-def token_log_probs_and_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, calculate_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of ``targets[j]`` under ``logits[j]`` (and the entropy at ``j``), in float32.
-
-    Computed in chunks of tokens (``verl_trainer.data.log_probs``): the whole ``[n, V]`` is never copied
-    to float32.
-
-    Args:
-        logits: ``[n, V]`` (or ``[1, n, V]``) in any dtype.
-        targets: ``[n]`` token ids.
-        temperature: Logits are divided by it first (the rollout's sampling temperature).
-        calculate_entropy: Also return the entropy of each distribution.
-
-    Returns:
-        ``(log_probs [n], entropy [n] | None)`` float32, per position (not shifted).
-    """
-    return chunked_log_probs_and_entropy(logits, targets, temperature, calculate_entropy)
-
-
-def head_positions(packed: PackedBatch) -> torch.Tensor | None:
-    """Positions of the packed row whose logits are used.
-
-    Position ``j`` predicts token ``j + 1``; it is kept when token ``j + 1`` belongs to the same sample
-    and its output is used (:attr:`PackedBatch.output_mask`).
-
-    Args:
-        packed: The packed micro-batch.
-
-    Returns:
-        ``[K]`` long, increasing, or ``None`` when every output is used (no ``output_mask``).
-
-    """
-    if packed.output_mask is None:
-        return None
-    used = packed.output_mask.reshape(-1).clone()
-    starts = packed.cu_seqlens[:-1].to(device=used.device, dtype=torch.long)
-    used[starts[starts < used.numel()]] = False  # a sample's first token has no prediction
-    return torch.nonzero(used).reshape(-1) - 1
-
-
-def scatter_head_outputs(values: torch.Tensor, positions: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Per-target outputs at :func:`head_positions` back onto the packed row, 0 elsewhere.
-
-    Args:
-        values: ``[K]``, ``values[i]`` describes the prediction at ``positions[i]`` (of the next token).
-        positions: ``[K]`` from :func:`head_positions`.
-        num_tokens: ``N``.
-
-    Returns:
-        ``[N]`` in the schema's next-token convention (``out[positions[i] + 1] = values[i]``).
-
-    """
-    out = values.new_zeros(num_tokens)
-    return out.index_put((positions + 1,), values)
+token_log_probs_and_entropy = chunked_log_probs_and_entropy
+"""Log-prob of ``targets[j]`` under ``logits[j]`` (and the entropy at ``j``), in float32: the chunked
+kernel of ``data/log_probs.py`` itself (the whole ``[n, V]`` is never copied to float32)."""
 
 
 def next_token_log_probs_and_entropy(

@@ -42,13 +42,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from verl_trainer.data import schema
 from verl_trainer.data.jsonl import read_json_rows
-
-GROUND_TRUTH = "ground_truth"
-DATA_SOURCE = "data_source"
-EXTRA_INFO = "extra_info"
-COLUMNS = "columns"
-NON_TENSOR_KEYS = (GROUND_TRUTH, DATA_SOURCE, EXTRA_INFO, COLUMNS)
-"""Per-sample Python objects carried in prompt and rollout batches as ``NonTensorStack`` entries."""
+from verl_trainer.data.schema import COLUMNS, DATA_SOURCE, EXTRA_INFO, GROUND_TRUTH
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 """What a prompt longer than ``max_prompt_length`` becomes (verl's ``data.truncation``): an error, its last
@@ -401,28 +395,6 @@ def collate_prompts(items: Sequence[Mapping[str, Any]], pad_token_id: int = 0) -
     for key, default in defaults.items():
         batch[key] = NonTensorStack.from_list([it.get(key, default) for it in items])
     return batch
-
-
-def prompt_token_lists(batch: TensorDict) -> list[list[int]]:
-    """The prompts of a prompt batch without their left padding, as id lists."""
-    prompts, lens = batch[schema.PROMPTS], batch[schema.PROMPT_LEN].tolist()
-    width = prompts.shape[1]
-    return [prompts[i, width - n:].tolist() for i, n in enumerate(lens)]
-
-
-def non_tensor_list(batch: TensorDict, key: str) -> list[Any]:
-    """The per-sample Python objects under a non-tensor ``key``, as a plain list of length ``B``.
-
-    Works for a ``NonTensorStack`` (one object per sample) and a ``NonTensorData`` (one object shared
-    by every sample, e.g. set with ``batch.set_non_tensor``).
-    """
-    values = batch.get(key).tolist()
-    return values if isinstance(values, list) else [values] * batch.batch_size[0]
-
-
-def non_tensor_lists(batch: TensorDict, keys: Sequence[str] = NON_TENSOR_KEYS) -> dict[str, list[Any]]:
-    """:func:`non_tensor_list` for each of ``keys`` present in ``batch``."""
-    return {k: non_tensor_list(batch, k) for k in keys if k in batch.keys()}
 
 
 def make_prompt_dataloader(dataset: PromptDataset, batch_size: int, shuffle: bool = True, seed: int = 0,

@@ -30,10 +30,15 @@ Per-sample values, ``[B]``:
 
 The batch's behaviour lives here too, one definition each: :func:`sequence_lengths`, :func:`real_mask`,
 :func:`num_real`, :func:`padding_samples` / :func:`append_padding` (synthetic samples that train
-nothing) and :func:`tensor_only`; a batch that lacks what they need raises :class:`BatchSchemaError`.
+nothing), :func:`tensor_only`, the per-sample Python objects as lists (:func:`non_tensor_lists`) and the
+prompts without their left padding (:func:`prompt_token_lists`); a batch that lacks what they need
+raises :class:`BatchSchemaError`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict, is_non_tensor
@@ -60,6 +65,13 @@ PROMPT_LEN = "prompt_len"
 RESPONSE_LEN = "response_len"
 IS_PADDING = "is_padding"
 REWARD_BASELINES = "reward_baselines"
+
+GROUND_TRUTH = "ground_truth"
+DATA_SOURCE = "data_source"
+EXTRA_INFO = "extra_info"
+COLUMNS = "columns"
+NON_TENSOR_KEYS = (GROUND_TRUTH, DATA_SOURCE, EXTRA_INFO, COLUMNS)
+"""Per-sample Python objects carried in prompt and rollout batches as ``NonTensorStack`` entries."""
 
 TOKEN_KEYS = (
     INPUT_IDS,
@@ -252,3 +264,25 @@ def concat_batches(batches: list[TensorDict]) -> TensorDict:
             offset += int(uid.max()) + 1 if uid.numel() else 0
         parts.append(b)
     return torch.cat(parts, dim=0)
+
+
+def prompt_token_lists(batch: TensorDict) -> list[list[int]]:
+    """The prompts of a prompt batch without their left padding, as id lists."""
+    prompts, lens = batch[PROMPTS], batch[PROMPT_LEN].tolist()
+    width = prompts.shape[1]
+    return [prompts[i, width - n:].tolist() for i, n in enumerate(lens)]
+
+
+def non_tensor_list(batch: TensorDict, key: str) -> list[Any]:
+    """The per-sample Python objects under a non-tensor ``key``, as a plain list of length ``B``.
+
+    Works for a ``NonTensorStack`` (one object per sample) and a ``NonTensorData`` (one object shared
+    by every sample, e.g. set with ``batch.set_non_tensor``).
+    """
+    values = batch.get(key).tolist()
+    return values if isinstance(values, list) else [values] * batch.batch_size[0]
+
+
+def non_tensor_lists(batch: TensorDict, keys: Sequence[str] = NON_TENSOR_KEYS) -> dict[str, list[Any]]:
+    """:func:`non_tensor_list` for each of ``keys`` present in ``batch``."""
+    return {k: non_tensor_list(batch, k) for k in keys if k in batch.keys()}

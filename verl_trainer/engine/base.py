@@ -64,9 +64,9 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.data.packing import PackedBatch, pack_batch
-from verl_trainer.engine.batch_info import GlobalBatchInfo
+from verl_trainer.engine.batch_info import GlobalBatchInfo, compute_global_batch_info
 from verl_trainer.engine.build import build_model
-from verl_trainer.engine.compute import SEQUENTIAL, MicroBatchStep, Schedule, compute_global_batch_info
+from verl_trainer.engine.compute import SEQUENTIAL, MicroBatchStep, Schedule
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.heads import model_type_part
 from verl_trainer.engine.hooks import NO_HOOKS, StepHooks
@@ -278,9 +278,7 @@ class BaseEngine(ABC):
         temperature = self.config.temperature if temperature is None else temperature
         step = MicroBatchStep(data, micro_batches, batch_idx, info, loss_function, forward_only,
                               calculate_entropy, temperature, hooks)
-        schedule = self.schedule
-        schedule.run(self, step)
-        local_loss, metrics = schedule.results(step)
+        local_loss, metrics, model_output = self.schedule.run(self, step)
         result: dict[str, Any] = {
             "local_loss": float(local_loss),
             "loss": self._global_loss(local_loss),
@@ -288,7 +286,7 @@ class BaseEngine(ABC):
             "num_micro_batches": len(micro_batches),
         }
         if forward_only:
-            result["model_output"] = schedule.model_output(step)
+            result["model_output"] = model_output
         return result
 
     @property
@@ -297,7 +295,7 @@ class BaseEngine(ABC):
         return SEQUENTIAL if self.pipeline is None else self.pipeline
 
     def compute_global_batch_info(self, data: TensorDict) -> GlobalBatchInfo:
-        """Global denominators of ``data`` over the DP group (see ``compute.compute_global_batch_info``)."""
+        """Global denominators of ``data`` over the DP group (``batch_info.compute_global_batch_info``)."""
         topo = self.topology
         assert topo is not None
         return compute_global_batch_info(data, topo.dp_group, topo.dp_size, topo.dp_rank)

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from verl_trainer.data import schema
+from verl_trainer.utils.distributed import all_reduce
 
 
 @dataclass(frozen=True)
@@ -79,3 +81,29 @@ def local_counts(data: Mapping[str, Any] | Any) -> torch.Tensor:
     num_tokens = mask.to(torch.float64).sum().cpu()
     num_samples = torch.tensor(float(schema.num_real(data)), dtype=torch.float64)
     return torch.stack([num_tokens, num_samples])
+
+
+def compute_global_batch_info(
+    data: Mapping[str, Any] | Any, dp_group: dist.ProcessGroup | None, dp_size: int, dp_rank: int
+) -> GlobalBatchInfo:
+    """Global denominators of one optimizer step (one all-reduce of two numbers over the DP group).
+
+    Args:
+        data: This DP rank's whole batch ``[B, T]``, before splitting.
+        dp_group: The DP group (``None``: single process).
+        dp_size: DP world size.
+        dp_rank: This rank's DP rank.
+
+    Returns:
+        ``GlobalBatchInfo(dp_size, batch_num_tokens, global_batch_size, dp_rank)``.
+
+    """
+    counts = local_counts(data)
+    if dp_group is not None and dp_size > 1:
+        counts = all_reduce(counts, dp_group)
+    return GlobalBatchInfo(
+        dp_size=dp_size,
+        batch_num_tokens=int(round(float(counts[0]))),
+        global_batch_size=int(round(float(counts[1]))),
+        dp_rank=dp_rank,
+    )

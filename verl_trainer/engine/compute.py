@@ -3,15 +3,16 @@
 ``BaseEngine.forward_backward_batch`` is the one micro-batch loop of every engine, in the order
 DESIGN.md §4 fixes:
 
-1. :func:`compute_global_batch_info`: ``batch_num_tokens`` (the loss-mask sum) and ``global_batch_size``
-   (real samples) all-reduced over the DP group, before splitting;
+1. ``engine/batch_info.py: compute_global_batch_info``: ``batch_num_tokens`` (the loss-mask sum) and
+   ``global_batch_size`` (real samples) all-reduced over the DP group, before splitting;
 2. ``prepare_micro_batches`` (fixed size, or dynamic by token budget; same count on every DP rank);
 3. the engine's schedule runs the micro-batches; every schedule calls :meth:`MicroBatchStep.loss` for
    ``loss_fn(model_output, micro_batch, info)`` (never divided by the number of micro-batches) and
    :meth:`MicroBatchStep.keep` for forward-only outputs;
 4. forward-only outputs are restored to the original sample order (:meth:`MicroBatchStep.model_output`).
 
-A schedule is an object with ``run(engine, step)``, ``results(step)`` and ``model_output(step)``:
+A schedule is an object whose ``run(engine, step)`` runs the micro-batches and returns what they produced,
+``(local loss sum, per-micro-batch metrics, forward-only outputs or None)`` (:data:`ScheduleResult`):
 :data:`SEQUENTIAL` (:class:`SequentialSchedule`: each micro-batch forward then backward, gradients
 synced on the last) for every engine without pipeline stages; ``engine/pipeline.py:
 PipelineParallel`` (1F1B / GPipe over stages) with ``pipeline_model_parallel_size > 1``.
@@ -24,45 +25,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.data import schema
-from verl_trainer.engine.batch_info import GlobalBatchInfo, local_counts
+from verl_trainer.engine.batch_info import GlobalBatchInfo
 from verl_trainer.engine.hooks import StepHooks
 from verl_trainer.micro_batch import restore_dynamic_batch
-from verl_trainer.utils.distributed import all_reduce
 
 if TYPE_CHECKING:
     from verl_trainer.engine.base import BaseEngine
 
-__all__ = ["SEQUENTIAL", "MicroBatchStep", "Schedule", "SequentialSchedule", "compute_global_batch_info"]
-
-
-def compute_global_batch_info(
-    data: TensorDict, dp_group: dist.ProcessGroup | None, dp_size: int, dp_rank: int
-) -> GlobalBatchInfo:
-    """Global denominators of one optimizer step (one all-reduce of two numbers over the DP group).
-
-    Args:
-        data: This DP rank's whole batch ``[B, T]``, before splitting.
-        dp_group: The DP group (``None``: single process).
-        dp_size: DP world size.
-        dp_rank: This rank's DP rank.
-
-    Returns:
-        ``GlobalBatchInfo(dp_size, batch_num_tokens, global_batch_size, dp_rank)``.
-
-    """
-    counts = local_counts(data)
-    if dp_group is not None and dp_size > 1:
-        counts = all_reduce(counts, dp_group)
-    return GlobalBatchInfo(
-        dp_size=dp_size,
-        batch_num_tokens=int(round(float(counts[0]))),
-        global_batch_size=int(round(float(counts[1]))),
-        dp_rank=dp_rank,
-    )
+__all__ = ["SEQUENTIAL", "MicroBatchStep", "Schedule", "ScheduleResult", "SequentialSchedule"]
 
 
 def _pad_width(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -139,24 +112,28 @@ class MicroBatchStep:
         return out
 
 
+ScheduleResult = tuple[torch.Tensor, list[dict[str, Any]], dict[str, torch.Tensor] | None]
+"""``(local loss sum [] float64, per-micro-batch metrics, forward only: the outputs {key: [B, T]} in the
+original order on ``step.out_device``, else None)``, on this rank."""
+
+
 class Schedule(Protocol):
     """How the micro-batches of one step run (see the module docstring)."""
 
-    def run(self, engine: BaseEngine, step: MicroBatchStep) -> None:
-        """Run every micro-batch of ``step`` forward (and backward unless forward only)."""
-
-    def results(self, step: MicroBatchStep) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-        """``(local loss sum, per-micro-batch metrics)`` on this rank, after :meth:`run`."""
-
-    def model_output(self, step: MicroBatchStep) -> dict[str, torch.Tensor]:
-        """Forward only: the outputs ``{key: [B, T]}`` in the original order, on ``step.out_device``."""
+    def run(self, engine: BaseEngine, step: MicroBatchStep) -> ScheduleResult:
+        """Run every micro-batch of ``step`` forward (and backward unless forward only); their results."""
 
 
 class SequentialSchedule:
     """Each micro-batch forward then backward, in order; gradients synced on the last one only."""
 
-    def run(self, engine: BaseEngine, step: MicroBatchStep) -> None:
-        """Forward, loss and backward of each micro-batch (``engine._grad_sync_context`` around each)."""
+    def run(self, engine: BaseEngine, step: MicroBatchStep) -> ScheduleResult:
+        """Forward, loss and backward of each micro-batch (``engine._grad_sync_context`` around each).
+
+        Returns:
+            This rank's own losses and metrics, and (forward only) its outputs restored to the original
+            order.
+        """
         last = len(step.micro_batches) - 1
         with torch.no_grad() if step.forward_only else contextlib.nullcontext():
             for i, micro_batch in enumerate(step.micro_batches):
@@ -171,14 +148,10 @@ class SequentialSchedule:
                             engine._backward(loss)
                 if step.forward_only:
                     step.keep(i, outputs)
-
-    def results(self, step: MicroBatchStep) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-        """This rank's own losses and metrics."""
-        return step.local_loss(), step.metrics
-
-    def model_output(self, step: MicroBatchStep) -> dict[str, torch.Tensor]:
-        """This rank's own outputs, restored to the original order."""
-        return {key: value.to(step.out_device) for key, value in step.model_output().items()}
+        outputs = None
+        if step.forward_only:
+            outputs = {key: value.to(step.out_device) for key, value in step.model_output().items()}
+        return step.local_loss(), step.metrics, outputs
 
 
 SEQUENTIAL = SequentialSchedule()

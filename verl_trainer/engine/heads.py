@@ -30,9 +30,7 @@ import torch.distributed as dist
 
 from verl_trainer.data.packing import (
     PackedBatch,
-    head_positions,
     next_token_log_probs_and_entropy,
-    scatter_head_outputs,
     shift_to_targets,
     token_log_probs_and_entropy,
 )
@@ -50,8 +48,10 @@ __all__ = [
     "ValueModel",
     "VocabSlice",
     "attention_for",
+    "head_positions",
     "model_type_part",
     "next_token_log_probs_and_entropy",
+    "scatter_head_outputs",
     "shift_to_targets",
 ]
 
@@ -59,6 +59,43 @@ __all__ = [
 def attention_for(config: EngineConfig) -> str:
     """The attention implementation an engine loads its model with: Ulysses when ``sp > 1``."""
     return ULYSSES_ATTENTION if config.ulysses_sequence_parallel_size > 1 else VARLEN_ATTENTION
+
+
+def head_positions(packed: PackedBatch) -> torch.Tensor | None:
+    """Positions of the packed row whose logits are used.
+
+    Position ``j`` predicts token ``j + 1``; it is kept when token ``j + 1`` belongs to the same sample
+    and its output is used (:attr:`PackedBatch.output_mask`).
+
+    Args:
+        packed: The packed micro-batch.
+
+    Returns:
+        ``[K]`` long, increasing, or ``None`` when every output is used (no ``output_mask``).
+
+    """
+    if packed.output_mask is None:
+        return None
+    used = packed.output_mask.reshape(-1).clone()
+    starts = packed.cu_seqlens[:-1].to(device=used.device, dtype=torch.long)
+    used[starts[starts < used.numel()]] = False  # a sample's first token has no prediction
+    return torch.nonzero(used).reshape(-1) - 1
+
+
+def scatter_head_outputs(values: torch.Tensor, positions: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Per-target outputs at :func:`head_positions` back onto the packed row, 0 elsewhere.
+
+    Args:
+        values: ``[K]``, ``values[i]`` describes the prediction at ``positions[i]`` (of the next token).
+        positions: ``[K]`` from :func:`head_positions`.
+        num_tokens: ``N``.
+
+    Returns:
+        ``[N]`` in the schema's next-token convention (``out[positions[i] + 1] = values[i]``).
+
+    """
+    out = values.new_zeros(num_tokens)
+    return out.index_put((positions + 1,), values)
 
 
 def _checked(model: torch.nn.Module, config: EngineConfig) -> torch.nn.Module:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from verl_trainer.data.packing import pack_batch
-from verl_trainer.engine.compute import MicroBatchStep
+from verl_trainer.engine.compute import MicroBatchStep, ScheduleResult
 from verl_trainer.engine.config import EngineConfig, to_dtype
 from verl_trainer.engine.heads import ModelType
 from verl_trainer.engine.pipeline_stage import StageForward, make_stage, pad_packed
@@ -92,18 +92,17 @@ class PipelineParallel:
         """``(name, shape, dtype, owner stage)`` of every tensor of the unsplit model, in its order."""
 
     # ------------------------------------------------------------------------------ the schedule
-    def run(self, engine: BaseEngine, step: MicroBatchStep) -> None:
-        """Run every micro-batch through the stages (forward, and backward unless forward only)."""
-        self._run = _PipelineRun(engine, self, step)
-        self._run.execute()
+    def run(self, engine: BaseEngine, step: MicroBatchStep) -> ScheduleResult:
+        """Run every micro-batch through the stages (forward, and backward unless forward only).
 
-    def results(self, step: MicroBatchStep) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-        """The last stage's losses (summed) and metrics, on every rank of the pipeline group."""
-        return self._run.share_results()
-
-    def model_output(self, step: MicroBatchStep) -> dict[str, torch.Tensor]:
-        """The forward-only outputs ``[B, T]`` in the original order, broadcast from the last stage."""
-        return self._run.share_outputs()
+        Returns:
+            The last stage's losses (summed) and metrics and (forward only) its outputs ``[B, T]`` in the
+            original order, broadcast to every rank of the pipeline group.
+        """
+        run = _PipelineRun(engine, self, step)
+        run.execute()
+        local_loss, metrics = run.share_results()
+        return local_loss, metrics, run.share_outputs() if step.forward_only else None
 
     # ------------------------------------------------------------------------------- weight export
     def full_tensors(

@@ -69,8 +69,8 @@ def hf_model_dir(model: str) -> Iterator[str]:
 
 def _sample_and_score(cfg: EvaluateConfig, model_dir: str) -> list[PromptSamples]:
     from verl_trainer.data.hub import parse_hub_dataset, resolve_hub_split, with_default_split
-    from verl_trainer.data.prompts import NON_TENSOR_KEYS, PromptDataset, non_tensor_lists
-    from verl_trainer.data.schema import UID
+    from verl_trainer.data.prompts import PromptDataset
+    from verl_trainer.data.schema import NON_TENSOR_KEYS, UID, non_tensor_lists
     from verl_trainer.models.loading import load_tokenizer
     from verl_trainer.rewards import RewardFunctions, compute_rewards
     from verl_trainer.rollout import RESPONSE_TEXT, build_rollout

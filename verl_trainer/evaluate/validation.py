@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_trainer.data import schema
-from verl_trainer.data.prompts import non_tensor_list
+from verl_trainer.data.schema import non_tensor_list
 from verl_trainer.evaluate.samples import PromptSamples, metric_names, prompt_samples, summarize
 from verl_trainer.metrics import Metric
 

@@ -38,7 +38,8 @@ list})`` (verl's local, in-place form of :func:`reduce_metrics`). Files: ``metri
 """
 
 from verl_trainer.metrics.accumulator import MetricAccumulator
-from verl_trainer.metrics.metric import AggregationType, Metric, Reduction, token_stats
+from verl_trainer.metrics.metric import AggregationType, Metric, Reduction, sample_stats, token_stats
 from verl_trainer.metrics.reduce import reduce_metrics
 
-__all__ = ["AggregationType", "Metric", "MetricAccumulator", "Reduction", "reduce_metrics", "token_stats"]
+__all__ = ["AggregationType", "Metric", "MetricAccumulator", "Reduction", "reduce_metrics", "sample_stats",
+           "token_stats"]

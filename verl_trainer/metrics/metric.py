@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AggregationType", "Metric", "Reduction", "token_stats"]
+__all__ = ["AggregationType", "Metric", "Reduction", "sample_stats", "token_stats"]
 
 
 class Reduction(str, Enum):
@@ -341,4 +341,20 @@ def token_stats(values: torch.Tensor, mask: torch.Tensor, prefix: str) -> dict[s
         f"{prefix}/mean": Metric.token_mean(values, m),
         f"{prefix}/min": Metric.min(values[m]),
         f"{prefix}/max": Metric.max(values[m]),
+    }
+
+
+def sample_stats(values: torch.Tensor, prefix: str) -> dict[str, Metric]:
+    """``{prefix}/mean`` (weighted by the sample count), ``/min`` and ``/max`` of per-sample ``values``.
+
+    Args:
+        values: ``[n]`` one value per (real) sample.
+        prefix: Metric-name prefix.
+    """
+    count = values.numel()
+    mean = values.mean() if count else torch.zeros(())
+    return {
+        f"{prefix}/mean": Metric.mean(mean, weight=count),
+        f"{prefix}/min": Metric.min(values),
+        f"{prefix}/max": Metric.max(values),
     }

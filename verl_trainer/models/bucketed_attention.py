@@ -5,7 +5,7 @@ grouped by length; each group (a *bucket*) is one batched call with no padding a
 causal (or sliding-window) one:
 
 * short buckets (segments of up to ``MATMUL_MAX_LENGTH`` tokens, fp32 on CPU, no dropout): batched
-  matmuls with a hand-written backward (``verl_trainer.models.matmul_attention``), where the CPU flash
+  matmuls with a hand-written backward (:func:`matmul_attention_forward`), where the CPU flash
   kernel's cost per token is highest;
 * the others: one ``scaled_dot_product_attention`` over ``[count, H, length, D]``.
 
@@ -24,6 +24,20 @@ otherwise.
 Measured with ``bench/attention.py`` (fwd+bwd, CPU): padding segments of similar lengths into one call
 (fewer, larger calls) lost to one call per distinct length on every workload — 1,024 segments of 8-16
 tokens take 9 calls here.
+
+The matmul bucket kernel (the CPU short path): for segments of up to a few dozen tokens the CPU
+flash-attention kernel costs about the same per token whatever the length, 1.3x what plain batched
+matmuls with a softmax in between cost (measured on segments of 17-64 tokens; 1.1x at 65-128):
+
+* layout: one matrix per (segment, KV head), the ``g = H / H_kv`` query heads that share the KV head
+  side by side in each row, so the query is ``[C * H_kv, L * g, D]`` with row ``r`` = position ``r // g``
+  and ``k, v`` are ``[C * H_kv, L, D]``: GQA repeats no keys, and one row gather of the packed row
+  (rows of ``[N * H_kv, F / H_kv]``) reads a bucket in this order;
+* forward: ``P = softmax(scale * q k^T + mask)``, ``out = P v``; ``P`` ``[C * H_kv, L * g, L]`` is kept
+  (no larger than ``q`` for ``L <= D``), so the backward is four matmuls and no recomputation.
+
+Its results equal the per-segment sdpa reference to fp32 round-off (not bitwise: another summation
+order). Used for buckets up to :data:`MATMUL_MAX_LENGTH` tokens in fp32 on CPU without dropout.
 """
 
 from __future__ import annotations
@@ -36,14 +50,98 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from verl_trainer.models.matmul_attention import (
-    MATMUL_MAX_LENGTH,
-    additive_mask,
-    matmul_attention_backward,
-    matmul_attention_forward,
-    use_matmul_attention,
-)
 from verl_trainer.models.varlen_kernels import sliding_window_mask
+
+MATMUL_MAX_LENGTH = 64
+"""Longest segment (tokens) the matmul path takes; longer buckets run sdpa (set by ``bench/attention.py``)."""
+
+_SOFTMAX_FAST_WIDTH = 16
+"""Below this row width torch's CPU softmax is slower than max / exp / sum written out (measured)."""
+
+
+def use_matmul_attention(dtype: torch.dtype, device: torch.device, dropout: float) -> bool:
+    """Whether short buckets may take the matmul path: fp32 on CPU, no dropout, no autocast."""
+    return (
+        dtype == torch.float32
+        and device.type == "cpu"
+        and dropout == 0.0
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def additive_mask(
+    length: int, group: int, is_causal: bool, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """``[L * g, L]`` float32: 0 where row ``r`` (position ``r // g``) may read key ``j``, else ``-inf``."""
+    if window is not None:  # causal: the bucketed path refuses a window without it
+        allowed = sliding_window_mask(length, window, device)
+    else:
+        allowed = torch.ones(length, length, dtype=torch.bool, device=device)
+        if is_causal:
+            allowed = allowed.tril()
+    allowed = allowed.repeat_interleave(group, dim=0)
+    return torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
+
+
+def _softmax_(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, in place where that is faster (short rows)."""
+    if scores.shape[-1] >= _SOFTMAX_FAST_WIDTH:
+        return torch.softmax(scores, -1)
+    scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+    return scores.div_(scores.sum(-1, keepdim=True))
+
+
+def matmul_attention_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention within each matrix of a bucket (no autograd; :func:`matmul_attention_backward` is its own).
+
+    Matrix ``b`` is one (segment, KV head): its rows are the segment's positions, for the query each
+    position's ``g`` heads of that KV group one after another (row ``r`` = position ``r // g``).
+
+    Args:
+        query: ``[B, L * g, D]``.
+        key: ``[B, L, D]``.
+        value: ``[B, L, D_v]``.
+        mask: ``[L * g, L]`` additive (:func:`additive_mask`).
+        scale: Softmax scale.
+
+    Returns:
+        ``(out [B, L * g, D_v], probs [B, L * g, L])``; keep ``probs`` for the backward.
+
+    """
+    probs = _softmax_(torch.baddbmm(mask, query, key.transpose(1, 2), alpha=scale))
+    return torch.bmm(probs, value), probs
+
+
+def matmul_attention_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    probs: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`matmul_attention_forward`: four matmuls, nothing recomputed.
+
+    Args:
+        grad_out: ``[B, L * g, D_v]``.
+        query: ``[B, L * g, D]``.
+        key: ``[B, L, D]``.
+        value: ``[B, L, D_v]``.
+        probs: ``[B, L * g, L]`` from the forward.
+        scale: Softmax scale.
+
+    Returns:
+        ``(d_query, d_key, d_value)`` shaped like the inputs.
+
+    """
+    d_value = torch.bmm(probs.transpose(1, 2), grad_out)
+    d_scores = torch.bmm(grad_out, value.transpose(1, 2))  # dP
+    # dS = P * (dP - rowsum(P * dP)) * scale, where rowsum(P * dP) = rowsum(dout * out)
+    d_scores.sub_((d_scores * probs).sum(-1, keepdim=True)).mul_(probs).mul_(scale)
+    return torch.bmm(d_scores, key), torch.bmm(d_scores.transpose(1, 2), query), d_value
 
 
 @dataclass(frozen=True)
@@ -53,7 +151,7 @@ class BucketPlan:
     Rows are addressed in units of ``[N * H_kv, F / H_kv]`` (a token is ``H_kv`` consecutive rows, one per
     KV-head group), so a bucket can be read token-major (sdpa buckets: rows ``(segment, token, kv head)``)
     or KV-head-major (matmul buckets: rows ``(segment, kv head, token)``, the matrices of
-    ``verl_trainer.models.matmul_attention``) with the same index.
+    :func:`matmul_attention_forward`) with the same index.
 
     Attributes:
         shapes: ``(count, length)`` of each bucket, shortest length first.
@@ -304,7 +402,7 @@ def bucketed_varlen_attention(
         is_causal: Causal attention within each segment.
         window: Sliding window (query ``i`` reads keys ``i - window < j <= i``), causal only; ``None``: off.
         matmul_max_length: Buckets of segments up to this length run batched matmuls
-            (``verl_trainer.models.matmul_attention``) where that path applies (fp32 on CPU, no dropout);
+            (:func:`matmul_attention_forward`) where that path applies (fp32 on CPU, no dropout);
             longer ones, and all others, one sdpa call. 0: sdpa everywhere.
 
     Returns:

@@ -15,8 +15,8 @@ import torch
 from tensordict import TensorDict
 
 from verl_trainer.data import schema
-from verl_trainer.data.prompts import non_tensor_list, non_tensor_lists
-from verl_trainer.metrics import Metric
+from verl_trainer.data.schema import non_tensor_list, non_tensor_lists
+from verl_trainer.metrics import Metric, sample_stats
 from verl_trainer.rewards.failures import (
     RewardError,
     RewardFailure,
@@ -147,6 +147,9 @@ class RewardFunctions:
                 key, result = "score", result["score"]
             else:
                 key = None
+            if isinstance(result, (int, float)):  # the usual return (bool included): no conversion to check
+                scores[i] = float(result)
+                continue
             try:
                 scores[i] = as_score(result, key=key)
             except RewardReturnError as exc:
@@ -335,13 +338,7 @@ def reward_metrics(
     """
     real = torch.ones_like(scores, dtype=torch.bool) if is_padding is None else ~is_padding.bool()
     values = scores[real].float()
-    count = int(real.sum())
-    mean = values.mean() if count else torch.zeros(())
-    metrics = {
-        f"{prefix}/mean": Metric.mean(mean, weight=count),
-        f"{prefix}/min": Metric.min(values),
-        f"{prefix}/max": Metric.max(values),
-    }
+    metrics = sample_stats(values, prefix)
     for key, per_sample in (info or {}).items():
         if key.startswith("_"):  # failure marks: counted over ranks by the caller, not averaged
             continue

@@ -44,7 +44,8 @@ from tensordict import NonTensorStack, TensorDict
 
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
-from verl_trainer.data.prompts import NON_TENSOR_KEYS, collate_prompts, non_tensor_lists, prompt_token_lists
+from verl_trainer.data.prompts import collate_prompts
+from verl_trainer.data.schema import NON_TENSOR_KEYS, non_tensor_lists, prompt_token_lists
 from verl_trainer.rollout.config import RolloutConfig
 from verl_trainer.utils.listing import first_of
 

@@ -46,7 +46,7 @@ class RolloutConfig:
         attn_implementation: Passed to ``from_pretrained`` (``None`` = transformers' default, sdpa).
         decoding: hf only. ``"generate"``: transformers' ``model.generate``; ``"drop_finished"``: our
             loop that removes finished sequences from the batch and the KV cache
-            (:mod:`verl_trainer.rollout.decoding`; same sampling, less work when lengths vary);
+            (``rollout/sampling.py: sample_dropping_finished``; same sampling, less work when lengths vary);
             ``"auto"``: ``drop_finished`` on CPU, ``generate`` on CUDA (static cache, compiled).
         cache_implementation: hf ``generate`` only: ``"dynamic"``, ``"static"`` (preallocated KV cache,
             what compiled decoding needs) or ``"auto"`` (static on CUDA, dynamic elsewhere).

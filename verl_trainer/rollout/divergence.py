@@ -2,8 +2,9 @@
 
 When an update drives the policy's weights to NaN or inf, the next rollout's logits are non-finite and
 sampling fails inside ``torch.multinomial`` ("probability tensor contains either inf, nan or element < 0")
-— a message about the sampler, not the model — or, greedy, silently picks token 0. The HF rollout turns
-both into :class:`DivergenceError`, naming the non-finite parameters it finds in its copy of the policy;
+— a message about the sampler, not the model — or, greedy, silently picks token 0. The HF rollout's sampler
+checks the logits first (``rollout/sampling.py: check_logits``) and the rollout turns both into
+:class:`DivergenceError`, naming the non-finite parameters it finds in its copy of the policy;
 the RL module adds the step (``algorithms/rl.py``).
 """
 
@@ -13,7 +14,7 @@ import torch
 
 from verl_trainer.utils.listing import first_of
 
-__all__ = ["DivergenceError", "check_logits", "diverged", "is_sampler_error"]
+__all__ = ["DivergenceError", "diverged", "is_sampler_error"]
 
 _SAMPLER_MESSAGE = "probability tensor contains either"
 _SHOWN = 3
@@ -26,12 +27,6 @@ class DivergenceError(RuntimeError):
 def is_sampler_error(exc: BaseException) -> bool:
     """Whether ``exc`` is ``torch.multinomial``'s error on non-finite probabilities."""
     return isinstance(exc, RuntimeError) and _SAMPLER_MESSAGE in str(exc)
-
-
-def check_logits(logits: torch.Tensor) -> None:
-    """Raise :class:`DivergenceError` when ``logits`` ``[B, V]`` hold NaN or +inf (−inf is a masked token)."""
-    if bool(torch.isnan(logits).any() | torch.isposinf(logits).any()):
-        raise DivergenceError("the rollout model's logits are non-finite (NaN or +inf)")
 
 
 def diverged(model: torch.nn.Module, cause: BaseException | None = None) -> DivergenceError:

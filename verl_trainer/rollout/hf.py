@@ -13,9 +13,8 @@ from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 from verl_trainer.models.loading import load_causal_lm, load_tokenizer
 from verl_trainer.rollout.base import BaseRollout, weight_mismatch_report
 from verl_trainer.rollout.config import RolloutConfig
-from verl_trainer.rollout.decoding import logits_warpers, sample_dropping_finished
 from verl_trainer.rollout.divergence import DivergenceError, diverged, is_sampler_error
-from verl_trainer.rollout.sampling import RowSampler, row_uniforms
+from verl_trainer.rollout.sampling import RowSampler, logits_warpers, row_uniforms, sample_dropping_finished
 from verl_trainer.utils.device import get_torch_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,4 +1,4 @@
-"""Per-row seeded sampling and the sampler's log-probs (what makes a rollout independent of the dp size).
+"""How the HF rollout draws tokens: per-row seeded sampling, its log-probs, and the two loops that use it.
 
 ``torch.multinomial`` draws every row of a batch from one generator, so a response depends on which
 other rows share its batch — on the rank it lands on and the dp size. Here each row (one response) owns
@@ -17,16 +17,51 @@ measures. Greedy decoding returns the log-probs of the unwarped logits.
 ``model.generate`` samples with its own ``multinomial``; :class:`RowSampler` is a logits processor that
 draws each row's token itself and hands ``generate`` (run greedily) a score row that is 0 at that token
 and ``-inf`` elsewhere, so ``generate`` emits exactly the row-seeded draws (and records their log-probs).
+
+The CPU rollout's own decoding loop (:func:`sample_dropping_finished`) drops finished sequences from the
+batch. ``model.generate`` keeps every sequence of a batch in every decoding step until the last one stops: a
+finished row keeps running through all layers (its new tokens are replaced by padding afterwards). In
+RL the response lengths vary widely (eos anywhere in 1..max_new_tokens), so most of that work is
+wasted: with lengths spread like a geometric distribution capped at 128, about 44% of the rows of a
+128-step decode are finished. Where the compute is the cost (CPU), :func:`sample_dropping_finished`
+removes finished rows from the batch and from the KV cache (``Cache.batch_select_indices``), in groups
+(once they are ``drop_at`` of the live rows) so the cache is not re-gathered at every step.
+
+It samples exactly as ``generate`` does for the fields :class:`~verl_trainer.rollout.hf.HFRollout` sets:
+float32 logits of the last position, then transformers' own ``TemperatureLogitsWarper``,
+``TopKLogitsWarper`` and ``TopPLogitsWarper`` in ``generate``'s order, then ``softmax`` and one
+``torch.multinomial`` draw per live row (greedy: ``argmax``); position ids from the left-padded
+attention mask as ``generate`` computes them. While no row is dropped it draws the same random numbers
+as ``generate`` and returns the same tokens (``drop_at=float("inf")``: always); dropping rows changes which
+random numbers a row gets, not the distribution it samples from (tests: ``tests/rollout/test_decoding.py``).
+
+With ``seeds`` (one per row, what :class:`~verl_trainer.rollout.hf.HFRollout` passes) each row draws from
+its own stream instead (:func:`sample_rows`): a row's tokens then do not depend on the
+other rows of the batch, nor on when rows are dropped. Either way the loop returns, per token, its log-prob
+under the distribution it was drawn from (after temperature / top-k / top-p).
+
+Both loops check the logits before drawing from them (:func:`check_logits`): diverged weights are named
+(``DivergenceError``), not drawn from as if finite.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from verl_trainer.rollout.divergence import check_logits
+from verl_trainer.rollout.divergence import DivergenceError
 
 
 def row_uniforms(seeds: Sequence[int], steps: int, device: torch.device) -> torch.Tensor:
@@ -70,6 +105,13 @@ def sample_rows(scores: torch.Tensor, uniforms: torch.Tensor | None) -> tuple[to
     return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+
+def check_logits(logits: torch.Tensor) -> None:
+    """Raise ``DivergenceError`` when ``logits`` ``[B, V]`` hold NaN or +inf (−inf is a masked token)."""
+    if bool(torch.isnan(logits).any() | torch.isposinf(logits).any()):
+        raise DivergenceError("the rollout model's logits are non-finite (NaN or +inf)")
+
+
 class RowSampler(LogitsProcessor):
     """A logits processor that samples each row itself (row-seeded) for a greedy ``model.generate``.
 
@@ -110,4 +152,140 @@ class RowSampler(LogitsProcessor):
         return torch.stack(self.step_log_probs, dim=1)
 
 
-__all__ = ["RowSampler", "row_uniforms", "sample_rows"]
+DROP_AT = 0.125
+"""Drop finished rows once they are at least this fraction of the live rows (measured on the CPU
+benchmark of ``bench/vs_trl.py``: 0.125 beat dropping at every finish, which re-gathers the cache at
+almost every step, and dropping only at 0.25)."""
+
+_SUPPORTED = ("max_new_tokens", "eos_token_id", "pad_token_id", "do_sample", "temperature", "top_k",
+              "top_p", "use_cache", "bos_token_id", "cache_implementation", "disable_compile")
+
+
+def _check_supported(config: GenerationConfig) -> None:
+    """Refuse generation settings this loop does not implement (instead of ignoring them)."""
+    defaults = GenerationConfig()
+    changed = [k for k, v in config.to_diff_dict().items()
+               if k not in _SUPPORTED and not k.startswith("_") and getattr(defaults, k, None) != v
+               and k != "transformers_version"]
+    if changed:
+        raise ValueError(
+            f"sample_dropping_finished supports {', '.join(_SUPPORTED)}; the generation config also sets "
+            f"{changed}. Use decoding='generate' (model.generate) for those settings."
+        )
+    if config.max_new_tokens is None or config.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={config.max_new_tokens} must be >= 1")
+
+
+def logits_warpers(config: GenerationConfig) -> LogitsProcessorList:
+    """The warpers ``generate`` applies for temperature, top-k and top-p, in its order."""
+    warpers = LogitsProcessorList()
+    if not config.do_sample:
+        return warpers
+    if config.temperature is not None and config.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(config.temperature))
+    if config.top_k is not None and config.top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
+    if config.top_p is not None and config.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
+    return warpers
+
+
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    """``cache`` (transformers >= 5.24 names the KV cache argument so) or ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _eos_tensor(config: GenerationConfig, device: torch.device) -> torch.Tensor:
+    eos = config.eos_token_id
+    if eos is None:
+        raise ValueError("the generation config has no eos_token_id; sequences could never finish early")
+    return torch.as_tensor([eos] if isinstance(eos, int) else list(eos), dtype=torch.long, device=device)
+
+
+@torch.no_grad()
+def sample_dropping_finished(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    config: GenerationConfig,
+    drop_at: float = DROP_AT,
+    seeds: Sequence[int] | None = None,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Sample up to ``config.max_new_tokens`` tokens per row, removing finished rows as they pile up.
+
+    Args:
+        model: A causal LM in eval mode.
+        input_ids: ``[B, P]`` left-padded prompts.
+        attention_mask: ``[B, P]`` 1 on prompt tokens, 0 on the left padding.
+        config: ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``eos_token_id`` (an id or a list),
+            ``max_new_tokens``; anything else set is refused.
+        drop_at: Drop finished rows once they are at least this fraction of the live rows (> 0;
+            ``float("inf")``: never, which samples token for token as ``generate``).
+        seeds: One seed per row: row-seeded sampling (:func:`sample_rows`); ``None``:
+            ``torch.multinomial`` on the global RNG, as ``generate``.
+
+    Returns:
+        ``(ids, log_probs)``: ``B`` lists of generated ids, each ending at its first eos (kept) or at
+        ``max_new_tokens``, and per id its log-prob under the (warped) distribution it was drawn from.
+
+    """
+    _check_supported(config)
+    if not drop_at > 0:
+        raise ValueError(f"drop_at={drop_at} must be > 0 (a fraction of the live rows; inf: never)")
+    max_new = int(config.max_new_tokens)
+    eos = _eos_tensor(config, input_ids.device)
+    pad = int(config.pad_token_id if config.pad_token_id is not None else 0)
+    warpers = logits_warpers(config)
+    batch = input_ids.shape[0]
+    if seeds is not None and len(seeds) != batch:
+        raise ValueError(f"got {len(seeds)} seeds for {batch} rows; give one seed per row")
+    seeded = seeds is not None and config.do_sample
+    uniforms = row_uniforms(seeds, max_new, input_ids.device) if seeded else None
+    out = torch.full((batch, max_new), pad, dtype=torch.long, device=input_ids.device)
+    out_log_probs = torch.zeros((batch, max_new), dtype=torch.float32, device=input_ids.device)
+    lengths = torch.full((batch,), max_new, dtype=torch.long, device=input_ids.device)
+
+    cache = DynamicCache(config=model.config)
+    cache_arg = {_cache_kwarg(model): cache}
+    positions = attention_mask.long().cumsum(-1) - 1
+    positions.masked_fill_(attention_mask == 0, 1)  # as generate: padding positions hold 1
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                   use_cache=True, logits_to_keep=1, **cache_arg).logits
+    rows = torch.arange(batch, device=input_ids.device)  # original row of each live row
+    next_pos = positions[:, -1:] + 1
+    finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    for step in range(max_new):
+        check_logits(logits[:, -1, :])  # diverged weights: named, not a sampler error (or, greedy, token 0)
+        scores = warpers(input_ids, logits[:, -1, :].to(dtype=torch.float32))
+        if uniforms is not None:
+            tokens, log_probs = sample_rows(scores, uniforms[rows, step])
+        elif config.do_sample:
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            log_probs = torch.log_softmax(scores, dim=-1).gather(-1, tokens[:, None]).squeeze(1)
+        else:
+            tokens, log_probs = sample_rows(scores, None)
+        tokens = torch.where(finished, torch.full_like(tokens, pad), tokens)
+        out[rows, step] = tokens
+        out_log_probs[rows, step] = log_probs
+        ends = torch.isin(tokens, eos) & ~finished
+        lengths[rows[ends]] = step + 1
+        finished |= ends
+        n_finished = int(finished.sum())
+        if step == max_new - 1 or n_finished == len(rows):
+            break
+        if n_finished and n_finished >= drop_at * len(rows):
+            keep = (~finished).nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            rows, tokens, attention_mask = rows[keep], tokens[keep], attention_mask[keep]
+            next_pos, finished = next_pos[keep], finished[keep]
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=-1)
+        logits = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_pos,
+                       use_cache=True, **cache_arg).logits
+        next_pos = next_pos + 1
+    lengths_list = lengths.tolist()
+    return ([row[:n] for row, n in zip(out.tolist(), lengths_list)],
+            [row[:n] for row, n in zip(out_log_probs.tolist(), lengths_list)])
+
+
+__all__ = ["DROP_AT", "RowSampler", "check_logits", "logits_warpers", "row_uniforms",
+           "sample_dropping_finished", "sample_rows"]
