@@ -28,7 +28,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from verl_trainer import launch
@@ -42,7 +41,18 @@ from verl_trainer.metrics import Metric
 from verl_trainer.module import TrainingModule
 from verl_trainer.strategy import Strategy, check_precision, normalize_precision, resolve_strategy
 from verl_trainer.training import failure, loops
-from verl_trainer.training.args import TrainerArgs
+from verl_trainer.training.args import (
+    TrainerArgs,
+    check_collective_timeout,
+    check_deterministic,
+    check_fast_dev_run,
+    check_log_every_n_steps,
+    check_num_nodes,
+    check_run_length,
+    check_seed,
+    resolve_accelerator,
+    resolve_devices,
+)
 from verl_trainer.training.data import ShardedLoader, refuse_raw_rows
 from verl_trainer.training.lightning_args import (
     check_accumulate,
@@ -60,35 +70,8 @@ from verl_trainer.utils.distributed import is_initialized
 
 __all__ = ["Trainer"]
 
-ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 _DEFAULTS = TrainerArgs()  # the one source of the defaults (the recipes' TrainerConfig extends it)
 _CHAINED_HOOKS = frozenset({"on_before_update"})
-
-
-def _resolve_accelerator(accelerator: str) -> str:
-    if accelerator not in ACCELERATORS:
-        raise ValueError(f"accelerator={accelerator!r}; choose one of {ACCELERATORS}")
-    if accelerator == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if accelerator in ("gpu", "cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"accelerator={accelerator!r} but no CUDA device is available; use 'cpu' or 'auto'"
-            )
-        return "cuda"
-    return "cpu"
-
-
-def _resolve_devices(devices: int | str, accelerator: str) -> int:
-    if devices == "auto":
-        return max(1, torch.cuda.device_count()) if accelerator == "cuda" else 1
-    if isinstance(devices, bool) or not isinstance(devices, int):
-        raise ValueError(f"devices must be a positive int or 'auto', got {devices!r}")
-    if devices < 1:
-        raise ValueError(f"devices must be >= 1 (processes per node), got {devices}")
-    if accelerator == "cuda" and devices > torch.cuda.device_count():
-        raise ValueError(f"devices={devices} but only {torch.cuda.device_count()} CUDA device(s) are visible")
-    return devices
 
 
 def _as_callback_list(callbacks: Sequence[Callback] | Callback | None) -> list[Callback]:
@@ -176,28 +159,14 @@ class Trainer(LightningAttributes):
         reject_unknown_args(unsupported, [n for n in names if n not in ("self", "unsupported")])
         self.strategy = resolve_strategy(strategy)
         if collective_timeout is not None:
-            if isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)) or \
-                    not collective_timeout > 0:
-                raise ValueError(
-                    f"collective_timeout must be a number of seconds > 0 or None (the strategy's "
-                    f"{self.strategy.timeout.total_seconds():.0f} s), got {collective_timeout!r}"
-                )
-            self.strategy.timeout = timedelta(seconds=float(collective_timeout))
-        self.accelerator = _resolve_accelerator(accelerator)
-        self.devices = _resolve_devices(devices, self.accelerator)
-        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
-            raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
-        self.num_nodes = num_nodes
+            self.strategy.timeout = check_collective_timeout(collective_timeout, self.strategy.timeout)
+        self.accelerator = resolve_accelerator(accelerator)
+        self.devices = resolve_devices(devices, self.accelerator)
+        self.num_nodes = check_num_nodes(num_nodes)
         self.precision = check_precision(normalize_precision(precision), self.accelerator,
                                          self.strategy.backend)
-        if not isinstance(max_steps, int) or (max_steps < 1 and max_steps != -1):
-            raise ValueError(f"max_steps must be -1 (unlimited) or >= 1, got {max_steps!r}")
-        if max_epochs is not None and (not isinstance(max_epochs, int) or max_epochs < 1):
-            raise ValueError(f"max_epochs must be None or >= 1, got {max_epochs!r}")
-        self.max_steps, self.max_epochs = max_steps, max_epochs
-        if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps must be an int >= 1, got {log_every_n_steps!r}")
-        self.log_every_n_steps = log_every_n_steps
+        self.max_steps, self.max_epochs = check_run_length(max_steps, max_epochs)
+        self.log_every_n_steps = check_log_every_n_steps(log_every_n_steps)
         self.val_check_interval = check_val_check_interval(val_check_interval)
         self.check_val_every_n_epoch = check_optional_count(
             "check_val_every_n_epoch", check_val_every_n_epoch, 1
@@ -212,13 +181,8 @@ class Trainer(LightningAttributes):
         self.min_steps = check_optional_count("min_steps", min_steps)
         self.min_epochs = check_optional_count("min_epochs", min_epochs)
         self.num_sanity_val_steps = check_optional_count("num_sanity_val_steps", num_sanity_val_steps, -1)
-        if deterministic not in (True, False, "warn"):
-            raise ValueError(f"deterministic={deterministic!r}; use True, False or 'warn' (warn only)")
-        self.deterministic = deterministic
-        if isinstance(fast_dev_run, bool) or (isinstance(fast_dev_run, int) and fast_dev_run >= 0):
-            self.fast_dev_run = int(fast_dev_run)
-        else:
-            raise ValueError(f"fast_dev_run={fast_dev_run!r}; use True (1 batch), False or an int N >= 0")
+        self.deterministic = check_deterministic(deterministic)
+        self.fast_dev_run = check_fast_dev_run(fast_dev_run)
         if self.fast_dev_run:  # Lightning's meaning: N train and N val batches, one epoch, nothing written
             n = self.fast_dev_run
             self.max_steps, self.max_epochs, self.max_time = n, 1, None
@@ -226,9 +190,7 @@ class Trainer(LightningAttributes):
             self.val_check_interval, self.check_val_every_n_epoch, self.num_sanity_val_steps = None, 1, 0
             logger, enable_checkpointing = False, False
             callbacks = [cb for cb in _as_callback_list(callbacks) if not isinstance(cb, ModelCheckpoint)]
-        if not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        self.seed = seed
+        self.seed = check_seed(seed)
         validate_logger_spec(logger)
         self.default_root_dir = os.fspath(Path(default_root_dir or os.getcwd()).absolute())
         self.logging = MetricLogging(logger, self.default_root_dir, log_every_n_steps)

@@ -3,16 +3,34 @@
 ``Trainer.__init__`` takes its defaults from :class:`TrainerArgs`, and the recipes' ``trainer:`` section
 (:class:`verl_trainer.configs.TrainerConfig`) extends it with recipe switches, so a default is written
 once. Everything here is plain data that a YAML file can hold; callbacks and objects are passed to the
-Trainer directly.
+Trainer directly. The checks of these arguments live here too (``Trainer.__init__`` calls them; Lightning's
+own argument checks are in ``training/lightning_args.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
-__all__ = ["TrainerArgs"]
+import torch
+
+__all__ = [
+    "ACCELERATORS",
+    "TrainerArgs",
+    "check_collective_timeout",
+    "check_deterministic",
+    "check_fast_dev_run",
+    "check_log_every_n_steps",
+    "check_num_nodes",
+    "check_run_length",
+    "check_seed",
+    "resolve_accelerator",
+    "resolve_devices",
+]
+
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
 
 @dataclass
@@ -92,3 +110,97 @@ class TrainerArgs:
     def trainer_kwargs(self) -> dict[str, Any]:
         """These values as ``Trainer(**kwargs)`` arguments (subclass fields left out)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainerArgs)}
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    """``accelerator`` as the device type the run uses (``"cuda"`` or ``"cpu"``).
+
+    Raises:
+        ValueError: Not one of :data:`ACCELERATORS`, or a GPU asked for where none is visible.
+    """
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"accelerator={accelerator!r}; choose one of {ACCELERATORS}")
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator in ("gpu", "cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"accelerator={accelerator!r} but no CUDA device is available; use 'cpu' or 'auto'"
+            )
+        return "cuda"
+    return "cpu"
+
+
+def resolve_devices(devices: int | str, accelerator: str) -> int:
+    """``devices`` (processes per node) as an int; ``"auto"``: every visible GPU, else 1.
+
+    Raises:
+        ValueError: Not a positive int or ``"auto"``, or more CUDA devices than are visible.
+    """
+    if devices == "auto":
+        return max(1, torch.cuda.device_count()) if accelerator == "cuda" else 1
+    if isinstance(devices, bool) or not isinstance(devices, int):
+        raise ValueError(f"devices must be a positive int or 'auto', got {devices!r}")
+    if devices < 1:
+        raise ValueError(f"devices must be >= 1 (processes per node), got {devices}")
+    if accelerator == "cuda" and devices > torch.cuda.device_count():
+        raise ValueError(f"devices={devices} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return devices
+
+
+def check_collective_timeout(seconds: float, default: timedelta) -> timedelta:
+    """``collective_timeout`` as a ``timedelta`` (``default``: the strategy's, named in the message).
+
+    Raises:
+        ValueError: Not a number of seconds > 0.
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(
+            f"collective_timeout must be a number of seconds > 0 or None (the strategy's "
+            f"{default.total_seconds():.0f} s), got {seconds!r}"
+        )
+    return timedelta(seconds=float(seconds))
+
+
+def check_num_nodes(num_nodes: int) -> int:
+    """``num_nodes``, checked: an int >= 1."""
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
+    return num_nodes
+
+
+def check_run_length(max_steps: int, max_epochs: int | None) -> tuple[int, int | None]:
+    """``(max_steps, max_epochs)``, checked: ``-1`` or >= 1 steps; ``None`` or >= 1 epochs."""
+    if not isinstance(max_steps, int) or (max_steps < 1 and max_steps != -1):
+        raise ValueError(f"max_steps must be -1 (unlimited) or >= 1, got {max_steps!r}")
+    if max_epochs is not None and (not isinstance(max_epochs, int) or max_epochs < 1):
+        raise ValueError(f"max_epochs must be None or >= 1, got {max_epochs!r}")
+    return max_steps, max_epochs
+
+
+def check_log_every_n_steps(every: int) -> int:
+    """``log_every_n_steps``, checked: an int >= 1."""
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"log_every_n_steps must be an int >= 1, got {every!r}")
+    return every
+
+
+def check_deterministic(deterministic: bool | str) -> bool | str:
+    """``deterministic``, checked: ``True``, ``False`` or ``"warn"``."""
+    if deterministic not in (True, False, "warn"):
+        raise ValueError(f"deterministic={deterministic!r}; use True, False or 'warn' (warn only)")
+    return deterministic
+
+
+def check_fast_dev_run(fast_dev_run: bool | int) -> int:
+    """``fast_dev_run`` as the number of batches it runs (0: off)."""
+    if isinstance(fast_dev_run, bool) or (isinstance(fast_dev_run, int) and fast_dev_run >= 0):
+        return int(fast_dev_run)
+    raise ValueError(f"fast_dev_run={fast_dev_run!r}; use True (1 batch), False or an int N >= 0")
+
+
+def check_seed(seed: int) -> int:
+    """``seed``, checked: an int."""
+    if not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    return seed
