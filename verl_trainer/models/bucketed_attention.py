@@ -4,7 +4,8 @@ Where no fused varlen kernel exists (CPU; CUDA in fp32 or without one), the segm
 grouped by length; each group (a *bucket*) is one batched call with no padding and no mask beyond the
 causal (or sliding-window) one:
 
-* short buckets (segments of up to ``MATMUL_MAX_LENGTH`` tokens, fp32 on CPU, no dropout): batched
+* short buckets (segments up to the layout's crossover length, fp32 on CPU, no dropout: measured per
+  ``(H, H_kv, D)`` by ``verl_trainer.models.attention_autotune``, else ``MATMUL_MAX_LENGTH``): batched
   matmuls with a hand-written backward (``verl_trainer.models.matmul_attention``), where the CPU flash
   kernel's cost per token is highest;
 * the others: one ``scaled_dot_product_attention`` over ``[count, H, length, D]``.
@@ -36,8 +37,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from verl_trainer.models.attention_autotune import matmul_crossover
 from verl_trainer.models.matmul_attention import (
-    MATMUL_MAX_LENGTH,
     additive_mask,
     matmul_attention_backward,
     matmul_attention_forward,
@@ -290,7 +291,7 @@ def bucketed_varlen_attention(
     dropout: float = 0.0,
     is_causal: bool = True,
     window: int | None = None,
-    matmul_max_length: int = MATMUL_MAX_LENGTH,
+    matmul_max_length: int | None = None,
 ) -> torch.Tensor:
     """Attention within each segment of a packed row, one call per distinct segment length.
 
@@ -305,7 +306,8 @@ def bucketed_varlen_attention(
         window: Sliding window (query ``i`` reads keys ``i - window < j <= i``), causal only; ``None``: off.
         matmul_max_length: Buckets of segments up to this length run batched matmuls
             (``verl_trainer.models.matmul_attention``) where that path applies (fp32 on CPU, no dropout);
-            longer ones, and all others, one sdpa call. 0: sdpa everywhere.
+            longer ones, and all others, one sdpa call. 0: sdpa everywhere. ``None``: the crossover
+            chosen for this layout (``verl_trainer.models.attention_autotune.matmul_crossover``).
 
     Returns:
         ``[1, N, H, D_v]``.
@@ -319,7 +321,10 @@ def bucketed_varlen_attention(
     if n == 0:
         return query.new_zeros(1, 0, heads, dim_v)
     scale = query.shape[3] ** -0.5 if scaling is None else scaling
-    matmul_max = matmul_max_length if use_matmul_attention(query.dtype, query.device, dropout) else 0
+    if matmul_max_length is None:
+        matmul_max = matmul_crossover(query, key, dropout)
+    else:
+        matmul_max = matmul_max_length if use_matmul_attention(query.dtype, query.device, dropout) else 0
     plan = plan_buckets(lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
     rows = (_rows(query), _rows(key), _rows(value))
     out, *parts = _Buckets.apply(*rows, plan, heads, scale, is_causal, window)
