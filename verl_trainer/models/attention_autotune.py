@@ -158,7 +158,7 @@ def _warn_once(message: str) -> None:
 def _read_file(path: Path) -> dict[str, int]:
     """The file's ``{file_id: crossover}`` (``{}`` when absent; a warning when unreadable)."""
     try:
-        text = path.read_text()
+        text = path.read_bytes()
     except FileNotFoundError:
         return {}
     except OSError as err:
