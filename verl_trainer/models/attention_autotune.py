@@ -8,9 +8,9 @@ crossover is chosen per :class:`ShapeKey` ``(H, H_kv, D, dtype, device type)`` b
 first time a key is seen:
 
 * at each of :data:`PROBE_LENGTHS` (up to ``max(MATMUL_MAX_LENGTH, D)``, so the kept softmax stays no
-  larger than a few query tensors), one bucket of about :data:`PROBE_TOKENS` tokens runs forward and
-  backward through the matmul path and through the sdpa path (the real ``bucketed_varlen_attention``,
-  q/k/v in HF's layout), the two sides alternating in :data:`PROBE_ROUNDS` paired rounds;
+  larger than a few query tensors), one causal bucket of about :data:`PROBE_TOKENS` tokens runs forward
+  and backward through the matmul kernels and through one sdpa call, each with the reads and writes of
+  its layout (:func:`measure_probe`), the two sides alternating in :data:`PROBE_ROUNDS` paired rounds;
 * the crossover is the longest probed length up to which the matmul side won every probe (median of the
   per-round time ratios >= 1); 0 (sdpa everywhere) when it loses at the shortest. Probing stops at the
   first loss. Tens of milliseconds per key.
@@ -46,8 +46,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 
-from verl_trainer.models.matmul_attention import MATMUL_MAX_LENGTH, use_matmul_attention
+from verl_trainer.models.matmul_attention import (
+    MATMUL_MAX_LENGTH,
+    additive_mask,
+    matmul_attention_backward,
+    matmul_attention_forward,
+    use_matmul_attention,
+)
 from verl_trainer.utils.distributed import all_reduce, get_rank, is_distributed
 
 __all__ = [
@@ -193,8 +200,41 @@ def _write_file(path: Path, key: ShapeKey, crossover: int) -> None:
         _warn_once(f"could not write the attention autotune cache {path} ({err}); keeping it in memory")
 
 
+def _matmul_side(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
+    """The matmul path on one bucket ``q [C, L, H, D]``, ``k, v [C, L, H_kv, D]``: reads, fwd, bwd, writes."""
+    count, length, heads, dim = q.shape
+    heads_kv = k.shape[2]
+    group = heads // heads_kv
+
+    def kv_major(x: torch.Tensor) -> torch.Tensor:  # [C, L, H_kv, g * D] -> [C * H_kv, L * g, D]
+        return x.view(count, length, heads_kv, -1).transpose(1, 2).reshape(count * heads_kv, -1, dim)
+
+    def token_major(x: torch.Tensor) -> torch.Tensor:  # the inverse: the copy into the packed rows
+        return x.view(count, heads_kv, length, -1).transpose(1, 2).contiguous()
+
+    qb, kb, vb = kv_major(q), kv_major(k), kv_major(v)
+    mask = additive_mask(length, group, True, None, q.device)
+    out, probs = matmul_attention_forward(qb, kb, vb, mask, scale)
+    token_major(out)
+    for d in matmul_attention_backward(kv_major(grad), qb, kb, vb, probs, scale):
+        token_major(d)
+
+
+def _sdpa_side(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
+    """The sdpa path on the same bucket: one causal sdpa over ``[C, H, L, D]`` views, fwd and bwd."""
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    out = F.scaled_dot_product_attention(
+        *(x.transpose(1, 2) for x in leaves), is_causal=True, scale=scale, enable_gqa=q.shape[2] != k.shape[2]
+    )
+    out = out.transpose(1, 2).reshape(grad.shape)  # the copy into the packed rows
+    torch.autograd.grad(out, leaves, grad)
+
+
 def measure_probe(key: ShapeKey, length: int, rounds: int = PROBE_ROUNDS) -> float:
     """Speed-up of the matmul side over the sdpa side on one bucket of ``length``-token segments.
+
+    Both sides read the bucket from token-major rows (HF's layout), run forward and backward and write
+    the output and gradients back, as ``verl_trainer.models.bucketed_attention`` does.
 
     Args:
         key: The layout (``key.eligible()``).
@@ -204,31 +244,26 @@ def measure_probe(key: ShapeKey, length: int, rounds: int = PROBE_ROUNDS) -> flo
     Returns:
         Median over rounds of ``sdpa time / matmul time``.
     """
-    from verl_trainer.models.bucketed_attention import bucketed_varlen_attention
+    count, g = max(1, PROBE_TOKENS // length), torch.Generator().manual_seed(length)
+    q, k, v = (
+        torch.randn(count, length, h, key.head_dim, generator=g).to(key.torch_dtype)
+        for h in (key.heads, key.heads_kv, key.heads_kv)
+    )
+    grad = torch.randn(q.shape, generator=g).to(q)
+    scale = key.head_dim**-0.5
 
-    lengths = [length] * max(1, PROBE_TOKENS // length)
-    n, g = sum(lengths), torch.Generator().manual_seed(length)
-
-    def leaf(h: int) -> torch.Tensor:  # HF's layout: a transposed [1, N, h, D]
-        x = torch.randn(1, n, h, key.head_dim, generator=g, dtype=key.torch_dtype, device=key.device_type)
-        return x.transpose(1, 2).requires_grad_(True)
-
-    q, k, v = leaf(key.heads), leaf(key.heads_kv), leaf(key.heads_kv)
-    grad = torch.randn(1, n, key.heads, key.head_dim, generator=g).to(q)
-
-    def run(matmul_max_length: int) -> float:
+    def run(side: Callable[..., None]) -> float:
         start = time.perf_counter()
-        out = bucketed_varlen_attention(q, k, v, lengths, matmul_max_length=matmul_max_length)
-        torch.autograd.grad(out, (q, k, v), grad)
+        side(q, k, v, grad, scale)
         return time.perf_counter() - start
 
-    run(length), run(0)  # warm-up (plans and masks cached)
+    run(_matmul_side), run(_sdpa_side)  # warm-up
     ratios = []
     for i in range(rounds):
         if i % 2:
-            matmul_s, sdpa_s = run(length), run(0)
+            matmul_s, sdpa_s = run(_matmul_side), run(_sdpa_side)
         else:
-            sdpa_s, matmul_s = run(0), run(length)
+            sdpa_s, matmul_s = run(_sdpa_side), run(_matmul_side)
         ratios.append(sdpa_s / max(matmul_s, 1e-9))
     return statistics.median(ratios)
 
