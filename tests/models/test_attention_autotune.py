@@ -61,7 +61,8 @@ def test_shape_key():
     key = ShapeKey.of(4, 2, 64, torch.float32, torch.device("cpu"))
     assert key == ShapeKey(4, 2, 64, "torch.float32", "cpu") and key.torch_dtype is torch.float32
     assert key.eligible()
-    assert not ShapeKey.of(4, 2, 64, torch.bfloat16, "cpu").eligible()
+    assert ShapeKey.of(4, 2, 64, torch.bfloat16, "cpu").eligible()  # upcast to fp32 for the matmuls
+    assert not ShapeKey.of(4, 2, 64, torch.int8, "cpu").eligible()
     assert not ShapeKey.of(4, 2, 64, torch.float32, "cuda").eligible()
     file_id = key.file_id()
     assert torch.__version__ in file_id and f"threads{torch.get_num_threads()}" in file_id
@@ -77,7 +78,7 @@ def test_crossover_is_the_longest_length_the_matmul_side_won_up_to():
     wins = dict.fromkeys(PROBE_LENGTHS, 2.0)
     assert choose_crossover(FP32, _probe(wins)) == 64  # D = 64: up to max(MATMUL_MAX_LENGTH, D)
     assert choose_crossover(ShapeKey.of(4, 1, 128, torch.float32, "cpu"), _probe(wins)) == 128
-    assert choose_crossover(ShapeKey.of(4, 2, 64, torch.bfloat16, "cpu"), _failing_probe) == 0
+    assert choose_crossover(ShapeKey.of(4, 2, 64, torch.float32, "cuda"), _failing_probe) == 0
 
 
 def test_chosen_once_per_key_and_used_by_the_attention():
@@ -87,7 +88,8 @@ def test_chosen_once_per_key_and_used_by_the_attention():
     assert tune(FP32, _failing_probe) == 8  # cached in-process
     assert matmul_crossover(q, k, 0.0) == 8
     assert matmul_crossover(q, k, 0.1) == 0  # dropout: sdpa
-    assert matmul_crossover(q.bfloat16(), k.bfloat16(), 0.0) == 0
+    tune(ShapeKey.of(4, 2, 64, torch.bfloat16, "cpu"), _probe({8: 2.0, 16: 2.0, 32: 0.5}))
+    assert matmul_crossover(q.bfloat16(), k.bfloat16(), 0.0) == 16
     autotune.clear_cache()
     assert tune(FP32, _failing_probe) == 8  # from the file
 
@@ -96,7 +98,8 @@ def test_switch_off_keeps_the_constant(monkeypatch):
     monkeypatch.setenv(AUTOTUNE_ENV, "0")
     q, k = torch.zeros(1, 4, 3, 64), torch.zeros(1, 2, 3, 64)
     assert matmul_crossover(q, k, 0.0) == MATMUL_MAX_LENGTH
-    assert FP32 not in autotune._CROSSOVERS  # nothing measured
+    assert matmul_crossover(q.bfloat16(), k.bfloat16(), 0.0) == 0  # the old rule: fp32 only
+    assert not autotune._CROSSOVERS  # nothing measured
     assert agree_on_model_attention(LlamaConfig(num_attention_heads=4, hidden_size=256), "cpu") is None
 
 
@@ -146,26 +149,42 @@ def test_real_probe_and_autotune():
     torch.testing.assert_close(out, reference_varlen_attention(q, k, v, lengths), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("crossover", [0, *PROBE_LENGTHS])
-@pytest.mark.parametrize("heads_kv", [4, 2, 1])
-def test_every_chosen_path_equals_the_loop(crossover, heads_kv):
-    """Whatever the autotune picks, outputs and gradients equal the per-segment loop (fp32, 1e-5)."""
+def _chosen_and_loop(crossover, heads_kv, dtype):
+    """Outputs and q/k/v gradients of the bucketed path with ``crossover`` chosen, and of the loop."""
     dim, lengths = 16, [1, 8, 8, 12, 16, 20, 33, 64, 70, 3]
-    key = ShapeKey.of(4, heads_kv, dim, torch.float32, "cpu")
-    autotune._CROSSOVERS[key] = crossover
+    autotune._CROSSOVERS[ShapeKey.of(4, heads_kv, dim, dtype, "cpu")] = crossover
     g = torch.Generator().manual_seed(crossover + heads_kv)
     n = sum(lengths)
-    q, k, v = (torch.randn(1, n, h, dim, generator=g).transpose(1, 2).requires_grad_(True)
+    q, k, v = (torch.randn(1, n, h, dim, generator=g).to(dtype).transpose(1, 2).requires_grad_(True)
                for h in (4, heads_kv, heads_kv))
-    grad = torch.randn(1, n, 4, dim, generator=g)
+    grad = torch.randn(1, n, 4, dim, generator=g).to(dtype)
     results = []
     for fn in (bucketed_varlen_attention, reference_varlen_attention):
         out = fn(q, k, v, lengths)
         results.append([out.detach(), *torch.autograd.grad(out, (q, k, v), grad)])
+    return results
+
+
+@pytest.mark.parametrize("crossover", [0, *PROBE_LENGTHS])
+@pytest.mark.parametrize("heads_kv", [4, 2, 1])
+def test_every_chosen_path_equals_the_loop(crossover, heads_kv):
+    """Whatever the autotune picks, outputs and gradients equal the per-segment loop (fp32, 1e-5)."""
+    results = _chosen_and_loop(crossover, heads_kv, torch.float32)
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     if crossover == 0:
         assert all(torch.equal(a, b) for a, b in zip(*results))  # sdpa buckets: bitwise the loop
+
+
+@pytest.mark.parametrize("heads_kv", [4, 1])
+def test_half_precision_matmul_path_is_the_fp32_result_rounded(heads_kv):
+    """bf16 buckets on the matmul path: computed in fp32 and rounded once, within bf16 round-off of the loop
+    (whose sdpa rounds inside); crossover 0 stays bitwise the loop."""
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *_chosen_and_loop(64, heads_kv, torch.bfloat16)):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    assert all(torch.equal(a, b) for a, b in zip(*_chosen_and_loop(0, heads_kv, torch.bfloat16)))
 
 
 def test_heads_per_rank():
@@ -183,7 +202,7 @@ def _agree_on_two_ranks(path):
     config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, hidden_size=256)
     key = ShapeKey.of(4, 2, 64, torch.float32, "cpu")
     autotune._CROSSOVERS[key] = 32 if rank == 0 else 8
-    agreed = agree_on_model_attention(config, "cpu")
+    agreed = agree_on_model_attention(config, "cpu", dtypes=(torch.float32,))
     with warnings.catch_warnings(record=True) as caught:  # a layout first seen inside a forward
         warnings.simplefilter("always")
         unseen = matmul_crossover(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0.0)
@@ -193,5 +212,5 @@ def _agree_on_two_ranks(path):
 def test_every_rank_takes_rank_0s_choice(tmp_path):
     env = {AUTOTUNE_ENV: "1", CACHE_ENV: str(tmp_path / "autotune.json")}
     for agreed, stored, unseen, caught in run_distributed(_agree_on_two_ranks, 2, tmp_path, env=env):
-        assert agreed == stored == 32
+        assert agreed == {"torch.float32": 32} and stored == 32
         assert unseen == MATMUL_MAX_LENGTH and any("not tuned on every rank" in m for m in caught)

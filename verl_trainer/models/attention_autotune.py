@@ -88,6 +88,7 @@ PROBE_ROUNDS = 5
 """Paired rounds per probed length (after one warm-up of each side)."""
 
 _OFF = ("0", "false", "off", "no")
+_UPCAST = tuple(str(d) for d in (torch.float32, torch.bfloat16, torch.float16))
 _FORMAT = 1
 
 Probe = Callable[["ShapeKey", int], float]
@@ -124,8 +125,8 @@ class ShapeKey:
         return getattr(torch, self.dtype.removeprefix("torch."))
 
     def eligible(self) -> bool:
-        """Whether the matmul path may run for this key at all (fp32 on CPU; see ``use_matmul_attention``)."""
-        return self.dtype == str(torch.float32) and self.device_type == "cpu"
+        """Whether the matmul path may run for this key at all (CPU, fp32 or upcast half precision)."""
+        return self.dtype in _UPCAST and self.device_type == "cpu"
 
     def file_id(self) -> str:
         """The key in the JSON cache file: the layout, the torch version and the CPU thread count."""
@@ -212,12 +213,12 @@ def _matmul_side(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.
     def token_major(x: torch.Tensor) -> torch.Tensor:  # the inverse: the copy into the packed rows
         return x.view(count, heads_kv, length, -1).transpose(1, 2).contiguous()
 
-    qb, kb, vb = kv_major(q), kv_major(k), kv_major(v)
+    qb, kb, vb = kv_major(q).float(), kv_major(k).float(), kv_major(v).float()
     mask = additive_mask(length, group, True, None, q.device)
     out, probs = matmul_attention_forward(qb, kb, vb, mask, scale)
-    token_major(out)
-    for d in matmul_attention_backward(kv_major(grad), qb, kb, vb, probs, scale):
-        token_major(d)
+    token_major(out).to(q.dtype)
+    for d in matmul_attention_backward(kv_major(grad).float(), qb, kb, vb, probs, scale):
+        token_major(d).to(q.dtype)
 
 
 def _sdpa_side(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
@@ -316,22 +317,24 @@ def tune(key: ShapeKey, probe: Probe = measure_probe) -> int:
 def matmul_crossover(query: torch.Tensor, key: torch.Tensor, dropout: float) -> int:
     """The ``matmul_max_length`` for attention over ``query [1, H, N, D]`` and ``key [1, H_kv, N, D]``.
 
-    0 where the matmul path does not apply (not fp32 on CPU, dropout, autocast); the constant
-    :data:`MATMUL_MAX_LENGTH` with the autotune switched off, or for a key first seen inside a forward of a
-    run with more than one rank (see the module docstring); else the key's tuned crossover.
+    0 where the matmul path does not apply (not on CPU, dropout, autocast); with the autotune switched
+    off the constant rule (:data:`MATMUL_MAX_LENGTH` in fp32, 0 in half precision), also for a key first
+    seen inside a forward of a run with more than one rank (see the module docstring); else the key's
+    tuned crossover (half precision included: its matmuls run on the bucket upcast to fp32).
     """
-    if not use_matmul_attention(query.dtype, query.device, dropout):
+    if not use_matmul_attention(query.dtype, query.device, dropout, upcast=True):
         return 0
     shape = ShapeKey.of(query.shape[1], key.shape[1], query.shape[3], query.dtype, query.device)
     if shape in _CROSSOVERS:
         return _CROSSOVERS[shape]
-    if not autotune_enabled():
-        return MATMUL_MAX_LENGTH
+    if not autotune_enabled():  # the constant rule: fp32 only
+        return MATMUL_MAX_LENGTH if query.dtype == torch.float32 else 0
     if is_distributed():
+        constant = MATMUL_MAX_LENGTH if query.dtype == torch.float32 else 0
         _warn_once(f"attention layout {shape} was not tuned on every rank at start-up "
                    "(agree_on_model_attention); using the constant crossover "
-                   f"{MATMUL_MAX_LENGTH} so that every rank takes the same path")
-        return MATMUL_MAX_LENGTH
+                   f"{constant} so that every rank takes the same path")
+        return constant
     with torch.inference_mode(False), torch.enable_grad():  # timed fwd+bwd even inside a no-grad forward
         return tune(shape)
 
@@ -349,27 +352,32 @@ def _heads_of(model_config: Any, split: int) -> tuple[int, int, int] | None:
     return heads // split, heads_kv // split, head_dim
 
 
-def agree_on_model_attention(model_config: Any, device: torch.device | str, split: int = 1) -> int | None:
-    """Tune a model's fp32 layout once, the same on every rank; call it on every rank of the run.
+def agree_on_model_attention(
+    model_config: Any, device: torch.device | str, split: int = 1,
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+) -> dict[str, int] | None:
+    """Tune a model's layout once per dtype, the same on every rank; call it on every rank of the run.
 
-    Rank 0 measures (or reads the cache); every rank of the default group gets rank 0's crossover (an
-    all-reduce of one integer), so all take the same path. Nothing happens with the autotune off, off
-    CPU, or for a config without attention heads.
+    Rank 0 measures (or reads the cache); every rank of the default group gets rank 0's crossovers (one
+    all-reduce of ``len(dtypes)`` integers), so all take the same path. Nothing happens with the autotune
+    off, off CPU, or for a config without attention heads.
 
     Args:
         model_config: The HF model config (``num_attention_heads``, ``num_key_value_heads``, ``head_dim``).
         device: Where the model computes.
         split: Ranks the heads are split over (Ulysses SP x tensor parallel size).
+        dtypes: The dtypes the attention may run in.
 
     Returns:
-        The agreed crossover, or ``None`` when nothing was tuned.
+        ``{str(dtype): crossover}`` agreed, or ``None`` when nothing was tuned.
     """
     shape = _heads_of(model_config, split)
     if shape is None or not autotune_enabled() or torch.device(device).type != "cpu":
         return None
-    key = ShapeKey.of(*shape, torch.float32, device)
-    mine = tune(key) if get_rank() == 0 else 0
+    keys = [ShapeKey.of(*shape, dtype, device) for dtype in dtypes]
+    mine = torch.tensor([tune(key) if get_rank() == 0 else 0 for key in keys], dtype=torch.long)
     if is_distributed():
-        mine = int(all_reduce(torch.tensor([mine], dtype=torch.long)).item())
-    _CROSSOVERS[key] = mine
-    return mine
+        mine = all_reduce(mine)
+    agreed = {key.dtype: int(value) for key, value in zip(keys, mine.tolist())}
+    _CROSSOVERS.update((key, agreed[key.dtype]) for key in keys)
+    return agreed

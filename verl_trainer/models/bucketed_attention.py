@@ -4,10 +4,11 @@ Where no fused varlen kernel exists (CPU; CUDA in fp32 or without one), the segm
 grouped by length; each group (a *bucket*) is one batched call with no padding and no mask beyond the
 causal (or sliding-window) one:
 
-* short buckets (segments up to the layout's crossover length, fp32 on CPU, no dropout: measured per
-  ``(H, H_kv, D)`` by ``verl_trainer.models.attention_autotune``, else ``MATMUL_MAX_LENGTH``): batched
-  matmuls with a hand-written backward (``verl_trainer.models.matmul_attention``), where the CPU flash
-  kernel's cost per token is highest;
+* short buckets (segments up to the layout's crossover length, on CPU without dropout: measured per
+  ``(H, H_kv, D, dtype)`` by ``verl_trainer.models.attention_autotune``, else ``MATMUL_MAX_LENGTH`` in
+  fp32 only; half precision runs the matmuls on the bucket upcast to fp32): batched matmuls with a
+  hand-written backward (``verl_trainer.models.matmul_attention``), where the CPU flash kernel's cost per
+  token is highest;
 * the others: one ``scaled_dot_product_attention`` over ``[count, H, length, D]``.
 
 Both equal a per-segment loop to fp32 round-off (sdpa buckets bitwise in ``bench/attention.py``).
@@ -168,6 +169,7 @@ def _read(plan: BucketPlan, units: torch.Tensor, i: int) -> torch.Tensor:
 
 def _write(plan: BucketPlan, units: torch.Tensor, i: int, part: torch.Tensor) -> None:
     """Write the rows of bucket ``i`` (in its order, ``[rows, F']``) into ``units`` ``[N * H_kv, F']``."""
+    part = part.to(units.dtype)
     start = plan.starts[i]
     if start is None:
         units.index_put_((plan.indices(i),), part)
@@ -217,8 +219,8 @@ class _Buckets(torch.autograd.Function):
             if not plan.matmul[i]:
                 continue
             batch = count * heads_kv
-            qb = _read(plan, q, i).view(batch, length * group, -1)
-            kb, vb = (_read(plan, x, i).view(batch, length, -1) for x in (k, v))
+            qb = _read(plan, q, i).view(batch, length * group, -1).float()  # half precision: in fp32
+            kb, vb = (_read(plan, x, i).view(batch, length, -1).float() for x in (k, v))
             mask = additive_mask(length, group, is_causal, window, query.device)
             ob, probs = matmul_attention_forward(qb, kb, vb, mask, scale)
             _write(plan, out_units, i, ob.view(count * length * heads_kv, -1))
@@ -243,7 +245,7 @@ class _Buckets(torch.autograd.Function):
             if not kv_major:
                 continue
             qb, kb, vb, probs = next(saved), next(saved), next(saved), next(saved)
-            dob = _read(plan, dout, i).view(qb.shape[0], qb.shape[1], -1)
+            dob = _read(plan, dout, i).view(qb.shape[0], qb.shape[1], -1).float()
             d = matmul_attention_backward(dob, qb, kb, vb, probs, ctx.scale)
             for x, dx in zip(units, d):
                 _write(plan, x, i, dx.view(-1, x.shape[1]))
@@ -305,7 +307,8 @@ def bucketed_varlen_attention(
         is_causal: Causal attention within each segment.
         window: Sliding window (query ``i`` reads keys ``i - window < j <= i``), causal only; ``None``: off.
         matmul_max_length: Buckets of segments up to this length run batched matmuls
-            (``verl_trainer.models.matmul_attention``) where that path applies (fp32 on CPU, no dropout);
+            (``verl_trainer.models.matmul_attention``, in fp32: half-precision buckets are upcast) where
+            that path applies (CPU, no dropout, no autocast);
             longer ones, and all others, one sdpa call. 0: sdpa everywhere. ``None``: the crossover
             chosen for this layout (``verl_trainer.models.attention_autotune.matmul_crossover``).
 
@@ -324,7 +327,8 @@ def bucketed_varlen_attention(
     if matmul_max_length is None:
         matmul_max = matmul_crossover(query, key, dropout)
     else:
-        matmul_max = matmul_max_length if use_matmul_attention(query.dtype, query.device, dropout) else 0
+        usable = use_matmul_attention(query.dtype, query.device, dropout, upcast=True)
+        matmul_max = matmul_max_length if usable else 0
     plan = plan_buckets(lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
     rows = (_rows(query), _rows(key), _rows(value))
     out, *parts = _Buckets.apply(*rows, plan, heads, scale, is_causal, window)

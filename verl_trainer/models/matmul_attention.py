@@ -32,10 +32,16 @@ _SOFTMAX_FAST_WIDTH = 16
 """Below this row width torch's CPU softmax is slower than max / exp / sum written out (measured)."""
 
 
-def use_matmul_attention(dtype: torch.dtype, device: torch.device, dropout: float) -> bool:
-    """Whether short buckets may take the matmul path: fp32 on CPU, no dropout, no autocast."""
+def use_matmul_attention(dtype: torch.dtype, device: torch.device, dropout: float, *, upcast: bool = False
+                         ) -> bool:
+    """Whether short buckets may take the matmul path: fp32 on CPU, no dropout, no autocast.
+
+    ``upcast``: bf16 / fp16 too (the bucket is upcast to fp32 for the matmuls and the result rounded back:
+    not bitwise the half-precision sdpa, which rounds inside; only where the layout's autotune chose it).
+    """
+    dtypes = (torch.float32, torch.bfloat16, torch.float16) if upcast else (torch.float32,)
     return (
-        dtype == torch.float32
+        dtype in dtypes
         and device.type == "cpu"
         and dropout == 0.0
         and not torch.is_autocast_enabled("cpu")
