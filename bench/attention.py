@@ -31,7 +31,8 @@ Workloads (heads 4 x 64 and 2 KV heads by default: the Qwen2 of ``bench/vs_trl.p
 timing the loop, the old constant rule (matmul up to ``MATMUL_MAX_LENGTH``) and the new per-shape rule
 (the crossover ``verl_trainer.models.attention_autotune`` measures for the layout, printed with the time
 the autotune took) in paired rounds. Where both rules pick the same crossover they are one path, timed
-once (``=`` in the new column). bf16 never takes the matmul path (sdpa buckets under both rules).
+once (``=`` in the new column). Under the old rule bf16 never takes the matmul path (sdpa buckets); the new
+rule may (the bucket upcast to fp32 for the matmuls) where its probe measured it faster.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def grid(reps: int) -> None:
                 start = time.perf_counter()
                 new = choose_crossover(key)
                 tune_ms = (time.perf_counter() - start) * 1e3
-                old = MATMUL_MAX_LENGTH if key.eligible() else 0
+                old = MATMUL_MAX_LENGTH if dtype == torch.float32 else 0  # the constant rule: fp32 only
                 maxes = {"old": old, "new": new}
                 sides = {f"m{m}": functools.partial(bucketed_varlen_attention, matmul_max_length=m)
                          for m in sorted(set(maxes.values()))}
