@@ -15,6 +15,9 @@ first time a key is seen:
   per-round time ratios >= 1); 0 (sdpa everywhere) when it loses at the shortest. Probing stops at the
   first loss. Tens of milliseconds per key.
 
+Half precision (bf16 / fp16) may take the matmul path too, on the bucket upcast to fp32 (one rounding at
+the end, so within half-precision round-off of the loop, not bitwise); the constant rule keeps it on sdpa.
+
 One choice per key whether or not gradients are needed (timed fwd+bwd, the training cost): old and new
 log-probs of the same tokens then come from the same kernel. The two paths agree to fp32 round-off, not
 bitwise, so every rank of a run must take the same one: in a run with more than one rank the choice is
