@@ -49,15 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 
-from verl_trainer.models.matmul_attention import (
-    MATMUL_MAX_LENGTH,
-    additive_mask,
-    matmul_attention_backward,
-    matmul_attention_forward,
-    use_matmul_attention,
-)
+from verl_trainer.models.matmul_attention import MATMUL_MAX_LENGTH, use_matmul_attention
 from verl_trainer.utils.distributed import all_reduce, get_rank, is_distributed
 
 __all__ = [
@@ -89,6 +82,15 @@ PROBE_TOKENS = 512
 
 PROBE_ROUNDS = 5
 """Paired rounds per probed length (after one warm-up of each side)."""
+
+PACKED_ATTENTION: list[Callable[..., torch.Tensor]] = []
+"""``[bucketed_varlen_attention]``, set by ``verl_trainer.models.bucketed_attention`` (no import cycle)."""
+
+KEEP_MATMUL_ABOVE = 0.8
+"""A probed length stays on the matmul path unless it measured clearly slower than sdpa (below this speed-up):
+one bucket alone understates the matmul path's gain on a whole row, where every sdpa bucket adds its own
+autograd nodes and copies (``bench/attention.py --grid``: a crossover chosen at a 1.0 threshold lost to the
+constant on short segments in fp32)."""
 
 _OFF = ("0", "false", "off", "no")
 _UPCAST = tuple(str(d) for d in (torch.float32, torch.bfloat16, torch.float16))
@@ -204,41 +206,12 @@ def _write_file(path: Path, key: ShapeKey, crossover: int) -> None:
         _warn_once(f"could not write the attention autotune cache {path} ({err}); keeping it in memory")
 
 
-def _matmul_side(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
-    """The matmul path on one bucket ``q [C, L, H, D]``, ``k, v [C, L, H_kv, D]``: reads, fwd, bwd, writes."""
-    count, length, heads, dim = q.shape
-    heads_kv = k.shape[2]
-    group = heads // heads_kv
-
-    def kv_major(x: torch.Tensor) -> torch.Tensor:  # [C, L, H_kv, g * D] -> [C * H_kv, L * g, D]
-        return x.view(count, length, heads_kv, -1).transpose(1, 2).reshape(count * heads_kv, -1, dim)
-
-    def token_major(x: torch.Tensor) -> torch.Tensor:  # the inverse: the copy into the packed rows
-        return x.view(count, heads_kv, length, -1).transpose(1, 2).contiguous()
-
-    qb, kb, vb = kv_major(q).float(), kv_major(k).float(), kv_major(v).float()
-    mask = additive_mask(length, group, True, None, q.device)
-    out, probs = matmul_attention_forward(qb, kb, vb, mask, scale)
-    token_major(out).to(q.dtype)
-    for d in matmul_attention_backward(kv_major(grad).float(), qb, kb, vb, probs, scale):
-        token_major(d).to(q.dtype)
-
-
-def _sdpa_side(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
-    """The sdpa path on the same bucket: one causal sdpa over ``[C, H, L, D]`` views, fwd and bwd."""
-    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-    out = F.scaled_dot_product_attention(
-        *(x.transpose(1, 2) for x in leaves), is_causal=True, scale=scale, enable_gqa=q.shape[2] != k.shape[2]
-    )
-    out = out.transpose(1, 2).reshape(grad.shape)  # the copy into the packed rows
-    torch.autograd.grad(out, leaves, grad)
-
-
 def measure_probe(key: ShapeKey, length: int, rounds: int = PROBE_ROUNDS) -> float:
     """Speed-up of the matmul side over the sdpa side on one bucket of ``length``-token segments.
 
-    Both sides read the bucket from token-major rows (HF's layout), run forward and backward and write
-    the output and gradients back, as ``verl_trainer.models.bucketed_attention`` does.
+    Both sides are the real packed attention (``verl_trainer.models.bucketed_attention``, registered in
+    :data:`PACKED_ATTENTION` when it is imported) on q/k/v in HF's layout, fwd+bwd, with
+    ``matmul_max_length`` = ``length`` (the matmul path) and 0 (sdpa).
 
     Args:
         key: The layout (``key.eligible()``).
@@ -248,26 +221,28 @@ def measure_probe(key: ShapeKey, length: int, rounds: int = PROBE_ROUNDS) -> flo
     Returns:
         Median over rounds of ``sdpa time / matmul time``.
     """
-    count, g = max(1, PROBE_TOKENS // length), torch.Generator().manual_seed(length)
+    attention = PACKED_ATTENTION[0]
+    lengths = [length] * max(1, PROBE_TOKENS // length)
+    n, g = sum(lengths), torch.Generator().manual_seed(length)
     q, k, v = (
-        torch.randn(count, length, h, key.head_dim, generator=g).to(key.torch_dtype)
+        torch.randn(1, n, h, key.head_dim, generator=g).to(key.torch_dtype).transpose(1, 2).requires_grad_()
         for h in (key.heads, key.heads_kv, key.heads_kv)
     )
-    grad = torch.randn(q.shape, generator=g).to(q)
-    scale = key.head_dim**-0.5
+    grad = torch.randn(1, n, key.heads, key.head_dim, generator=g).to(q)
 
-    def run(side: Callable[..., None]) -> float:
+    def run(matmul_max_length: int) -> float:
         start = time.perf_counter()
-        side(q, k, v, grad, scale)
+        out = attention(q, k, v, lengths, matmul_max_length=matmul_max_length)
+        torch.autograd.grad(out, (q, k, v), grad)
         return time.perf_counter() - start
 
-    run(_matmul_side), run(_sdpa_side)  # warm-up
+    run(length), run(0)  # warm-up (plans and masks cached)
     ratios = []
     for i in range(rounds):
         if i % 2:
-            matmul_s, sdpa_s = run(_matmul_side), run(_sdpa_side)
+            matmul_s, sdpa_s = run(length), run(0)
         else:
-            sdpa_s, matmul_s = run(_sdpa_side), run(_matmul_side)
+            sdpa_s, matmul_s = run(0), run(length)
         ratios.append(sdpa_s / max(matmul_s, 1e-9))
     return statistics.median(ratios)
 
@@ -289,7 +264,7 @@ def choose_crossover(key: ShapeKey, probe: Probe = measure_probe) -> int:
         if length > max(MATMUL_MAX_LENGTH, key.head_dim):
             break
         speed_up = probe(key, length)
-        if not math.isfinite(speed_up) or speed_up < 1.0:
+        if not math.isfinite(speed_up) or speed_up < KEEP_MATMUL_ABOVE:
             break
         crossover = length
     return crossover

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from verl_trainer.models.attention_autotune import matmul_crossover
+from verl_trainer.models.attention_autotune import PACKED_ATTENTION, matmul_crossover
 from verl_trainer.models.matmul_attention import (
     additive_mask,
     matmul_attention_backward,
@@ -351,3 +351,6 @@ def bucketed_varlen_attention(
     if outs:
         out = _PutRows.apply(plan, out, *outs)
     return out.view(1, n, heads, dim_v)
+
+
+PACKED_ATTENTION[:] = [bucketed_varlen_attention]  # what the autotune's probe times
