@@ -9,10 +9,11 @@ first time a key is seen:
 
 * at each of :data:`PROBE_LENGTHS` (up to ``max(MATMUL_MAX_LENGTH, D)``, so the kept softmax stays no
   larger than a few query tensors), one causal bucket of about :data:`PROBE_TOKENS` tokens runs forward
-  and backward through the matmul kernels and through one sdpa call, each with the reads and writes of
-  its layout (:func:`measure_probe`), the two sides alternating in :data:`PROBE_ROUNDS` paired rounds;
-* the crossover is the longest probed length up to which the matmul side won every probe (median of the
-  per-round time ratios >= 1); 0 (sdpa everywhere) when it loses at the shortest. Probing stops at the
+  and backward through the real packed attention on the matmul path and on the sdpa path (q/k/v in HF's
+  layout; :func:`measure_probe`), the two sides alternating in :data:`PROBE_ROUNDS` paired rounds;
+* the crossover is the longest probed length up to which the matmul side never measured clearly slower
+  (median per-round speed-up >= :data:`KEEP_MATMUL_ABOVE`); 0 (sdpa everywhere) when it does at the
+  shortest. Probing stops at the
   first loss. Tens of milliseconds per key.
 
 Half precision (bf16 / fp16) may take the matmul path too, on the bucket upcast to fp32 (one rounding at
@@ -248,7 +249,7 @@ def measure_probe(key: ShapeKey, length: int, rounds: int = PROBE_ROUNDS) -> flo
 
 
 def choose_crossover(key: ShapeKey, probe: Probe = measure_probe) -> int:
-    """The longest probed length up to which the matmul side won every probe (0: none).
+    """The longest probed length up to which the matmul side was never clearly slower (0: none).
 
     Args:
         key: The layout.
