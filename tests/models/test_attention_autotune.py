@@ -71,7 +71,7 @@ def test_shape_key():
 
 def test_crossover_is_the_longest_length_the_matmul_side_won_up_to():
     calls = []
-    assert choose_crossover(FP32, _probe({8: 3.0, 16: 0.85, 32: 0.7}, calls)) == 16  # 0.85: not clearly slower
+    assert choose_crossover(FP32, _probe({8: 3.0, 16: 0.85, 32: 0.7}, calls)) == 16  # 0.85: not clearly
     assert calls == [8, 16, 32]  # probing stops at the first clear loss
     assert choose_crossover(FP32, _probe({8: 0.7})) == 0  # clearly slower at the shortest: sdpa everywhere
     assert choose_crossover(FP32, _probe({8: float("nan")})) == 0
