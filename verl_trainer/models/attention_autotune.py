@@ -222,6 +222,9 @@ def measure_probe(key: ShapeKey, length: int, rounds: int = PROBE_ROUNDS) -> flo
     Returns:
         Median over rounds of ``sdpa time / matmul time``.
     """
+    if not PACKED_ATTENTION:
+        raise RuntimeError("the attention probe needs the packed attention: import "
+                           "verl_trainer.models.bucketed_attention before tuning")
     attention = PACKED_ATTENTION[0]
     lengths = [length] * max(1, PROBE_TOKENS // length)
     n, g = sum(lengths), torch.Generator().manual_seed(length)
