@@ -87,8 +87,8 @@ What each side computes differently (the model, prompts, reward, n, lengths, bat
     every step until the last one stops. Same warpers, same eos, same random draws while no row
     is dropped.
   * Padding: ours packs the samples into one row without padding (position ids per sample) and, on
-    CPU, runs one call per group of equal-length samples per layer (batched matmuls up to 64
-    tokens, SDPA beyond: verl_trainer.models.bucketed_attention); TRL forwards the
+    CPU, runs one call per group of equal-length samples per layer (batched matmuls up to the
+    layout's measured crossover, SDPA beyond: verl_trainer.models.attention_autotune); TRL forwards the
     [B, P + C] batch, prompts left- and completions right-padded, with one masked SDPA per layer.
   * LM head: both project only the completion positions (TRL: a fused, tiled head that also returns
     entropy; ours: response positions, chunked log-softmax, no entropy unless calculate_entropy).

@@ -5,6 +5,10 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One CPU attention path per layout in every test process and every rank it spawns: runs that a test
+# compares must not differ by what a timing chose (tests/models/test_attention_autotune.py turns it on).
+os.environ.setdefault("VERL_TRAINER_ATTENTION_AUTOTUNE", "0")
+os.environ.setdefault("VERL_TRAINER_ATTENTION_AUTOTUNE_CACHE", "0")
 
 # What a Trainer or engine started in the pytest process leaves behind: every later test and every
 # subprocess it starts would inherit them (a recipe launched by a later test rendezvoused on a port this

@@ -41,6 +41,15 @@ def _from_factory(factory: ModelFactory, config: EngineConfig) -> torch.nn.Modul
     return model
 
 
+def _agree_on_attention(model: torch.nn.Module, config: EngineConfig) -> None:
+    """Choose the CPU attention path for the model's layout on every rank together (one collective)."""
+    from verl_trainer.models.attention_autotune import agree_on_model_attention
+    from verl_trainer.utils.device import get_torch_device
+
+    split = config.ulysses_sequence_parallel_size * config.tensor_model_parallel_size
+    agree_on_model_attention(model.config, get_torch_device(), split)
+
+
 def build_model(
     config: EngineConfig, model_type: ModelType, factory: ModelFactory | None = None
 ) -> tuple[torch.nn.Module, LoRAAdapters | None]:
@@ -56,10 +65,11 @@ def build_model(
     """
     if factory is None:
         model = model_type.load(config)
-        if not config.lora_enabled:
-            return model, None
     else:
         model = _from_factory(factory, config)
+    _agree_on_attention(model, config)
+    if factory is None and not config.lora_enabled:
+        return model, None
     from verl_trainer.engine.lora import LoRAAdapters, apply_lora, find_peft_model
 
     model = apply_lora(model, config, model_type.name)

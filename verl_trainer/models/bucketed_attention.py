@@ -4,9 +4,11 @@ Where no fused varlen kernel exists (CPU; CUDA in fp32 or without one), the segm
 grouped by length; each group (a *bucket*) is one batched call with no padding and no mask beyond the
 causal (or sliding-window) one:
 
-* short buckets (segments of up to ``MATMUL_MAX_LENGTH`` tokens, fp32 on CPU, no dropout): batched
-  matmuls with a hand-written backward (:func:`matmul_attention_forward`), where the CPU flash
-  kernel's cost per token is highest;
+* short buckets (segments up to the layout's crossover length, on CPU without dropout:
+  :func:`matmul_crossover`, measured per ``(H, H_kv, D, dtype)`` by ``verl_trainer.models.attention_autotune``
+  at model build, else ``MATMUL_MAX_LENGTH`` in fp32 only; half precision runs the matmuls on the bucket
+  upcast to fp32): batched matmuls with a hand-written backward (:func:`matmul_attention_forward`), where
+  the CPU flash kernel's cost per token is highest;
 * the others: one ``scaled_dot_product_attention`` over ``[count, H, length, D]``.
 
 Both equal a per-segment loop to fp32 round-off (sdpa buckets bitwise in ``bench/attention.py``).
@@ -37,7 +39,7 @@ matmuls with a softmax in between cost (measured on segments of 17-64 tokens; 1.
   (no larger than ``q`` for ``L <= D``), so the backward is four matmuls and no recomputation.
 
 Its results equal the per-segment sdpa reference to fp32 round-off (not bitwise: another summation
-order). Used for buckets up to :data:`MATMUL_MAX_LENGTH` tokens in fp32 on CPU without dropout.
+order). Used on CPU without dropout for buckets up to the layout's crossover (:func:`matmul_crossover`).
 """
 
 from __future__ import annotations
@@ -52,21 +54,47 @@ import torch.nn.functional as F  # noqa: N812
 
 from verl_trainer.models.varlen_kernels import sliding_window_mask
 
-MATMUL_MAX_LENGTH = 64
-"""Longest segment (tokens) the matmul path takes; longer buckets run sdpa (set by ``bench/attention.py``)."""
-
 _SOFTMAX_FAST_WIDTH = 16
 """Below this row width torch's CPU softmax is slower than max / exp / sum written out (measured)."""
 
 
-def use_matmul_attention(dtype: torch.dtype, device: torch.device, dropout: float) -> bool:
-    """Whether short buckets may take the matmul path: fp32 on CPU, no dropout, no autocast."""
+MATMUL_MAX_LENGTH = 64
+"""Crossover of a layout nobody measured (fp32; tuned on 4 / 2 heads x 64): the constant rule."""
+
+LAYOUT_CROSSOVERS: dict[tuple[int, int, int, torch.dtype], int] = {}
+"""Measured crossover per CPU layout ``(H, H_kv, D, dtype)``: filled at model build, the same on every
+rank, by ``verl_trainer.models.attention_autotune``."""
+
+
+def use_matmul_attention(dtype: torch.dtype, device: torch.device, dropout: float, *, upcast: bool = False
+                         ) -> bool:
+    """Whether short buckets may take the matmul path: fp32 on CPU, no dropout, no autocast.
+
+    ``upcast``: bf16 / fp16 too (the bucket is upcast to fp32 for the matmuls and the result rounded back:
+    not bitwise the half-precision sdpa, which rounds inside; only where the layout's autotune chose it).
+    """
+    dtypes = (torch.float32, torch.bfloat16, torch.float16) if upcast else (torch.float32,)
     return (
-        dtype == torch.float32
+        dtype in dtypes
         and device.type == "cpu"
         and dropout == 0.0
         and not torch.is_autocast_enabled("cpu")
     )
+
+
+def matmul_crossover(query: torch.Tensor, key: torch.Tensor, dropout: float) -> int:
+    """The ``matmul_max_length`` for attention over ``query [1, H, N, D]`` and ``key [1, H_kv, N, D]``.
+
+    0 where the matmul path does not apply (not on CPU, dropout, autocast); the layout's measured crossover
+    where :data:`LAYOUT_CROSSOVERS` has one (half precision included: its matmuls run upcast to fp32);
+    else the constant rule, :data:`MATMUL_MAX_LENGTH` in fp32 and 0 in half precision.
+    """
+    if not use_matmul_attention(query.dtype, query.device, dropout, upcast=True):
+        return 0
+    tuned = LAYOUT_CROSSOVERS.get((query.shape[1], key.shape[1], query.shape[3], query.dtype))
+    if tuned is not None:
+        return tuned
+    return MATMUL_MAX_LENGTH if query.dtype == torch.float32 else 0
 
 
 @functools.lru_cache(maxsize=64)
@@ -265,6 +293,7 @@ def _read(plan: BucketPlan, units: torch.Tensor, i: int) -> torch.Tensor:
 
 def _write(plan: BucketPlan, units: torch.Tensor, i: int, part: torch.Tensor) -> None:
     """Write the rows of bucket ``i`` (in its order, ``[rows, F']``) into ``units`` ``[N * H_kv, F']``."""
+    part = part.to(units.dtype)
     start = plan.starts[i]
     if start is None:
         units.index_put_((plan.indices(i),), part)
@@ -314,8 +343,8 @@ class _Buckets(torch.autograd.Function):
             if not plan.matmul[i]:
                 continue
             batch = count * heads_kv
-            qb = _read(plan, q, i).view(batch, length * group, -1)
-            kb, vb = (_read(plan, x, i).view(batch, length, -1) for x in (k, v))
+            qb = _read(plan, q, i).view(batch, length * group, -1).float()  # half precision: in fp32
+            kb, vb = (_read(plan, x, i).view(batch, length, -1).float() for x in (k, v))
             mask = additive_mask(length, group, is_causal, window, query.device)
             ob, probs = matmul_attention_forward(qb, kb, vb, mask, scale)
             _write(plan, out_units, i, ob.view(count * length * heads_kv, -1))
@@ -340,7 +369,7 @@ class _Buckets(torch.autograd.Function):
             if not kv_major:
                 continue
             qb, kb, vb, probs = next(saved), next(saved), next(saved), next(saved)
-            dob = _read(plan, dout, i).view(qb.shape[0], qb.shape[1], -1)
+            dob = _read(plan, dout, i).view(qb.shape[0], qb.shape[1], -1).float()
             d = matmul_attention_backward(dob, qb, kb, vb, probs, ctx.scale)
             for x, dx in zip(units, d):
                 _write(plan, x, i, dx.view(-1, x.shape[1]))
@@ -388,7 +417,7 @@ def bucketed_varlen_attention(
     dropout: float = 0.0,
     is_causal: bool = True,
     window: int | None = None,
-    matmul_max_length: int = MATMUL_MAX_LENGTH,
+    matmul_max_length: int | None = None,
 ) -> torch.Tensor:
     """Attention within each segment of a packed row, one call per distinct segment length.
 
@@ -402,8 +431,9 @@ def bucketed_varlen_attention(
         is_causal: Causal attention within each segment.
         window: Sliding window (query ``i`` reads keys ``i - window < j <= i``), causal only; ``None``: off.
         matmul_max_length: Buckets of segments up to this length run batched matmuls
-            (:func:`matmul_attention_forward`) where that path applies (fp32 on CPU, no dropout);
-            longer ones, and all others, one sdpa call. 0: sdpa everywhere.
+            (:func:`matmul_attention_forward`, in fp32: half-precision buckets are upcast) where that
+            path applies (CPU, no dropout, no autocast); longer ones, and all others, one sdpa call.
+            0: sdpa everywhere. ``None``: the layout's crossover (:func:`matmul_crossover`).
 
     Returns:
         ``[1, N, H, D_v]``.
@@ -417,7 +447,11 @@ def bucketed_varlen_attention(
     if n == 0:
         return query.new_zeros(1, 0, heads, dim_v)
     scale = query.shape[3] ** -0.5 if scaling is None else scaling
-    matmul_max = matmul_max_length if use_matmul_attention(query.dtype, query.device, dropout) else 0
+    if matmul_max_length is None:
+        matmul_max = matmul_crossover(query, key, dropout)
+    else:
+        usable = use_matmul_attention(query.dtype, query.device, dropout, upcast=True)
+        matmul_max = matmul_max_length if usable else 0
     plan = plan_buckets(lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
     rows = (_rows(query), _rows(key), _rows(value))
     out, *parts = _Buckets.apply(*rows, plan, heads, scale, is_causal, window)
