@@ -229,6 +229,7 @@ class PPOLoss:
                  rollout_correction: RolloutCorrectionConfig | None = None) -> None:
         self.config = config
         self.rollout_correction = rollout_correction or RolloutCorrectionConfig()
+        self.corrects = self.rollout_correction.enabled  # a frozen config: read once, not per micro-batch
         self.policy_loss_fn = get_policy_loss_fn(config.policy_loss)
 
     def _rollout_terms(self, data: Any, old_log_prob: torch.Tensor,
@@ -237,7 +238,7 @@ class PPOLoss:
         weights = data.get("rollout_is_weights", None)
         correction = self.rollout_correction
         if ROLLOUT_LOG_PROBS not in data.keys():
-            if correction.enabled:
+            if self.corrects:
                 raise KeyError(
                     f"ppo_loss: rollout_correction.level={correction.level!r} needs {ROLLOUT_LOG_PROBS!r} "
                     "([b, t]) in the batch (every built-in rollout sets it); "
@@ -246,7 +247,7 @@ class PPOLoss:
             return weights, {}
         rollout_log_prob = _get(data, ROLLOUT_LOG_PROBS, "ppo_loss", mask.shape)
         metrics = rollout_mismatch_metrics(old_log_prob, rollout_log_prob, mask)
-        if not correction.enabled:
+        if not self.corrects:
             return weights, metrics
         if weights is not None:
             raise ValueError("ppo_loss: the batch carries 'rollout_is_weights' and rollout_correction is on; "

@@ -376,6 +376,7 @@ class RLModule(TrainingModule):
         metrics: list[dict[str, Any]] = []
         grad_norms: list[float] = []
         lr = 0.0
+        loss_scale: float | None = None
         skipped = overflows = 0
         hooks = self.trainer.step_hooks if self.trainer is not None else None
         with engine.train_mode():
@@ -385,6 +386,7 @@ class RLModule(TrainingModule):
                     metrics.extend(out["metrics"])
                     grad_norms.append(float(out["grad_norm"]))
                     lr = float(out["lr"])
+                    loss_scale = out.get("loss_scale")  # after this update (None without loss scaling)
                     skipped += int(out["step_skipped"])
                     overflows += int(out.get("loss_scale_overflow", False))
         num_updates = epochs * len(mini_batches)
@@ -393,8 +395,8 @@ class RLModule(TrainingModule):
             f"{name}/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             f"{name}/lr": lr,
         }
-        if engine.loss_scale is not None:
-            outputs.update({f"{name}/loss_scale": engine.loss_scale,
+        if loss_scale is not None:
+            outputs.update({f"{name}/loss_scale": loss_scale,
                             f"{name}/loss_scale_overflows": overflows, f"{name}/skipped_updates": skipped})
         return outputs
 

@@ -7,7 +7,7 @@ names are then ``None`` here, and asking the registry for them says which extra 
 
 from __future__ import annotations
 
-from verl_trainer.engine.base import BaseEngine, BaseEngineCtx, LossFunction
+from verl_trainer.engine.base import BaseEngine, LossFunction
 from verl_trainer.engine.batch_info import GlobalBatchInfo
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.fsdp import FSDPEngine
@@ -20,7 +20,6 @@ except ImportError:  # deepspeed not installed: `pip install 'verl-trainer[deeps
 
 __all__ = [
     "BaseEngine",
-    "BaseEngineCtx",
     "DeepSpeedEngine",
     "EngineConfig",
     "EngineRegistry",

@@ -1,4 +1,4 @@
-"""The engine interface: :class:`BaseEngine` and its mode context :class:`BaseEngineCtx`.
+"""The engine interface: :class:`BaseEngine` (with its mode contexts ``train_mode`` / ``eval_mode``).
 
 An engine owns one model (and, when trained, its optimizer and LR scheduler) sharded over the
 data-parallel ranks. Its public surface has five groups (DESIGN.md §4):
@@ -56,7 +56,6 @@ import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
@@ -81,62 +80,6 @@ if TYPE_CHECKING:
 
 LossFunction = Callable[..., "tuple[torch.Tensor, dict[str, Any]]"]
 """``loss_fn(model_output, micro_batch, info) -> (loss, metrics)`` (see ``engine/batch_info.py``)."""
-
-
-class BaseEngineCtx:
-    """Context manager for a train or eval phase of an engine.
-
-    On enter it loads offloaded parameters onto the device (only when ``param_offload``) and, in train
-    mode only, the optimizer state (only when ``optimizer_offload``); it sets ``module.train()`` /
-    ``module.eval()``. On exit, also when the block raised, it offloads them again. Eval never moves
-    the optimizer.
-
-    Args:
-        engine: The engine.
-        mode: ``"train"`` or ``"eval"``.
-
-    """
-
-    def __init__(self, engine: BaseEngine, mode: Literal["train", "eval"]) -> None:
-        if mode not in ("train", "eval"):
-            raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
-        self.engine = engine
-        self.mode = mode
-
-    @property
-    def _moves_params(self) -> bool:
-        return bool(self.engine.config.param_offload)
-
-    @property
-    def _moves_optimizer(self) -> bool:
-        return self.mode == "train" and bool(self.engine.config.optimizer_offload)
-
-    def __enter__(self) -> BaseEngine:
-        engine = self.engine
-        if self._moves_params:
-            engine.to(engine.device, model=True, optimizer=False, grad=True)
-        if self._moves_optimizer:
-            engine.to(engine.device, model=False, optimizer=True, grad=False)
-        engine.mode = self.mode
-        if engine.module is not None:
-            engine.module.train(self.mode == "train")
-        return engine
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool:
-        engine = self.engine
-        try:
-            if self._moves_params:
-                engine.to("cpu", model=True, optimizer=False, grad=True)
-            if self._moves_optimizer:
-                engine.to("cpu", model=False, optimizer=True, grad=False)
-        finally:
-            engine.mode = None
-        return False  # never swallow the block's exception
 
 
 class BaseEngine(ABC):
@@ -227,13 +170,43 @@ class BaseEngine(ABC):
     ) -> None:
         """Move parameters / optimizer state / gradients to ``device`` (offload or load)."""
 
-    def train_mode(self) -> BaseEngineCtx:
-        """Context for a training phase (see :class:`BaseEngineCtx`)."""
-        return BaseEngineCtx(self, "train")
+    @contextlib.contextmanager
+    def train_mode(self) -> Iterator[BaseEngine]:
+        """Context for a training phase: ``module.train()``, offloaded state loaded (see :meth:`_phase`)."""
+        yield from self._phase("train")
 
-    def eval_mode(self) -> BaseEngineCtx:
-        """Context for an inference phase; never moves the optimizer (see :class:`BaseEngineCtx`)."""
-        return BaseEngineCtx(self, "eval")
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[BaseEngine]:
+        """Context for an inference phase: ``module.eval()``, never the optimizer moved (:meth:`_phase`)."""
+        yield from self._phase("eval")
+
+    def _phase(self, mode: Literal["train", "eval"]) -> Iterator[BaseEngine]:
+        """The body of :meth:`train_mode` / :meth:`eval_mode` (a generator: one ``yield`` of the engine).
+
+        On entering it loads offloaded parameters onto the device (only with ``param_offload``) and, in
+        train mode only, the optimizer state (only with ``optimizer_offload``); it sets ``module.train()``
+        / ``module.eval()``. On leaving, also when the block raised, it offloads them again and clears
+        :attr:`mode`. Eval never moves the optimizer.
+        """
+        moves_params = bool(self.config.param_offload)
+        moves_optimizer = mode == "train" and bool(self.config.optimizer_offload)
+        if moves_params:
+            self.to(self.device, model=True, optimizer=False, grad=True)
+        if moves_optimizer:
+            self.to(self.device, model=False, optimizer=True, grad=False)
+        self.mode = mode
+        if self.module is not None:
+            self.module.train(mode == "train")
+        try:
+            yield self
+        finally:
+            try:
+                if moves_params:
+                    self.to("cpu", model=True, optimizer=False, grad=True)
+                if moves_optimizer:
+                    self.to("cpu", model=False, optimizer=True, grad=False)
+            finally:
+                self.mode = None
 
     # ------------------------------------------------------------------------------------- compute
     def forward_backward_batch(

@@ -1,7 +1,7 @@
 """Offload part: move parameters, gradients and optimizer state between the device and CPU.
 
-Used by ``BaseEngine.to`` implementations and therefore by the mode contexts (``BaseEngineCtx``) when
-``param_offload`` / ``optimizer_offload`` is on.
+Used by ``BaseEngine.to`` implementations and therefore by the mode contexts (``BaseEngine.train_mode``
+/ ``eval_mode``) when ``param_offload`` / ``optimizer_offload`` is on.
 """
 
 from __future__ import annotations

@@ -81,13 +81,17 @@ class Metric:
             is not ``MEAN``.
         TypeError: Neither a value nor an aggregation, or both forms mixed.
 
+    Attributes:
+        reduction: How the values combine (:attr:`aggregation` in verl's words).
+        values: The values, in the order they were added (a plain list, as verl's).
+
     """
 
-    __slots__ = ("_reduction", "_values", "_weights")
+    __slots__ = ("reduction", "values", "_weights")
 
     def __init__(self, first: Any = _UNSET, /, reduction: Any = _UNSET, weight: Any = None, *,
                  value: Any = _UNSET, aggregation: Any = None) -> None:
-        self._values: list[Any] = []
+        self.values: list[Any] = []
         self._weights: list[Any] = []
         if aggregation is not None or isinstance(first, (str, Enum)):
             self._init_verl(first, reduction, weight, value, aggregation)
@@ -100,7 +104,7 @@ class Metric:
                 "Metric needs a value (ours: Metric(value, reduction='mean')) or an aggregation "
                 "(verl's: Metric(aggregation='mean', value=None))."
             )
-        self._reduction = _reduction(Reduction.MEAN if reduction is _UNSET else reduction)
+        self.reduction = _reduction(Reduction.MEAN if reduction is _UNSET else reduction)
         self._add(value, weight)
 
     def _init_verl(self, first: Any, second: Any, weight: Any, value: Any, aggregation: Any) -> None:
@@ -114,7 +118,7 @@ class Metric:
         given = [v for v in (first, second, value) if v is not _UNSET]
         if len(given) > 1:
             raise TypeError(f"Metric(aggregation={aggregation!r}, ...) got {len(given)} values; pass one.")
-        self._reduction = _reduction(aggregation)
+        self.reduction = _reduction(aggregation)
         if given and given[0] is not None:
             initial = given[0]
             if isinstance(initial, (list, tuple, Metric)):
@@ -125,17 +129,17 @@ class Metric:
     def _add(self, value: Any, weight: Any) -> None:
         """Add one value of ours (checked against the reduction) with its weight."""
         value = _detached(value)
-        if self._reduction in (Reduction.SUM, Reduction.MEAN) and isinstance(value, torch.Tensor) \
+        if self.reduction in (Reduction.SUM, Reduction.MEAN) and isinstance(value, torch.Tensor) \
                 and value.numel() != 1:
             raise ValueError(
-                f"a {self._reduction.value.upper()} metric needs a scalar value, got shape "
+                f"a {self.reduction.value.upper()} metric needs a scalar value, got shape "
                 f"{tuple(value.shape)}; reduce it first (e.g. Metric.token_mean(values, mask))."
             )
-        if weight is not None and self._reduction is not Reduction.MEAN:
+        if weight is not None and self.reduction is not Reduction.MEAN:
             raise ValueError(
-                f"weight is only meaningful for MEAN metrics, not {self._reduction.value.upper()}"
+                f"weight is only meaningful for MEAN metrics, not {self.reduction.value.upper()}"
             )
-        self._values.append(value)
+        self.values.append(value)
         self._weights.append(_detached(weight))
 
     # ------------------------------------------------------------------ ours: one value per micro-batch
@@ -174,14 +178,9 @@ class Metric:
         return cls(total / count.clamp_min(1).to(total.dtype), Reduction.MEAN, count)
 
     @property
-    def reduction(self) -> Reduction:
-        """How the values combine (``aggregation`` in verl's words)."""
-        return self._reduction
-
-    @property
     def value(self) -> Any:
         """The one value of a single-valued metric (ours); see :attr:`values` for several."""
-        return self._only(self._values, "value")
+        return self._only(self.values, "value")
 
     @property
     def weight(self) -> Any:
@@ -191,13 +190,13 @@ class Metric:
     @property
     def weights(self) -> list[Any]:
         """One weight per value (``None`` = 1), aligned with :attr:`values`."""
-        missing = len(self._values) - len(self._weights)
-        return self._weights[: len(self._values)] + [None] * max(missing, 0)
+        missing = len(self.values) - len(self._weights)
+        return self._weights[: len(self.values)] + [None] * max(missing, 0)
 
     def _only(self, items: list[Any], what: str) -> Any:
         if len(items) != 1:
             raise ValueError(
-                f"this {self._reduction.value.upper()} metric holds {len(items)} values, so it has no single "
+                f"this {self.reduction.value.upper()} metric holds {len(items)} values, so it has no single "
                 f"{what}; read .values (and .weights) or reduce it with .aggregate()."
             )
         return items[0]
@@ -205,7 +204,7 @@ class Metric:
     def scale(self, factor: float) -> Metric:
         """A new metric of the same reduction and weights whose values are multiplied by ``factor``."""
         out = self.init_list()
-        for value, weight in zip(self._values, self.weights):
+        for value, weight in zip(self.values, self.weights):
             out._add(value * factor, weight)
         return out
 
@@ -214,12 +213,7 @@ class Metric:
     @property
     def aggregation(self) -> Reduction:
         """The name verl uses for :attr:`reduction`."""
-        return self._reduction
-
-    @property
-    def values(self) -> list[Any]:
-        """The values, in the order they were added (the list itself, as in verl)."""
-        return self._values
+        return self.reduction
 
     def append(self, value: Any) -> None:
         """Add one value, by verl's rules.
@@ -243,7 +237,7 @@ class Metric:
             value = value.detach().item()
         if isinstance(value, bool) or not isinstance(value, Real):
             raise ValueError(f"Metric.append takes a number or a scalar tensor, got {type(value).__name__}")
-        self._values.append(value)
+        self.values.append(value)
         self._weights.append(None)
 
     def extend(self, values: Metric | Iterable[Any]) -> None:
@@ -254,13 +248,13 @@ class Metric:
 
         """
         if isinstance(values, Metric):
-            if values.reduction is not self._reduction:
+            if values.reduction is not self.reduction:
                 raise ValueError(
-                    f"cannot extend a {self._reduction.value.upper()} metric with a "
+                    f"cannot extend a {self.reduction.value.upper()} metric with a "
                     f"{values.reduction.value.upper()} one; the aggregation must match."
                 )
             for value, weight in zip(values.values, values.weights):
-                self._values.append(value)
+                self.values.append(value)
                 self._weights.append(weight)
             return
         for value in values:
@@ -274,13 +268,13 @@ class Metric:
         NaN, ``SUM`` 0, ``MIN`` +inf, ``MAX`` -inf (verl raises for an empty MIN/MAX). The same numbers as
         :class:`~verl_trainer.metrics.MetricAccumulator` gives for this metric on one process.
         """
-        values = [torch.as_tensor(v, dtype=torch.float64).detach().cpu().reshape(-1) for v in self._values]
+        values = [torch.as_tensor(v, dtype=torch.float64).detach().cpu().reshape(-1) for v in self.values]
         flat = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
-        if self._reduction is Reduction.SUM:
+        if self.reduction is Reduction.SUM:
             return float(flat.sum())
-        if self._reduction is Reduction.MIN:
+        if self.reduction is Reduction.MIN:
             return float(flat.min()) if flat.numel() else math.inf
-        if self._reduction is Reduction.MAX:
+        if self.reduction is Reduction.MAX:
             return float(flat.max()) if flat.numel() else -math.inf
         weights = torch.tensor([1.0 if w is None else float(w) for w in self.weights], dtype=torch.float64)
         total = weights.sum()
@@ -325,10 +319,10 @@ class Metric:
 
     def init_list(self) -> Metric:
         """An empty Metric with this one's aggregation."""
-        return Metric(aggregation=self._reduction)
+        return Metric(aggregation=self.reduction)
 
     def __repr__(self) -> str:
-        return f"Metric(reduction={self._reduction.value!r}, values={self._values!r})"
+        return f"Metric(reduction={self.reduction.value!r}, values={self.values!r})"
 
 
 def token_stats(values: torch.Tensor, mask: torch.Tensor, prefix: str) -> dict[str, Metric]:

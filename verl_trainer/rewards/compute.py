@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_trainer.data import schema
-from verl_trainer.data.schema import non_tensor_list, non_tensor_lists
+from verl_trainer.data.schema import non_tensor_lists
 from verl_trainer.metrics import Metric, sample_stats
 from verl_trainer.rewards.failures import (
     RewardError,
@@ -360,9 +360,10 @@ def reward_metrics(
     return metrics
 
 
-def _response_texts(batch: TensorDict, tokenizer: Any) -> list[str]:
-    if "response_text" in batch.keys():
-        return non_tensor_list(batch, "response_text")
+def _response_texts(batch: TensorDict, data: dict[str, list[Any]], tokenizer: Any) -> list[str]:
+    """The batch's ``response_text`` (read into ``data``, taken out of it), else the decoded responses."""
+    if "response_text" in data:
+        return data.pop("response_text")
     if tokenizer is None:
         raise ValueError("the batch has no 'response_text'; pass the tokenizer to decode the responses")
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in _completion_ids(batch)]
@@ -404,8 +405,8 @@ def score_batch(batch: TensorDict, reward_fn: str | RewardFn | RewardFunctions, 
         ``(scores, metrics, info)``.
 
     """
-    texts = _response_texts(batch, tokenizer)
-    data = non_tensor_lists(batch)
+    data = non_tensor_lists(batch, (*schema.NON_TENSOR_KEYS, "response_text"))  # one read of them all
+    texts = _response_texts(batch, data, tokenizer)
     truths = data.get("ground_truth", [None] * len(texts))
     sources = data.get("data_source", ["unknown"] * len(texts))
     extras = data.get("extra_info")
