@@ -27,7 +27,7 @@ from verl_trainer.core_algos import (
     kl_penalty,
     register_policy_loss,
 )
-from verl_trainer.engine.batch_info import GlobalBatchInfo
+from verl_trainer.core_algos.aggregation import GlobalBatchInfo
 from verl_trainer.metrics import reduce_metrics
 
 # S = [3, 4, 0], n = [2, 1, 0]; the NaN sits in a masked-out position and must not leak.

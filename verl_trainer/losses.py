@@ -1,7 +1,7 @@
 """The loss functions a driver hands to the engine: :func:`ppo_loss`, :func:`value_loss`, :func:`sft_loss`.
 
 Each is a factory: built once from a typed, validated config, it returns a callable with the engine's
-contract (:mod:`verl_trainer.engine.batch_info`)::
+contract (:mod:`verl_trainer.core_algos.aggregation`)::
 
     loss_fn = ppo_loss(PPOLossConfig(clip_ratio=0.2, use_kl_loss=True))
     loss, metrics = loss_fn(model_output, micro_batch, global_batch_info)
@@ -10,7 +10,7 @@ contract (:mod:`verl_trainer.engine.batch_info`)::
   aligned with ``micro_batch["input_ids"]``.
 * ``micro_batch``: a ``TensorDict`` (or mapping) with ``loss_mask`` and the keys each loss names below,
   all ``[b, t]``. Padding samples have an all-zero ``loss_mask`` and contribute nothing.
-* ``global_batch_info``: the step's :class:`~verl_trainer.engine.batch_info.GlobalBatchInfo`; ``None``
+* ``global_batch_info``: the step's :class:`~verl_trainer.core_algos.aggregation.GlobalBatchInfo`; ``None``
   means one process and one micro-batch: :meth:`GlobalBatchInfo.from_batch` of the batch at hand, the
   engine's own definitions (a real sample with an all-zero loss mask counts in ``global_batch_size``).
 * ``loss``: this micro-batch's partial loss (global denominators, ``x dp_size``); back-propagate as is.
@@ -35,6 +35,7 @@ from verl_trainer.core_algos.aggregation import (
     AGG_MODES,
     SEQ_MEAN_TOKEN_SUM_NORM,
     TOKEN_MEAN,
+    GlobalBatchInfo,
     agg_loss,
     global_batch_kwargs,
 )
@@ -54,7 +55,6 @@ from verl_trainer.data.schema import (
     ROLLOUT_LOG_PROBS,
     VALUES,
 )
-from verl_trainer.engine.batch_info import GlobalBatchInfo
 from verl_trainer.metrics import Metric
 from verl_trainer.utils.registry import is_object_path
 

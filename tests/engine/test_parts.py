@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from verl_trainer.core_algos.aggregation import compute_global_batch_info
 from verl_trainer.data.packing import pack_batch
 from verl_trainer.engine import BaseEngine, EngineConfig, OptimConfig
-from verl_trainer.engine.batch_info import compute_global_batch_info
 from verl_trainer.engine.heads import next_token_log_probs_and_entropy, shift_to_targets
 from verl_trainer.engine.optim import WarmupSchedule, build_lr_scheduler
 from verl_trainer.engine.optimizers import build_optimizer

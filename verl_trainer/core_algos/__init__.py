@@ -5,7 +5,8 @@ code ports over and numbers compare one for one. Where verl depends on how the b
 denominators, a padded-width default), the signature is kept and the behaviour fixed; each such place
 says so in its docstring. The package's modules:
 
-* ``aggregation``: :func:`agg_loss` (global denominators, ``x dp_size``), masked reductions.
+* ``aggregation``: the step's global denominators (:class:`GlobalBatchInfo`, the engine-loss contract),
+  :func:`agg_loss` (global denominators, ``x dp_size``), masked reductions.
 * ``penalties``: :func:`kl_penalty` (k1/kl, abs, k2/mse, k3/low_var_kl, ``+`` straight-through),
   :func:`compute_value_loss`.
 * ``policy_losses``: :func:`register_policy_loss` / :func:`get_policy_loss_fn` with ``vanilla``
@@ -35,6 +36,7 @@ from verl_trainer.core_algos.advantages import (
 )
 from verl_trainer.core_algos.aggregation import (
     AGG_MODES,
+    GlobalBatchInfo,
     agg_loss,
     global_batch_kwargs,
     masked_mean,
@@ -69,6 +71,7 @@ __all__ = [
     "KL_PENALTY_TYPES",
     "POLICY_LOSS_REGISTRY",
     "AdvantageEstimator",
+    "GlobalBatchInfo",
     "PolicyLossFn",
     "RolloutCorrectionConfig",
     "agg_loss",

@@ -7,8 +7,8 @@ names are then ``None`` here, and asking the registry for them says which extra 
 
 from __future__ import annotations
 
+from verl_trainer.core_algos.aggregation import GlobalBatchInfo
 from verl_trainer.engine.base import BaseEngine, LossFunction
-from verl_trainer.engine.batch_info import GlobalBatchInfo
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.fsdp import FSDPEngine
 from verl_trainer.engine.registry import EngineRegistry, MissingBackendError

@@ -25,7 +25,7 @@ A backend is one class plus its registration; everything else is a part the engi
 
 This class holds the one micro-batch loop (:meth:`forward_backward_batch`) and the one optimizer step
 (:meth:`train_batch`). The engine owns no loss: the caller hands ``loss_function(model_output,
-micro_batch, info)`` in (contract: ``verl_trainer.engine.batch_info``).
+micro_batch, info)`` in (contract: ``verl_trainer.core_algos.aggregation``).
 
 Writing a backend (``fsdp.py`` and ``deepspeed.py`` follow this recipe;
 ``tests/engine/test_backend_recipe.py`` builds one from it)::
@@ -62,8 +62,8 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from verl_trainer.core_algos.aggregation import GlobalBatchInfo, compute_global_batch_info
 from verl_trainer.data.packing import PackedBatch, pack_batch
-from verl_trainer.engine.batch_info import GlobalBatchInfo, compute_global_batch_info
 from verl_trainer.engine.build import build_model
 from verl_trainer.engine.compute import SEQUENTIAL, MicroBatchStep, Schedule
 from verl_trainer.engine.config import EngineConfig, OptimConfig
@@ -79,7 +79,7 @@ if TYPE_CHECKING:
     from verl_trainer.engine.pipeline import PipelineParallel
 
 LossFunction = Callable[..., "tuple[torch.Tensor, dict[str, Any]]"]
-"""``loss_fn(model_output, micro_batch, info) -> (loss, metrics)`` (see ``engine/batch_info.py``)."""
+"""``loss_fn(model_output, micro_batch, info) -> (loss, metrics)`` (see ``core_algos/aggregation.py``)."""
 
 
 class BaseEngine(ABC):
@@ -268,7 +268,7 @@ class BaseEngine(ABC):
         return SEQUENTIAL if self.pipeline is None else self.pipeline
 
     def compute_global_batch_info(self, data: TensorDict) -> GlobalBatchInfo:
-        """Global denominators of ``data`` over the DP group (``batch_info.compute_global_batch_info``)."""
+        """Global denominators of ``data`` over the DP group (``aggregation.compute_global_batch_info``)."""
         topo = self.topology
         assert topo is not None
         return compute_global_batch_info(data, topo.dp_group, topo.dp_size, topo.dp_rank)

@@ -3,7 +3,7 @@
 ``BaseEngine.forward_backward_batch`` is the one micro-batch loop of every engine, in the order
 DESIGN.md §4 fixes:
 
-1. ``engine/batch_info.py: compute_global_batch_info``: ``batch_num_tokens`` (the loss-mask sum) and
+1. ``core_algos/aggregation.py: compute_global_batch_info``: ``batch_num_tokens`` (the loss-mask sum) and
    ``global_batch_size`` (real samples) all-reduced over the DP group, before splitting;
 2. ``prepare_micro_batches`` (fixed size, or dynamic by token budget; same count on every DP rank);
 3. the engine's schedule runs the micro-batches; every schedule calls :meth:`MicroBatchStep.loss` for
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from tensordict import TensorDict
 
+from verl_trainer.core_algos.aggregation import GlobalBatchInfo
 from verl_trainer.data import schema
-from verl_trainer.engine.batch_info import GlobalBatchInfo
 from verl_trainer.engine.hooks import StepHooks
 from verl_trainer.micro_batch import restore_dynamic_batch
 

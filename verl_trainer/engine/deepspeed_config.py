@@ -8,7 +8,7 @@ merges ``EngineConfig.deepspeed_config`` over it and rejects what would break th
   change from step to step with dynamic batching) and marks the last one with
   ``set_gradient_accumulation_boundary``; with more than one accumulation step DeepSpeed would divide
   every micro-batch loss by that count, while a loss here is already a partial sum over global
-  denominators (``engine/batch_info.py``).
+  denominators (``core_algos/aggregation.py``).
 * The optimizer and LR schedule come from ``OptimConfig`` (torch ``AdamW`` + ``LambdaLR``), so the raw
   config may not add ``optimizer`` / ``scheduler`` sections.
 * ``gradient_clipping`` comes from ``OptimConfig.clip_grad``; ZeRO computes the global grad norm, clips
