@@ -14,7 +14,10 @@ differences, each on purpose:
 
 Lengths (or workloads) are non-negative numbers ``[n]``; partitions are lists of sample indices.
 :func:`balance_batch` applies them to a step: this rank's samples re-partitioned over the DP group
-(the ``SequenceBalancing`` callback's work; verl's trainer ``_balance_batch``).
+(the ``SequenceBalancing`` callback's work; verl's trainer ``_balance_batch``), moved by
+:func:`exchange_samples`, a variable-size all-to-all of the samples' real tokens only: sample ``i`` goes to
+rank ``dest[i]`` and a rank receives in (source rank, source index) order, so a partition given as sorted
+global indices (rank-major) arrives in that order, padded to the receiver's own widest sample.
 """
 
 from __future__ import annotations
@@ -32,12 +35,12 @@ from tensordict import TensorDict
 
 from verl_trainer._kk import kk_partition, stable_argsort
 from verl_trainer.data import schema
-from verl_trainer.data.exchange import exchange_samples
 from verl_trainer.utils.distributed import all_reduce
 
 __all__ = [
     "balance_batch",
     "calculate_workload",
+    "exchange_samples",
     "get_seqlen_balanced_partitions",
     "greedy_partition",
     "karmarkar_karp",
@@ -289,6 +292,77 @@ def upsample_batch_to_multiple(batch: TensorDict, multiple: int) -> TensorDict:
     if pad == 0:
         return batch
     return schema.append_padding(batch, pad)
+
+
+def _is_token_key(batch: TensorDict, key: str) -> bool:
+    """True for ``[B, T, ...]`` fields aligned with ``input_ids`` (``T``: its padded width)."""
+    value = batch[key]
+    width = batch[schema.INPUT_IDS].shape[1] if schema.INPUT_IDS in batch.keys() else None
+    return key in schema.TOKEN_KEYS or (width is not None and value.ndim >= 2 and value.shape[1] == width)
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Variable-size all_to_all along dim 0 of ``x`` (rows sent per rank ``send``, received ``recv``)."""
+    row = x.shape[1:]
+    wire = x.to(torch.uint8) if x.dtype == torch.bool else x  # gloo has no bool all_to_all
+    flat = wire.reshape(x.shape[0], row.numel())
+    out = torch.empty((sum(recv), flat.shape[1]), dtype=flat.dtype, device=flat.device)
+    dist.all_to_all_single(out, flat.contiguous(), recv, send, group=group)
+    return out.reshape(sum(recv), *row).to(x.dtype)
+
+
+def exchange_samples(
+    batch: TensorDict, dest: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> TensorDict:
+    """Send each sample to its destination rank; return the samples this rank receives.
+
+    Args:
+        batch: Padded batch, ``batch_size=[B]``; tensor entries only.
+        dest: ``[B]`` destination rank (in ``group``) of each sample.
+        group: Process group (default: the world).
+
+    Returns:
+        The received batch, ``batch_size=[B']``, ordered by (source rank, source index); token fields
+        padded with 0 to the longest received sample.
+    """
+    world = dist.get_world_size(group)
+    dest = dest.long()
+    if dest.numel() and (dest.min() < 0 or dest.max() >= world):
+        raise ValueError(f"destination ranks must be in [0, {world}), got {dest.tolist()}")
+    order = torch.argsort(dest, stable=True)
+    send_counts = torch.bincount(dest, minlength=world)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send, recv = send_counts.tolist(), recv_counts.tolist()
+
+    lengths = schema.sequence_lengths(batch)[order]
+    recv_lengths = _all_to_all(lengths, send, recv, group)
+    send_tok = torch.zeros(world, dtype=torch.long).index_add_(0, dest[order], lengths).tolist()
+    recv_tok = torch.empty(world, dtype=torch.long)
+    dist.all_to_all_single(recv_tok, torch.tensor(send_tok, dtype=torch.long), group=group)
+    recv_tok = recv_tok.tolist()
+
+    n_out = sum(recv)
+    width = int(recv_lengths.max()) if n_out else 0
+    valid_out = torch.arange(width) < recv_lengths[:, None]  # [B', T']
+    out: dict[str, torch.Tensor] = {}
+    for key in sorted(batch.keys()):
+        value = batch[key]
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"exchange_samples moves tensors only; entry {key!r} is {type(value).__name__}. "
+                "Drop non-tensor entries before balancing or encode them as tensors."
+            )
+        value = value[order]
+        if _is_token_key(batch, key):
+            valid_in = torch.arange(value.shape[1]) < lengths[:, None]
+            tokens = _all_to_all(value[valid_in], send_tok, recv_tok, group)  # [sum L, ...]
+            padded = torch.zeros((n_out, width, *value.shape[2:]), dtype=value.dtype)
+            padded[valid_out] = tokens
+            out[key] = padded
+        else:
+            out[key] = _all_to_all(value, send, recv, group)
+    return TensorDict(out, batch_size=[n_out])
 
 
 def _all_gather_lengths(lengths: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
