@@ -76,7 +76,7 @@ class GRPO(RLModule):
         if not self.config.dynamic_sampling:
             return batch, True
         kept, any_left, dapo_metrics = dynamic_sampling_filter(
-            batch, scores, self.trainer.dp_group, self.trainer.dp_size
+            batch, scores, self._dp_group, self._dp_size
         )
         metrics.update(dapo_metrics)
         return kept, any_left

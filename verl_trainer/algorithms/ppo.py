@@ -107,7 +107,7 @@ class PPO(RLModule):
             values = critic.infer_batch(schema.tensor_only(batch))["model_output"]["values"]
         values = values * mask.to(values.dtype)
         advantages, returns = estimator_advantages(
-            self.estimator, batch[schema.TOKEN_LEVEL_REWARDS], mask, self.trainer.dp_group, values=values,
+            self.estimator, batch[schema.TOKEN_LEVEL_REWARDS], mask, self._dp_group, values=values,
             index=batch[schema.UID], gamma=self.config.gamma, lam=self.config.lam, config=self.config)
         batch[schema.VALUES] = values
         batch[schema.ADVANTAGES] = advantages

@@ -294,6 +294,11 @@ class RLModule(TrainingModule):
         """The run's DP group (``None``: one process, or before the engines exist)."""
         return self.topology.dp_group if self.topology is not None else None
 
+    @property
+    def _dp_size(self) -> int:
+        """The run's DP size (1 before the engines exist)."""
+        return self.topology.dp_size if self.topology is not None else 1
+
     def _check_rewards(self, batch: TensorDict, scores: torch.Tensor, info: dict[str, torch.Tensor],
                        metrics: dict[str, Any], what: str = "rewards") -> None:
         """Failed reward calls (``reward.on_error``), then non-finite rewards (``non_finite.policy``).
@@ -409,8 +414,8 @@ class RLModule(TrainingModule):
     @property
     def required_batch_multiple(self) -> int:
         """``lcm(dp, actor mini-batch × n)`` samples (the critic shares the actor's mini-batches)."""
-        dp = self.topology.dp_size if self.topology is not None else 1
-        return required_batch_multiple(dp, self.config.actor.ppo_mini_batch_size, None, self.config.rollout.n)
+        return required_batch_multiple(self._dp_size, self.config.actor.ppo_mini_batch_size, None,
+                                       self.config.rollout.n)
 
     def single_actor_update(self, num_mini_batches: int) -> bool:
         """Whether this step's actor update may reuse its own log-probs as the old ones.
