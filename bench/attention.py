@@ -5,6 +5,7 @@ Usage::
     python bench/attention.py [--heads 4] [--kv-heads 2] [--head-dim 64] [--reps 21]
                               [--contiguous] [--matmul-max-length 64 0 ...]
     python bench/attention.py --grid [--reps 5]
+    python bench/attention.py --heads 4 --kv-heads 4 --head-dim 128 --workloads "1024 x 8-16" [--profile]
 
 The baseline is ``reference_varlen_attention``: inputs split with ``torch.split`` into per-segment views,
 one ``scaled_dot_product_attention`` per segment, one ``torch.cat`` — no copies beyond that, so only the
@@ -34,6 +35,11 @@ timing the loop, the old constant rule (matmul up to ``MATMUL_MAX_LENGTH``) and 
 the autotune took) in paired rounds. Where both rules pick the same crossover they are one path, timed
 once (``=`` in the new column). Under the old rule bf16 never takes the matmul path (sdpa buckets); the new
 rule may (the bucket upcast to fp32 for the matmuls) where its probe measured it faster.
+
+``--workloads`` times only the named workloads (more rounds where they matter, on a shared machine);
+``--profile`` adds, per workload, a ``torch.profiler`` table of the new path's operators (self CPU time
+over 5 fwd+bwd, after the timed rounds; the first ``--matmul-max-length``): where the time goes (gathers,
+scatters, matmuls, sdpa, autograd). Neither changes how the speed-up is measured.
 """
 
 from __future__ import annotations
@@ -145,6 +151,15 @@ GRID_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GRID_WORKLOADS = ("1024 x 8-16", "64 long-tailed", "256 lt median 32")
 
 
+def profile_table(fn: Attention, inputs: Inputs, lens: list[int], rows: int = 15) -> str:
+    """``torch.profiler`` table of ``fn``'s operators over 5 forward + backward passes (self CPU time)."""
+    fwd_bwd(fn, inputs, lens)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            fwd_bwd(fn, inputs, lens)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
 def grid(reps: int) -> None:
     """Every layout x head dim x dtype x workload: loop vs the old constant rule vs the per-shape rule."""
     lengths = workloads()
@@ -191,6 +206,10 @@ def main() -> None:
                         help="contiguous [1, H, N, D] q/k/v (the loop's best case) instead of HF's layout")
     parser.add_argument("--matmul-max-length", type=int, nargs="+", default=[MATMUL_MAX_LENGTH],
                         help="buckets up to this length run batched matmuls (0: sdpa); several: a side each")
+    parser.add_argument("--workloads", nargs="+", default=None, choices=list(workloads()),
+                        help="time only these workloads (default: all)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print a torch.profiler table of the new path per workload")
     parser.add_argument("--grid", action="store_true",
                         help="every layout (MHA/GQA/MQA x D 32/64/128 x fp32/bf16): old vs per-shape rule")
     args = parser.parse_args()
@@ -207,6 +226,8 @@ def main() -> None:
           f"(kv {args.kv_heads}) x {args.head_dim}, "
           f"{'contiguous' if args.contiguous else 'HF (transposed)'} q/k/v, {reps} rounds")
     for name, lens in workloads().items():
+        if args.workloads is not None and name not in args.workloads:
+            continue
         inputs = make_inputs(lens, args.heads, args.kv_heads, args.head_dim, not args.contiguous)
         diff = max(check_equal(fn, reference_varlen_attention, inputs, lens) for fn in sides.values())
         loop_s, result = paired(sides, inputs, lens, reps)
@@ -214,6 +235,8 @@ def main() -> None:
                  for side, (median_s, ratio) in result.items()]
         print(f"{name:>16}: {sum(lens):6d} tokens, longest {max(lens):4d} | loop {loop_s * 1e3:7.1f} ms | "
               f"{' | '.join(cells)} | max diff {diff:.1e}", flush=True)
+        if args.profile:
+            print(profile_table(next(iter(sides.values())), inputs, lens), flush=True)
 
 
 if __name__ == "__main__":
