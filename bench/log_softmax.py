@@ -12,8 +12,9 @@ elements: ``chunk = max(1, budget // V)`` tokens) and as one chunk of all ``n`` 
 the shipped rule (``CHUNK_ELEMENTS`` = 4 Mi elements, 16 MiB). The sides alternate within each of
 ``--reps`` paired rounds (after one warm-up); a side's speed-up is the median over rounds of baseline
 time / side time in that round (a round's timings share the machine's load). The float32 values and
-gradients of every side are checked against one unchunked float32 ``log_softmax`` first (1e-5; the
-unit tests hold the gradients to 1e-6 at small vocabularies, ``tests/data/test_log_probs.py``).
+gradients of every side are checked against one unchunked float32 ``log_softmax`` first (1e-5 absolute
+plus 1e-4 relative: summing 128k float32 terms in another order moves a log-prob of -5 by up to 7e-5; the
+unit tests hold values to 1e-5 and gradients to 1e-6 at small vocabularies, ``tests/data/test_log_probs.py``).
 
 A cell is ``=`` where the budget gives the same chunk as the baseline or a budget left of it (the same
 code; not timed again). The ``chunk MiB`` figure is the size of one float32 ``[chunk, V]`` copy (the
@@ -69,10 +70,10 @@ def check_equal(chunk_elements: int, inputs: Inputs) -> None:
     log_p = torch.log_softmax(ref, -1)
     want_lp, want_ent = log_p.gather(-1, targets[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
     (want_lp @ w_lp + want_ent @ w_ent).backward()
-    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=1e-4)
     if logits.dtype == torch.float32:
-        torch.testing.assert_close(got, ref.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, ref.grad, atol=1e-5, rtol=1e-4)
     logits.grad = None
 
 
