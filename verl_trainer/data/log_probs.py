@@ -19,10 +19,10 @@ import torch
 
 CHUNK_ELEMENTS = 1 << 24
 """float32 elements of one chunk (16 Mi, 64 MiB): ``chunk = max(1, CHUNK_ELEMENTS // V)`` tokens (110 at
-``V`` = 151,936). Measured (``bench/log_softmax.py``, CPU, fwd+bwd, ``docs/architecture.md``): against the
-previous 4 Mi, 16 Mi was 1.1-2.3x faster in 11 of 12 cells of ``V`` 32k-152k x 256/1,024 tokens x
-fp32/bf16, 1 Mi 0.3-0.7x slower in all; 64 Mi or one chunk gained no more except at 152k, where they
-would hold ``[n, V]`` float32 copies (the memory this chunking exists to save)."""
+``V`` = 151,936). Measured (``bench/log_softmax.py``, CPU, fwd+bwd, table in ``docs/architecture.md``):
+against the previous 4 Mi, 16 Mi was 1.12-2.31x faster in 13 of 16 cells of ``V`` 32k-152k x 256 / 1,024
+tokens x fp32 / bf16 (median 1.25x), 1 Mi 0.29-0.71x; larger chunks gained unevenly and approach a float32
+copy of all the logits, the memory this chunking exists to save."""
 
 
 def _chunk_rows(vocab: int, chunk_elements: int) -> int:
