@@ -9,9 +9,11 @@ For every vocabulary ``V`` x token count ``n`` x logits dtype it times one forwa
 ``chunked_log_probs_and_entropy(logits [n, V], targets, calculate_entropy=True)`` (the loss
 ``log_probs @ w1 + entropy @ w2``) at several float32 element budgets per chunk (``--budgets``, in Mi
 elements: ``chunk = max(1, budget // V)`` tokens) and as one chunk of all ``n`` tokens. The baseline is
-the shipped rule (``CHUNK_ELEMENTS`` = 4 Mi elements, 16 MiB). The sides alternate within each of
-``--reps`` paired rounds (after one warm-up); a side's speed-up is the median over rounds of baseline
-time / side time in that round (a round's timings share the machine's load). The float32 values and
+the shipped rule (``CHUNK_ELEMENTS``). The sides alternate within each of ``--reps`` paired rounds (after
+one warm-up), each round starting at the next side (the first call of a round measured up to 2.5x slower
+here, whichever side it was: a fixed order biased a first version of this bench); a side's speed-up is the
+median over rounds of baseline time / side time in that round (a round's timings share the machine's
+load). The float32 values and
 gradients of every side are checked against one unchunked float32 ``log_softmax`` first (1e-5 absolute
 plus 1e-4 relative: summing 128k float32 terms in another order moves a log-prob of -5 by up to 7e-5; the
 unit tests hold values to 1e-5 and gradients to 1e-6 at small vocabularies, ``tests/data/test_log_probs.py``).
@@ -82,10 +84,10 @@ def paired(sides: dict[str, int], inputs: Inputs, reps: int) -> tuple[float, dic
     for elements in sides.values():
         fwd_bwd(elements, inputs)
     fwd_bwd(CHUNK_ELEMENTS, inputs)
-    times: dict[str, list[float]] = {side: [] for side in ("base", *sides)}
-    for _ in range(reps):
-        times["base"].append(fwd_bwd(CHUNK_ELEMENTS, inputs))
-        for side, elements in sides.items():
+    order = [("base", CHUNK_ELEMENTS), *sides.items()]
+    times: dict[str, list[float]] = {side: [] for side, _ in order}
+    for rep in range(reps):  # each round starts at another side: the first call of a round runs slower
+        for side, elements in order[rep % len(order):] + order[:rep % len(order)]:
             times[side].append(fwd_bwd(elements, inputs))
     result = {side: (statistics.median(times[side]),
                      statistics.median(b / s for b, s in zip(times["base"], times[side]))) for side in sides}
@@ -112,7 +114,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     parser.add_argument("--budgets", type=float, nargs="+", default=[1, 4, 16, 64],
-                        help="float32 Mi elements per chunk (4 = the shipped CHUNK_ELEMENTS)")
+                        help="float32 Mi elements per chunk (fractions allowed: 0.25 = 256 Ki)")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     budgets = [int(b * MI) for b in args.budgets if int(b * MI) != CHUNK_ELEMENTS]

@@ -17,12 +17,11 @@ from typing import Any
 
 import torch
 
-CHUNK_ELEMENTS = 1 << 24
-"""float32 elements of one chunk (16 Mi, 64 MiB): ``chunk = max(1, CHUNK_ELEMENTS // V)`` tokens (110 at
-``V`` = 151,936). Measured (``bench/log_softmax.py``, CPU, fwd+bwd, table in ``docs/architecture.md``):
-against the previous 4 Mi, 16 Mi was 1.12-2.31x faster in 13 of 16 cells of ``V`` 32k-152k x 256 / 1,024
-tokens x fp32 / bf16 (median 1.25x), 1 Mi 0.29-0.71x; larger chunks gained unevenly and approach a float32
-copy of all the logits, the memory this chunking exists to save."""
+CHUNK_ELEMENTS = 1 << 20
+"""float32 elements of one chunk (1 Mi, 4 MiB): ``chunk = max(1, CHUNK_ELEMENTS // V)`` tokens (6 at
+``V`` = 151,936). Measured on CPU (``bench/log_softmax.py``, fwd+bwd, table in ``docs/architecture.md``):
+1.2-1.7x faster than the previous 4 Mi at ``V`` 32k-152k x 1,024 tokens x fp32 / bf16 (a chunk's float32
+copies stay in cache); 16 Mi or one chunk 0.3-0.4x; 0.25-0.5 Mi no faster than 1 Mi."""
 
 
 def _chunk_rows(vocab: int, chunk_elements: int) -> int:
