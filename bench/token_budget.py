@@ -14,7 +14,7 @@ long-tailed samples (lognormal, median 256, in [20, 2048]: ``bench/_common.py``)
 * ``wide``: the same architecture at hidden 512, 8 layers, 8 / 4 heads.
 
 Every budget is an engine of its own over the same weights; the engines alternate within each of
-``--reps`` paired rounds (after one warm-up step, which also checks that every budget gives the same
+``--reps`` paired rounds, each round starting at the next budget (after one warm-up step, which also checks that every budget gives the same
 loss), and a budget's speed-up is the median over rounds of the baseline's step time / its step time in
 that round; the baseline is 4,096 tokens (what ``bench/step_throughput.py`` runs). The budget must hold
 the longest sample (2,048 tokens).
@@ -61,8 +61,9 @@ def measure(name: str, budgets: list[int], samples: int, reps: int) -> None:
         first = {b: side.step(batch) for b, side in sides.items()}
         spread = max(first.values()) - min(first.values())
         times: dict[int, list[float]] = {b: [] for b in sides}
-        for _ in range(reps):
-            for b, side in sides.items():
+        order = list(sides.items())
+        for rep in range(reps):  # each round starts at another budget (the first call of a round is slower)
+            for b, side in order[rep % len(order):] + order[:rep % len(order)]:
                 t0 = time.perf_counter()
                 side.step(batch)
                 times[b].append(time.perf_counter() - t0)
