@@ -14,10 +14,10 @@ long-tailed samples (lognormal, median 256, in [20, 2048]: ``bench/_common.py``)
 * ``wide``: the same architecture at hidden 512, 8 layers, 8 / 4 heads.
 
 Every budget is an engine of its own over the same weights; the engines alternate within each of
-``--reps`` paired rounds, each round starting at the next budget (after one warm-up step, which also checks that every budget gives the same
-loss), and a budget's speed-up is the median over rounds of the baseline's step time / its step time in
-that round; the baseline is 4,096 tokens (what ``bench/step_throughput.py`` runs). The budget must hold
-the longest sample (2,048 tokens).
+``--reps`` paired rounds, each round starting at the next budget (after one warm-up step, which also
+checks that every budget gives the same loss), and a budget's speed-up is the median over rounds of the
+baseline's step time / its step time in that round; the baseline is 4,096 tokens (what
+``bench/step_throughput.py`` runs). The budget must hold the longest sample (2,048 tokens).
 """
 
 from __future__ import annotations
