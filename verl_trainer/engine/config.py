@@ -270,7 +270,7 @@ class EngineConfig(_Validated):
                 f"use_dynamic_bsz=True needs max_token_len_per_gpu > 0 (an integer number of tokens), got "
                 f"{budget!r}; set EngineConfig.max_token_len_per_gpu to the most tokens one micro-batch may "
                 f"hold on this device, at least the longest sample (e.g. 4096). There is no default or "
-                f"'auto': it is a memory bound, and on CPU a larger budget was never slower "
+                f"'auto': it is a memory bound, and no budget measured clearly faster on CPU "
                 f"(bench/token_budget.py, docs/architecture.md)",
             )
         _check(
