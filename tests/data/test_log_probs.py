@@ -48,3 +48,25 @@ def test_errors():
         chunked_log_probs_and_entropy(torch.zeros(3, 5), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature"):
         chunked_log_probs_and_entropy(torch.zeros(3, 5), torch.zeros(3, dtype=torch.long), temperature=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 63, 64])  # tokens per chunk; 64: one chunk of all
+def test_every_chunk_size_equals_one_unchunked_float32_reference(rows, dtype):
+    """The chunk sizes ``bench/log_softmax.py`` compares compute the same values and gradients."""
+    n, vocab = 64, 1000
+    g = torch.Generator().manual_seed(2)
+    logits = (3 * torch.randn(n, vocab, generator=g)).to(dtype).requires_grad_(True)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    w_lp, w_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    lp, ent = chunked_log_probs_and_entropy(logits, targets, 0.7, True, rows * vocab)
+    (lp @ w_lp + ent @ w_ent).backward()
+    ref = logits.detach().float().requires_grad_(True)
+    want_lp, want_ent = _plain(ref, targets, 0.7)
+    (want_lp @ w_lp + want_ent @ w_ent).backward()
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(logits.grad, ref.grad, atol=1e-6, rtol=1e-5)
+    else:  # computed in float32 and rounded once to bfloat16: within one bf16 step of the reference
+        torch.testing.assert_close(logits.grad.float(), ref.grad, atol=1e-6, rtol=2**-8)

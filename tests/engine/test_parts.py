@@ -38,7 +38,9 @@ def test_optim_config_validation(kwargs, match):
     ("kwargs", "match"),
     [
         ({"micro_batch_size_per_gpu": 0}, "micro_batch_size_per_gpu must be >= 1, got 0"),
-        ({"use_dynamic_bsz": True}, "needs max_token_len_per_gpu"),
+        ({"use_dynamic_bsz": True}, "needs max_token_len_per_gpu > 0 .*, got None; set EngineConfig"),
+        ({"use_dynamic_bsz": True, "max_token_len_per_gpu": "auto"}, "got 'auto'; .*no default or 'auto'"),
+        ({"use_dynamic_bsz": True, "max_token_len_per_gpu": 0}, "needs max_token_len_per_gpu > 0 .*, got 0"),
         ({"param_dtype": "fp8"}, r"EngineConfig.param_dtype: unknown dtype 'fp8'"),
         ({"zero_stage": 4}, "zero_stage must be 1, 2 or 3"),
         ({"ulysses_sequence_parallel_size": 0}, "ulysses_sequence_parallel_size must be >= 1"),

@@ -8,6 +8,7 @@ apply the preset arguments of aliases such as ``deepspeed_stage_3``); an unknown
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -188,7 +189,8 @@ class EngineConfig(_Validated):
         model_path: Directory of a HF model (``from_pretrained``).
         micro_batch_size_per_gpu: Samples per micro-batch in fixed mode.
         use_dynamic_bsz: Plan micro-batches by a token budget instead of a fixed sample count.
-        max_token_len_per_gpu: Token budget per micro-batch in dynamic mode (× sp size).
+        max_token_len_per_gpu: Token budget per micro-batch in dynamic mode (× sp size); required with
+            ``use_dynamic_bsz``: a memory bound, no default (``docs/architecture.md``).
         ulysses_sequence_parallel_size: SP degree; the device mesh is ``(dp, sp)`` with
             ``dp = world_size // sp``; DP collectives and denominators use the dp group only.
         tensor_model_parallel_size: TP degree (verl / Megatron's name; fsdp2 only): the mesh is
@@ -262,10 +264,14 @@ class EngineConfig(_Validated):
             f"EngineConfig.micro_batch_size_per_gpu must be >= 1, got {self.micro_batch_size_per_gpu}",
         )
         if self.use_dynamic_bsz:
+            budget = self.max_token_len_per_gpu
             _check(
-                self.max_token_len_per_gpu is not None and self.max_token_len_per_gpu > 0,
-                f"use_dynamic_bsz=True needs max_token_len_per_gpu > 0, got "
-                f"{self.max_token_len_per_gpu}; set EngineConfig.max_token_len_per_gpu",
+                isinstance(budget, numbers.Integral) and not isinstance(budget, bool) and budget > 0,
+                f"use_dynamic_bsz=True needs max_token_len_per_gpu > 0 (an integer number of tokens), got "
+                f"{budget!r}; set EngineConfig.max_token_len_per_gpu to the most tokens one micro-batch may "
+                f"hold on this device, at least the longest sample (e.g. 4096). There is no default or "
+                f"'auto': it is a memory bound, and no budget measured clearly faster on CPU "
+                f"(bench/token_budget.py, docs/architecture.md)",
             )
         _check(
             self.ulysses_sequence_parallel_size >= 1,
