@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from verl_trainer.balancing import calculate_workload
+from verl_trainer.core_algos.balancing import calculate_workload
 from verl_trainer.micro_batch import (
     get_reverse_idx,
     micro_batch_lower_bound,
