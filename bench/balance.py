@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _verl_baseline import baseline_get_seqlen_balanced_partitions as baseline_partitions  # noqa: E402
 
-from verl_trainer.balancing import calculate_workload, get_seqlen_balanced_partitions  # noqa: E402
+from verl_trainer.core_algos.balancing import calculate_workload, get_seqlen_balanced_partitions  # noqa: E402
 
 CASES = [(1024, 8, True), (8192, 64, True), (8192, 64, False)]
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _verl_baseline import baseline_dynamic_micro_batches  # noqa: E402
 
-from verl_trainer.micro_batch import (  # noqa: E402
+from verl_trainer.engine.micro_batch import (  # noqa: E402
     micro_batch_lower_bound,
     plan_micro_batches,
     prepare_micro_batches,

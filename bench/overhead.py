@@ -43,7 +43,7 @@ from verl_trainer.callbacks import Callback  # noqa: E402
 from verl_trainer.data.packing import next_token_log_probs_and_entropy, pack_batch  # noqa: E402
 from verl_trainer.data.sft import SFTDataset, collate_sft  # noqa: E402
 from verl_trainer.engine import EngineConfig, OptimConfig  # noqa: E402
-from verl_trainer.micro_batch import prepare_micro_batches  # noqa: E402
+from verl_trainer.engine.micro_batch import prepare_micro_batches  # noqa: E402
 from verl_trainer.models.attention import VARLEN_ATTENTION, packed_forward  # noqa: E402
 from verl_trainer.models.loading import load_causal_lm  # noqa: E402
 

@@ -51,8 +51,8 @@ from _common import (  # noqa: E402
     write_model,
 )
 
+from verl_trainer.core_algos.losses import sft_loss  # noqa: E402
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig  # noqa: E402
-from verl_trainer.losses import sft_loss  # noqa: E402
 
 
 def step_flops(config: LlamaConfig, lens: list[int]) -> float:

@@ -123,8 +123,8 @@ def prepare(workdir: Path, hidden: int, layers: int) -> None:
 def our_config(args: argparse.Namespace, model: str) -> Any:
     """Our GRPOConfig for the benchmark's settings (one mini-batch, one micro-batch per step)."""
     from verl_trainer.algorithms.config import ActorConfig, GRPOConfig, RewardConfig
+    from verl_trainer.core_algos.losses import PPOLossConfig
     from verl_trainer.engine.config import EngineConfig, OptimConfig
-    from verl_trainer.losses import PPOLossConfig
     from verl_trainer.rollout.config import RolloutConfig
 
     return GRPOConfig(

@@ -12,7 +12,8 @@ already computed). The callback
 4. moves samples (a variable-size all-to-all of their real tokens) so that DP rank r holds part r, in
    global (rank-major) order; the synthetic samples are created on the rank they are assigned to.
 
-It logs :func:`~verl_trainer.balancing.log_seqlen_unbalance` metrics. Without the callback no data moves.
+It logs :func:`~verl_trainer.core_algos.balancing.log_seqlen_unbalance` metrics. Without the callback no data
+moves.
 GRPO groups may be split across ranks here: advantages are computed before ``on_before_update``.
 """
 
@@ -22,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from tensordict import TensorDict
 
-from verl_trainer.balancing import balance_batch
 from verl_trainer.callbacks.base import Callback
+from verl_trainer.core_algos.balancing import balance_batch
 from verl_trainer.metrics import Metric
 from verl_trainer.utils.distributed import is_initialized
 

@@ -353,7 +353,7 @@ def report(trainer: Any, before: dict[str, float] | None, after: dict[str, float
     if csv_path is not None and csv_path.exists():
         lines.append(f"CSV log:   {csv_path}")
         if plot:
-            from verl_trainer.plotting import plot_training_curves
+            from verl_trainer.training.plotting import plot_training_curves
 
             lines.append(f"plot:      {plot_training_curves(csv_path)}")
     if exported:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP_FLOOR = ("verl_trainer/trainer.py", "verl_trainer/training/", "verl_trainer/module.py",
-             "verl_trainer/strategy.py", "verl_trainer/algorithms/", "callbacks/", "recipes/")
+             "verl_trainer/algorithms/", "callbacks/", "recipes/")
 
 
 def _project_file(filename: str) -> str | None:

@@ -9,10 +9,10 @@ import torch
 
 from verl_trainer.algorithms import GRPO, GRPOConfig
 from verl_trainer.core_algos.advantages import ADV_ESTIMATOR_REGISTRY, estimator_inputs
+from verl_trainer.core_algos.losses import PPOLossConfig
 from verl_trainer.core_algos.policy_losses import POLICY_LOSS_REGISTRY
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
-from verl_trainer.losses import PPOLossConfig
 from verl_trainer.metrics import Metric
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"

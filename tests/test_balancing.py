@@ -9,8 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from verl_trainer._kk import stable_argsort
-from verl_trainer.balancing import (
+from verl_trainer.core_algos.balancing import (
     calculate_workload,
     get_seqlen_balanced_partitions,
     greedy_partition,
@@ -19,6 +18,7 @@ from verl_trainer.balancing import (
     required_batch_multiple,
     upsample_batch_to_multiple,
 )
+from verl_trainer.core_algos.karmarkar_karp import stable_argsort
 from verl_trainer.data.schema import padding_samples
 
 _spec = importlib.util.spec_from_file_location(

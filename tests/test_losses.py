@@ -12,7 +12,7 @@ from tensordict import TensorDict
 
 from verl_trainer.core_algos import RolloutCorrectionConfig, agg_loss, kl_penalty
 from verl_trainer.core_algos.aggregation import GlobalBatchInfo
-from verl_trainer.losses import (
+from verl_trainer.core_algos.losses import (
     PPOLossConfig,
     SFTLossConfig,
     ValueLossConfig,
@@ -271,7 +271,7 @@ def test_entropy_bonus_gradient_and_kl_straight_through_in_loss():
 def test_no_info_uses_the_engine_definition_of_the_denominators():
     """A real sample with an all-zero loss mask counts in global_batch_size, with or without info."""
     from verl_trainer.core_algos.aggregation import GlobalBatchInfo
-    from verl_trainer.losses import SFTLossConfig, sft_loss
+    from verl_trainer.core_algos.losses import SFTLossConfig, sft_loss
 
     g = torch.Generator().manual_seed(0)
     mask = torch.ones(4, 6)

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from verl_trainer.balancing import calculate_workload
-from verl_trainer.micro_batch import (
+from verl_trainer.core_algos.balancing import calculate_workload
+from verl_trainer.engine.micro_batch import (
     get_reverse_idx,
     micro_batch_lower_bound,
     min_micro_batches,

@@ -14,7 +14,7 @@ from verl_trainer.core_algos import (
     compute_rollout_is_weights,
     rollout_mismatch_metrics,
 )
-from verl_trainer.losses import PPOLossConfig, ppo_loss
+from verl_trainer.core_algos.losses import PPOLossConfig, ppo_loss
 from verl_trainer.metrics import reduce_metrics
 
 # two rows of 4 positions; row 0 trains positions 1..3, row 1 positions 0..3

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from verl_trainer.sandbox import SandboxLimits, network_isolation, run_python
+from verl_trainer.rewards.sandbox import SandboxLimits, network_isolation, run_python
 
 
 def test_runs_a_program_with_its_stdin_in_a_temp_dir_that_is_removed():

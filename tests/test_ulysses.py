@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verl_trainer.testing import run_distributed
-from verl_trainer.ulysses import (
+from verl_trainer.models.ulysses import (
     SeqAllToAll,
     all_to_all_tensor,
     gather_heads_scatter_seq,
@@ -22,6 +21,7 @@ from verl_trainer.ulysses import (
     ulysses_pad_and_slice_inputs,
     ulysses_sequence_parallel_group,
 )
+from verl_trainer.testing import run_distributed
 
 
 def test_ulysses_pad_odd_total_gets_its_own_segment():

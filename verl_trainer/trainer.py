@@ -6,8 +6,8 @@
                       callbacks=[ModelCheckpoint(every_n_train_steps=10)])
     trainer.fit(SFT(config), datamodule=data, ckpt_path="last")
 
-Every rank runs the Trainer. ``fit`` starts or joins the process world (``verl_trainer.launch``), builds
-the module's engines with the strategy, shards the data by data-parallel rank
+Every rank runs the Trainer. ``fit`` starts or joins the process world (``verl_trainer.training.launch``),
+builds the module's engines with the strategy, shards the data by data-parallel rank
 (``verl_trainer.training.data``), restores a checkpoint, and runs the loop (``verl_trainer.training.loops``)
 with hooks dispatched by :meth:`Trainer.call_hook`. Invalid arguments fail here, at construction.
 
@@ -30,17 +30,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from verl_trainer import launch
 from verl_trainer.callbacks import Callback, MetricReduction, ModelCheckpoint, ProgressBar
 from verl_trainer.callbacks.base import HOOK_NAMES, check_callback
 from verl_trainer.engine.config import EngineSpec
 from verl_trainer.engine.hooks import STEP_HOOK_NAMES, StepHooks
 from verl_trainer.engine.lora_files import check_adapters
-from verl_trainer.loggers import validate_logger_spec
 from verl_trainer.metrics import Metric
 from verl_trainer.module import TrainingModule
-from verl_trainer.strategy import Strategy, check_precision, normalize_precision, resolve_strategy
-from verl_trainer.training import failure, loops
+from verl_trainer.training import failure, launch, loops
 from verl_trainer.training.args import (
     TrainerArgs,
     check_collective_timeout,
@@ -64,8 +61,10 @@ from verl_trainer.training.lightning_args import (
     reject_unknown_args,
 )
 from verl_trainer.training.lightning_module import LightningAttributes, check_lightning_habits
+from verl_trainer.training.loggers import validate_logger_spec
 from verl_trainer.training.logging import MetricLogging
 from verl_trainer.training.stage_data import fit_data, stage_data
+from verl_trainer.training.strategy import Strategy, check_precision, normalize_precision, resolve_strategy
 from verl_trainer.utils.distributed import is_initialized
 
 __all__ = ["Trainer"]
@@ -98,7 +97,8 @@ class Trainer(LightningAttributes):
 
     Args:
         strategy: An engine backend registered with ``EngineRegistry`` (``"fsdp2"``, ``"fsdp"``,
-            ``"deepspeed"``, ``"deepspeed_stage_3"``, ...) or a :class:`~verl_trainer.strategy.Strategy`.
+            ``"deepspeed"``, ``"deepspeed_stage_3"``, ...) or a
+            :class:`~verl_trainer.training.strategy.Strategy`.
         accelerator: ``"auto"``, ``"cpu"``, ``"gpu"`` / ``"cuda"``.
         devices: Processes per node (an int or ``"auto"``).
         num_nodes: Number of nodes.

@@ -6,8 +6,8 @@ import pytest
 
 from verl_trainer.algorithms import GRPO, PPO
 from verl_trainer.algorithms.config import ActorConfig, GRPOConfig, PPOConfig, RefConfig
+from verl_trainer.core_algos.losses import PPOLossConfig
 from verl_trainer.engine.config import EngineConfig
-from verl_trainer.losses import PPOLossConfig
 
 KL = PPOLossConfig(use_kl_loss=True)
 

@@ -5,9 +5,9 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from verl_trainer.balancing import calculate_workload
 from verl_trainer.callbacks import Callback
 from verl_trainer.callbacks.sequence_balancing import SequenceBalancing, balance_batch
+from verl_trainer.core_algos.balancing import calculate_workload
 from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
 from verl_trainer.models.tiny import make_tiny_model
 from verl_trainer.testing import run_distributed

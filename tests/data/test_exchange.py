@@ -2,7 +2,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from verl_trainer.balancing import exchange_samples
+from verl_trainer.core_algos.balancing import exchange_samples
 from verl_trainer.testing import run_distributed
 
 

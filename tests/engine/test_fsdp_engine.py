@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
@@ -225,8 +224,6 @@ def _dynamic_rank(model_path, batch, optim):
     return outs
 
 
-@pytest.mark.skipif(importlib.util.find_spec("verl_trainer.micro_batch") is None,
-                    reason="verl_trainer.micro_batch (dynamic planner) not available")
 def test_dynamic_micro_batches_equal_one_micro_batch(model_path):
     batch = random_batch(16, seed=4)
     out = run_distributed(_dynamic_rank, 2, model_path, batch, VALUE_OPTIM)

@@ -247,7 +247,7 @@ def build_user_peft_model(model_path: str) -> PeftModel:
 
 def _factory_rank(model_path: str) -> dict:
     from verl_trainer.engine.config import EngineSpec
-    from verl_trainer.strategy import Strategy
+    from verl_trainer.training.strategy import Strategy
 
     spec = EngineSpec("language_model", EngineConfig(micro_batch_size_per_gpu=4), OPTIM,
                       model=functools.partial(build_user_peft_model, model_path))

@@ -225,7 +225,7 @@ def test_vocab_parallel_log_probs_equal_the_full_softmax():
 
 def test_strategy_refuses_engines_with_different_mesh_sizes_before_loading():
     from verl_trainer.engine.config import EngineSpec
-    from verl_trainer.strategy import resolve_strategy
+    from verl_trainer.training.strategy import resolve_strategy
 
     specs = {"actor": EngineSpec("language_model", EngineConfig(model_path="/missing",
                                                                  tensor_model_parallel_size=2)),

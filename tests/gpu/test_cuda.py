@@ -15,10 +15,10 @@ from torch.utils.data import DataLoader
 from verl_trainer import Trainer
 from verl_trainer.algorithms.sft import SFT, SFTConfig
 from verl_trainer.callbacks import Callback
+from verl_trainer.core_algos.losses import sft_loss
 from verl_trainer.data.packing import make_batch, pack_batch
 from verl_trainer.data.sft import SFTDataset
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
-from verl_trainer.losses import sft_loss
 from verl_trainer.models import VARLEN_ATTENTION, load_causal_lm, make_tiny_model, packed_forward
 from verl_trainer.testing import run_distributed
 

@@ -25,8 +25,7 @@ from tests.invariance.batch import BATCH_MULTIPLE, batch_for, shard_for
 from tests.invariance.cases import CORRECTION_LOSS, PPO_LOSSES, XFAIL, Case
 from verl_trainer.callbacks.sequence_balancing import balance_batch
 from verl_trainer.core_algos import RolloutCorrectionConfig
-from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
-from verl_trainer.losses import (
+from verl_trainer.core_algos.losses import (
     PPOLossConfig,
     SFTLossConfig,
     ValueLossConfig,
@@ -34,6 +33,7 @@ from verl_trainer.losses import (
     sft_loss,
     value_loss,
 )
+from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
 from verl_trainer.metrics import reduce_metrics
 from verl_trainer.testing.distributed import run_distributed
 

@@ -8,7 +8,7 @@ import pytest
 
 from verl_trainer.rewards import default_compute_score
 from verl_trainer.rewards.code import code_score, extract_code, load_test_cases
-from verl_trainer.sandbox import SandboxLimits
+from verl_trainer.rewards.sandbox import SandboxLimits
 
 ADD = "I read two numbers.\n```python\na, b = map(int, input().split())\nprint(a + b)\n```\nDone."
 STDIN_CASES = {"inputs": ["1 2\n", "3 4\n", "5 5\n"], "outputs": ["3\n", "7\n", "11\n"]}

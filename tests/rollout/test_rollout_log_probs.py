@@ -9,9 +9,9 @@ from verl_trainer.core_algos import (
     compute_rollout_is_weights,
     rollout_mismatch_metrics,
 )
+from verl_trainer.core_algos.losses import PPOLossConfig, ppo_loss
 from verl_trainer.data import schema
 from verl_trainer.engine import OptimConfig
-from verl_trainer.losses import PPOLossConfig, ppo_loss
 from verl_trainer.metrics import reduce_metrics
 from verl_trainer.rollout import HFRollout, RolloutConfig
 from verl_trainer.testing.distributed import run_distributed

@@ -22,8 +22,8 @@ from verl_trainer.callbacks import (
     ThroughputMonitor,
 )
 from verl_trainer.engine import EngineConfig
-from verl_trainer.launch import select_cluster_environment
-from verl_trainer.strategy import Strategy, available_strategies
+from verl_trainer.training.launch import select_cluster_environment
+from verl_trainer.training.strategy import Strategy, available_strategies
 
 _CLUSTER_VARS = ("SLURM_NTASKS", "SLURM_JOB_NAME", "TORCHELASTIC_RUN_ID", "LSB_JOBID", "LOCAL_RANK")
 
@@ -84,7 +84,7 @@ def test_precision_aliases():
 
 
 def test_bf16_without_native_support(monkeypatch):
-    monkeypatch.setattr("verl_trainer.strategy.bf16_supported", lambda device: False)
+    monkeypatch.setattr("verl_trainer.training.strategy.bf16_supported", lambda device: False)
     with pytest.warns(UserWarning, match="without native bfloat16.*slower"):
         assert Trainer(precision="bf16-mixed", accelerator="cpu").precision == "bf16-mixed"
     with pytest.raises(ValueError, match="needs native bfloat16.*use precision='32-true' or 'bf16-mixed'"):
@@ -93,7 +93,7 @@ def test_bf16_without_native_support(monkeypatch):
 
 @pytest.mark.parametrize("precision", ["16-mixed", 16, "16"])
 def test_fp16_mixed_on_cpu(precision, monkeypatch):
-    monkeypatch.setattr("verl_trainer.strategy.fp16_supported_on_cpu", lambda: False)
+    monkeypatch.setattr("verl_trainer.training.strategy.fp16_supported_on_cpu", lambda: False)
     with pytest.warns(UserWarning, match="without native float16.*slower"):
         assert Trainer(precision=precision, accelerator="cpu").precision == "16-mixed"
     with pytest.raises(ValueError, match="16-mixed.*'deepspeed'.*no float16.*use strategy='fsdp2'"):

@@ -1,9 +1,9 @@
 """The two built-in tools: a calculator and a sandboxed Python executor.
 
 ``calculator`` evaluates arithmetic (``+ - * / // % **``, parentheses, unary minus) by walking the
-expression's syntax tree (no ``eval``); ``python`` runs code through :func:`verl_trainer.sandbox.run_python`
-(the project's one sandbox, shared with the code-execution rewards). Both are named in configs as
-``verl_trainer.agents.builtin_tools:calculator`` / ``:python``.
+expression's syntax tree (no ``eval``); ``python`` runs code through
+:func:`verl_trainer.rewards.sandbox.run_python` (the project's one sandbox, shared with the code-execution
+rewards). Both are named in configs as ``verl_trainer.agents.builtin_tools:calculator`` / ``:python``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import ast
 import operator
 
 from verl_trainer.agents.tools import ToolError
-from verl_trainer.sandbox import SandboxLimits, run_python
+from verl_trainer.rewards.sandbox import SandboxLimits, run_python
 
 __all__ = ["calculator", "python"]
 

@@ -22,8 +22,8 @@ from typing import Any
 from verl_trainer.algorithms.non_finite import NonFiniteConfig
 from verl_trainer.core_algos import RolloutCorrectionConfig, validate_kl_penalty
 from verl_trainer.core_algos.advantages import ADV_ESTIMATOR_REGISTRY, estimator_inputs
+from verl_trainer.core_algos.losses import PPOLossConfig, ValueLossConfig
 from verl_trainer.engine.config import EngineConfig, OptimConfig
-from verl_trainer.losses import PPOLossConfig, ValueLossConfig
 from verl_trainer.rewards.failures import check_on_error
 from verl_trainer.rollout.config import RolloutConfig
 

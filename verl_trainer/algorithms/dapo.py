@@ -1,6 +1,6 @@
 """DAPO's data-side options (Yu et al. 2025, arXiv:2503.14476): dynamic sampling, overlong shaping.
 
-The loss-side options are settings of :class:`~verl_trainer.losses.PPOLossConfig`: clip-higher
+The loss-side options are settings of :class:`~verl_trainer.core_algos.losses.PPOLossConfig`: clip-higher
 (``clip_ratio_high > clip_ratio_low``) and ``loss_agg_mode="token-mean"``.
 
 * **Dynamic sampling** (:func:`dynamic_sampling_filter`): a prompt group whose rewards are all equal has

@@ -27,8 +27,8 @@ from verl_trainer.algorithms.distributed import estimator_advantages
 from verl_trainer.algorithms.rl import RLModule
 from verl_trainer.core_algos import kl_penalty
 from verl_trainer.core_algos.advantages import AdvantageEstimator, resolve_estimator
+from verl_trainer.core_algos.losses import value_loss
 from verl_trainer.data import schema
-from verl_trainer.losses import value_loss
 from verl_trainer.metrics import Metric, token_stats
 from verl_trainer.module import EngineSpec
 

@@ -55,13 +55,13 @@ from verl_trainer.algorithms.greedy_baseline import (
 from verl_trainer.algorithms.non_finite import NonFiniteGuard, check_reward_failures
 from verl_trainer.algorithms.one_step_off import OneStepOffRollout, check_async_rollout
 from verl_trainer.algorithms.reward_model import REWARD_MODEL_ENGINE, RewardModel, split_reward_models
-from verl_trainer.balancing import required_batch_multiple
 from verl_trainer.core_algos.advantages import estimator_inputs
+from verl_trainer.core_algos.balancing import required_batch_multiple
+from verl_trainer.core_algos.losses import ppo_loss
 from verl_trainer.data import schema
 from verl_trainer.data.schema import non_tensor_lists
 from verl_trainer.engine.config import EngineConfig
 from verl_trainer.evaluate.validation import batch_prompt_samples, validation_metrics
-from verl_trainer.losses import ppo_loss
 from verl_trainer.metrics import Metric, Reduction, sample_stats
 from verl_trainer.module import EngineSpec, StepOutput, TrainingModule
 from verl_trainer.rewards import RewardFunctions, score_batch, token_level_scores

@@ -1,7 +1,7 @@
 """SFT: supervised fine-tuning as a :class:`~verl_trainer.module.TrainingModule`.
 
-One engine (``"actor"``, a language model) trained with :func:`~verl_trainer.losses.sft_loss` on the
-response tokens (``loss_mask``) of (prompt, response) pairs::
+One engine (``"actor"``, a language model) trained with :func:`~verl_trainer.core_algos.losses.sft_loss` on
+the response tokens (``loss_mask``) of (prompt, response) pairs::
 
     rows = [{"prompt": "3+4=", "response": "7"}, ...]
     dataset = SFTDataset(rows, tokenizer)                  # verl_trainer.data.sft
@@ -23,8 +23,8 @@ from typing import Any
 from tensordict import TensorDict
 
 from verl_trainer.algorithms.non_finite import NonFiniteConfig, NonFiniteGuard
+from verl_trainer.core_algos.losses import SFTLossConfig, sft_loss
 from verl_trainer.engine.config import EngineConfig, OptimConfig
-from verl_trainer.losses import SFTLossConfig, sft_loss
 from verl_trainer.module import EngineSpec, StepOutput, TrainingModule
 
 __all__ = ["SFT", "SFTConfig"]

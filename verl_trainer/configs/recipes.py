@@ -142,7 +142,7 @@ class TrainerConfig(TrainerArgs):
         """
         if self.project_name is None and self.experiment_name is None:
             return logger
-        from verl_trainer.loggers import WANDB_PROJECT, MLFlowLogger, make_wandb_logger
+        from verl_trainer.training.loggers import WANDB_PROJECT, MLFlowLogger, make_wandb_logger
 
         items = logger if isinstance(logger, (list, tuple)) else [logger]
         if not NAMED_LOGGERS & {i for i in items if isinstance(i, str)}:

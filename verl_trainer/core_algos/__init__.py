@@ -17,6 +17,11 @@ says so in its docstring. The package's modules:
   ``rloo`` (also under verl's ``grpo_vectorized`` / ``rloo_vectorized``), ``reinforce_plus_plus``,
   ``remax``. Both registries are dict-like; like verl's, ``ADV_ESTIMATOR_REGISTRY`` may be rebound to a
   dict of one's own (``core_algos.ADV_ESTIMATOR_REGISTRY = {...}``) and the functions use the new one.
+* ``losses``: the engine's loss functions built from typed configs (:func:`ppo_loss`, :func:`value_loss`,
+  :func:`sft_loss`); imported from their module, not re-exported here.
+* ``balancing``: workload partitions (verl's ``seqlen_balancing``) and the step's samples re-partitioned
+  over the DP ranks (``balance_batch``); ``karmarkar_karp``: the fast Karmarkar-Karp kernel behind it.
+  Imported from their modules, not re-exported here.
 """
 
 from __future__ import annotations

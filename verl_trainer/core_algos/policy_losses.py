@@ -7,7 +7,7 @@ A policy loss has verl 0.9.1's signature plus one keyword::
 
 All tensors are ``[b, t]``. ``config`` is read by attribute or key (``clip_ratio``, ``clip_ratio_low``,
 ``clip_ratio_high``, ``clip_ratio_c``, ``loss_scale_factor``), e.g. a
-:class:`verl_trainer.losses.PPOLossConfig`. ``global_batch_info`` is the engine's
+:class:`verl_trainer.core_algos.losses.PPOLossConfig`. ``global_batch_info`` is the engine's
 :class:`~verl_trainer.core_algos.aggregation.GlobalBatchInfo` (or verl's dict of the same keys); verl instead
 mutates ``config.global_batch_info`` on every micro-batch, which a frozen typed config cannot do.
 

@@ -69,8 +69,8 @@ from verl_trainer.engine.compute import SEQUENTIAL, MicroBatchStep, Schedule
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.heads import model_type_part
 from verl_trainer.engine.hooks import NO_HOOKS, StepHooks
+from verl_trainer.engine.micro_batch import prepare_micro_batches
 from verl_trainer.engine.topology import Topology
-from verl_trainer.micro_batch import prepare_micro_batches
 from verl_trainer.utils.device import get_torch_device
 from verl_trainer.utils.distributed import all_reduce
 

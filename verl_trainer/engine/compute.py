@@ -30,7 +30,7 @@ from tensordict import TensorDict
 from verl_trainer.core_algos.aggregation import GlobalBatchInfo
 from verl_trainer.data import schema
 from verl_trainer.engine.hooks import StepHooks
-from verl_trainer.micro_batch import restore_dynamic_batch
+from verl_trainer.engine.micro_batch import restore_dynamic_batch
 
 if TYPE_CHECKING:
     from verl_trainer.engine.base import BaseEngine

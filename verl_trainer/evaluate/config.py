@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from verl_trainer.algorithms.config import RewardConfig
 from verl_trainer.algorithms.data import DataConfig
-from verl_trainer.loggers import validate_logger_spec
 from verl_trainer.rollout.config import RolloutConfig
+from verl_trainer.training.loggers import validate_logger_spec
 
 __all__ = ["EvalConfig", "EvaluateConfig"]
 

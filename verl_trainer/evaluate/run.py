@@ -166,7 +166,7 @@ def flat_metrics(report: dict[str, Any], prefix: str = "eval") -> dict[str, floa
 
 def log_report(report: dict[str, Any], cfg: EvaluateConfig) -> None:
     """Log the report's numbers (step 0) and the config to ``eval.logger`` under ``eval.root_dir``."""
-    from verl_trainer.loggers import WANDB_PROJECT, build_loggers, make_wandb_logger, plain_hparams
+    from verl_trainer.training.loggers import WANDB_PROJECT, build_loggers, make_wandb_logger, plain_hparams
 
     spec = cfg.eval.logger
     items = spec if isinstance(spec, (list, tuple)) else [spec]

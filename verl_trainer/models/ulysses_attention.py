@@ -11,7 +11,7 @@ embedding are per-token, so they run locally; in every attention layer the funct
 1. repeats the key/value heads when their number is not a multiple of ``sp`` (GQA groups are kept:
    query head ``h`` still reads the copy of its own key/value head);
 2. all-to-all: ``[1, H, N/sp, D] -> [1, H/sp, N, D]``
-   (:func:`~verl_trainer.ulysses.gather_seq_scatter_heads`);
+   (:func:`~verl_trainer.models.ulysses.gather_seq_scatter_heads`);
 3. runs :func:`~verl_trainer.models.attention.varlen_attention_forward` over the FULL row's segments —
    ``cu_seq_lens_q`` of the whole (padded) row, or, when the caller did not pass it, the segments derived
    from the position ids all-gathered over the SP group — so attention stays within each sample;
@@ -19,7 +19,7 @@ embedding are per-token, so they run locally; in every attention layer the funct
 
 The SP group comes from the ``ulysses_sp_group`` forward keyword when given (transformers forwards extra
 keywords down to the attention function, also when activation checkpointing recomputes a layer), else
-from :func:`~verl_trainer.ulysses.get_ulysses_sequence_parallel_group`. Without a group, or with an SP
+from :func:`~verl_trainer.models.ulysses.get_ulysses_sequence_parallel_group`. Without a group, or with an SP
 size of 1, this is exactly ``"verl_varlen"``.
 """
 
@@ -36,7 +36,7 @@ from verl_trainer.models.attention import (
     register_varlen_attention,
     varlen_attention_forward,
 )
-from verl_trainer.ulysses import (
+from verl_trainer.models.ulysses import (
     all_gather_tensor,
     gather_heads_scatter_seq,
     gather_seq_scatter_heads,

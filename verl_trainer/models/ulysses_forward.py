@@ -11,8 +11,8 @@ Every rank of an SP group holds the same packed micro-batch (``PackedBatch``, ``
    as forward keywords.
 3. A per-token ``output_fn`` reduces the local outputs BEFORE anything is gathered — log-probs ``[N/sp]``,
    not logits ``[N/sp, V]`` (:func:`next_token_output_fn`, :func:`value_output_fn`).
-4. :func:`~verl_trainer.ulysses.gather_outputs_and_unpad` gathers ``[N_pad]`` and drops the padding; the
-   gradient of the gather is scaled by ``sp`` (``grad_scaler=True``) so that the AVERAGE of the parameter
+4. :func:`~verl_trainer.models.ulysses.gather_outputs_and_unpad` gathers ``[N_pad]`` and drops the padding;
+   the gradient of the gather is scaled by ``sp`` (``grad_scaler=True``) so that the AVERAGE of the parameter
    gradients over the SP group (what FSDP over the whole world computes) is the true gradient.
 
 :func:`ulysses_packed_outputs` is steps 1-4; :func:`ulysses_packed_log_probs` and
@@ -32,8 +32,7 @@ from torch.distributed import ProcessGroup
 
 from verl_trainer.data.packing import PackedBatch, shift_to_targets, token_log_probs_and_entropy
 from verl_trainer.models.attention import _config_of, varlen_model_kwargs
-from verl_trainer.models.ulysses_attention import SP_GROUP_KWARG, ULYSSES_ATTENTION
-from verl_trainer.ulysses import (
+from verl_trainer.models.ulysses import (
     gather_outputs_and_unpad,
     get_ulysses_sequence_parallel_group,
     get_ulysses_sequence_parallel_rank,
@@ -41,6 +40,7 @@ from verl_trainer.ulysses import (
     slice_input_tensor,
     ulysses_pad,
 )
+from verl_trainer.models.ulysses_attention import SP_GROUP_KWARG, ULYSSES_ATTENTION
 
 OutputFn = Callable[[Any, "UlyssesSlice"], dict[str, torch.Tensor]]
 """``output_fn(hf_output, local_slice) -> {name: [N_pad/sp, ...]}`` per local position."""

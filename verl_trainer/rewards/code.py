@@ -7,10 +7,11 @@ it, else from the ground truth; a dict or its JSON string::
     {"fn_name": "add", "inputs": [[1, 2], [3, 4]], "outputs": [3, 7]}             # call-based
 
 The program is the last fenced code block of the response (```` ```python ```` preferred), else the whole
-response. Each test runs in its own :func:`verl_trainer.sandbox.run_python` (time, CPU, memory limits; no
-network; a temp dir). stdin tests compare stdout line by line with trailing white space ignored; call-based
-tests call ``fn_name`` (a module-level function, or a method of ``class Solution``) with the input's items
-and compare the JSON of the result with the expected value (or its one-element list, APPS' layout).
+response. Each test runs in its own :func:`verl_trainer.rewards.sandbox.run_python` (time, CPU, memory
+limits; no network; a temp dir). stdin tests compare stdout line by line with trailing white space
+ignored; call-based tests call ``fn_name`` (a module-level function, or a method of ``class Solution``)
+with the input's items and compare the JSON of the result with the expected value (or its one-element
+list, APPS' layout).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from verl_trainer.sandbox import SandboxLimits, run_python
+from verl_trainer.rewards.sandbox import SandboxLimits, run_python
 
 __all__ = ["CODE_DATA_SOURCES", "code_score", "extract_code", "load_test_cases"]
 

@@ -15,8 +15,8 @@ The pieces (all ranks run them; :func:`guard` wraps every ``fit`` / ``validate``
   (rank 0) is gone.
 
 A process killed without a Python error (SIGKILL, segfault) cannot post: the launcher's observer posts
-``rank r exited with code c`` for it (``verl_trainer.launch``); under torchrun/SLURM the launcher ends the
-job. The collective timeout of the process group is the last resort.
+``rank r exited with code c`` for it (``verl_trainer.training.launch``); under torchrun/SLURM the launcher
+ends the job. The collective timeout of the process group is the last resort.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_trainer.loggers import build_loggers, plain_hparams
 from verl_trainer.metrics import Metric, MetricAccumulator
+from verl_trainer.training.loggers import build_loggers, plain_hparams
 
 __all__ = ["MetricLogging", "accumulate_outputs"]
 

@@ -4,8 +4,9 @@ verl 0.9.1's names, argument order and semantics (``verl/utils/seqlen_balancing.
 differences, each on purpose:
 
 * :func:`karmarkar_karp` returns verl's partition (same algorithm and tie-breaking, checked against a
-  textbook implementation in the tests) but runs 10-200x faster (``verl_trainer._kk``), and a torch
-  tensor input is as fast as a list (verl's is 20-30x slower on tensors, which its trainer passes).
+  textbook implementation in the tests) but runs 10-200x faster
+  (:mod:`~verl_trainer.core_algos.karmarkar_karp`), and a torch tensor input is as fast as a list (verl's
+  is 20-30x slower on tensors, which its trainer passes).
 * :func:`greedy_partition` places the longest item first (LPT); verl's iterates in input order.
 * :func:`calculate_workload` takes the model's hidden size (verl hard-codes 4096) and any of list /
   numpy / tensor.
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from verl_trainer._kk import kk_partition, stable_argsort
+from verl_trainer.core_algos.karmarkar_karp import kk_partition, stable_argsort
 from verl_trainer.data import schema
 from verl_trainer.utils.distributed import all_reduce
 
@@ -395,7 +396,7 @@ def balance_batch(
         dp_group: The data-parallel group (``None``: the world).
         hidden_size: Model hidden size for :func:`calculate_workload`.
         batch_multiple: The global batch is padded to a multiple of ``lcm(dp_size, batch_multiple)``
-            (:func:`~verl_trainer.balancing.required_batch_multiple`).
+            (:func:`~verl_trainer.core_algos.balancing.required_batch_multiple`).
         equal_size: Every rank gets the same number of samples (needed for mini-batching).
         prefix: Metric-name prefix.
 

@@ -13,7 +13,7 @@ verl 0.9.1's names and semantics (``verl/utils/seqlen_balancing.py``: ``rearrang
   all-reduce that also carries the longest sample, so a sample over the budget raises ``ValueError``
   on every rank together instead of a hang.
 * A rank that has fewer samples than the agreed count gets **padding micro-batches**: one synthetic
-  sample each (``verl_trainer.balancing.make_padding_samples``: one token, zero loss mask,
+  sample each (``verl_trainer.core_algos.balancing.make_padding_samples``: one token, zero loss mask,
   ``is_padding``), marked ``-1`` in the returned index list; :func:`restore_dynamic_batch` drops
   their rows. A rank with at least that many samples never gets an empty or padding micro-batch.
 
@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from verl_trainer._kk import kk_partition, stable_argsort
-from verl_trainer.balancing import calculate_workload
+from verl_trainer.core_algos.balancing import calculate_workload
+from verl_trainer.core_algos.karmarkar_karp import kk_partition, stable_argsort
 from verl_trainer.data import schema
 from verl_trainer.utils.distributed import all_reduce
 

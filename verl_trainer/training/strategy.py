@@ -296,8 +296,8 @@ def resolve_strategy(strategy: str | Strategy) -> Strategy:
         strategy = Strategy(backend=strategy)
     if not isinstance(strategy, Strategy):
         raise TypeError(
-            f"strategy must be a registered name (e.g. 'fsdp2') or a verl_trainer.strategy.Strategy, got "
-            f"{type(strategy).__name__}"
+            "strategy must be a registered name (e.g. 'fsdp2') or a verl_trainer.training.strategy.Strategy, "
+            f"got {type(strategy).__name__}"
         )
     strategy.validate()
     return strategy

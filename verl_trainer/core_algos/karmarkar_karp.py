@@ -1,6 +1,6 @@
 """Fast Karmarkar-Karp (largest differencing) k-way partitioning on numpy arrays.
 
-This is the engine behind :func:`verl_trainer.balancing.karmarkar_karp`. It computes the same
+This is the engine behind :func:`verl_trainer.core_algos.balancing.karmarkar_karp`. It computes the same
 partition as the textbook heap algorithm verl ships (a heap of states, each state ``k`` sets; pop the
 two states with the largest spread, merge the heaviest set of one with the lightest of the other,
 push back), including its tie-breaking, but without a Python object per set:
