@@ -31,65 +31,26 @@ from typing import Any
 import torch.distributed as dist
 
 from verl_trainer.callbacks import Callback, MetricReduction, ModelCheckpoint, ProgressBar
-from verl_trainer.callbacks.base import HOOK_NAMES, check_callback
-from verl_trainer.engine.config import EngineSpec
+from verl_trainer.callbacks.base import HOOK_NAMES
 from verl_trainer.engine.hooks import STEP_HOOK_NAMES, StepHooks
-from verl_trainer.engine.lora_files import check_adapters
 from verl_trainer.metrics import Metric
 from verl_trainer.module import TrainingModule
-from verl_trainer.training import failure, launch, loops
-from verl_trainer.training.args import (
-    TrainerArgs,
-    check_collective_timeout,
-    check_deterministic,
-    check_fast_dev_run,
-    check_log_every_n_steps,
-    check_num_nodes,
-    check_run_length,
-    check_seed,
-    resolve_accelerator,
-    resolve_devices,
-)
+from verl_trainer.training import failure, launch, loops, schedule
+from verl_trainer.training.args import TrainerArgs
+from verl_trainer.training.callback_order import listens
+from verl_trainer.training.checked_args import check_trainer_args
 from verl_trainer.training.data import ShardedLoader, refuse_raw_rows
-from verl_trainer.training.lightning_args import (
-    check_accumulate,
-    check_gradient_clip,
-    check_limit,
-    check_optional_count,
-    check_val_check_interval,
-    parse_max_time,
-    reject_unknown_args,
-)
+from verl_trainer.training.lightning_args import reject_unknown_args
 from verl_trainer.training.lightning_module import LightningAttributes, check_lightning_habits
-from verl_trainer.training.loggers import validate_logger_spec
 from verl_trainer.training.logging import MetricLogging
+from verl_trainer.training.preflight import preflight_check
 from verl_trainer.training.stage_data import fit_data, stage_data
-from verl_trainer.training.strategy import Strategy, check_precision, normalize_precision, resolve_strategy
-from verl_trainer.utils.distributed import is_initialized
+from verl_trainer.training.strategy import Strategy
 
 __all__ = ["Trainer"]
 
 _DEFAULTS = TrainerArgs()  # the one source of the defaults (the recipes' TrainerConfig extends it)
 _CHAINED_HOOKS = frozenset({"on_before_update"})
-
-
-def _as_callback_list(callbacks: Sequence[Callback] | Callback | None) -> list[Callback]:
-    if callbacks is None:
-        return []
-    if isinstance(callbacks, Sequence) and not isinstance(callbacks, str):
-        return list(callbacks)
-    return [callbacks]
-
-
-def _listens(callback: Callback, hook: str) -> bool:
-    """Whether ``callback`` implements ``hook``: what it answers for the name is not the base no-op."""
-    return getattr(getattr(callback, hook), "__func__", None) is not getattr(Callback, hook)
-
-
-def _is_interactive() -> bool:
-    import __main__
-
-    return not hasattr(__main__, "__file__") and __main__.__spec__ is None
 
 
 class Trainer(LightningAttributes):
@@ -157,47 +118,15 @@ class Trainer(LightningAttributes):
     ) -> None:
         names = inspect.signature(Trainer.__init__).parameters
         reject_unknown_args(unsupported, [n for n in names if n not in ("self", "unsupported")])
-        self.strategy = resolve_strategy(strategy)
-        if collective_timeout is not None:
-            self.strategy.timeout = check_collective_timeout(collective_timeout, self.strategy.timeout)
-        self.accelerator = resolve_accelerator(accelerator)
-        self.devices = resolve_devices(devices, self.accelerator)
-        self.num_nodes = check_num_nodes(num_nodes)
-        self.precision = check_precision(normalize_precision(precision), self.accelerator,
-                                         self.strategy.backend)
-        self.max_steps, self.max_epochs = check_run_length(max_steps, max_epochs)
-        self.log_every_n_steps = check_log_every_n_steps(log_every_n_steps)
-        self.val_check_interval = check_val_check_interval(val_check_interval)
-        self.check_val_every_n_epoch = check_optional_count(
-            "check_val_every_n_epoch", check_val_every_n_epoch, 1
-        )
-        self.accumulate_grad_batches = check_accumulate(accumulate_grad_batches)
-        self.gradient_clip_val = check_gradient_clip(gradient_clip_val, gradient_clip_algorithm)
-        self.gradient_clip_algorithm = "norm"
-        self.limits = {kind: check_limit(f"limit_{kind}_batches", value) for kind, value in (
-            ("train", limit_train_batches), ("val", limit_val_batches), ("test", limit_test_batches),
-            ("predict", limit_predict_batches))}
-        self.max_time = parse_max_time(max_time)
-        self.min_steps = check_optional_count("min_steps", min_steps)
-        self.min_epochs = check_optional_count("min_epochs", min_epochs)
-        self.num_sanity_val_steps = check_optional_count("num_sanity_val_steps", num_sanity_val_steps, -1)
-        self.deterministic = check_deterministic(deterministic)
-        self.fast_dev_run = check_fast_dev_run(fast_dev_run)
-        if self.fast_dev_run:  # Lightning's meaning: N train and N val batches, one epoch, nothing written
-            n = self.fast_dev_run
-            self.max_steps, self.max_epochs, self.max_time = n, 1, None
-            self.limits.update(train=n, val=n, test=n, predict=n)
-            self.val_check_interval, self.check_val_every_n_epoch, self.num_sanity_val_steps = None, 1, 0
-            logger, enable_checkpointing = False, False
-            callbacks = [cb for cb in _as_callback_list(callbacks) if not isinstance(cb, ModelCheckpoint)]
-        self.seed = check_seed(seed)
-        validate_logger_spec(logger)
-        self.default_root_dir = os.fspath(Path(default_root_dir or os.getcwd()).absolute())
-        self.logging = MetricLogging(logger, self.default_root_dir, log_every_n_steps)
-        self.callbacks = self._order_callbacks(callbacks, enable_progress_bar, enable_checkpointing)
+        args = {n: v for n, v in locals().items() if n in names and n not in ("self", "unsupported")}
+        checked = check_trainer_args(**args)
+        for name, value in vars(checked).items():
+            if name != "logger":  # ``logger`` is a property (the first built logger)
+                setattr(self, name, value)
+        self.logging = MetricLogging(checked.logger, self.default_root_dir, self.log_every_n_steps)
         self._env = launch.select_cluster_environment()
         self._env.validate_settings(num_devices=self.devices, num_nodes=self.num_nodes)
-        self._check_launchable()
+        launch.check_launchable(self._env, self.devices, self.num_nodes)
         # run state
         self.world: launch.World | None = None
         self.module: TrainingModule | None = None
@@ -212,49 +141,6 @@ class Trainer(LightningAttributes):
         self.sanity_checking = False
         self.evaluating = False  # inside a validation / test / predict loop
         self.step_hooks = self.callback_step_hooks()
-
-    # ----------------------------------------------------------------------------------- validation
-    @staticmethod
-    def _order_callbacks(
-        callbacks: Sequence[Callback] | Callback | None, progress_bar: bool, checkpointing: bool
-    ) -> list[Callback]:
-        given = _as_callback_list(callbacks)
-        for cb in given:
-            check_callback(cb)
-        if any(isinstance(cb, ProgressBar) for cb in given) and not progress_bar:
-            raise ValueError("a ProgressBar is in callbacks but enable_progress_bar=False; drop one of them")
-        if any(isinstance(cb, ModelCheckpoint) for cb in given) and not checkpointing:
-            raise ValueError(
-                "a ModelCheckpoint is in callbacks but enable_checkpointing=False; drop one of them"
-            )
-        reduction = [cb for cb in given if isinstance(cb, MetricReduction)] or [MetricReduction()]
-        checkpoints = [cb for cb in given if isinstance(cb, ModelCheckpoint)]
-        if checkpointing and not checkpoints:
-            checkpoints = [ModelCheckpoint()]
-        middle = [cb for cb in given if not isinstance(cb, (MetricReduction, ModelCheckpoint))]
-        if progress_bar and not any(isinstance(cb, ProgressBar) for cb in middle):
-            middle.append(ProgressBar())
-        ordered = reduction[:1] + middle + checkpoints
-        keys = [cb.state_key for cb in ordered]
-        dupes = sorted({k for k in keys if keys.count(k) > 1})
-        if dupes:
-            raise ValueError(f"callbacks share the state key(s) {dupes}; give each a distinct `state_key`")
-        return ordered
-
-    def _check_launchable(self) -> None:
-        world = self.devices * self.num_nodes
-        if world > 1 and not self._env.creates_processes_externally and not is_initialized():
-            if _is_interactive():
-                raise ValueError(
-                    f"devices={self.devices} x num_nodes={self.num_nodes} needs several processes, which are "
-                    f"started by re-running the script: run it as `python script.py` (or torchrun), not "
-                    f"from an interactive session"
-                )
-            if self.num_nodes > 1:
-                raise ValueError(
-                    "num_nodes > 1 needs a cluster launcher (torchrun, SLURM's srun, ...) that starts the "
-                    "processes on every node; with a plain `python script.py` use num_nodes=1"
-                )
 
     # ------------------------------------------------------------------------------------ topology
     @property
@@ -283,20 +169,17 @@ class Trainer(LightningAttributes):
 
         Callbacks that move samples between ranks (``SequenceBalancing``) all-gather and exchange over it.
         """
-        topo = self.strategy.topology
-        return topo.dp_group if topo is not None else None
+        return self.strategy.data_parallel(self.global_rank, self.world_size)[0]
 
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel rank (the global rank before the topology exists)."""
-        topo = self.strategy.topology
-        return topo.dp_rank if topo is not None else self.global_rank
+        return self.strategy.data_parallel(self.global_rank, self.world_size)[1]
 
     @property
     def dp_size(self) -> int:
         """The data-parallel size (the world size before the topology exists)."""
-        topo = self.strategy.topology
-        return topo.dp_size if topo is not None else self.world_size
+        return self.strategy.data_parallel(self.global_rank, self.world_size)[2]
 
     # ------------------------------------------------------------------------------------ callbacks
     @property
@@ -328,7 +211,7 @@ class Trainer(LightningAttributes):
             raise ValueError(f"unknown hook {hook!r}; hooks: {', '.join(sorted(HOOK_NAMES))}")
         chained = hook in _CHAINED_HOOKS
         for cb in self.callbacks:
-            if not _listens(cb, hook):
+            if not listens(cb, hook):
                 continue  # the base class's no-op
             out = getattr(cb, hook)(self, self.module, *args)
             if chained and out is not None:
@@ -342,7 +225,7 @@ class Trainer(LightningAttributes):
         construction and again when a stage starts).
         """
         return StepHooks(**{name: functools.partial(self.call_hook, name) for name in STEP_HOOK_NAMES
-                            if any(_listens(cb, name) for cb in self.callbacks)})
+                            if any(listens(cb, name) for cb in self.callbacks)})
 
     def call_before_update(self, batch: Any) -> Any:
         """Dispatch ``on_before_update`` and return the (possibly replaced) batch."""
@@ -413,33 +296,8 @@ class Trainer(LightningAttributes):
         self._launch("fit", module, datamodule, ckpt_path)
 
     def validation_due(self) -> bool:
-        """Whether ``fit`` validates after the current step.
-
-        An int ``val_check_interval``: every N trainer steps. A float: every ``max(1, int(f * B))`` loader
-        batches of an epoch of ``B`` (after ``limit_train_batches``), in the epochs
-        ``check_val_every_n_epoch`` selects. No interval but ``check_val_every_n_epoch=N`` (or
-        ``fast_dev_run``): at the end of every N-th epoch.
-        """
-        loader = self.train_loader
-        if self.state != "fit" or self.val_loader is None or self.sanity_checking or loader is None:
-            return False
-        interval, every_epoch = self.val_check_interval, self.check_val_every_n_epoch
-        if isinstance(interval, int):
-            return self.global_step % interval == 0
-        total = loader.limited_len() if interval is not None else 0
-        if every_epoch is not None and (loader.epoch + 1) % every_epoch:
-            return False
-        if interval is None:
-            return every_epoch is not None and loader.exhausted()
-        if total is None:
-            raise ValueError(
-                f"val_check_interval={interval} is a fraction of an epoch, but the training data is a stream "
-                "of unknown length; use an int val_check_interval (trainer steps) or limit_train_batches=N"
-            )
-        every = max(1, int(interval * total)) if total else 1
-        done = loader.batches
-        crossed = done // every > (done - self.accumulate_grad_batches) // every  # one step may cross it
-        return loader.exhausted() or crossed
+        """Whether ``fit`` validates after the current step (see ``training/schedule.py``)."""
+        return schedule.validation_due(self)
 
     def validate(self, module: Any, dataloaders: Any = None, ckpt_path: str | os.PathLike | None = None,
                  verbose: bool = True, datamodule: Any = None) -> list[dict[str, float]]:
@@ -494,15 +352,7 @@ class Trainer(LightningAttributes):
             ValueError: The first problem found, naming the setting, its value and the fix.
         """
         self._check_module(module)
-        specs = module.configure_engines()
-        self.strategy.check_mesh_sizes(specs, self.precision, self.seed)  # one (dp, sp | tp) mesh for all
-        configs = [self.strategy.engine_config(spec.config, self.precision, self.seed)
-                   for spec in specs.values() if isinstance(spec, EngineSpec)]
-        dp_size = configs[0].dp_size(self.world_size) if configs else self.world_size
-        check_adapters(specs)
-        if datamodule is not None and callable(getattr(datamodule, "check", None)):
-            datamodule.check(dp_size)
-        return dp_size
+        return preflight_check(self, module, datamodule)
 
     @staticmethod
     def _check_module(module: Any) -> None:

@@ -257,3 +257,30 @@ def _set_rank_zero_only(rank: int) -> None:
     from lightning_utilities.core.rank_zero import rank_zero_only
 
     rank_zero_only.rank = rank
+
+
+def _is_interactive() -> bool:
+    import __main__
+
+    return not hasattr(__main__, "__file__") and __main__.__spec__ is None
+
+
+def check_launchable(env: ClusterEnvironment, devices: int, num_nodes: int) -> None:
+    """Refuse a world of several processes that a plain script launch cannot start.
+
+    Raises:
+        ValueError: Several processes from an interactive session, or ``num_nodes > 1`` with no cluster
+            launcher.
+    """
+    if devices * num_nodes > 1 and not env.creates_processes_externally and not is_initialized():
+        if _is_interactive():
+            raise ValueError(
+                f"devices={devices} x num_nodes={num_nodes} needs several processes, which are "
+                f"started by re-running the script: run it as `python script.py` (or torchrun), not "
+                f"from an interactive session"
+            )
+        if num_nodes > 1:
+            raise ValueError(
+                "num_nodes > 1 needs a cluster launcher (torchrun, SLURM's srun, ...) that starts the "
+                "processes on every node; with a plain `python script.py` use num_nodes=1"
+            )

@@ -165,6 +165,16 @@ class Strategy:
     timeout: timedelta = field(default_factory=lambda: timedelta(seconds=DEFAULT_TIMEOUT_S))
     topology: Topology | None = field(default=None, init=False, repr=False, compare=False)
 
+    def data_parallel(self, global_rank: int, world_size: int) -> tuple[Any, int, int]:
+        """``(dp_group, dp_rank, dp_size)`` of the topology.
+
+        Before the topology exists: ``(None, global_rank, world_size)``; a ``None`` group is the whole world.
+        """
+        topo = self.topology
+        if topo is None:
+            return None, global_rank, world_size
+        return topo.dp_group, topo.dp_rank, topo.dp_size
+
     def validate(self) -> None:
         """Check the backend exists here and its package is installed.
 
