@@ -35,9 +35,8 @@ from verl_trainer.callbacks.base import HOOK_NAMES
 from verl_trainer.engine.hooks import STEP_HOOK_NAMES, StepHooks
 from verl_trainer.metrics import Metric
 from verl_trainer.module import TrainingModule
-from verl_trainer.training import failure, launch, loops, schedule
+from verl_trainer.training import failure, launch, loops, validation_schedule
 from verl_trainer.training.args import TrainerArgs
-from verl_trainer.training.callback_order import listens
 from verl_trainer.training.checked_args import check_trainer_args
 from verl_trainer.training.data import ShardedLoader, refuse_raw_rows
 from verl_trainer.training.lightning_args import reject_unknown_args
@@ -51,6 +50,11 @@ __all__ = ["Trainer"]
 
 _DEFAULTS = TrainerArgs()  # the one source of the defaults (the recipes' TrainerConfig extends it)
 _CHAINED_HOOKS = frozenset({"on_before_update"})
+
+
+def _listens(callback: Callback, hook: str) -> bool:
+    """Whether ``callback`` implements ``hook``: what it answers for the name is not the base no-op."""
+    return getattr(getattr(callback, hook), "__func__", None) is not getattr(Callback, hook)
 
 
 class Trainer(LightningAttributes):
@@ -211,7 +215,7 @@ class Trainer(LightningAttributes):
             raise ValueError(f"unknown hook {hook!r}; hooks: {', '.join(sorted(HOOK_NAMES))}")
         chained = hook in _CHAINED_HOOKS
         for cb in self.callbacks:
-            if not listens(cb, hook):
+            if not _listens(cb, hook):
                 continue  # the base class's no-op
             out = getattr(cb, hook)(self, self.module, *args)
             if chained and out is not None:
@@ -225,7 +229,7 @@ class Trainer(LightningAttributes):
         construction and again when a stage starts).
         """
         return StepHooks(**{name: functools.partial(self.call_hook, name) for name in STEP_HOOK_NAMES
-                            if any(listens(cb, name) for cb in self.callbacks)})
+                            if any(_listens(cb, name) for cb in self.callbacks)})
 
     def call_before_update(self, batch: Any) -> Any:
         """Dispatch ``on_before_update`` and return the (possibly replaced) batch."""
@@ -296,8 +300,8 @@ class Trainer(LightningAttributes):
         self._launch("fit", module, datamodule, ckpt_path)
 
     def validation_due(self) -> bool:
-        """Whether ``fit`` validates after the current step (see ``training/schedule.py``)."""
-        return schedule.validation_due(self)
+        """Whether ``fit`` validates after the current step (see ``training/validation_schedule.py``)."""
+        return validation_schedule.validation_due(self)
 
     def validate(self, module: Any, dataloaders: Any = None, ckpt_path: str | os.PathLike | None = None,
                  verbose: bool = True, datamodule: Any = None) -> list[dict[str, float]]:

@@ -1,4 +1,4 @@
-"""The Trainer's callback list: which callbacks run, in which order, and which hooks each implements.
+"""The Trainer's callback list: which callbacks run, and in which order.
 
 ``MetricReduction`` first, then the user's callbacks in the given order (the default ``ProgressBar`` after
 them), and ``ModelCheckpoint`` callbacks last, as in Lightning.
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from verl_trainer.callbacks import Callback, MetricReduction, ModelCheckpoint, ProgressBar
 from verl_trainer.callbacks.base import check_callback
 
-__all__ = ["as_callback_list", "listens", "order_callbacks"]
+__all__ = ["as_callback_list", "order_callbacks"]
 
 
 def as_callback_list(callbacks: Sequence[Callback] | Callback | None) -> list[Callback]:
@@ -21,11 +21,6 @@ def as_callback_list(callbacks: Sequence[Callback] | Callback | None) -> list[Ca
     if isinstance(callbacks, Sequence) and not isinstance(callbacks, str):
         return list(callbacks)
     return [callbacks]
-
-
-def listens(callback: Callback, hook: str) -> bool:
-    """Whether ``callback`` implements ``hook``: what it answers for the name is not the base no-op."""
-    return getattr(getattr(callback, hook), "__func__", None) is not getattr(Callback, hook)
 
 
 def order_callbacks(
