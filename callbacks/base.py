@@ -223,7 +223,7 @@ def _arguments_compared(lightning_cls: type, ours: str) -> str:
     """``use verl_trainer.callbacks.<ours>``, with the arguments it takes and Lightning's it does not."""
     import inspect
 
-    import verl_trainer.callbacks as callbacks
+    import verl_trainer.callbacks as callbacks  # lazy: cycle with callbacks
 
     def names(cls: type) -> list[str]:
         params = inspect.signature(cls.__init__).parameters.values()

@@ -31,6 +31,7 @@ from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
 from verl_trainer.models.tiny import make_tiny_model
 from verl_trainer.models.weight_files import check_weight_dir
 from verl_trainer.rollout import check_vllm_rollout, resolve_rollout_name
+from verl_trainer.training.plotting import plot_training_curves
 from verl_trainer.utils.cached_dir import fingerprint, is_current, normalize, settings_difference
 from verl_trainer.utils.dir_lock import DirectoryLock
 from verl_trainer.utils.distributed import barrier, get_rank
@@ -353,8 +354,6 @@ def report(trainer: Any, before: dict[str, float] | None, after: dict[str, float
     if csv_path is not None and csv_path.exists():
         lines.append(f"CSV log:   {csv_path}")
         if plot:
-            from verl_trainer.training.plotting import plot_training_curves
-
             lines.append(f"plot:      {plot_training_curves(csv_path)}")
     if exported:
         lines.append(f"HF model:  {exported}  (AutoModelForCausalLM.from_pretrained loads it)")

@@ -14,11 +14,11 @@ __all__ = ["EngineRegistry", "Trainer", "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name == "EngineRegistry":
-        from verl_trainer.engine import EngineRegistry
+        from verl_trainer.engine import EngineRegistry  # lazy: the package's lazy export
 
         return EngineRegistry
     if name == "Trainer":
-        from verl_trainer.trainer import Trainer
+        from verl_trainer.trainer import Trainer  # lazy: the package's lazy export
 
         return Trainer
     raise AttributeError(f"module 'verl_trainer' has no attribute {name!r}")

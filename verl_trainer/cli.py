@@ -28,7 +28,7 @@ COMMANDS = {**{name: f"verl_trainer.recipes.{name}" for name in RECIPES}, **TOOL
 
 def usage() -> str:
     """The command list ``verl-trainer --help`` prints."""
-    from verl_trainer.recipes.configs import config_names
+    from verl_trainer.recipes.configs import config_names  # lazy: 1 more module only when used
 
     return (f"usage: verl-trainer {{{','.join(COMMANDS)}}} [--config NAME_OR_YAML] [key=value ...]\n\n"
             f"recipes: {', '.join(RECIPES)}  (`verl-trainer grpo --help` lists a recipe's options)\n"

@@ -24,6 +24,7 @@ from verl_trainer.core_algos import RolloutCorrectionConfig, validate_kl_penalty
 from verl_trainer.core_algos.advantages import ADV_ESTIMATOR_REGISTRY, estimator_inputs
 from verl_trainer.core_algos.losses import PPOLossConfig, ValueLossConfig
 from verl_trainer.engine.config import EngineConfig, OptimConfig
+from verl_trainer.evaluate.samples import default_ks
 from verl_trainer.rewards.failures import check_on_error
 from verl_trainer.rollout.config import RolloutConfig
 
@@ -258,8 +259,6 @@ class ValidationRolloutConfig:
     @property
     def ks(self) -> list[int]:
         """The budgets reported (see :attr:`k`)."""
-        from verl_trainer.evaluate.samples import default_ks
-
         if self.k:
             return sorted(set(self.k))
         return default_ks(self.n) if self.n > 1 else []

@@ -43,6 +43,7 @@ from tensordict import TensorDict
 from verl_trainer.data import schema
 from verl_trainer.data.schema import prompt_token_lists
 from verl_trainer.metrics import Metric
+from verl_trainer.rollout import HFRollout
 from verl_trainer.rollout.divergence import DivergenceError
 
 if TYPE_CHECKING:
@@ -57,8 +58,6 @@ def check_async_rollout(rollout: Any) -> None:
     Raises:
         ValueError: Naming the backend and the fix.
     """
-    from verl_trainer.rollout import HFRollout
-
     if not isinstance(rollout, HFRollout) or rollout.agent_loop is not None:
         raise ValueError(
             f"rollout max_staleness=1 needs the single-turn hf rollout, got {type(rollout).__name__}"

@@ -37,7 +37,7 @@ def _inside(path: str | None, directory: str) -> bool:
 
 def uses_demo_model(config: Any) -> bool:
     """Whether the run starts from the demo's model (``model.path`` its, no ``algorithm.model_path``)."""
-    from verl_trainer.configs.recipes import DEMO_MODEL_PATH
+    from verl_trainer.configs.recipes import DEMO_MODEL_PATH  # lazy: cycle with configs.recipes
 
     explicit = getattr(config.algorithm, "model_path", "")
     return not explicit and os.path.normpath(config.model.path) == os.path.normpath(DEMO_MODEL_PATH)

@@ -29,6 +29,7 @@ from verl_trainer.configs.demo_scope import apply_demo_scope
 from verl_trainer.configs.run_length import epochs_set_the_length
 from verl_trainer.configs.schema_keys import default_at
 from verl_trainer.configs.verl_keys import listed, translate_overrides
+from verl_trainer.recipes.configs import config_names, config_path
 
 __all__ = ["ConfigProblemsError", "config_to_yaml", "load_config", "parse_recipe_args",
            "resolve_config_file"]
@@ -168,7 +169,6 @@ def resolve_config_file(given: str | os.PathLike | None) -> tuple[str | os.PathL
     """
     if given is None or os.path.isfile(given):
         return given, []
-    from verl_trainer.recipes.configs import config_names, config_path
 
     parts = os.path.normpath(os.fspath(given)).split(os.sep)
     if len(parts) == 1 or (len(parts) == 2 and parts[0] == "configs"):

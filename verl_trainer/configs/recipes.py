@@ -23,10 +23,14 @@ from typing import Any
 from verl_trainer.algorithms.config import GRPOConfig, PPOConfig
 from verl_trainer.algorithms.data import DataConfig
 from verl_trainer.algorithms.sft import SFTConfig
+from verl_trainer.callbacks import ModelCheckpoint, ProgressBar
+from verl_trainer.callbacks.sequence_balancing import SequenceBalancing
 from verl_trainer.configs.callbacks import build_callbacks, check_callback_specs
 from verl_trainer.data.tasks import ArithmeticTaskConfig
-from verl_trainer.engine.config import EngineConfig, OptimConfig
+from verl_trainer.engine.checkpoint_dirs import STATE_FILE
+from verl_trainer.engine.config import DTYPES, EngineConfig, OptimConfig, to_dtype
 from verl_trainer.training.args import TrainerArgs
+from verl_trainer.training.loggers import WANDB_PROJECT, MLFlowLogger, make_wandb_logger
 
 NAMED_LOGGERS = frozenset({"wandb", "mlflow"})
 """Loggers that ``trainer.project_name`` / ``experiment_name`` name (verl: wandb and mlflow)."""
@@ -116,9 +120,7 @@ class TrainerConfig(TrainerArgs):
         A recipe's ``ProgressBar`` is left out when ``enable_progress_bar`` is false; with checkpointing on,
         a ``ModelCheckpoint`` built from :attr:`checkpoint` is added.
         """
-        from verl_trainer import Trainer
-        from verl_trainer.callbacks import ModelCheckpoint, ProgressBar
-        from verl_trainer.callbacks.sequence_balancing import SequenceBalancing
+        from verl_trainer import Trainer  # lazy: 23 more modules only when used
 
         show_bar = overrides.get("enable_progress_bar", self.enable_progress_bar)
         callbacks = [cb for cb in callbacks if show_bar or not isinstance(cb, ProgressBar)]
@@ -142,7 +144,6 @@ class TrainerConfig(TrainerArgs):
         """
         if self.project_name is None and self.experiment_name is None:
             return logger
-        from verl_trainer.training.loggers import WANDB_PROJECT, MLFlowLogger, make_wandb_logger
 
         items = logger if isinstance(logger, (list, tuple)) else [logger]
         if not NAMED_LOGGERS & {i for i in items if isinstance(i, str)}:
@@ -168,15 +169,11 @@ class TrainerConfig(TrainerArgs):
 
     def export_torch_dtype(self) -> Any:
         """``export_dtype`` as a ``torch.dtype`` for ``engine.save_hf(dtype=)`` (``None``: as stored)."""
-        from verl_trainer.engine.config import to_dtype
-
         if self.export_dtype == "auto":
             return to_dtype("bfloat16") if str(self.precision).startswith("bf16") else None
         return to_dtype(self.export_dtype)
 
     def __post_init__(self) -> None:
-        from verl_trainer.engine.checkpoint_dirs import STATE_FILE
-        from verl_trainer.engine.config import DTYPES
 
         if self.export_dtype != "auto" and self.export_dtype not in DTYPES:
             raise ValueError(f"trainer.export_dtype={self.export_dtype!r}; choose auto or one of "

@@ -200,7 +200,7 @@ def data_fingerprint(path: str | os.PathLike) -> Any:
     A local file's key is ``utils.cached_dir.fingerprint``'s; a cached hub dataset's is
     ``"hub:<id>@<commit>"`` (the commit fixes every file).
     """
-    from verl_trainer.utils.cached_dir import fingerprint
+    from verl_trainer.utils.cached_dir import fingerprint  # lazy: 7 more modules only when used
 
     key = fingerprint(path)
     ref = parse_hub_dataset(path) if key is None else None

@@ -41,6 +41,7 @@ from tensordict import NonTensorStack, TensorDict
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from verl_trainer.data import schema
+from verl_trainer.data.hub import parse_hub_dataset, read_hub_rows
 from verl_trainer.data.jsonl import read_json_rows
 from verl_trainer.data.schema import COLUMNS, DATA_SOURCE, EXTRA_INFO, GROUND_TRUTH
 
@@ -55,8 +56,6 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     A path that is not a local file but a hub dataset id (``org/name[:config][@split]``, split ``train`` by
     default) is read from the local HF cache (:mod:`verl_trainer.data.hub`).
     """
-    from verl_trainer.data.hub import parse_hub_dataset, read_hub_rows
-
     if parse_hub_dataset(path) is not None:
         return read_hub_rows(str(path))
     path = Path(path)

@@ -71,6 +71,8 @@ from verl_trainer.engine.heads import model_type_part
 from verl_trainer.engine.hooks import NO_HOOKS, StepHooks
 from verl_trainer.engine.micro_batch import prepare_micro_batches
 from verl_trainer.engine.topology import Topology
+from verl_trainer.export.hf_dir import save_hf_model
+from verl_trainer.export.sources import generation_config_of, tokenizer_dir
 from verl_trainer.utils.device import get_torch_device
 from verl_trainer.utils.distributed import all_reduce
 
@@ -580,9 +582,6 @@ class BaseEngine(ABC):
         Returns:
             ``str(path)``.
         """
-        from verl_trainer.export.hf_dir import save_hf_model
-        from verl_trainer.export.sources import generation_config_of, tokenizer_dir
-
         source = self.config.model_path
         if isinstance(tokenizer, str) and tokenizer == "model_path":
             tokenizer = tokenizer_dir(source)

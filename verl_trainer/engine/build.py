@@ -14,6 +14,10 @@ import torch
 
 from verl_trainer.engine.config import EngineConfig
 from verl_trainer.engine.heads import ModelType, attention_for
+from verl_trainer.models.attention import ensure_varlen_attention
+from verl_trainer.models.attention_autotune import agree_on_model_attention
+from verl_trainer.models.ulysses_attention import check_ulysses_compatible
+from verl_trainer.utils.device import get_torch_device
 from verl_trainer.utils.distributed import get_world_size, is_initialized
 
 if TYPE_CHECKING:
@@ -25,9 +29,6 @@ ModelFactory = Callable[[], torch.nn.Module]
 
 def _from_factory(factory: ModelFactory, config: EngineConfig) -> torch.nn.Module:
     """The factory's model with the engine's attention (and its heads checked against the SP size)."""
-    from verl_trainer.models.attention import ensure_varlen_attention
-    from verl_trainer.models.ulysses_attention import check_ulysses_compatible
-
     model = factory()
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise TypeError(
@@ -43,9 +44,6 @@ def _from_factory(factory: ModelFactory, config: EngineConfig) -> torch.nn.Modul
 
 def _agree_on_attention(model: torch.nn.Module, config: EngineConfig) -> None:
     """Choose the CPU attention path for the model's layout on every rank together (one collective)."""
-    from verl_trainer.models.attention_autotune import agree_on_model_attention
-    from verl_trainer.utils.device import get_torch_device
-
     split = config.ulysses_sequence_parallel_size * config.tensor_model_parallel_size
     agree_on_model_attention(model.config, get_torch_device(), split)
 
@@ -70,7 +68,11 @@ def build_model(
     _agree_on_attention(model, config)
     if factory is None and not config.lora_enabled:
         return model, None
-    from verl_trainer.engine.lora import LoRAAdapters, apply_lora, find_peft_model
+    from verl_trainer.engine.lora import (  # lazy: cycle with engine.lora
+        LoRAAdapters,
+        apply_lora,
+        find_peft_model,
+    )
 
     model = apply_lora(model, config, model_type.name)
     peft_model = find_peft_model(model)

@@ -236,7 +236,7 @@ def write_meta(directory: Path, meta: dict[str, Any], hf_config: Any = None, sou
         return
     (directory / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
     if hf_config is not None and hasattr(hf_config, "save_pretrained"):
-        from verl_trainer.export.sources import save_model_files
+        from verl_trainer.export.sources import save_model_files  # lazy: loads transformers only when used
 
         hf_config.save_pretrained(directory / HF_DIR)
         save_model_files(source, directory / HF_DIR)
@@ -312,7 +312,7 @@ class DCPCheckpointMixin:
         """Restore model, optimizer, scheduler and RNG from ``path``; returns ``meta.json``'s content."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        from verl_trainer.engine.safe_dcp import safe_dcp_load
+        from verl_trainer.engine.safe_dcp import safe_dcp_load  # lazy: loads torch DCP only when used
 
         directory = resolve_checkpoint_dir(path)
         meta = json.loads((directory / META).read_text()) if (directory / META).exists() else {}

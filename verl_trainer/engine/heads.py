@@ -37,6 +37,7 @@ from verl_trainer.data.packing import (
 from verl_trainer.engine.config import MODEL_TYPES, EngineConfig, to_dtype
 from verl_trainer.engine.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from verl_trainer.models.attention import VARLEN_ATTENTION, packed_forward
+from verl_trainer.models.loading import load_causal_lm, load_value_model
 from verl_trainer.models.ulysses_attention import ULYSSES_ATTENTION, check_ulysses_compatible
 from verl_trainer.models.ulysses_forward import ulysses_packed_log_probs, ulysses_packed_values
 from verl_trainer.utils.distributed import get_world_size, is_initialized
@@ -168,8 +169,6 @@ class LanguageModel(ModelType):
 
     def load(self, config: EngineConfig) -> torch.nn.Module:
         """Load the HF causal LM from ``config.model_path`` with padding-free attention."""
-        from verl_trainer.models.loading import load_causal_lm
-
         model = load_causal_lm(config.model_path, attn_implementation=attention_for(config),
                                torch_dtype=to_dtype(config.model_dtype))
         return _checked(model, config)
@@ -260,8 +259,6 @@ class ValueModel(ModelType):
 
     def load(self, config: EngineConfig) -> torch.nn.Module:
         """Load the value model from ``config.model_path``; a new head is seeded with ``config.seed``."""
-        from verl_trainer.models.loading import load_value_model
-
         model = load_value_model(
             config.model_path,
             attn_implementation=attention_for(config),

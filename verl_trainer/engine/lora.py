@@ -40,6 +40,7 @@ from verl_trainer.engine.lora_export import (
     lora_targets,
     merged_hf_tensors,
 )
+from verl_trainer.engine.lora_files import check_adapter_dir
 from verl_trainer.utils.distributed import barrier, get_rank
 
 VALUE_HEADS = ("score", "classifier")
@@ -141,7 +142,6 @@ def apply_lora(model: torch.nn.Module, config: EngineConfig, model_type: str) ->
     from peft import PeftModel, get_peft_model
 
     if config.lora_adapter_path is not None:
-        from verl_trainer.engine.lora_files import check_adapter_dir
 
         path = Path(config.lora_adapter_path)
         check_adapter_dir(path, getattr(model, "config", None), model_type)  # local files, before peft

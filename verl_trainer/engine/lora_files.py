@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from verl_trainer.models.source import resolve_model_path
 from verl_trainer.models.weight_files import check_safetensors
 from verl_trainer.utils.listing import first_of
 
@@ -81,7 +82,7 @@ def _expected_names(directory: Path, model_config: Any, model_type: str) -> set[
     from peft import LoraConfig, get_peft_model
     from peft.utils import get_peft_model_state_dict
 
-    from verl_trainer.export.hf_dir import auto_model_class
+    from verl_trainer.export.hf_dir import auto_model_class  # lazy: 7 more modules only when used
 
     config = copy.deepcopy(model_config)
     if model_type == "value_model":
@@ -143,8 +144,7 @@ def check_adapters(specs: dict[str, Any]) -> None:
     """
     from transformers import AutoConfig
 
-    from verl_trainer.engine.config import EngineSpec
-    from verl_trainer.models.source import resolve_model_path
+    from verl_trainer.engine.config import EngineSpec  # lazy: 44 more modules only when used
 
     for spec in specs.values():
         if not isinstance(spec, EngineSpec) or not spec.config.lora_adapter_path:

@@ -38,8 +38,9 @@ from verl_trainer.data.packing import pack_batch
 from verl_trainer.engine.compute import MicroBatchStep, ScheduleResult
 from verl_trainer.engine.config import EngineConfig, to_dtype
 from verl_trainer.engine.heads import ModelType
-from verl_trainer.engine.pipeline_stage import StageForward, make_stage, pad_packed
+from verl_trainer.engine.pipeline_stage import StageForward, check_pipeline_compatible, make_stage, pad_packed
 from verl_trainer.engine.topology import Topology
+from verl_trainer.models.source import resolve_model_path
 from verl_trainer.utils.distributed import all_gather_object, broadcast_object
 
 if TYPE_CHECKING:
@@ -60,8 +61,6 @@ def check_pipeline_model(config: EngineConfig, model_type: ModelType) -> None:
     """
     from transformers import AutoConfig
 
-    from verl_trainer.engine.pipeline_stage import check_pipeline_compatible
-    from verl_trainer.models.source import resolve_model_path
 
     hf_config = AutoConfig.from_pretrained(resolve_model_path(config.model_path))
     check_pipeline_compatible(hf_config, config.pipeline_model_parallel_size,

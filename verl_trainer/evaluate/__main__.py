@@ -19,8 +19,8 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, evaluate, print the table; returns the exit status."""
-    from verl_trainer.configs.loading import parse_recipe_args
-    from verl_trainer.evaluate.config import EvaluateConfig
+    from verl_trainer.configs.loading import parse_recipe_args  # lazy: loads transformers only when used
+    from verl_trainer.evaluate.config import EvaluateConfig  # lazy: loads transformers only when used
 
     args = list(sys.argv[1:] if argv is None else argv)
     positional = [a for a in args if "=" not in a and not a.startswith("-")]
@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
-    from verl_trainer.evaluate.run import evaluate, format_table
-    from verl_trainer.rewards.failures import RewardError
+    from verl_trainer.evaluate.run import evaluate, format_table  # lazy: loads transformers only when used
+    from verl_trainer.rewards.failures import RewardError  # lazy: 4 more modules only when used
 
     try:
         report = evaluate(cfg)

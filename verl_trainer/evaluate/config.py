@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from verl_trainer.algorithms.config import RewardConfig
 from verl_trainer.algorithms.data import DataConfig
+from verl_trainer.evaluate.samples import default_ks
 from verl_trainer.rollout.config import RolloutConfig
 from verl_trainer.training.loggers import validate_logger_spec
 
@@ -70,8 +71,6 @@ class EvalConfig:
     @property
     def ks(self) -> list[int]:
         """The budgets: :attr:`k`, or ``1, 2, 4, ..., n``."""
-        from verl_trainer.evaluate.samples import default_ks
-
         return sorted(set(self.k)) if self.k else default_ks(self.n)
 
 

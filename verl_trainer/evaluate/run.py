@@ -26,8 +26,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from verl_trainer.data.hub import parse_hub_dataset, resolve_hub_split, with_default_split
+from verl_trainer.data.prompts import PromptDataset
+from verl_trainer.data.schema import NON_TENSOR_KEYS, UID, non_tensor_lists
 from verl_trainer.evaluate.config import EvaluateConfig
 from verl_trainer.evaluate.samples import PromptSamples, metric_names, prompt_samples, summarize
+from verl_trainer.models.loading import load_tokenizer
+from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
+from verl_trainer.rewards import RewardFunctions, compute_rewards
+from verl_trainer.rollout import RESPONSE_TEXT, build_rollout
+from verl_trainer.training.loggers import WANDB_PROJECT, build_loggers, make_wandb_logger, plain_hparams
 
 __all__ = ["REPORT_KIND", "evaluate", "format_table", "hf_model_dir", "log_report", "write_report"]
 
@@ -45,8 +53,10 @@ def hf_model_dir(model: str) -> Iterator[str]:
     Raises:
         FileNotFoundError: ``model`` is neither (the message says what was looked for).
     """
-    from verl_trainer.export.convert import convert_checkpoint, find_engine_checkpoint
-    from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
+    from verl_trainer.export.convert import (  # lazy: 5 more modules only when used
+        convert_checkpoint,
+        find_engine_checkpoint,
+    )
 
     try:
         local = resolve_model_path(model, "model")
@@ -68,12 +78,6 @@ def hf_model_dir(model: str) -> Iterator[str]:
 
 
 def _sample_and_score(cfg: EvaluateConfig, model_dir: str) -> list[PromptSamples]:
-    from verl_trainer.data.hub import parse_hub_dataset, resolve_hub_split, with_default_split
-    from verl_trainer.data.prompts import PromptDataset
-    from verl_trainer.data.schema import NON_TENSOR_KEYS, UID, non_tensor_lists
-    from verl_trainer.models.loading import load_tokenizer
-    from verl_trainer.rewards import RewardFunctions, compute_rewards
-    from verl_trainer.rollout import RESPONSE_TEXT, build_rollout
 
     rewards = RewardFunctions(cfg.reward.name, cfg.reward.weights, cfg.reward.on_error)
     data = cfg.data
@@ -166,8 +170,6 @@ def flat_metrics(report: dict[str, Any], prefix: str = "eval") -> dict[str, floa
 
 def log_report(report: dict[str, Any], cfg: EvaluateConfig) -> None:
     """Log the report's numbers (step 0) and the config to ``eval.logger`` under ``eval.root_dir``."""
-    from verl_trainer.training.loggers import WANDB_PROJECT, build_loggers, make_wandb_logger, plain_hparams
-
     spec = cfg.eval.logger
     items = spec if isinstance(spec, (list, tuple)) else [spec]
     named = cfg.eval.project_name is not None or cfg.eval.experiment_name is not None

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="take the tokenizer from here when the checkpoint has none")
     args = parser.parse_args(argv)
 
-    from verl_trainer.export.convert import convert_checkpoint
+    from verl_trainer.export.convert import convert_checkpoint  # lazy: loads transformers only when used
 
     try:
         out = convert_checkpoint(args.ckpt_dir, args.out_dir, engine=args.engine,

@@ -28,9 +28,13 @@ from typing import Any
 
 import torch
 
-from verl_trainer.export.hf_dir import HFLayout, save_hf_model
+from verl_trainer.engine.checkpoint import HF_DIR, META
+from verl_trainer.export.hf_dir import HF_MODEL_KINDS, HFLayout, save_hf_model
 from verl_trainer.export.shards import parse_size
 from verl_trainer.export.sources import generation_config_of, tokenizer_dir
+from verl_trainer.utils.fs import ensure_replaceable
+from verl_trainer.utils.manifest import verify_manifest
+from verl_trainer.utils.safe_load import refusal
 
 __all__ = ["convert_checkpoint", "find_engine_checkpoint"]
 
@@ -43,7 +47,11 @@ def find_engine_checkpoint(path: str | os.PathLike, engine: str = "actor") -> Pa
     Raises:
         FileNotFoundError: Naming ``path``, what was looked for, and the engines it has.
     """
-    from verl_trainer.engine.checkpoint_dirs import ENGINES_DIR, STATE_FILE, find_last_checkpoint
+    from verl_trainer.engine.checkpoint_dirs import (  # lazy: 41 more modules only when used
+        ENGINES_DIR,
+        STATE_FILE,
+        find_last_checkpoint,
+    )
 
     root = Path(path)
     if not root.is_dir():
@@ -96,7 +104,10 @@ def _dcp_tensors(dcp_dir: Path, layout: HFLayout, shard_bytes: int) -> Iterator[
     """The model tensors of a DCP checkpoint, read in groups of at most ``shard_bytes`` (one process)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from verl_trainer.engine.safe_dcp import SafeFileSystemReader, safe_dcp_load
+    from verl_trainer.engine.safe_dcp import (  # lazy: loads torch DCP only when used
+        SafeFileSystemReader,
+        safe_dcp_load,
+    )
 
     metadata = SafeFileSystemReader(dcp_dir).read_metadata()
     stored = {key.removeprefix(MODEL_PREFIX): meta for key, meta in metadata.state_dict_metadata.items()
@@ -134,8 +145,10 @@ def _deepspeed_tensors(ds_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from verl_trainer.engine.deepspeed_checkpoint import CHECKPOINT_TAG, weights_only_torch_load
-    from verl_trainer.utils.safe_load import refusal
+    from verl_trainer.engine.deepspeed_checkpoint import (  # lazy: 40 more modules only when used
+        CHECKPOINT_TAG,
+        weights_only_torch_load,
+    )
 
     try:
         with weights_only_torch_load():
@@ -179,10 +192,6 @@ def convert_checkpoint(
     """
     from transformers import AutoConfig
 
-    from verl_trainer.engine.checkpoint import HF_DIR, META
-    from verl_trainer.export.hf_dir import HF_MODEL_KINDS
-    from verl_trainer.utils.fs import ensure_replaceable
-    from verl_trainer.utils.manifest import verify_manifest
 
     directory = find_engine_checkpoint(ckpt_dir, engine)
     _refuse_overlap(Path(ckpt_dir), Path(out_dir), directory)

@@ -126,7 +126,7 @@ def _write(tmp: Path, layout: HFLayout, named: Iterator[tuple[str, torch.Tensor]
         generation.save_pretrained(tmp)
     if tokenizer is not None:
         if isinstance(tokenizer, (str, os.PathLike)):
-            from verl_trainer.models.loading import load_tokenizer
+            from verl_trainer.models.loading import load_tokenizer  # lazy: loads transformers only when used
 
             tokenizer = load_tokenizer(tokenizer)
         tokenizer.save_pretrained(tmp)

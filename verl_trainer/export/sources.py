@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
 
 __all__ = ["TOKENIZER_FILES", "generation_config_of", "save_model_files", "tokenizer_dir"]
@@ -54,7 +55,6 @@ def save_model_files(source: str | os.PathLike | None, directory: str | os.PathL
     """
     tokenizer = tokenizer_dir(source)
     if tokenizer is not None:
-        from verl_trainer.models.loading import load_tokenizer
 
         load_tokenizer(tokenizer).save_pretrained(str(directory))
     generation = generation_config_of(source)

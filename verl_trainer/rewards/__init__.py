@@ -45,7 +45,7 @@ themselves stay light, so a scoring worker process (:mod:`verl_trainer.rewards.v
 
 def __getattr__(name: str) -> Any:
     if name in _COMPUTE:
-        from verl_trainer.rewards import compute
+        from verl_trainer.rewards import compute  # lazy: the package's lazy export
 
         return getattr(compute, name)
     raise AttributeError(f"module 'verl_trainer.rewards' has no attribute {name!r}")

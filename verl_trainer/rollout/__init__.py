@@ -100,7 +100,7 @@ def build_rollout(config: RolloutConfig, model: Any, tokenizer: Any = None) -> B
         if not isinstance(model, (str, Path)):
             raise ValueError("the vllm rollout loads from a checkpoint directory; pass a path")
         check_vllm_rollout(model, config.tensor_parallel_size)  # before vllm or any model loads
-        from verl_trainer.rollout.vllm_rollout import VLLMRollout
+        from verl_trainer.rollout.vllm_rollout import VLLMRollout  # lazy: vllm is optional
 
         rollout: BaseRollout = VLLMRollout(config, model, tokenizer)
     else:
@@ -112,7 +112,7 @@ def build_rollout(config: RolloutConfig, model: Any, tokenizer: Any = None) -> B
 
 def __getattr__(name: str) -> Any:
     if name == "VLLMRollout":
-        from verl_trainer.rollout.vllm_rollout import VLLMRollout
+        from verl_trainer.rollout.vllm_rollout import VLLMRollout  # lazy: vllm is optional
 
         return VLLMRollout
     raise AttributeError(f"module 'verl_trainer.rollout' has no attribute {name!r}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
 from verl_trainer.utils.cached_dir import fingerprint
 
 __all__ = ["WEIGHT_PATTERNS", "base_weights_fingerprint", "check_base_weights", "check_data",
@@ -35,7 +36,6 @@ def base_weights_fingerprint(engine: Any) -> dict[str, Any] | None:
     path = getattr(getattr(engine, "config", None), "model_path", None)
     if not getattr(engine, "has_adapters", False) or not path:
         return None
-    from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
 
     try:
         local = Path(resolve_model_path(path))
