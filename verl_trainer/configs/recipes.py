@@ -174,7 +174,6 @@ class TrainerConfig(TrainerArgs):
         return to_dtype(self.export_dtype)
 
     def __post_init__(self) -> None:
-
         if self.export_dtype != "auto" and self.export_dtype not in DTYPES:
             raise ValueError(f"trainer.export_dtype={self.export_dtype!r}; choose auto or one of "
                              f"{', '.join(sorted(DTYPES))}")

@@ -78,7 +78,6 @@ def hf_model_dir(model: str) -> Iterator[str]:
 
 
 def _sample_and_score(cfg: EvaluateConfig, model_dir: str) -> list[PromptSamples]:
-
     rewards = RewardFunctions(cfg.reward.name, cfg.reward.weights, cfg.reward.on_error)
     data = cfg.data
     prompts = str(data.val_files)
