@@ -308,6 +308,29 @@ def _write(plan: BucketPlan, units: torch.Tensor, i: int, part: torch.Tensor) ->
     rows.view(count, length, plan.heads_kv, -1).copy_(kv_major.transpose(1, 2))
 
 
+def _sdpa_layout(plan: BucketPlan, i: int, rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Token-major rows of sdpa bucket ``i`` ``[count * length * H_kv, F']`` as ``[count, heads, length, D]``.
+
+    A view: the sdpa inputs and output gradients cross the autograd functions in sdpa's layout, so the
+    per-bucket reshapes are not recorded (one autograd node per bucket: the sdpa call).
+    """
+    count, length = plan.shapes[i]
+    return rows.view(count, length, heads, -1).transpose(1, 2)
+
+
+def _rows_layout(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """``[count, h, length, D]`` (sdpa's layout) as token-major rows ``[count * length * H_kv, F']``.
+
+    The inverse of :func:`_sdpa_layout` (a copy unless already laid out as ``[count, length, h, D]``).
+    """
+    return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2] * heads_kv, -1)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``[1, H, N, D]`` -> ``[N, H * D]`` (free for HF's layout, a transposed ``[1, N, H, D]``)."""
+    return x.transpose(1, 2).reshape(x.shape[2], -1)
+
+
 def _units(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
     """Rows ``[N, F]`` as ``[N * H_kv, F / H_kv]`` (a view)."""
     return x.view(x.shape[0] * heads_kv, -1)
@@ -316,9 +339,10 @@ def _units(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
 class _Buckets(torch.autograd.Function):
     """Runs the short buckets and reads the sdpa buckets' rows.
 
-    Forward: ``(q [N, H * D], k [N, H_kv * D], v [N, H_kv * D_v])`` -> ``(out [N, H * D_v], *q_parts,
+    Forward: ``(q [1, H, N, D], k [1, H_kv, N, D], v [1, H_kv, N, D_v])`` -> ``(out [N, H * D_v], *q_parts,
     *k_parts, *v_parts)``: ``out`` holds the short buckets' rows (the sdpa buckets' rows are written
-    by :class:`_PutRows`); the parts are the sdpa buckets' rows ``[count * length * H_kv, F / H_kv]``.
+    by :class:`_PutRows`); the parts are the sdpa buckets' inputs in sdpa's layout (views), q
+    ``[count, H, length, D]``, k and v ``[count, H_kv, length, D]``.
     """
 
     @staticmethod
@@ -333,6 +357,8 @@ class _Buckets(torch.autograd.Function):
         is_causal: bool,
         window: int | None,
     ) -> tuple[torch.Tensor, ...]:
+        ctx.shapes = (query.shape, key.shape, value.shape)
+        query, key, value = (_rows(x) for x in (query, key, value))
         heads_kv, n = plan.heads_kv, query.shape[0]
         group = heads // heads_kv
         q, k, v = (_units(x, heads_kv) for x in (query, key, value))
@@ -352,7 +378,9 @@ class _Buckets(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.plan, ctx.scale = plan, scale
         ctx.widths = (query.shape[1], key.shape[1], value.shape[1])
-        return out, *(_read(plan, x, i) for x in (q, k, v) for i in plan.sdpa)
+        ctx.heads = (heads, heads_kv, heads_kv)
+        sources = zip((q, k, v), ctx.heads)
+        return out, *(_sdpa_layout(plan, i, _read(plan, x, i), h) for x, h in sources for i in plan.sdpa)
 
     @staticmethod
     def backward(
@@ -375,21 +403,27 @@ class _Buckets(torch.autograd.Function):
                 _write(plan, x, i, dx.view(-1, x.shape[1]))
         for x in units:
             for i in plan.sdpa:
-                _write(plan, x, i, next(parts))
-        return *grads, None, None, None, None, None
+                _write(plan, x, i, _rows_layout(next(parts), plan.heads_kv))
+        as_inputs = (g.view(1, n, h, d).transpose(1, 2) for g, (_, h, _, d) in zip(grads, ctx.shapes))
+        return *as_inputs, None, None, None, None, None
 
 
 class _PutRows(torch.autograd.Function):
-    """Writes the sdpa buckets' outputs into ``out`` (in place) next to the short buckets' rows."""
+    """Writes the sdpa buckets' outputs into ``out`` (in place) next to the short buckets' rows.
+
+    Forward: ``(plan, out [N, H * D_v], *outs)`` with ``outs`` the sdpa outputs ``[count, H, length, D_v]``;
+    the backward hands their gradients back in that layout (views of the output gradient's rows).
+    """
 
     @staticmethod
     def forward(
         ctx: Any, plan: BucketPlan, out: torch.Tensor, *parts: torch.Tensor
     ) -> torch.Tensor:
         ctx.plan = plan
+        ctx.heads = parts[0].shape[1]
         units = _units(out, plan.heads_kv)
         for i, part in zip(plan.sdpa, parts):
-            _write(plan, units, i, part)
+            _write(plan, units, i, _rows_layout(part, plan.heads_kv))
         ctx.mark_dirty(out)
         return out
 
@@ -399,12 +433,7 @@ class _PutRows(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan
         units = _units(grad.contiguous(), plan.heads_kv)
-        return None, grad, *(_read(plan, units, i) for i in plan.sdpa)
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``[1, H, N, D]`` -> ``[N, H * D]`` (free for HF's layout, a transposed ``[1, N, H, D]``)."""
-    return x.transpose(1, 2).reshape(x.shape[2], -1)  # not x[0]: its backward zero-fills a copy
+        return None, grad, *(_sdpa_layout(plan, i, _read(plan, units, i), ctx.heads) for i in plan.sdpa)
 
 
 def bucketed_varlen_attention(
@@ -453,24 +482,16 @@ def bucketed_varlen_attention(
         usable = use_matmul_attention(query.dtype, query.device, dropout, upcast=True)
         matmul_max = matmul_max_length if usable else 0
     plan = plan_buckets(lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
-    rows = (_rows(query), _rows(key), _rows(value))
-    out, *parts = _Buckets.apply(*rows, plan, heads, scale, is_causal, window)
-    long = [plan.shapes[i] for i in plan.sdpa]
+    out, *parts = _Buckets.apply(query, key, value, plan, heads, scale, is_causal, window)
+    n_sdpa = len(plan.sdpa)
     outs = []
-    qs, ks, vs = parts[: len(long)], parts[len(long) : 2 * len(long)], parts[2 * len(long) :]
-    for (count, length), q, k, v in zip(long, qs, ks, vs):
-        mask = None if window is None else sliding_window_mask(length, window, query.device)
-        o = F.scaled_dot_product_attention(
-            q.view(count, length, heads, -1).transpose(1, 2),
-            k.view(count, length, heads_kv, -1).transpose(1, 2),
-            v.view(count, length, heads_kv, dim_v).transpose(1, 2),
-            attn_mask=mask,
-            dropout_p=dropout,
-            is_causal=is_causal and mask is None,
-            scale=scale,
+    qs, ks, vs = parts[:n_sdpa], parts[n_sdpa : 2 * n_sdpa], parts[2 * n_sdpa :]
+    for i, q, k, v in zip(plan.sdpa, qs, ks, vs):  # q [count, H, length, D], k, v [count, H_kv, length, D]
+        mask = None if window is None else sliding_window_mask(plan.shapes[i][1], window, query.device)
+        outs.append(F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal and mask is None, scale=scale,
             enable_gqa=heads != heads_kv,
-        )  # [count, H, length, D_v], laid out as [count, length, H, D_v]
-        outs.append(o.transpose(1, 2).reshape(count * length * heads_kv, -1))
+        ))  # [count, H, length, D_v], laid out as [count, length, H, D_v]
     if outs:
         out = _PutRows.apply(plan, out, *outs)
     return out.view(1, n, heads, dim_v)
