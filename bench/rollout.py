@@ -55,6 +55,12 @@ SHAPES = {
     # Qwen2.5-0.5B's layers (hidden 896, 24 layers, 14 / 2 heads of 64) with the character vocabulary
     # (make_tiny_model ties the vocabulary to its tokenizer: 151,936 rows are not made here), fewer sequences
     "0.5b": Shape(896, 24, 14, 2, 4, 4, 64),
+    # between the realistic shape (3.1M decoder parameters) and 0.5B's layers (231M), where the `auto`
+    # rule's CPU threshold lies: 12 * 6 * 384^2 = 11M, 12 * 8 * 512^2 = 25M and 12 * 12 * 768^2 = 85M
+    # (GPT-2 small's layers)
+    "11m": Shape(384, 6, 6, 2, 4, 4, 64),
+    "25m": Shape(512, 8, 8, 2, 4, 4, 64),
+    "85m": Shape(768, 12, 12, 2, 4, 4, 64),
 }
 
 

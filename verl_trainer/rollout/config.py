@@ -30,7 +30,7 @@ class RolloutConfig:
         name: Backend: ``"hf"`` (transformers ``generate``, CPU or GPU), ``"vllm"`` (a colocated vLLM
             engine, CPU with the ``vllm`` extra or CUDA; ``docs/rollout.md``), or ``"auto"``: what measured
             faster where it runs (:func:`verl_trainer.rollout.resolve_rollout_name`: vllm where it is
-            installed and can run the model, on CUDA or for models of >= 100M decoder parameters on CPU).
+            installed and can run the model, on CUDA or for models of >= 25M decoder parameters on CPU).
         n: Samples per prompt (GRPO group size). The ``n`` samples of a prompt are adjacent in the
             output and share its ``uid``.
         temperature: Sampling temperature (> 0 when ``do_sample``).
