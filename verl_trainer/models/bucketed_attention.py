@@ -377,9 +377,7 @@ class _Buckets(torch.autograd.Function):
             saved += [qb, kb, vb, probs]
         ctx.save_for_backward(*saved)
         ctx.plan, ctx.scale = plan, scale
-        ctx.widths = (query.shape[1], key.shape[1], value.shape[1])
-        ctx.heads = (heads, heads_kv, heads_kv)
-        sources = zip((q, k, v), ctx.heads)
+        sources = zip((q, k, v), (heads, heads_kv, heads_kv))
         return out, *(_sdpa_layout(plan, i, _read(plan, x, i), h) for x, h in sources for i in plan.sdpa)
 
     @staticmethod
@@ -388,7 +386,7 @@ class _Buckets(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan
         n = grad_out.shape[0]
-        grads = [grad_out.new_empty(n, w) for w in ctx.widths]
+        grads = [grad_out.new_empty(n, h * d) for _, h, _, d in ctx.shapes]
         units = [_units(g, plan.heads_kv) for g in grads]
         dout = _units(grad_out.contiguous(), plan.heads_kv)
         saved = iter(ctx.saved_tensors)
