@@ -1,39 +1,51 @@
-"""Run untrusted Python code in a subprocess with CPU, memory, time and output limits, no network, a temp dir.
+"""Run model-written Python under a real isolation tool, with time, memory, process, disk and output limits.
 
-The one sandbox of the project (code-execution rewards use it; tools can): :func:`run_python` writes the
-code into a fresh temporary directory, runs ``python -I`` there (isolated mode: no user site, no
-``PYTHON*`` variables) with a minimal environment, and removes the directory afterwards. Limits
-(:class:`SandboxLimits`) are set in the child before it starts (``setrlimit``): address space
-(``memory_mb``), CPU seconds, file size, open files; the wall-clock ``timeout_s`` kills the child's whole
-process group. **Network**: the child runs in its own empty network namespace (``unshare -rn``: not even
-loopback) when the kernel allows unprivileged user namespaces; otherwise the socket module is disabled
-inside the interpreter before the code runs (``SandboxResult.network``: ``"namespace"`` or ``"python"`` —
-the latter stops ordinary code, not code that loads ``ctypes`` on purpose).
+The one sandbox of the project: code-execution rewards, the ``python`` tool and any user tool or
+environment that runs programs call :func:`run_python`. The program runs under nsjail or bubblewrap
+(:mod:`verl_trainer.rewards.jail`: which one, and the view of the machine it gives): it sees the
+interpreter's files read-only and a private ``tmpfs`` ``/tmp``, has no network (UNIX path sockets
+included), its own PID namespace (the trainer is not visible, so it cannot be signalled), uid 65534 with no
+capabilities, and dies with the trainer. Every process it starts ends when the call ends (the PID
+namespace's init is killed), whatever it did (``setsid``, double ``fork``).
+
+Where no isolation tool can run, :func:`run_python` and :func:`check_sandbox` raise
+:class:`~verl_trainer.rewards.jail.SandboxUnavailableError` naming the cause and the fix;
+``VERL_SANDBOX=none`` is the explicit opt-in to an unconfined child (resource limits only), warned about
+once per process. Clean-up never raises: the host side is one temporary directory the program cannot
+write to (its output goes to files there through inherited descriptors, capped by ``RLIMIT_FSIZE``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import logging
+import math
 import os
 import resource
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SandboxLimits", "SandboxResult", "network_isolation", "run_python"]
+from verl_trainer.rewards.jail import (
+    PROGRAM_DIR,
+    Isolation,
+    SandboxUnavailableError,
+    interpreter,
+    resolve_isolation,
+    run_under,
+)
 
-_NO_SOCKETS = """\
-import socket as _s
-def _blocked(*a, **k):
-    raise OSError("network access is disabled in the sandbox")
-_s.socket = _s.create_connection = _s.socketpair = _s.getaddrinfo = _blocked
-del _s, _blocked
-"""
+__all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailableError", "check_sandbox", "run_python"]
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -41,11 +53,16 @@ class SandboxLimits:
     """Limits of one sandboxed run.
 
     Attributes:
-        timeout_s: Wall-clock seconds before the process group is killed.
-        memory_mb: Address-space limit (``RLIMIT_AS``) in MiB.
-        cpu_s: CPU seconds (``RLIMIT_CPU``); ``None``: ``ceil(timeout_s) + 1``.
+        timeout_s: Wall-clock seconds before the program and all its processes are killed.
+        memory_mb: Memory in MiB: address space per process (``RLIMIT_AS``), and for all the program's
+            processes together where the tool runs it in a cgroup (``SandboxResult.isolation`` ends in
+            ``+cgroup``).
+        cpu_s: CPU seconds per process (``RLIMIT_CPU``); ``None``: ``ceil(timeout_s) + 1``.
         max_output_bytes: stdout / stderr kept (each); the rest is cut.
-        max_file_mb: Largest file the code may write (``RLIMIT_FSIZE``).
+        max_file_mb: Largest file the program may write (``RLIMIT_FSIZE``), its output included.
+        max_processes: Processes (and threads) the program may have at once (nsjail; bubblewrap: the time
+            limit bounds a fork loop instead).
+        disk_mb: Size of its private ``/tmp`` (all its files together).
     """
 
     timeout_s: float = 10.0
@@ -53,10 +70,14 @@ class SandboxLimits:
     cpu_s: int | None = None
     max_output_bytes: int = 1 << 20
     max_file_mb: int = 16
+    max_processes: int = 32
+    disk_mb: int = 64
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0 or self.memory_mb < 16 or (self.cpu_s is not None and self.cpu_s < 1):
-            raise ValueError(f"sandbox limits {self}: timeout_s must be > 0, memory_mb >= 16, cpu_s >= 1")
+        if (not self.timeout_s > 0 or self.memory_mb < 16 or (self.cpu_s is not None and self.cpu_s < 1)
+                or self.max_processes < 1 or self.disk_mb < 1 or self.max_file_mb < 1):
+            raise ValueError(f"sandbox limits {self}: timeout_s must be > 0, memory_mb >= 16, cpu_s >= 1, "
+                             "max_processes >= 1, disk_mb >= 1, max_file_mb >= 1")
 
 
 @dataclass
@@ -64,12 +85,14 @@ class SandboxResult:
     """What a sandboxed run did.
 
     Attributes:
-        returncode: The exit status (negative: killed by that signal).
+        returncode: The exit status (killed by a signal: negative under ``none``/bubblewrap, 128 + the
+            signal under nsjail).
         stdout: Its standard output (cut at ``max_output_bytes``).
         stderr: Its standard error (cut likewise).
         timed_out: It ran past ``timeout_s`` and was killed.
         duration_s: Wall-clock seconds.
-        network: How the network was cut: ``"namespace"`` or ``"python"``.
+        isolation: The tool: ``nsjail+cgroup``, ``nsjail``, ``bwrap`` or ``none``.
+        tool_log: What the isolation tool itself reported (empty when it had nothing to say).
     """
 
     returncode: int
@@ -77,7 +100,8 @@ class SandboxResult:
     stderr: str
     timed_out: bool
     duration_s: float
-    network: str
+    isolation: str
+    tool_log: str = ""
 
     @property
     def ok(self) -> bool:
@@ -86,22 +110,37 @@ class SandboxResult:
 
 
 @functools.cache
-def network_isolation() -> str:
-    """``"namespace"`` when ``unshare -rn`` works here (checked once), else ``"python"``."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return "python"
-    try:
-        done = subprocess.run([unshare, "-rn", "true"], capture_output=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "python"
-    return "namespace" if done.returncode == 0 else "python"
+def _warn_unconfined() -> None:
+    message = ("VERL_SANDBOX=none: model-written code (code rewards, the python tool) runs UNCONFINED, with "
+               "resource limits only: it can read and write what the trainer can, signal it and reach the "
+               "network. Unset VERL_SANDBOX to run it under nsjail or bubblewrap")
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    logger.warning(message)
 
 
-def _limit(limits: SandboxLimits) -> None:
-    """In the child, before ``exec``: resource limits (the new session is ``start_new_session``)."""
+def check_sandbox() -> Isolation:
+    """The isolation model-written code will run under; call before models load.
+
+    Warns once per process under ``VERL_SANDBOX=none``.
+
+    Raises:
+        ValueError: ``VERL_SANDBOX`` is not a known value.
+        SandboxUnavailableError: No isolation tool can run here (the cause and the fix named).
+    """
+    isolation = resolve_isolation()
+    if isolation.name == "none":
+        _warn_unconfined()
+    return isolation
+
+
+def _child_setup(limits: SandboxLimits, rlimits: bool) -> None:
+    """In the child, before ``exec``: die with the calling thread; the resource limits where needed."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if not rlimits:  # nsjail applies them inside the new user namespace
+        return
     memory = limits.memory_mb << 20
-    cpu = limits.cpu_s if limits.cpu_s is not None else int(limits.timeout_s) + 2
+    cpu = limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_mb << 20, limits.max_file_mb << 20))
@@ -109,44 +148,89 @@ def _limit(limits: SandboxLimits) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
+def _read(path: Path, limit: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _kill(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
+
+
+def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None,
+               isolation: Isolation | None = None) -> SandboxResult:
     """Run ``code`` as a Python program in the sandbox (see the module docstring).
 
     Args:
-        code: The program's source.
+        code: The program's source (run as ``python -I -B main.py`` by the base interpreter).
         stdin: Its standard input.
         limits: The limits (default :class:`SandboxLimits`).
+        isolation: The tool (default: :func:`check_sandbox`'s).
 
     Returns:
         The :class:`SandboxResult`.
+
+    Raises:
+        SandboxUnavailableError: No isolation tool can run here and ``VERL_SANDBOX=none`` is not set.
     """
     limits = limits or SandboxLimits()
-    network = network_isolation()
-    with tempfile.TemporaryDirectory(prefix="verl_sandbox_") as tmp:
-        program = Path(tmp) / "main.py"
-        program.write_text(code if network == "namespace" else _NO_SOCKETS + code, encoding="utf-8")
-        argv = [sys.executable, "-I", "-B", str(program)]
-        if network == "namespace":
-            argv = [shutil.which("unshare") or "unshare", "-rn", *argv]
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8",
-               "PYTHONIOENCODING": "utf-8"}
+    isolation = isolation or check_sandbox()
+    host = Path(tempfile.mkdtemp(prefix="verl_sandbox_"))
+    try:
+        program_dir = host / "program"
+        workdir = host / "work"
+        program_dir.mkdir()
+        workdir.mkdir()
+        (program_dir / "main.py").write_text(code, encoding="utf-8")
+        confined = isolation.name != "none"
+        main = f"{PROGRAM_DIR}/main.py" if confined else str(program_dir / "main.py")
+        argv = run_under(isolation, [interpreter(), "-I", "-B", main], str(program_dir), limits,
+                         str(host / "tool.log"))
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
+               "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
         started = time.monotonic()
-        # output goes to files in the sandbox directory, so RLIMIT_FSIZE caps it (a pipe would not)
-        with open(Path(tmp) / ".stdout", "w+b") as out, open(Path(tmp) / ".stderr", "w+b") as err:
-            process = subprocess.Popen(argv, cwd=tmp, env=env, stdin=subprocess.PIPE, stdout=out, stderr=err,
-                                       start_new_session=True, preexec_fn=functools.partial(_limit, limits))
-            timed_out = False
+        timed_out = False
+        with open(host / "stdout", "wb") as out, open(host / "stderr", "wb") as err:
+            process = subprocess.Popen(
+                argv, cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=out, stderr=err,
+                start_new_session=True,
+                preexec_fn=functools.partial(_child_setup, limits, isolation.name != "nsjail"),
+            )
             try:
-                process.communicate(stdin.encode("utf-8"), timeout=limits.timeout_s)
+                process.communicate(stdin.encode("utf-8", errors="replace"), timeout=limits.timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+                _kill(process)
             except BrokenPipeError:  # it exited without reading all of stdin
                 process.wait()
-            duration = time.monotonic() - started
-            out.seek(0)
-            err.seek(0)
-            stdout, stderr = out.read(limits.max_output_bytes), err.read(limits.max_output_bytes)
-        return SandboxResult(process.returncode, stdout.decode("utf-8", errors="replace"),
-                             stderr.decode("utf-8", errors="replace"), timed_out, duration, network)
+            finally:
+                if process.returncode is None:
+                    _kill(process)
+        if isolation.name == "none":
+            _kill_group_left(process.pid)
+        return SandboxResult(
+            returncode=process.returncode,
+            stdout=_read(host / "stdout", limits.max_output_bytes),
+            stderr=_read(host / "stderr", limits.max_output_bytes),
+            timed_out=timed_out,
+            duration_s=time.monotonic() - started,
+            isolation=isolation.label,
+            tool_log=_read(host / "tool.log", 1 << 14),
+        )
+    finally:
+        shutil.rmtree(host, ignore_errors=True)
+
+
+def _kill_group_left(pgid: int) -> None:
+    """Unconfined runs: kill what is left of the program's process group (a daemon can still escape)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

