@@ -16,7 +16,8 @@ STDIN_CASES = {"inputs": ["1 2\n", "3 4\n", "5 5\n"], "outputs": ["3\n", "7\n", 
 
 def test_stdin_tests_fraction_passed_from_the_ground_truth_json():
     out = default_compute_score("codecontests", ADD, json.dumps(STDIN_CASES))
-    assert out == {"score": pytest.approx(2 / 3), "acc": 0.0, "tests": 3.0}
+    assert out == {"score": pytest.approx(2 / 3), "acc": 0.0, "tests": 3.0, "code_errors": 0.0,
+                   "code_timeouts": 0.0}
 
 
 def test_call_based_tests_from_extra_info():
@@ -28,9 +29,10 @@ def test_call_based_tests_from_extra_info():
 
 def test_crashing_looping_and_missing_programs_pass_nothing():
     limits = SandboxLimits(timeout_s=2.0)
-    assert code_score("```python\nraise SystemExit(3)\n```", STDIN_CASES, limits=limits)["score"] == 0.0
-    assert code_score("```python\nwhile True: pass\n```", {"inputs": ["1"], "outputs": ["1"]},
-                      limits=limits)["score"] == 0.0
+    crashed = code_score("```python\nraise SystemExit(3)\n```", STDIN_CASES, limits=limits)
+    assert crashed["score"] == 0.0 and crashed["code_errors"] == 3.0 and crashed["code_timeouts"] == 0.0
+    looped = code_score("```python\nwhile True: pass\n```", {"inputs": ["1"], "outputs": ["1"]}, limits=limits)
+    assert looped["score"] == 0.0 and looped["code_timeouts"] == looped["code_errors"] == 1.0
     assert code_score("no code at all", {"fn_name": "f", "inputs": [[1]], "outputs": [1]}, limits=limits)[
         "score"] == 0.0
 

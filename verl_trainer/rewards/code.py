@@ -7,11 +7,11 @@ it, else from the ground truth; a dict or its JSON string::
     {"fn_name": "add", "inputs": [[1, 2], [3, 4]], "outputs": [3, 7]}             # call-based
 
 The program is the last fenced code block of the response (```` ```python ```` preferred), else the whole
-response. Each test runs in its own :func:`verl_trainer.rewards.sandbox.run_python` (time, CPU, memory
-limits; no network; a temp dir). stdin tests compare stdout line by line with trailing white space
-ignored; call-based tests call ``fn_name`` (a module-level function, or a method of ``class Solution``)
-with the input's items and compare the JSON of the result with the expected value (or its one-element
-list, APPS' layout).
+response. Each test runs in its own :func:`verl_trainer.rewards.sandbox.run_python` (under nsjail or
+bubblewrap: no file of the host but the interpreter's, no network, time, memory, process and disk limits).
+stdin tests compare stdout line by line with trailing white space ignored; call-based tests call
+``fn_name`` (a module-level function, or a method of ``class Solution``) with the input's items and compare
+the JSON of the result with the expected value (or its one-element list, APPS' layout).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from verl_trainer.rewards.sandbox import SandboxLimits, run_python
+from verl_trainer.rewards.sandbox import SandboxLimits, SandboxResult, run_python
 
 __all__ = ["CODE_DATA_SOURCES", "code_score", "extract_code", "load_test_cases"]
 
@@ -79,21 +79,23 @@ def _lines(text: str) -> list[str]:
     return [line for line in lines if line]
 
 
-def _passes(program: str, test_input: Any, expected: Any, fn_name: str | None, limits: SandboxLimits) -> bool:
+def _run_test(program: str, test_input: Any, expected: Any, fn_name: str | None,
+              limits: SandboxLimits) -> tuple[bool, SandboxResult]:
+    """Whether the program passes one test, and its run."""
     if fn_name:
         args = test_input if isinstance(test_input, list) else [test_input]
         result = run_python(program + _CALL_HARNESS.format(name=fn_name), json.dumps(args), limits)
         if not result.ok:
-            return False
+            return False, result
         try:
             got = json.loads(result.stdout.strip().splitlines()[-1])
         except (json.JSONDecodeError, IndexError):
-            return False
-        return got == expected or [got] == expected
+            return False, result
+        return got == expected or [got] == expected, result
     stdin = test_input if isinstance(test_input, str) else "\n".join(map(str, test_input))
     result = run_python(program, stdin, limits)
     want = expected if isinstance(expected, str) else "\n".join(map(str, expected))
-    return result.ok and _lines(result.stdout) == _lines(want)
+    return result.ok and _lines(result.stdout) == _lines(want), result
 
 
 def code_score(solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None,
@@ -104,15 +106,26 @@ def code_score(solution_str: str, ground_truth: Any, extra_info: Mapping[str, An
         solution_str: The response.
         ground_truth: Test cases (see the module docstring), unless ``extra_info["test_cases"]`` has them.
         extra_info: The row's ``extra_info``.
-        limits: Sandbox limits per test (default: 10 s, 1 GiB).
+        limits: Sandbox limits per test (default: :class:`SandboxLimits`: 10 s, 1 GiB, 32 processes).
 
     Returns:
-        ``{"score": passed / tests, "acc": 1 when all passed, "tests": tests}``.
+        ``{"score": passed / tests, "acc": 1 when all passed, "tests": tests, "code_errors": tests whose
+        program exited non-zero or was killed, "code_timeouts": tests it ran past the time limit}`` (the
+        last two are logged as ``reward/code_errors`` and ``reward/code_timeouts``, means per sample).
+
+    Raises:
+        SandboxUnavailableError: No isolation tool can run here (``VERL_SANDBOX=none`` not set).
     """
     cases = load_test_cases(ground_truth, extra_info)
     program = extract_code(solution_str)
     fn_name = cases.get("fn_name") or None
     limits = limits or SandboxLimits()
-    passed = sum(_passes(program, i, o, fn_name, limits) for i, o in zip(cases["inputs"], cases["outputs"]))
+    passed = errors = timeouts = 0
+    for test_input, expected in zip(cases["inputs"], cases["outputs"]):
+        ok, result = _run_test(program, test_input, expected, fn_name, limits)
+        passed += ok
+        errors += result.returncode != 0 or result.timed_out
+        timeouts += result.timed_out
     total = len(cases["inputs"])
-    return {"score": passed / total, "acc": float(passed == total), "tests": float(total)}
+    return {"score": passed / total, "acc": float(passed == total), "tests": float(total),
+            "code_errors": float(errors), "code_timeouts": float(timeouts)}

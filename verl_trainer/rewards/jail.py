@@ -183,6 +183,24 @@ def _cgroup_v1_ready() -> bool:
     return True
 
 
+def remove_stale_cgroups() -> None:
+    """Remove the empty per-run cgroups (``NSJAIL.<pid>``) whose process is gone.
+
+    nsjail removes its own, unless it was killed with SIGKILL.
+    """
+    for controller in ("memory", "pids"):
+        for cgroup in (_V1_ROOT / controller / CGROUP_PARENT).glob("NSJAIL.*"):
+            try:
+                os.kill(int(cgroup.name.split(".", 1)[1]), 0)
+            except ProcessLookupError:
+                try:
+                    cgroup.rmdir()  # the kernel refuses a cgroup that still has processes
+                except OSError:
+                    pass
+            except (ValueError, PermissionError):
+                pass
+
+
 def _probe(isolation: Isolation) -> str | None:
     """Run a program under ``isolation``; ``None`` when it ran, else the tool's complaint."""
     from verl_trainer.rewards.sandbox import SandboxLimits, run_python  # lazy: sandbox imports this module
@@ -248,7 +266,8 @@ def run_under(isolation: Isolation, argv: list[str], program_dir: str, limits: S
               log_path: str) -> list[str]:
     """The full command for ``argv`` under ``isolation`` (``none``: ``argv`` itself)."""
     if isolation.name == "nsjail":
-        return nsjail_argv(isolation.binary or "nsjail", program_dir, argv, limits, isolation.cgroup, log_path)
+        binary = isolation.binary or "nsjail"
+        return nsjail_argv(binary, program_dir, argv, limits, isolation.cgroup, log_path)
     if isolation.name == "bwrap":
         return bwrap_argv(isolation.binary or "bwrap", program_dir, argv, limits)
     return argv

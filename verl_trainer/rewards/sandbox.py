@@ -37,6 +37,7 @@ from verl_trainer.rewards.jail import (
     Isolation,
     SandboxUnavailableError,
     interpreter,
+    remove_stale_cgroups,
     resolve_isolation,
     run_under,
 )
@@ -46,6 +47,7 @@ __all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailableError", "check_s
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_NSJAIL_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -156,12 +158,22 @@ def _read(path: Path, limit: int) -> str:
         return ""
 
 
-def _kill(process: subprocess.Popen) -> None:
+def _kill(process: subprocess.Popen, isolation: Isolation) -> None:
+    """End a run: nsjail gets SIGTERM first (it kills the jail and removes its cgroup), then SIGKILL."""
+    if isolation.name == "nsjail":
+        process.terminate()
+        try:
+            process.wait(_NSJAIL_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     process.wait()
+    if isolation.cgroup:
+        remove_stale_cgroups()
 
 
 def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None,
@@ -207,12 +219,12 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None,
                 process.communicate(stdin.encode("utf-8", errors="replace"), timeout=limits.timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                _kill(process)
+                _kill(process, isolation)
             except BrokenPipeError:  # it exited without reading all of stdin
                 process.wait()
             finally:
                 if process.returncode is None:
-                    _kill(process)
+                    _kill(process, isolation)
         if isolation.name == "none":
             _kill_group_left(process.pid)
         return SandboxResult(
