@@ -31,7 +31,8 @@ def test_crashing_looping_and_missing_programs_pass_nothing():
     limits = SandboxLimits(timeout_s=2.0)
     crashed = code_score("```python\nraise SystemExit(3)\n```", STDIN_CASES, limits=limits)
     assert crashed["score"] == 0.0 and crashed["code_errors"] == 3.0 and crashed["code_timeouts"] == 0.0
-    looped = code_score("```python\nwhile True: pass\n```", {"inputs": ["1"], "outputs": ["1"]}, limits=limits)
+    looped = code_score("```python\nwhile True: pass\n```", {"inputs": ["1"], "outputs": ["1"]},
+                        limits=limits)
     assert looped["score"] == 0.0 and looped["code_timeouts"] == looped["code_errors"] == 1.0
     assert code_score("no code at all", {"fn_name": "f", "inputs": [[1]], "outputs": [1]}, limits=limits)[
         "score"] == 0.0
