@@ -27,8 +27,8 @@ import verl_trainer
 from verl_trainer.agents import builtin_tools
 from verl_trainer.agents.tools import ToolError
 from verl_trainer.rewards import default_compute_score
-from verl_trainer.rewards.jail import Isolation, _bwrap_binary, _nsjail_binary, resolve_isolation
-from verl_trainer.rewards.sandbox import SandboxLimits, run_python
+from verl_trainer.rewards.jail import Isolation, _bwrap_binary, _nsjail_binary
+from verl_trainer.rewards.sandbox import SandboxLimits, resolve_isolation, run_python
 
 LIMITS = SandboxLimits(timeout_s=3.0, memory_mb=256, max_processes=16, disk_mb=8)
 SLEEPER = "import time; time.sleep(600)"

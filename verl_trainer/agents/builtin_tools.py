@@ -3,7 +3,8 @@
 ``calculator`` evaluates arithmetic (``+ - * / // % **``, parentheses, unary minus) by walking the
 expression's syntax tree (no ``eval``); ``python`` runs code through
 :func:`verl_trainer.rewards.sandbox.run_python` (the project's one sandbox, shared with the code-execution
-rewards). Both are named in configs as ``verl_trainer.agents.builtin_tools:calculator`` / ``:python``.
+rewards: nsjail or bubblewrap, see :mod:`verl_trainer.rewards.jail`). Both are named in configs as
+``verl_trainer.agents.builtin_tools:calculator`` / ``:python``.
 """
 
 from __future__ import annotations
@@ -74,3 +75,6 @@ def python(code: str) -> str:
     if result.returncode != 0:
         raise ToolError(f"exit status {result.returncode}: {result.stderr.strip()[-1000:]}")
     return result.stdout
+
+
+python.uses_sandbox = True  # type: ignore[attr-defined]  (resolve_tools checks the sandbox before models load)

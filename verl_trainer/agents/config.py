@@ -9,6 +9,7 @@ from typing import Any
 from verl_trainer.agents.environment import Environment
 from verl_trainer.agents.parsers import TOOL_CALL_PARSERS
 from verl_trainer.agents.tools import Tool, as_tool
+from verl_trainer.rewards.sandbox import check_sandbox
 from verl_trainer.utils.registry import load_object
 
 __all__ = ["MultiTurnConfig", "prompt_tool_schemas", "resolve_environment", "resolve_tools"]
@@ -72,13 +73,19 @@ class MultiTurnConfig:
 def resolve_tools(specs: list[Any]) -> list[Tool]:
     """The :class:`Tool` objects ``specs`` name (strings are loaded with the reward loader).
 
+    A tool that runs model-written code (its function or class has ``uses_sandbox = True``, like the
+    built-in ``python``) makes the sandbox check its isolation tool here.
+
     Raises:
         ValueError: A name that does not load, an object that is not a tool, or two tools of one name.
+        SandboxUnavailableError: A tool uses the sandbox and no isolation tool can run here.
     """
     tools: list[Tool] = []
     for spec in specs:
         obj = load_object(spec, "tool") if isinstance(spec, str) else spec
         tools.append(as_tool(obj))
+    if any(getattr(getattr(t, "fn", t), "uses_sandbox", False) for t in tools):
+        check_sandbox()  # model-written code will run: refuse now (or warn, VERL_SANDBOX=none), not mid-run
     names = [t.name for t in tools]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

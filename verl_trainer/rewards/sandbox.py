@@ -36,13 +36,16 @@ from verl_trainer.rewards.jail import (
     PROGRAM_DIR,
     Isolation,
     SandboxUnavailableError,
+    candidates,
     interpreter,
     remove_stale_cgroups,
-    resolve_isolation,
+    requested_isolation,
     run_under,
+    unavailable,
 )
 
-__all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailableError", "check_sandbox", "run_python"]
+__all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailableError", "check_sandbox", "resolve_isolation",
+           "run_python"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +121,40 @@ def _warn_unconfined() -> None:
                "network. Unset VERL_SANDBOX to run it under nsjail or bubblewrap")
     warnings.warn(message, RuntimeWarning, stacklevel=3)
     logger.warning(message)
+
+
+def _probe(isolation: Isolation) -> str | None:
+    """Run a program under ``isolation``; ``None`` when it ran, else what went wrong."""
+    try:
+        result = run_python("print('ok')", limits=SandboxLimits(timeout_s=30), isolation=isolation)
+    except OSError as err:
+        return str(err)
+    if result.ok and result.stdout.strip() == "ok":
+        return None
+    return (result.stderr or result.tool_log or f"exit status {result.returncode}").strip()[-300:]
+
+
+@functools.cache
+def _resolve(requested: str) -> Isolation:
+    options, tried = candidates(requested)
+    for option in options:
+        if option.name == "none":
+            return option
+        problem = _probe(option)
+        if problem is None:
+            return option
+        tried.append(f"{option.label} ({option.binary}): {problem}")
+    raise unavailable(requested, tried)
+
+
+def resolve_isolation() -> Isolation:
+    """The isolation tool of this process (``VERL_SANDBOX``; each candidate probed once, then cached).
+
+    Raises:
+        ValueError: ``VERL_SANDBOX`` is not a known value.
+        SandboxUnavailableError: No requested tool can run here (the cause and the fix named).
+    """
+    return _resolve(requested_isolation())
 
 
 def check_sandbox() -> Isolation:

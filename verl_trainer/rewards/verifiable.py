@@ -41,6 +41,7 @@ from verl_trainer.rewards.rule_based import (
     math_reward,
     parse_number,
 )
+from verl_trainer.rewards.sandbox import check_sandbox
 from verl_trainer.utils.timeout_pool import CallFailedError, CallTimeoutError, TimeoutPool
 
 __all__ = [
@@ -118,6 +119,7 @@ def check_data_sources(sources: Iterable[str]) -> None:
     Raises:
         ValueError: An unknown data source (the known ones listed).
         ImportError: A MATH-style source without the ``math-verify`` package (the extra to install named).
+        SandboxUnavailableError: A code source, and no isolation tool can run programs here.
     """
     unknown = sorted({str(s) for s in sources} - set(_SCORERS))
     if unknown:
@@ -126,6 +128,8 @@ def check_data_sources(sources: Iterable[str]) -> None:
             f"{list(KNOWN_DATA_SOURCES)}. Rename the data_source column to one of them, or give your own "
             "reward function (algorithm.reward.name=my_reward.py:compute_score)"
         )
+    if any(str(s) in CODE_DATA_SOURCES for s in sources):
+        check_sandbox()
     if any(str(s) in _MATH for s in sources) and not _has_math_verify():
         raise ImportError("default_compute_score scores MATH-style data sources with the math-verify "
                           "package, which is not installed: pip install 'verl-trainer[rewards]' (or "
