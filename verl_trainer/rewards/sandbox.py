@@ -50,6 +50,8 @@ __all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailableError", "check_s
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+"""Looked up here, not in the forked child (no dynamic loading between ``fork`` and ``exec``)."""
 _NSJAIL_GRACE_S = 2.0
 
 
@@ -174,8 +176,7 @@ def check_sandbox() -> Isolation:
 
 def _child_setup(limits: SandboxLimits, rlimits: bool) -> None:
     """In the child, before ``exec``: die with the calling thread; the resource limits where needed."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if not rlimits:  # nsjail applies them inside the new user namespace
         return
     memory = limits.memory_mb << 20
