@@ -39,3 +39,13 @@ def test_bad_limits():
         SandboxLimits(timeout_s=0)
     with pytest.raises(ValueError, match="max_processes >= 1"):
         SandboxLimits(max_processes=0)
+
+
+def test_without_util_linux_the_child_sets_its_own_limits(monkeypatch):
+    from verl_trainer.rewards import sandbox
+    from verl_trainer.rewards.jail import Isolation, candidates
+
+    monkeypatch.setattr(sandbox, "_util_linux", lambda: None)
+    for isolation in [*candidates("auto")[0], Isolation("none")]:
+        result = run_python("x = bytearray(512 << 20)", "", SandboxLimits(memory_mb=128), isolation)
+        assert result.returncode != 0 and "MemoryError" in result.stderr, (isolation, result)

@@ -329,3 +329,30 @@ def test_signals_are_not_the_trainers(isolation):
     result = run_python("import os, signal\nos.killpg(0, signal.SIGSTOP)\nprint('after')", limits=LIMITS,
                         isolation=isolation)
     assert result.duration_s < 30 and signal.SIGSTOP
+
+
+def test_the_program_dies_with_the_trainer(isolation):
+    """The trainer killed with SIGKILL mid-call: the program and what it started are gone too."""
+    marker = f"verl-orphan-{uuid.uuid4().hex}"
+    code = ("import os, sys\nif os.fork() == 0:\n    os.setsid()\n"
+            f"    os.execv(sys.executable, [sys.executable, '-c', {SLEEPER!r}, {marker!r}])\n"
+            "import time\ntime.sleep(600)\n")
+    trainer = ("import sys\nfrom verl_trainer.rewards.sandbox import SandboxLimits, run_python\n"
+               f"run_python({code!r}, limits=SandboxLimits(timeout_s=600))\n")
+    env = {**os.environ, "VERL_SANDBOX": isolation.name}
+    proc = subprocess.Popen([sys.executable, "-c", trainer], env=env)
+    try:
+        for _ in range(600):
+            if cmdlines_with(marker):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the program never started")
+    finally:
+        proc.kill()
+        proc.wait()
+    for _ in range(100):
+        if not cmdlines_with(marker):
+            break
+        time.sleep(0.1)
+    assert cmdlines_with(marker) == []

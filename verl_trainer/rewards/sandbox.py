@@ -174,18 +174,46 @@ def check_sandbox() -> Isolation:
     return isolation
 
 
-def _child_setup(limits: SandboxLimits, rlimits: bool) -> None:
-    """In the child, before ``exec``: die with the calling thread; the resource limits where needed."""
-    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if not rlimits:  # nsjail applies them inside the new user namespace
-        return
-    memory = limits.memory_mb << 20
+def _rlimits(limits: SandboxLimits) -> dict[int, int]:
+    """The per-process limits (bubblewrap and ``none``; nsjail sets its own inside the jail)."""
     cpu = limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_mb << 20, limits.max_file_mb << 20))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    return {resource.RLIMIT_AS: limits.memory_mb << 20, resource.RLIMIT_CPU: cpu,
+            resource.RLIMIT_FSIZE: limits.max_file_mb << 20, resource.RLIMIT_NOFILE: 64,
+            resource.RLIMIT_CORE: 0}
+
+
+_PRLIMIT_FLAGS = {resource.RLIMIT_AS: "--as", resource.RLIMIT_CPU: "--cpu", resource.RLIMIT_FSIZE: "--fsize",
+                  resource.RLIMIT_NOFILE: "--nofile", resource.RLIMIT_CORE: "--core"}
+
+
+@functools.cache
+def _util_linux() -> tuple[str, str] | None:
+    setpriv, prlimit = shutil.which("setpriv"), shutil.which("prlimit")
+    return (setpriv, prlimit) if setpriv and prlimit else None
+
+
+def _launcher(limits: SandboxLimits, isolation: Isolation) -> list[str] | None:
+    """``setpriv --pdeathsig KILL -- [prlimit ... --]``, or ``None`` where util-linux's tools are missing.
+
+    The child dies with the calling thread and gets its limits through these tools exec'd in front of it.
+    A ``preexec_fn`` would do the same but makes ``subprocess`` fork the whole trainer instead of
+    ``vfork``: measured 57 vs 36 ms per call from a process of 0.5 GB.
+    """
+    tools = _util_linux()
+    if tools is None:
+        return None
+    prefix = [tools[0], "--pdeathsig", "KILL", "--"]
+    if isolation.name != "nsjail":
+        prefix += [tools[1], *(f"{_PRLIMIT_FLAGS[k]}={v}" for k, v in _rlimits(limits).items()), "--"]
+    return prefix
+
+
+def _child_setup(limits: SandboxLimits, isolation: Isolation) -> None:
+    """The :func:`_launcher` fallback, in the child before ``exec``."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if isolation.name != "nsjail":
+        for kind, value in _rlimits(limits).items():
+            resource.setrlimit(kind, (value, value))
 
 
 def _read(path: Path, limit: int) -> str:
@@ -243,6 +271,8 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None,
         main = f"{PROGRAM_DIR}/main.py" if confined else str(program_dir / "main.py")
         argv = run_under(isolation, [interpreter(), "-I", "-B", main], str(program_dir), limits,
                          str(host / "tool.log"))
+        launcher = _launcher(limits, isolation)
+        argv = [*(launcher or []), *argv]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
                "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
         started = time.monotonic()
@@ -251,7 +281,7 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None,
             process = subprocess.Popen(
                 argv, cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=out, stderr=err,
                 start_new_session=True,
-                preexec_fn=functools.partial(_child_setup, limits, isolation.name != "nsjail"),
+                preexec_fn=None if launcher else functools.partial(_child_setup, limits, isolation),
             )
             try:
                 process.communicate(stdin.encode("utf-8", errors="replace"), timeout=limits.timeout_s)
