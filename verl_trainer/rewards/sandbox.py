@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -242,6 +243,31 @@ def _kill(process: subprocess.Popen, isolation: Isolation) -> None:
         remove_stale_cgroups()
 
 
+def _wait(process: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for ``process`` to exit; ``True`` when it did.
+
+    Waits on a pidfd (Linux 5.3+), which wakes at the exit; ``Popen.wait(timeout)`` polls with sleeps of up
+    to 50 ms, which measured ~60 ms per call here.
+    """
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):
+        try:
+            process.wait(timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        exited = bool(poller.poll(timeout_s * 1000))
+    finally:
+        os.close(pidfd)
+    if exited:
+        process.wait()
+    return exited
+
+
 def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None,
                isolation: Isolation | None = None) -> SandboxResult:
     """Run ``code`` as a Python program in the sandbox (see the module docstring).
@@ -262,34 +288,26 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None,
     isolation = isolation or check_sandbox()
     host = Path(tempfile.mkdtemp(prefix="verl_sandbox_"))
     try:
-        program_dir = host / "program"
-        workdir = host / "work"
+        program_dir = host / "program"  # the only host directory the program sees (read-only)
         program_dir.mkdir()
-        workdir.mkdir()
         (program_dir / "main.py").write_text(code, encoding="utf-8")
-        confined = isolation.name != "none"
-        main = f"{PROGRAM_DIR}/main.py" if confined else str(program_dir / "main.py")
+        (host / "stdin").write_bytes(stdin.encode("utf-8", errors="replace"))
+        main = str(program_dir / "main.py") if isolation.name == "none" else f"{PROGRAM_DIR}/main.py"
         argv = run_under(isolation, [interpreter(), "-I", "-B", main], str(program_dir), limits,
                          str(host / "tool.log"))
         launcher = _launcher(limits, isolation)
-        argv = [*(launcher or []), *argv]
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
-               "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(program_dir), "TMPDIR": str(program_dir),
+               "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}  # what an unconfined child sees
         started = time.monotonic()
-        timed_out = False
-        with open(host / "stdout", "wb") as out, open(host / "stderr", "wb") as err:
+        with open(host / "stdin", "rb") as inp, open(host / "stdout", "wb") as out, \
+                open(host / "stderr", "wb") as err:
             process = subprocess.Popen(
-                argv, cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=out, stderr=err,
+                [*(launcher or []), *argv], cwd=program_dir, env=env, stdin=inp, stdout=out, stderr=err,
                 start_new_session=True,
                 preexec_fn=None if launcher else functools.partial(_child_setup, limits, isolation),
             )
             try:
-                process.communicate(stdin.encode("utf-8", errors="replace"), timeout=limits.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill(process, isolation)
-            except BrokenPipeError:  # it exited without reading all of stdin
-                process.wait()
+                timed_out = not _wait(process, limits.timeout_s)
             finally:
                 if process.returncode is None:
                     _kill(process, isolation)
