@@ -161,11 +161,11 @@ class DaemonCalls:
             One entry per call, in order: its return value, the exception it raised, or an
             :class:`AbandonedCallError` (past the limit, or refused while too many abandoned calls run).
         """
-        return [value if error is None else error for value, error in self._outcomes(calls, timeout_s)]
+        return [value if error is None else error for value, error in self.outcomes(calls, timeout_s)]
 
-    def _outcomes(self, calls: Sequence[Callable[[], Any]], timeout_s: float
+    def outcomes(self, calls: Sequence[Callable[[], Any]], timeout_s: float
                   ) -> list[tuple[Any, BaseException | None]]:
-        """``(value, None)`` or ``(None, exception)`` per call (see :meth:`map`)."""
+        """``(value, None)`` or ``(None, exception)`` per call, in order (see :meth:`map`)."""
         state = _caller_state()
         jobs: list[tuple[_Job, _Worker | None]] = []
         for fn in calls:
@@ -208,7 +208,7 @@ class DaemonCalls:
             AbandonedCallError: It ran past ``timeout_s`` (left running), or was refused.
             BaseException: Whatever ``fn`` raised.
         """
-        value, error = self._outcomes([lambda: fn(*args, **kwargs)], timeout_s)[0]
+        value, error = self.outcomes([lambda: fn(*args, **kwargs)], timeout_s)[0]
         if error is not None:
             raise error
         return value
