@@ -143,7 +143,8 @@ def test_multi_turn_yaml_errors_name_the_value_and_the_fix(tmp_path):
         (f"{key}.tool_call_format=json", "tool_call_format='json' is unknown; choose one of 'hermes'"),
         (f"{key}.max_turns=0", "max_turns=0 must be >= 1"),
         (f"{key}.tools=[nowhere.py:fn]", "tool file 'nowhere.py' does not exist"),
-        (f"{key}.tool_timeout_s=0", "tool_timeout_s=0.0 must be > 0"),
+        (f"{key}.tool_timeout_s=0", r"tool_timeout_s=0.0 must be a number of seconds in \(0, inf\)"),
+        (f"{key}.environment_timeout_s=-1", r"environment_timeout_s=-1.0 must be a number of seconds in"),
     ]:
         with pytest.raises(ValueError, match=message):
             load_config(GRPORecipeConfig, None, [*base, tools, override])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,12 @@ class MultiTurnConfig:
         max_turns: Most assistant turns per trajectory.
         max_tool_response_length: Characters of one tool's output kept (the rest is cut, marked ``...``).
         tool_timeout_s: Wall-clock seconds a turn's tool calls may take; a call still running then is
-            answered with a timeout error observation (counted as ``agent/tool_timeouts``).
+            answered with a timeout error observation (counted as ``agent/tool_timeouts``). A tool's
+            ``create`` / ``reward`` / ``release`` calls have the same limit.
+        environment_timeout_s: Wall-clock seconds one environment call (construction and ``reset``, a
+            ``step``, ``close``) may take; past it the trajectory ends there with that step's reward 0
+            (counted as ``agent/env_timeouts``). Tool and environment calls run on daemon threads
+            (:mod:`verl_trainer.utils.daemon_calls`): a call past its limit is abandoned, never waited for.
         tool_call_format: The parser of the model's tool calls (``"hermes"``:
             ``<tool_call>{json}</tool_call>`` of Qwen / Hermes chat templates), or (in Python) a parser
             callable.
@@ -43,6 +49,7 @@ class MultiTurnConfig:
     max_turns: int = 4
     max_tool_response_length: int = 256
     tool_timeout_s: float = 10.0
+    environment_timeout_s: float = 30.0
     tool_call_format: Any = "hermes"
     tools: list[Any] = field(default_factory=list)
     environment: Any = None
@@ -56,8 +63,12 @@ class MultiTurnConfig:
                              "(assistant turns per trajectory)")
         if self.max_tool_response_length < 1:
             raise ValueError(f"{where}.max_tool_response_length={self.max_tool_response_length} must be >= 1")
-        if not self.tool_timeout_s > 0:
-            raise ValueError(f"{where}.tool_timeout_s={self.tool_timeout_s} must be > 0 seconds")
+        for key in ("tool_timeout_s", "environment_timeout_s"):
+            value = getattr(self, key)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (number and 0 < value < math.inf):
+                raise ValueError(f"{where}.{key}={value!r} must be a number of seconds in (0, inf) (default "
+                                 f"{getattr(type(self), key):g}); set it to the longest a call may take")
         if not callable(self.tool_call_format) and self.tool_call_format not in TOOL_CALL_PARSERS:
             raise ValueError(f"{where}.tool_call_format={self.tool_call_format!r} is unknown; choose one of "
                              f"{TOOL_CALL_PARSERS.keys_repr()} or register a parser in "

@@ -4,12 +4,16 @@ A parser is a callable ``parse(text) -> list[ToolCall | MalformedToolCall]``, re
 in :data:`TOOL_CALL_PARSERS` (config: ``algorithm.rollout.multi_turn.tool_call_format``). A call that is
 present but unreadable (bad JSON, no name) is a :class:`MalformedToolCall`: the rollout answers it with an
 error observation, so the model learns from it instead of the run stopping.
+
+The policy under training writes anything: a parser must survive every text (any nesting depth, size,
+lone surrogates, numbers past ``int``'s digit limit) in time linear in its length, and report what it cannot
+read as :class:`MalformedToolCall` entries, never by raising. (The rollout also turns a user parser's
+exception into one malformed call.)
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,31 +45,57 @@ ToolCallParser = Callable[[str], list[ParsedCall]]
 TOOL_CALL_PARSERS: Registry[ToolCallParser] = Registry("tool-call format")
 """Tool-call parsers by format name (``"hermes"``: Qwen2.5 / Qwen3 / Hermes ``<tool_call>`` blocks)."""
 
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _blocks(text: str, open_tag: str, close_tag: str) -> list[str]:
+    """The bodies of ``open_tag ... close_tag`` blocks, left to right; one pass (no regex backtracking)."""
+    bodies = []
+    start = text.find(open_tag)
+    while start != -1:
+        end = text.find(close_tag, start + len(open_tag))
+        if end == -1:  # no complete block left
+            break
+        bodies.append(text[start + len(open_tag): end])
+        start = text.find(open_tag, end + len(close_tag))
+    return bodies
+
+
+def _load_json(text: str) -> tuple[Any, str]:
+    """``(value, "")`` or ``(None, why it is unreadable)``; never raises."""
+    try:
+        return json.loads(text), ""
+    except json.JSONDecodeError as exc:
+        return None, f"the tool call is not valid JSON ({exc.msg})"
+    except RecursionError:
+        return None, "the tool call's JSON is nested too deeply"
+    except ValueError as exc:  # an integer past sys.get_int_max_str_digits()
+        return None, f"the tool call's JSON is unreadable ({str(exc)[:80]})"
 
 
 @TOOL_CALL_PARSERS.register("hermes")
 def parse_hermes(text: str) -> list[ParsedCall]:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen2.5, Qwen3).
 
-    ``arguments`` may also be a JSON string holding the object (some models write it so).
+    ``arguments`` may also be a JSON string holding the object (some models write it so). An opening tag
+    without a closing one is not a call (the text around it is the answer).
+
+    Returns:
+        One :class:`ToolCall` or :class:`MalformedToolCall` per block, in order. Never raises (see the
+        module docstring); linear in ``len(text)``.
     """
     calls: list[ParsedCall] = []
-    for body in _HERMES.findall(text):
-        try:
-            data = json.loads(body)
-        except json.JSONDecodeError as exc:
-            calls.append(MalformedToolCall(body, f"the tool call is not valid JSON ({exc.msg})"))
+    for body in _blocks(text, _OPEN, _CLOSE):
+        data, error = _load_json(body)
+        if error:
+            calls.append(MalformedToolCall(body, error))
             continue
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
             calls.append(MalformedToolCall(body, 'a tool call is a JSON object with a "name" string'))
             continue
         arguments = data.get("arguments", {})
         if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                arguments = None
+            arguments, error = _load_json(arguments)
         if not isinstance(arguments, dict):
             calls.append(MalformedToolCall(body, 'a tool call\'s "arguments" is a JSON object'))
             continue

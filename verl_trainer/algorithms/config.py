@@ -25,7 +25,7 @@ from verl_trainer.core_algos.advantages import ADV_ESTIMATOR_REGISTRY, estimator
 from verl_trainer.core_algos.losses import PPOLossConfig, ValueLossConfig
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.evaluate.samples import default_ks
-from verl_trainer.rewards.failures import check_on_error
+from verl_trainer.rewards.failures import DEFAULT_TIMEOUT_S, check_on_error, check_timeout
 from verl_trainer.rollout.config import RolloutConfig
 
 __all__ = [
@@ -200,6 +200,10 @@ class RewardConfig:
             function, the data source and the sample), ``drop`` (train without the sample; its group with
             GRPO/RLOO) or ``zero`` (it scores 0). Counted per step as ``reward/errors``, ``reward/timeouts``
             (:mod:`verl_trainer.rewards.failures`). Non-finite scores are ``algorithm.non_finite``'s.
+        timeout_s: The longest one reward-function call may take, in seconds (a verl-style call scores one
+            sample, a TRL-style call the batch); a call past it is a time-out handled by ``on_error``. Calls
+            run on a daemon thread (:class:`~verl_trainer.rewards.RewardFunctions`), so a function's own
+            ``signal``-based limits must be off; ``null``: no limit, called on the calling thread.
         model: A neural reward model whose weighted score is added (``name: none`` for the model alone). A
             reward model's directory among ``name`` (TRL's style, with its weight in ``weights``) sets it too.
     """
@@ -208,6 +212,7 @@ class RewardConfig:
     weights: list[float] | None = None
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     on_error: str = "error"
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
     def __post_init__(self) -> None:
@@ -217,6 +222,7 @@ class RewardConfig:
             raise ValueError(f"algorithm.reward.name={self.name!r}: give a reward name, 'module:function', "
                              "'file.py:function', a function (Python configs), or a list of them")
         check_on_error(self.on_error)
+        check_timeout(self.timeout_s)
         if self.weights is not None and len(self.weights) != len(names):
             raise ValueError(f"algorithm.reward.weights={list(self.weights)} has {len(self.weights)} entries "
                              f"for {len(names)} reward functions {names}; give one weight per function")

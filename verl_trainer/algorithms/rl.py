@@ -133,7 +133,8 @@ class RLModule(TrainingModule):
         self.config = config
         self.actor_loss = ppo_loss(config.actor.loss, config.rollout_correction)
         # fails here for an unknown reward or one with neither verl's nor TRL's signature
-        self.reward_fn = RewardFunctions(config.reward.name, config.reward.weights, config.reward.on_error)
+        self.reward_fn = RewardFunctions(config.reward.name, config.reward.weights, config.reward.on_error,
+                                         config.reward.timeout_s)
         self.reward_model = RewardModel(config.reward.model) if config.reward.model.enable else None
         self.rollout: BaseRollout | None = None
         self._rollout_stale = False

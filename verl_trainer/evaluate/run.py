@@ -78,7 +78,7 @@ def hf_model_dir(model: str) -> Iterator[str]:
 
 
 def _sample_and_score(cfg: EvaluateConfig, model_dir: str) -> list[PromptSamples]:
-    rewards = RewardFunctions(cfg.reward.name, cfg.reward.weights, cfg.reward.on_error)
+    rewards = RewardFunctions(cfg.reward.name, cfg.reward.weights, cfg.reward.on_error, cfg.reward.timeout_s)
     data = cfg.data
     prompts = str(data.val_files)
     if parse_hub_dataset(prompts) is not None:

@@ -18,15 +18,18 @@ from verl_trainer.data import schema
 from verl_trainer.data.schema import non_tensor_lists
 from verl_trainer.metrics import Metric, sample_stats
 from verl_trainer.rewards.failures import (
+    DEFAULT_TIMEOUT_S,
     RewardError,
     RewardFailure,
     check_on_error,
+    check_timeout,
     describe_failures,
     policy_hint,
 )
 from verl_trainer.rewards.registry import RewardFn, get_reward_fn
 from verl_trainer.rewards.results import RewardReturnError, as_number, as_score, check_trl_output, returned
 from verl_trainer.rewards.signature import TRL, reward_style
+from verl_trainer.utils.daemon_calls import AbandonedCallError, DaemonCalls
 
 ACCURACY_KEY = "acc"
 """A reward function's per-sample correctness entry; logged as ``{prefix}/accuracy``."""
@@ -68,20 +71,33 @@ class RewardFunctions:
     it scores 0, is recorded in :attr:`failures` and marked in ``info`` (:data:`FAILED_KEY`,
     :data:`TIMED_OUT_KEY`); :func:`compute_rewards` raises for it under ``on_error="error"``.
 
+    **Time limit.** With ``timeout_s`` set, every call (one sample of a verl-style function, the whole batch
+    of a TRL-style one) runs on a daemon worker thread (:class:`~verl_trainer.utils.daemon_calls.DaemonCalls`)
+    and is waited for at most ``timeout_s`` seconds; a call past it is a time-out failure (its thread is
+    abandoned: a user function cannot be moved to a killable process, see that module for the bound on
+    the threads left running). Off the calling thread, a function's own ``signal.alarm`` limits cannot work
+    (``math_verify``'s ``parsing_timeout`` / ``timeout_seconds``: set them to ``None``). ``timeout_s=None``
+    calls on the calling thread with no limit.
+
     Args:
         functions: A function, a name / ``"module:function"`` / ``"file.py:function"``, or a list of them.
         weights: One weight per function (default 1.0 each).
         on_error: ``error`` | ``drop`` | ``zero`` (see :mod:`verl_trainer.rewards.failures`).
+        timeout_s: The longest one call may take (``algorithm.reward.timeout_s``); ``None``: no limit.
 
     Raises:
-        ValueError: No function, an unknown one, one with neither signature, weights that do not match, or
-            an unknown ``on_error``.
+        ValueError: No function, an unknown one, one with neither signature, weights that do not match, an
+            unknown ``on_error`` or a ``timeout_s`` that is not a number > 0 or ``None``.
     """
 
     def __init__(self, functions: str | RewardFn | Sequence[str | RewardFn],
-                 weights: Sequence[float] | None = None, on_error: str = "error") -> None:
+                 weights: Sequence[float] | None = None, on_error: str = "error",
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
         check_on_error(on_error)
+        check_timeout(timeout_s)
         self.on_error = on_error
+        self.timeout_s = timeout_s
+        self._threads = DaemonCalls("reward") if timeout_s is not None else None
         self.failures: list[RewardFailure] = []
         """The failed calls of the last :meth:`__call__`."""
         specs = [functions] if isinstance(functions, str) or callable(functions) else list(functions)
@@ -116,9 +132,17 @@ class RewardFunctions:
             if callable(check):
                 check(sources)
 
+    def _invoke(self, fn: RewardFn, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` under :attr:`timeout_s` (raises ``AbandonedCallError`` past it)."""
+        if self._threads is None:
+            return fn(*args, **kwargs)
+        return self._threads.run(fn, *args, timeout_s=self.timeout_s, **kwargs)
+
     def _fail(self, name: str, i: int, sources: Sequence[str], texts: Sequence[str],
               exc: BaseException | None, message: str = "") -> None:
         text = message or f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, AbandonedCallError):
+            text += f" (algorithm.reward.timeout_s={self.timeout_s:g}; raise it for a slow function)"
         timeout = isinstance(exc, TimeoutError)
         self.failures.append(RewardFailure(name, i, str(sources[i]), str(texts[i]), timeout, text))
 
@@ -132,7 +156,7 @@ class RewardFunctions:
         for i in range(b):
             kwargs = {"extra_info": extras[i]} if pass_extra else {}
             try:
-                result = fn(sources[i], texts[i], truths[i], **kwargs)
+                result = self._invoke(fn, sources[i], texts[i], truths[i], **kwargs)
             except Exception as exc:  # noqa: BLE001  (counted and handled by on_error)
                 self._fail(name, i, sources, texts, exc)
                 continue
@@ -178,7 +202,7 @@ class RewardFunctions:
             raise ValueError(f"reward function {name} needs the columns {missing}, which the prompt file "
                              f"does not have; it has {sorted(kwargs)}")
         try:
-            out = fn(**_accepted(fn, kwargs))
+            out = self._invoke(fn, **_accepted(fn, kwargs))
         except Exception as exc:  # noqa: BLE001  (every sample of the call failed)
             for i in range(b):
                 self._fail(name, i, sources, texts, exc)

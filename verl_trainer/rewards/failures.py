@@ -1,6 +1,7 @@
 """Reward calls that fail: counted, described, and handled by ``algorithm.reward.on_error``.
 
-A reward function **fails** on a sample when it raises, runs past its time limit (a ``TimeoutError``, e.g.
+A reward function **fails** on a sample when it raises, runs past its time limit (a ``TimeoutError``: the
+call ran past ``algorithm.reward.timeout_s`` (:data:`DEFAULT_TIMEOUT_S`), or a function's own limit such as
 :class:`~verl_trainer.rewards.RewardTimeoutError`), or returns something that is not a number (``None``
 from a verl-style function, a string, a dict without ``"score"``). A non-finite number is not a failure
 here: it goes to the non-finite guard (``non_finite/rewards``, ``algorithm.non_finite``).
@@ -19,14 +20,17 @@ Every step logs ``reward/errors`` and ``reward/timeouts`` (counts over the DP gr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from verl_trainer.utils.listing import first_of
 
-__all__ = ["MAX_LISTED", "REWARD_ERROR_POLICIES", "RewardError", "RewardFailure", "check_on_error",
-           "describe_failures"]
+__all__ = ["DEFAULT_TIMEOUT_S", "MAX_LISTED", "REWARD_ERROR_POLICIES", "RewardError", "RewardFailure",
+           "check_on_error", "check_timeout", "describe_failures"]
 
 REWARD_ERROR_POLICIES = ("error", "drop", "zero")
+DEFAULT_TIMEOUT_S = 60.0
+"""The default ``algorithm.reward.timeout_s``: the longest one reward-function call may take."""
 MAX_LISTED = 4
 """Failures a message names (the rest are counted)."""
 
@@ -76,6 +80,18 @@ def check_on_error(policy: str) -> None:
     if policy not in REWARD_ERROR_POLICIES:
         raise ValueError(f"algorithm.reward.on_error={policy!r}; choose one of {REWARD_ERROR_POLICIES} "
                          "(error: stop naming the sample; drop: train without it; zero: score it 0)")
+
+
+def check_timeout(timeout_s: float | None) -> None:
+    """Raise ``ValueError`` unless ``timeout_s`` is ``None`` or a finite number of seconds > 0."""
+    if timeout_s is None:
+        return
+    number = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+    if not (number and 0 < timeout_s < math.inf):
+        raise ValueError(f"algorithm.reward.timeout_s={timeout_s!r} must be a number of seconds in (0, inf) "
+                         "(the longest one reward-function call may take: one sample for a verl-style "
+                         f"function, the batch for a TRL-style one; default {DEFAULT_TIMEOUT_S:g}), or null "
+                         "(no limit: calls run on the calling thread, and a hanging function stalls the run)")
 
 
 def policy_hint() -> str:

@@ -4,9 +4,19 @@
 (the HF and the vLLM rollouts share it). Each turn every unfinished trajectory is extended by one model
 turn (cut at its eos, within the trajectory's remaining token budget); the turn's text is decoded **only to
 read tool calls** — the trajectory keeps the sampled ids. Tool calls of the whole batch run concurrently
-(threads) under ``tool_timeout_s``; their results (or error observations) become ``role: tool`` messages,
+under ``tool_timeout_s``; their results (or error observations) become ``role: tool`` messages,
 an environment's answer a ``role: user`` message, rendered through the chat template
 (:class:`~verl_trainer.agents.template.ObservationEncoder`) and appended as tokens with mask 0.
+
+**User code is bounded.** Every tool call (``create``, ``execute``, ``reward``, ``release``) and every
+environment call (construction with ``reset``, ``step``, ``close``) runs on a daemon thread
+(:class:`~verl_trainer.utils.daemon_calls.DaemonCalls`) under ``tool_timeout_s`` /
+``environment_timeout_s``; a call past it is abandoned (never joined, so the process exits when the run
+ends; the leak is bounded there) and counted: ``tool_timeouts`` / ``env_timeouts``. A call that raises is
+counted as ``tool_errors`` / ``env_errors``. A late or failed ``execute`` is an error observation; a late or
+failed ``step`` ends the trajectory with that step's reward 0; a failed ``create`` / ``reset`` ends the
+trajectory after its first model turn; a failed ``reward`` counts 0; ``release`` / ``close`` are counted only.
+A tool-call parser that raises (a user's parser) is answered with an error observation too.
 
 A trajectory ends when a turn makes no tool call and the environment (if any) says done, at
 ``max_turns`` assistant turns, or when its tokens reach ``max_new_tokens`` (model and observation tokens
@@ -19,8 +29,8 @@ samples from a seed derived from it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import functools
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -38,8 +48,12 @@ from verl_trainer.agents.tools import Tool, ToolError
 from verl_trainer.data import schema
 from verl_trainer.metrics import Metric
 from verl_trainer.rollout.base import AGENT_INFO
+from verl_trainer.utils.daemon_calls import AbandonedCallError, DaemonCalls
 
 __all__ = ["AgentLoop", "Trajectory", "agent_rewards_and_metrics"]
+
+MAX_CALLS_PER_TURN = 32
+"""Tool calls of one turn that run; the rest are answered with one error observation."""
 
 GenerateFn = Callable[[list[list[int]], Any, list[int]], tuple[list[list[int]], list[list[float]]]]
 
@@ -56,6 +70,8 @@ class Trajectory:
         tool_calls: Tool calls made (malformed ones included).
         tool_errors: Calls answered with an error (malformed, unknown tool, the tool raised).
         tool_timeouts: Calls that ran past ``tool_timeout_s``.
+        env_errors: Environment calls that raised.
+        env_timeouts: Environment calls that ran past ``environment_timeout_s``.
         per_tool: Calls per tool name.
         reward: The environment's and the tools' summed reward.
         messages: The conversation after the prompt (assistant text decoded for reading only).
@@ -68,10 +84,14 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
+    env_errors: int = 0
+    env_timeouts: int = 0
     per_tool: Counter = field(default_factory=Counter)
     reward: float = 0.0
     messages: list[dict[str, Any]] = field(default_factory=list)
     done: bool = False
+    broken: bool = False
+    """A tool's ``create`` or the environment's ``reset`` failed: the trajectory ends after its first turn."""
 
     def extend(self, ids: Sequence[int], log_probs: Sequence[float] | None) -> None:
         """Append model ids (with their log-probs) or, with ``log_probs=None``, observation ids."""
@@ -82,7 +102,8 @@ class Trajectory:
     def info(self) -> dict[str, Any]:
         """Counts for metrics (``agent/*``) and the trajectory reward, as plain data."""
         return {"turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
-                "tool_timeouts": self.tool_timeouts, "per_tool": dict(self.per_tool), "reward": self.reward,
+                "tool_timeouts": self.tool_timeouts, "env_errors": self.env_errors,
+                "env_timeouts": self.env_timeouts, "per_tool": dict(self.per_tool), "reward": self.reward,
                 "observation_tokens": len(self.ids) - sum(self.model_mask), "messages": self.messages}
 
 
@@ -103,6 +124,25 @@ class AgentLoop:
         self.environment = resolve_environment(config.environment)
         self.parse = get_tool_call_parser(config.tool_call_format)
         self.encoder = ObservationEncoder(tokenizer, sorted(self.eos))
+        self._tool_threads = DaemonCalls("agent-tool")
+        self._env_threads = DaemonCalls("agent-environment")
+
+    def _bounded(self, calls: list[Callable[[], Any]], env: bool) -> list[tuple[str, Any]]:
+        """``(status, value or exception)`` per call: ``ok``, ``error`` or ``timeout`` (never raises)."""
+        threads, limit = ((self._env_threads, self.config.environment_timeout_s) if env else
+                          (self._tool_threads, self.config.tool_timeout_s))
+        return [("ok", value) if error is None else
+                ("timeout" if isinstance(error, AbandonedCallError) else "error", error)
+                for value, error in threads.outcomes(calls, limit)]
+
+    @staticmethod
+    def _count(traj: Trajectory, status: str, env: bool) -> None:
+        if env:
+            traj.env_errors += status == "error"
+            traj.env_timeouts += status == "timeout"
+        else:
+            traj.tool_errors += status == "error"
+            traj.tool_timeouts += status == "timeout"
 
     # ----------------------------------------------------------------------------------------- tools
     def _call(self, instance_id: str, call: ToolCall | MalformedToolCall) -> tuple[str, str]:
@@ -122,23 +162,28 @@ class AgentLoop:
     def _run_calls(self, jobs: list[tuple[str, ToolCall | MalformedToolCall]]) -> list[tuple[str, str]]:
         """Run every call of a turn concurrently; a call past ``tool_timeout_s`` gets status ``timeout``.
 
-        A timed-out call's thread is not killed (Python cannot); its result is dropped. Tools that run
-        programs (the ``python`` tool) kill them on their own limits.
+        A timed-out call is abandoned on its daemon thread (Python cannot stop it); its result is dropped.
+        Tools that run programs (the ``python`` tool) kill them on their own limits.
         """
-        if not jobs:
-            return []
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="agent-tool")
-        try:
-            futures = [pool.submit(self._call, iid, call) for iid, call in jobs]
-            concurrent.futures.wait(futures, timeout=self.config.tool_timeout_s)
-            timeout = f"Error: the tool call ran past {self.config.tool_timeout_s:g} s and was abandoned"
-            return [f.result() if f.done() else ("timeout", timeout) for f in futures]
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        timeout = f"Error: the tool call ran past {self.config.tool_timeout_s:g} s and was abandoned"
+        outcomes = self._bounded([functools.partial(self._call, iid, call) for iid, call in jobs], env=False)
+        results = []
+        for (status, value), (_, call) in zip(outcomes, jobs):
+            if status == "ok":
+                results.append(value)
+            elif status == "timeout":
+                results.append(("timeout", timeout if value.started else f"Error: {value}"))
+            else:  # a BaseException that _call does not catch (SystemExit, KeyboardInterrupt of the tool)
+                name = getattr(call, "name", "?")
+                results.append(("error", f"Error: {name} failed: {type(value).__name__}"))
+        return results
 
     def _clip(self, text: str) -> str:
+        """``text`` cut to ``max_tool_response_length`` (``...`` marks a cut), lone surrogates replaced."""
         limit = self.config.max_tool_response_length
-        return text if len(text) <= limit else text[:limit] + "..."
+        text = str(text)
+        text = text if len(text) <= limit else text[:limit] + "..."
+        return text.encode("utf-8", "replace").decode("utf-8")  # tokenizers refuse lone surrogates
 
     # ------------------------------------------------------------------------------------------ loop
     def run(self, generate: GenerateFn, prompts: list[list[int]], rows: list[Mapping[str, Any]], config: Any,
@@ -167,13 +212,9 @@ class AgentLoop:
                    max(1, min(config.max_new_tokens, context_limit - len(p))) for p in prompts]
         trajs = [Trajectory() for _ in prompts]
         ids = [uuid.uuid4().hex for _ in prompts]
-        envs: list[Environment | None] = [self.environment() if self.environment else None for _ in prompts]
+        envs: list[Environment | None] = [None] * len(prompts)
         try:
-            for i, row in enumerate(rows):
-                for tool in self.tools.values():
-                    tool.create(ids[i], row)
-                if envs[i] is not None:
-                    envs[i].reset(row)
+            self._start(trajs, ids, rows, envs)
             for turn in range(self.config.max_turns):
                 active = [i for i, t in enumerate(trajs) if not t.done]
                 if not active:
@@ -181,15 +222,41 @@ class AgentLoop:
                 self._model_turn(generate, prompts, trajs, active, config, budgets,
                                  [seeds[i] if turn == 0 else derive_seed(seeds[i], turn) for i in active])
                 self._observe(trajs, active, ids, envs, budgets, last=turn == self.config.max_turns - 1)
-            for i, t in enumerate(trajs):
-                t.reward += sum(float(tool.reward(ids[i])) for tool in self.tools.values())
+            owners = [(i, tool) for i in range(len(trajs)) for tool in self.tools.values()]
+            calls = [functools.partial(_tool_reward, tool, ids[i]) for i, tool in owners]
+            for (i, _), (status, value) in zip(owners, self._bounded(calls, env=False)):
+                self._count(trajs[i], status, env=False)
+                trajs[i].reward += value if status == "ok" else 0.0
         finally:
-            for i in range(len(prompts)):
-                for tool in self.tools.values():
-                    tool.release(ids[i])
-                if envs[i] is not None:
-                    envs[i].close()
+            self._end(trajs, ids, envs)
         return trajs
+
+    def _start(self, trajs: list[Trajectory], ids: list[str], rows: list[Mapping[str, Any]],
+               envs: list[Environment | None]) -> None:
+        """Tools' ``create`` and the environments' construction + ``reset``, bounded; sets ``envs``."""
+        owners = [(i, tool) for i in range(len(trajs)) for tool in self.tools.values()]
+        calls = [functools.partial(tool.create, ids[i], rows[i]) for i, tool in owners]
+        for (i, _), (status, _) in zip(owners, self._bounded(calls, env=False)):
+            self._count(trajs[i], status, env=False)
+            trajs[i].broken |= status != "ok"
+        if self.environment is None:
+            return
+        calls = [functools.partial(_new_environment, self.environment, row) for row in rows]
+        for i, (status, env) in enumerate(self._bounded(calls, env=True)):
+            self._count(trajs[i], status, env=True)
+            trajs[i].broken |= status != "ok"
+            envs[i] = env if status == "ok" else None
+
+    def _end(self, trajs: list[Trajectory], ids: list[str], envs: list[Environment | None]) -> None:
+        """Tools' ``release`` and the environments' ``close``, bounded and counted."""
+        owners = [(i, tool) for i in range(len(trajs)) for tool in self.tools.values()]
+        calls = [functools.partial(tool.release, ids[i]) for i, tool in owners]
+        for (i, _), (status, _) in zip(owners, self._bounded(calls, env=False)):
+            self._count(trajs[i], status, env=False)
+        open_envs = [(i, env) for i, env in enumerate(envs) if env is not None]
+        outcomes = self._bounded([env.close for _, env in open_envs], env=True)
+        for (i, _), (status, _) in zip(open_envs, outcomes):
+            self._count(trajs[i], status, env=True)
 
     def _model_turn(self, generate: GenerateFn, prompts: list[list[int]], trajs: list[Trajectory],
                     active: list[int], config: Any, budgets: list[int], seeds: list[int]) -> None:
@@ -214,7 +281,10 @@ class AgentLoop:
         steps: list[int] = []
         for i in active:
             traj = trajs[i]
-            calls = self.parse(traj.messages[-1]["content"]) if self.tools else []
+            if traj.broken:
+                traj.done = True
+                continue
+            calls = self._parse(traj.messages[-1]["content"]) if self.tools else []
             if calls and not traj.done:
                 jobs.extend((i, c) for c in calls)
             elif envs[i] is not None and not traj.done:
@@ -231,8 +301,13 @@ class AgentLoop:
             traj.tool_errors += status == "error"
             traj.tool_timeouts += status == "timeout"
             replies.setdefault(i, []).append({"role": "tool", "name": name, "content": self._clip(text)})
-        for i, result in zip(steps, self._run_steps([envs[i] for i in steps],
-                                                    [trajs[i].messages[-1]["content"] for i in steps])):
+        outcomes = self._bounded([functools.partial(_step, envs[i], trajs[i].messages[-1]["content"])
+                                  for i in steps], env=True)
+        for i, (status, result) in zip(steps, outcomes):
+            self._count(trajs[i], status, env=True)
+            if status != "ok":  # ends the episode with reward 0
+                trajs[i].done = True
+                continue
             trajs[i].reward += float(result.reward)
             if result.done:
                 trajs[i].done = True
@@ -250,18 +325,43 @@ class AgentLoop:
             traj.messages.extend(messages)
             traj.extend(tokens, None)
 
-    def _run_steps(self, envs: list[Environment | None], messages: list[str]) -> list[StepResult]:
-        """Environment steps of a turn, concurrently; one that raises ends its episode with reward 0."""
-        def step(env: Environment | None, message: str) -> StepResult:
-            try:
-                return env.step(message)  # type: ignore[union-attr]
-            except Exception as exc:  # noqa: BLE001 - reported as the episode's end, never a crashed run
-                return StepResult(f"Error: the environment failed: {type(exc).__name__}: {exc}", 0.0, True)
+    def _parse(self, text: str) -> list[ToolCall | MalformedToolCall]:
+        """The turn's calls, at most :data:`MAX_CALLS_PER_TURN` and one error for the rest.
 
-        if not envs:
-            return []
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(envs)) as pool:
-            return list(pool.map(step, envs, messages))
+        A parser that raises or returns something else (a user's) gives one malformed call, never a
+        stopped run.
+        """
+        try:
+            calls = list(self.parse(text))
+        except Exception as exc:  # noqa: BLE001 - the parser's failure is the model's observation
+            return [MalformedToolCall(text[:200], f"the tool calls could not be read ({type(exc).__name__})")]
+        if not all(isinstance(c, (ToolCall, MalformedToolCall)) for c in calls):
+            return [MalformedToolCall(text[:200], "the tool calls could not be read (the parser returned "
+                                                  "something other than ToolCall / MalformedToolCall)")]
+        if len(calls) > MAX_CALLS_PER_TURN:
+            extra = len(calls) - MAX_CALLS_PER_TURN
+            why = f"{extra} more tool calls in this turn were not run (at most {MAX_CALLS_PER_TURN} per turn)"
+            calls = calls[:MAX_CALLS_PER_TURN] + [MalformedToolCall("", why)]
+        return calls
+
+
+def _new_environment(factory: Callable[[], Environment], row: Mapping[str, Any]) -> Environment:
+    env = factory()
+    env.reset(row)
+    return env
+
+
+def _step(env: Environment, message: str) -> StepResult:
+    """``env.step(message)``; a result that is not a :class:`StepResult` raises ``TypeError``."""
+    result = env.step(message)
+    if not isinstance(result, StepResult):
+        raise TypeError(f"{type(env).__name__}.step returned {type(result).__name__}, not a StepResult")
+    float(result.reward)
+    return result
+
+
+def _tool_reward(tool: Tool, instance_id: str) -> float:
+    return float(tool.reward(instance_id))
 
 
 def agent_rewards_and_metrics(batch: TensorDict,
@@ -270,7 +370,8 @@ def agent_rewards_and_metrics(batch: TensorDict,
 
     Metrics (real samples only, means over trajectories, reduced as ``MEAN`` weighted by the rank's real
     trajectories, so the logged value is the whole batch's over every dp rank): ``{prefix}/turns``,
-    ``{prefix}/tool_calls``, ``{prefix}/tool_errors``, ``{prefix}/tool_timeouts``, ``{prefix}/env_reward``,
+    ``{prefix}/tool_calls``, ``{prefix}/tool_errors``, ``{prefix}/tool_timeouts``, ``{prefix}/env_errors``,
+    ``{prefix}/env_timeouts``, ``{prefix}/env_reward``,
     ``{prefix}/tool_calls/<name>``; ``{prefix}/correct_tool_use``: the share of trajectories that called a
     tool and got every call answered (no error, no timeout); ``{prefix}/tool_token_share``: observation
     tokens over all response tokens (weighted by the response tokens).
@@ -289,8 +390,8 @@ def agent_rewards_and_metrics(batch: TensorDict,
     def mean(values: list[float]) -> Metric:
         return Metric.mean(torch.tensor(sum(values) / count if count else 0.0), weight=count)
 
-    for key in ("turns", "tool_calls", "tool_errors", "tool_timeouts"):
-        metrics[f"{prefix}/{key}"] = mean([float(i[key]) for i in kept])
+    for key in ("turns", "tool_calls", "tool_errors", "tool_timeouts", "env_errors", "env_timeouts"):
+        metrics[f"{prefix}/{key}"] = mean([float(i.get(key, 0)) for i in kept])
     metrics[f"{prefix}/correct_tool_use"] = mean([float(i["tool_calls"] > 0 and i["tool_errors"] == 0
                                                         and i["tool_timeouts"] == 0) for i in kept])
     metrics[f"{prefix}/env_reward"] = mean([float(i["reward"]) for i in kept])

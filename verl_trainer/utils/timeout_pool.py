@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -91,6 +92,7 @@ class TimeoutPool:
         self._starting: list[_Worker] = []  # replacements started after a timeout, not yet waited for
         self.timeouts = 0
         """Calls that ran past ``timeout_s`` so far."""
+        self._lock = threading.Lock()  # one map at a time: a caller abandoned on a daemon thread may be in it
         atexit.register(self.close)
 
     @staticmethod
@@ -158,10 +160,16 @@ class TimeoutPool:
     def map(self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> list[Any]:
         """``[fn(*args) for args in calls]``, in parallel; a failed call's entry is the exception.
 
+        Thread-safe: concurrent maps run one after the other (each waits at most its calls' limits).
+
         Returns:
             One entry per call, in order: the result, a :class:`CallTimeoutError` or a
             :class:`CallFailedError`.
         """
+        with self._lock:
+            return self._map(fn, calls)
+
+    def _map(self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> list[Any]:
         results: list[Any] = [None] * len(calls)
         pending = deque(enumerate(calls))
         missing = min(self.num_workers, len(calls)) - len(self._workers) - len(self._starting)
