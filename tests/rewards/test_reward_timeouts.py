@@ -93,6 +93,19 @@ def test_without_a_limit_the_call_runs_on_the_calling_thread(hanging):
     assert seen[0] is threading.current_thread() and seen[1].daemon and seen[1] is not seen[0]
 
 
+def test_a_function_with_signal_time_outs_fails_naming_the_fix():
+    """math_verify's default time-outs use signal.alarm, which only works on the main thread."""
+    import signal
+
+    def alarmed(data_source, solution_str, ground_truth):
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        return 1.0
+
+    with pytest.raises(RewardError, match=r"signal-based time-outs.*parsing_timeout=None.*timeout_s=null"):
+        compute_rewards(["a"], ["1"], ["x"], RewardFunctions(alarmed))
+    assert compute_rewards(["a"], ["1"], ["x"], RewardFunctions(alarmed, timeout_s=None)).tolist() == [1.0]
+
+
 @pytest.mark.parametrize("value", [0, -1.0, float("inf"), float("nan"), True, "10"])
 def test_a_bad_timeout_is_refused_with_the_valid_range(value):
     with pytest.raises(ValueError, match=rf"algorithm.reward.timeout_s={value!r} must be a number of "

@@ -143,6 +143,10 @@ class RewardFunctions:
         text = message or f"{type(exc).__name__}: {exc}"
         if isinstance(exc, AbandonedCallError):
             text += f" (algorithm.reward.timeout_s={self.timeout_s:g}; raise it for a slow function)"
+        elif isinstance(exc, ValueError) and "main thread" in str(exc) and self._threads is not None:
+            text = ("it uses signal-based time-outs, which work on the main thread only, and runs on a "
+                    "worker thread under algorithm.reward.timeout_s: pass parsing_timeout=None / "
+                    "timeout_seconds=None to math_verify, or set algorithm.reward.timeout_s=null")
         timeout = isinstance(exc, TimeoutError)
         self.failures.append(RewardFailure(name, i, str(sources[i]), str(texts[i]), timeout, text))
 
