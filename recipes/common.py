@@ -338,6 +338,13 @@ def _csv_path(trainer: Any) -> Path | None:
     return None
 
 
+def _mlflow_stores(trainer: Any) -> list[str]:
+    """The tracking URIs of the run's MLflow loggers."""
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    return [lg._tracking_uri for lg in trainer.loggers if isinstance(lg, MLFlowLogger) and lg._tracking_uri]
+
+
 def report(trainer: Any, before: dict[str, float] | None, after: dict[str, float], keys: tuple[str, ...],
            plot: bool = True, started: float | None = None, exported: str | None = None) -> None:
     """Print before/after validation values, write the PNG next to the CSV, list the outputs (rank 0)."""
@@ -357,6 +364,8 @@ def report(trainer: Any, before: dict[str, float] | None, after: dict[str, float
             lines.append(f"plot:      {plot_training_curves(csv_path)}")
     if exported:
         lines.append(f"HF model:  {exported}  (AutoModelForCausalLM.from_pretrained loads it)")
+    for uri in _mlflow_stores(trainer):
+        lines.append(f"MLflow:    {uri}  (`mlflow ui --backend-store-uri {uri}` shows it)")
     runs = sorted((Path(trainer.default_root_dir) / "wandb").glob("offline-run-*"), key=os.path.getmtime)
     if runs:
         lines.append(f"wandb run: {runs[-1]}  (offline; `wandb sync` uploads it)")
