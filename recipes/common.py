@@ -329,6 +329,18 @@ def validate(trainer: Any, module: Any, data: Any) -> dict[str, float]:
     return dict(trainer.validate(module, datamodule=data)[0])
 
 
+def validate_after_fit(trainer: Any, module: Any, data: Any) -> dict[str, float]:
+    """The "after training" validation: the one ``fit`` ran at its last step when there was one (its
+    schedule hit the last step: the same weights, so no second pass), else one ``trainer.validate``; ``{}``
+    without ``data.val_files``."""
+    if not data.config.val_files:
+        return {}
+    last = trainer.last_validation
+    if last is not None and last[0] == trainer.global_step:
+        return dict(last[1])
+    return validate(trainer, module, data)
+
+
 def _csv_path(trainer: Any) -> Path | None:
     from lightning.pytorch.loggers import CSVLogger
 

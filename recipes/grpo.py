@@ -37,7 +37,7 @@ def main(algorithm_cls: type = GRPO, default_config: Path = CONFIG, argv: Sequen
     module, data = run.module, run.data
     before = common.validate(trainer, module, data) if cfg.trainer.validates_before_fit else None
     trainer.fit(module, datamodule=data, ckpt_path=cfg.trainer.ckpt_path)
-    after = common.validate(trainer, module, data)
+    after = common.validate_after_fit(trainer, module, data)
     actor = module.engines["actor"]
     if actor.has_adapters:  # LoRA: the adapters as a peft directory (PeftModel.from_pretrained loads it)
         actor.save_adapter(Path(cfg.trainer.default_root_dir) / "adapter")

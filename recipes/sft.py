@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     module, data = run.module, run.data
     before = common.validate(trainer, module, data) if cfg.trainer.validates_before_fit else None
     trainer.fit(module, datamodule=data, ckpt_path=cfg.trainer.ckpt_path)
-    after = common.validate(trainer, module, data)
+    after = common.validate_after_fit(trainer, module, data)
     if run.export_dir:
         common.export_policy(module.engines["actor"], run.export_dir, dtype=cfg.trainer.export_torch_dtype())
     common.report(trainer, before, after, ("val/loss",), plot=False, started=started,
