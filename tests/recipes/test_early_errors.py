@@ -32,8 +32,10 @@ def _args(assets: Path, root: Path, *overrides: str) -> list[str]:
 
 
 def run_in_process(recipe: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe's ``main`` on ``argv`` in this process; its errors propagate (the command line would print
+    a user error's message alone: ``tests/recipes/test_user_errors.py``)."""
     monkeypatch.setattr(sys, "argv", [str(RECIPES / f"{recipe}.py"), *argv])
-    runpy.run_path(str(RECIPES / f"{recipe}.py"), run_name="__main__")
+    runpy.run_path(str(RECIPES / f"{recipe}.py"), run_name="recipe")["main"](argv=argv)
 
 
 def _no_model_loaded(capfd: pytest.CaptureFixture[str]) -> None:
