@@ -21,6 +21,7 @@ import importlib
 import sys
 
 from verl_trainer.recipes import RECIPES
+from verl_trainer.user_errors import run_command
 
 TOOLS = {"evaluate": "verl_trainer.evaluate.__main__", "export": "verl_trainer.export.__main__"}
 COMMANDS = {**{name: f"verl_trainer.recipes.{name}" for name in RECIPES}, **TOOLS}
@@ -54,6 +55,4 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
         print(f"verl-trainer: unknown command {name!r}{hint}\n\n{usage()}", file=sys.stderr, end="")
         return 2
-    from verl_trainer.user_errors import run_command  # a recipe's bad setting: its message alone
-
     return run_command(importlib.import_module(COMMANDS[name]).main, argv=rest, prog=f"verl-trainer {name}")
