@@ -21,6 +21,8 @@ from tests.trainer.common import SFTData, read_csv_metrics, sft_module, tiny_mod
 from verl_trainer import Trainer
 from verl_trainer.testing.distributed import run_distributed
 
+ROOT = Path(__file__).resolve().parents[2]
+
 needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="needs the mlflow extra")
 
 
@@ -36,11 +38,22 @@ READ_BACK = """
 import json, sys
 import mlflow
 client = mlflow.MlflowClient(sys.argv[1])
-run = client.get_run(sys.argv[2])
+experiment = client.get_experiment_by_name("verl-trainer")
+(run,) = client.search_runs([experiment.experiment_id])
 history = client.get_metric_history(run.info.run_id, "sft/loss")
-print(json.dumps({"experiment": client.get_experiment(run.info.experiment_id).name,
-                  "loss": {m.step: m.value for m in history}, "params": run.data.params}))
+print(json.dumps({"run_id": run.info.run_id, "loss": {m.step: m.value for m in history},
+                  "params": run.data.params, "metrics": run.data.metrics}))
 """
+"""A second process reading the one run of the experiment ``verl-trainer`` with mlflow's client, with no
+MLFLOW_* variable set."""
+
+
+def read_back(tracking_uri: str, cwd: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    proc = subprocess.run([sys.executable, "-c", READ_BACK, tracking_uri], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.mlflow
@@ -53,18 +66,39 @@ def test_a_fit_logs_to_a_local_mlflow_store_another_process_reads_back(tmp_path,
     assert out["type"] == "MLFlowLogger" and (root / "mlflow.db").is_file()  # a SQLite file, no server
     assert not (root / "mlruns").exists() and not (Path.cwd() / "mlruns").exists()
     # a second process, as `mlflow ui` or a notebook would be: mlflow's own client, no extra settings
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    proc = subprocess.run([sys.executable, "-c", READ_BACK, f"sqlite:///{root / 'mlflow.db'}", out["run_id"]],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    back = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert back["experiment"] == "verl-trainer"
+    back = read_back(f"sqlite:///{root / 'mlflow.db'}", tmp_path)
+    assert back["run_id"] == out["run_id"]
     csv = read_csv_metrics(root / "lightning_logs" / "version_0")
     loss = {int(step): value for step, value in back["loss"].items()}
     assert sorted(loss) == sorted(csv) == [1, 2, 3]
     for step, value in loss.items():  # the same numbers the CSV logger wrote
         assert value == pytest.approx(csv[step]["sft/loss"], rel=1e-6)
     assert back["params"]["model_path"] == str(tmp_path / "model")  # the hyperparameters
+
+
+@pytest.mark.mlflow
+@needs_mlflow
+def test_a_recipe_run_logs_to_mlflow_and_its_report_says_how_to_open_it(tmp_path):
+    """``python recipes/sft.py trainer.logger=[csv,mlflow]``: the run config and the module's settings are
+    logged once (MLflow refuses a parameter that changes value), validation included."""
+    from tests.recipes.test_recipes import make_recipe_assets
+
+    assets = make_recipe_assets(tmp_path / "assets")
+    root = tmp_path / "run"
+    args = [sys.executable, str(ROOT / "recipes" / "sft.py"), "trainer.max_steps=2",
+            "trainer.val_check_interval=2", "trainer.logger=[csv,mlflow]", f"trainer.default_root_dir={root}",
+            "trainer.export_hf=false", "trainer.enable_checkpointing=false", f"model.path={assets / 'model'}",
+            f"task.dir={assets / 'data'}", "task.write_if_missing=false", "data.train_batch_size=4"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    proc = subprocess.run(args, cwd=tmp_path, env={**env, "WANDB_MODE": "offline"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    assert f"MLflow:    {uri}  (`mlflow ui --backend-store-uri {uri}` shows it)" in proc.stdout, proc.stdout
+    back = read_back(uri, tmp_path)
+    assert sorted(int(step) for step in back["loss"]) == [1, 2] and "val/loss" in back["metrics"]
+    assert back["params"]["algorithm/model_path"] == str(assets / "model")  # the module's, not the YAML's ""
+    assert back["params"]["trainer/max_steps"] == "2"
 
 
 @pytest.mark.mlflow
