@@ -1,7 +1,8 @@
 """ProgressBar: a rich progress bar on global rank 0 (step, reward, loss, tokens/s, ETA).
 
-In a terminal it is a live ``rich`` bar; when the output is not a terminal (a log file, a pipe, a batch
-job) it prints one plain line every ``refresh_rate`` steps instead, plus rich's final bar at the end.
+In a terminal it is a live ``rich`` bar. When the output is not a terminal (a log file, a pipe, a batch
+job) there is no bar: one plain line every ``refresh_rate`` steps and a last line at the end of training,
+each whole on one line whatever its length (never wrapped or cut at the console's width).
 """
 
 from __future__ import annotations
@@ -78,7 +79,18 @@ class ProgressBar(Callback):
         )
         self._task = self._progress.add_task("train", total=total, completed=trainer.global_step, metrics="")
         self._start = (time.monotonic(), trainer.global_step)
-        self._progress.start()
+        if console.is_terminal:  # a live display; elsewhere plain lines only
+            self._progress.start()
+
+    def _line(self, trainer: Any, summary: str) -> str:
+        total = trainer.max_steps if trainer.max_steps > 0 else None
+        line = f"step {trainer.global_step}" + (f"/{total}" if total else "")
+        line += f" {summary}" if summary else ""
+        if total and self._start is not None and trainer.global_step > self._start[1]:
+            elapsed = time.monotonic() - self._start[0]
+            rate = elapsed / (trainer.global_step - self._start[1])
+            line += f" eta {_fmt_eta(rate * (total - trainer.global_step))}"
+        return line
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Advance the bar and show the step's metrics."""
@@ -88,14 +100,7 @@ class ProgressBar(Callback):
         summary = self._summary(trainer)
         progress.update(self._task, completed=trainer.global_step, metrics=summary)
         if not progress.console.is_terminal:
-            total = trainer.max_steps if trainer.max_steps > 0 else None
-            line = f"step {trainer.global_step}" + (f"/{total}" if total else "")
-            line += f" {summary}" if summary else ""
-            if total and self._start is not None and trainer.global_step > self._start[1]:
-                elapsed = time.monotonic() - self._start[0]
-                rate = elapsed / (trainer.global_step - self._start[1])
-                line += f" eta {_fmt_eta(rate * (total - trainer.global_step))}"
-            progress.console.print(line, highlight=False)
+            progress.console.print(self._line(trainer, summary), highlight=False, soft_wrap=True)
 
     def _stop(self) -> None:
         if self._progress is not None:
@@ -103,7 +108,14 @@ class ProgressBar(Callback):
             self._progress = None
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
-        """Close the bar."""
+        """Close the bar; without a terminal, print the last line (the final step and its time)."""
+        progress = self._progress
+        if progress is not None and not progress.console.is_terminal and self._start is not None:
+            line = f"done: step {trainer.global_step}"
+            summary = self._summary(trainer)
+            line += f" {summary}" if summary else ""
+            line += f" in {_fmt_eta(time.monotonic() - self._start[0])}"
+            progress.console.print(line, highlight=False, soft_wrap=True)
         self._stop()
 
     def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:

@@ -329,6 +329,18 @@ def validate(trainer: Any, module: Any, data: Any) -> dict[str, float]:
     return dict(trainer.validate(module, datamodule=data)[0])
 
 
+def validate_after_fit(trainer: Any, module: Any, data: Any) -> dict[str, float]:
+    """The "after training" validation: the one ``fit`` ran at its last step when there was one (its
+    schedule hit the last step: the same weights, so no second pass), else one ``trainer.validate``; ``{}``
+    without ``data.val_files``."""
+    if not data.config.val_files:
+        return {}
+    last = trainer.last_validation
+    if last is not None and last[0] == trainer.global_step:
+        return dict(last[1])
+    return validate(trainer, module, data)
+
+
 def _csv_path(trainer: Any) -> Path | None:
     from lightning.pytorch.loggers import CSVLogger
 
@@ -336,6 +348,13 @@ def _csv_path(trainer: Any) -> Path | None:
         if isinstance(lg, CSVLogger):
             return Path(lg.log_dir) / "metrics.csv"
     return None
+
+
+def _mlflow_stores(trainer: Any) -> list[str]:
+    """The tracking URIs of the run's MLflow loggers."""
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    return [lg._tracking_uri for lg in trainer.loggers if isinstance(lg, MLFlowLogger) and lg._tracking_uri]
 
 
 def report(trainer: Any, before: dict[str, float] | None, after: dict[str, float], keys: tuple[str, ...],
@@ -357,6 +376,8 @@ def report(trainer: Any, before: dict[str, float] | None, after: dict[str, float
             lines.append(f"plot:      {plot_training_curves(csv_path)}")
     if exported:
         lines.append(f"HF model:  {exported}  (AutoModelForCausalLM.from_pretrained loads it)")
+    for uri in _mlflow_stores(trainer):
+        lines.append(f"MLflow:    {uri}  (`mlflow ui --backend-store-uri {uri}` shows it)")
     runs = sorted((Path(trainer.default_root_dir) / "wandb").glob("offline-run-*"), key=os.path.getmtime)
     if runs:
         lines.append(f"wandb run: {runs[-1]}  (offline; `wandb sync` uploads it)")

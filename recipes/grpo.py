@@ -11,6 +11,7 @@ reward and response length per step and the trained policy as an HF model (``hf/
 ``trainer.default_root_dir``.
 """
 
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import GRPORecipeConfig, parse_recipe_args
 from verl_trainer.recipes import common
 from verl_trainer.recipes.configs import config_path
+from verl_trainer.user_errors import run_command, user_setup
 
 CONFIG = config_path("grpo")
 
@@ -29,15 +31,16 @@ def main(algorithm_cls: type = GRPO, default_config: Path = CONFIG, argv: Sequen
     """Run the recipe; ``argv`` (default: the command line) and extra ``callbacks`` are for launchers such as
     ``examples/ray_grpo.py``."""
     started = time.monotonic()
-    cfg = parse_recipe_args(GRPORecipeConfig, default_config, argv=argv, description=__doc__)
-    trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=common.RL_PROGRESS), *callbacks])
-    run = common.prepare(cfg, trainer, algorithm_cls, PromptDataModule)  # every check before a model loads
+    with user_setup():  # a bad setting ends the command with its message alone (verl_trainer.user_errors)
+        cfg = parse_recipe_args(GRPORecipeConfig, default_config, argv=argv, description=__doc__)
+        trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=common.RL_PROGRESS), *callbacks])
+        run = common.prepare(cfg, trainer, algorithm_cls, PromptDataModule)  # every check; no model yet
     if run.warm_start:
         common.warm_start(cfg.warm_start, run.base, cfg.trainer)
     module, data = run.module, run.data
     before = common.validate(trainer, module, data) if cfg.trainer.validates_before_fit else None
     trainer.fit(module, datamodule=data, ckpt_path=cfg.trainer.ckpt_path)
-    after = common.validate(trainer, module, data)
+    after = common.validate_after_fit(trainer, module, data)
     actor = module.engines["actor"]
     if actor.has_adapters:  # LoRA: the adapters as a peft directory (PeftModel.from_pretrained loads it)
         actor.save_adapter(Path(cfg.trainer.default_root_dir) / "adapter")
@@ -48,4 +51,4 @@ def main(algorithm_cls: type = GRPO, default_config: Path = CONFIG, argv: Sequen
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

@@ -4,6 +4,7 @@
     python recipes/ppo.py trainer.strategy=deepspeed trainer.devices=2 trainer.max_steps=10
 """
 
+import sys
 import time
 
 from verl_trainer.algorithms import PPO, PromptDataModule
@@ -11,21 +12,23 @@ from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import PPORecipeConfig, parse_recipe_args
 from verl_trainer.recipes import common
 from verl_trainer.recipes.configs import config_path
+from verl_trainer.user_errors import run_command, user_setup
 
 CONFIG = config_path("ppo")
 
 
 def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
-    cfg = parse_recipe_args(PPORecipeConfig, CONFIG, argv, description=__doc__)
-    trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=(*common.RL_PROGRESS, "critic/vf_loss"))])
-    run = common.prepare(cfg, trainer, PPO, PromptDataModule)  # every check before a model loads
+    with user_setup():  # a bad setting ends the command with its message alone (verl_trainer.user_errors)
+        cfg = parse_recipe_args(PPORecipeConfig, CONFIG, argv, description=__doc__)
+        trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=(*common.RL_PROGRESS, "critic/vf_loss"))])
+        run = common.prepare(cfg, trainer, PPO, PromptDataModule)  # every check before a model loads
     if run.warm_start:
         common.warm_start(cfg.warm_start, run.base, cfg.trainer)
     module, data = run.module, run.data
     before = common.validate(trainer, module, data) if cfg.trainer.validates_before_fit else None
     trainer.fit(module, datamodule=data, ckpt_path=cfg.trainer.ckpt_path)
-    after = common.validate(trainer, module, data)
+    after = common.validate_after_fit(trainer, module, data)
     if run.export_dir:  # the trained policy as a plain HF model
         common.export_policy(module.engines["actor"], run.export_dir, dtype=cfg.trainer.export_torch_dtype())
     common.report(trainer, before, after, ("val/reward/mean", "val/reward/accuracy"), started=started,
@@ -33,4 +36,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

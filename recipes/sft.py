@@ -7,6 +7,7 @@ The fine-tuned model is written as an HF directory to ``export_dir`` (default ``
 ``trainer.export_hf=false``: none).
 """
 
+import sys
 import time
 
 from verl_trainer.algorithms import SFT, SFTDataModule
@@ -14,19 +15,21 @@ from verl_trainer.callbacks import ProgressBar
 from verl_trainer.configs import SFTRecipeConfig, parse_recipe_args
 from verl_trainer.recipes import common
 from verl_trainer.recipes.configs import config_path
+from verl_trainer.user_errors import run_command, user_setup
 
 CONFIG = config_path("sft")
 
 
 def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
-    cfg = parse_recipe_args(SFTRecipeConfig, CONFIG, argv, description=__doc__)
-    trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=("sft/loss", "val/loss"))])
-    run = common.prepare(cfg, trainer, SFT, SFTDataModule)  # every check before a model loads
+    with user_setup():  # a bad setting ends the command with its message alone (verl_trainer.user_errors)
+        cfg = parse_recipe_args(SFTRecipeConfig, CONFIG, argv, description=__doc__)
+        trainer = cfg.trainer.build(callbacks=[ProgressBar(metrics=("sft/loss", "val/loss"))])
+        run = common.prepare(cfg, trainer, SFT, SFTDataModule)  # every check before a model loads
     module, data = run.module, run.data
     before = common.validate(trainer, module, data) if cfg.trainer.validates_before_fit else None
     trainer.fit(module, datamodule=data, ckpt_path=cfg.trainer.ckpt_path)
-    after = common.validate(trainer, module, data)
+    after = common.validate_after_fit(trainer, module, data)
     if run.export_dir:
         common.export_policy(module.engines["actor"], run.export_dir, dtype=cfg.trainer.export_torch_dtype())
     common.report(trainer, before, after, ("val/loss",), plot=False, started=started,
@@ -34,4 +37,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI extras stage for Ray Train and the optional loggers (.ci/run, alone after both lanes): adds the `ray` extra's packages
 # (pyproject.toml: ray[train]==2.60.0, a 79 MB wheel, 240 MB installed, ~30 s), the `mlflow` extra's
-# (mlflow-skinny, ~75 MB installed) and the `tensorboard` extra's (~56 MB) to the venv (default .venv, made by
+# (mlflow-skinny with sqlalchemy and alembic for its SQLite store, ~110 MB installed) and the `tensorboard` extra's (~56 MB) to the venv (default .venv, made by
 # scripts/setup_venv.sh) and runs the tests marked `ray`, `mlflow` or `tensorboard`. Only the missing packages are installed (no upgrade, no reinstall of verl-trainer),
 # so the venv's other tests keep working. Each test starts its own two-node Ray
 # cluster bound to 127.0.0.1 and ends only that cluster's processes.

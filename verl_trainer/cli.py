@@ -21,6 +21,7 @@ import importlib
 import sys
 
 from verl_trainer.recipes import RECIPES
+from verl_trainer.user_errors import run_command
 
 TOOLS = {"evaluate": "verl_trainer.evaluate.__main__", "export": "verl_trainer.export.__main__"}
 COMMANDS = {**{name: f"verl_trainer.recipes.{name}" for name in RECIPES}, **TOOLS}
@@ -40,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv[0]`` (default ``sys.argv[1:]``) with the rest of the arguments.
 
     Returns:
-        The exit status: the command's, 0 after ``--help``, 2 for a missing or unknown command.
+        The exit status: the command's, 0 after ``--help``, 2 for a missing or unknown command, 1 after a
+        recipe's user error (a bad setting, file or package: the message alone on stderr; the traceback with
+        ``VERL_TRAINER_DEBUG=1``, see :mod:`verl_trainer.user_errors`).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -52,5 +55,4 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
         print(f"verl-trainer: unknown command {name!r}{hint}\n\n{usage()}", file=sys.stderr, end="")
         return 2
-    status = importlib.import_module(COMMANDS[name]).main(argv=rest)
-    return status if isinstance(status, int) else 0
+    return run_command(importlib.import_module(COMMANDS[name]).main, argv=rest, prog=f"verl-trainer {name}")

@@ -144,6 +144,9 @@ class Trainer(LightningAttributes):
         self.eval_loader: ShardedLoader | None = None  # test / predict data
         self.sanity_checking = False
         self.evaluating = False  # inside a validation / test / predict loop
+        # (global_step, reduced metrics) of the latest validation pass of fit or validate; sanity checks
+        # excluded. A recipe reuses it instead of validating the same weights twice.
+        self.last_validation: tuple[int, dict[str, float]] | None = None
         self.step_hooks = self.callback_step_hooks()
 
     # ------------------------------------------------------------------------------------ topology

@@ -32,8 +32,10 @@ def _args(assets: Path, root: Path, *overrides: str) -> list[str]:
 
 
 def run_in_process(recipe: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe's ``main`` on ``argv`` in this process; its errors propagate (the command line would print
+    a user error's message alone: ``tests/recipes/test_user_errors.py``)."""
     monkeypatch.setattr(sys, "argv", [str(RECIPES / f"{recipe}.py"), *argv])
-    runpy.run_path(str(RECIPES / f"{recipe}.py"), run_name="__main__")
+    runpy.run_path(str(RECIPES / f"{recipe}.py"), run_name="recipe")["main"](argv=argv)
 
 
 def _no_model_loaded(capfd: pytest.CaptureFixture[str]) -> None:
@@ -69,12 +71,15 @@ def test_settings_of_the_other_rollout_backend_are_named_as_not_read(assets, tmp
     """verl scripts set vLLM's keys; the HF rollout says it does not read them (before any model loads)."""
     overrides = ["warm_start.enable=false", "algorithm.rollout.name=hf", "data.train_files=/nope.jsonl",
                  "actor_rollout_ref.rollout.gpu_memory_utilization=0.7",
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                  "algorithm.rollout.enforce_eager=false"]
     with pytest.raises(FileNotFoundError):  # stops the run right after the note, before a model loads
         run_in_process("grpo", _args(assets, tmp_path, *overrides), monkeypatch)
     out, _ = capfd.readouterr()
+    assert out.count("note: the hf rollout does not read") == 1, out  # once, at start-up
     assert ("note: the hf rollout does not read algorithm.rollout.gpu_memory_utilization=0.7, "
-            "algorithm.rollout.enforce_eager=False (settings of the other backend") in out, out
+            "algorithm.rollout.tensor_parallel_size=2, algorithm.rollout.enforce_eager=False (settings of "
+            "the other backend") in out, out
     from verl_trainer.rollout.config import RolloutConfig
 
     assert RolloutConfig(name="vllm", decoding="generate").ignored_by("vllm") == ["decoding=generate"]

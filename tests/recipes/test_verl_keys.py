@@ -172,3 +172,19 @@ def test_dapo_aliases_and_keys_verl_sets_along_with_one_key():
     assert a.actor.engine.ulysses_sequence_parallel_size == a.ref.engine.ulysses_sequence_parallel_size == 2
     assert any("the reference inherits it, as in verl" in n for n in notes)
     assert not grpo("actor_rollout_ref.actor.entropy_coeff=0")[0].algorithm.actor.calculate_entropy
+
+
+def test_verl_balance_batch_switches_on_sequence_balancing(capsys):
+    """verl's ``trainer.balance_batch`` is our ``SequenceBalancing`` callback (issue 47 item 3)."""
+    from verl_trainer.callbacks.sequence_balancing import SequenceBalancing
+    from verl_trainer.configs import parse_recipe_args
+
+    cfg = parse_recipe_args(GRPORecipeConfig, GRPO_YAML, ["trainer.balance_batch=True"])
+    out = capsys.readouterr().out
+    assert "verl key: trainer.balance_batch=True -> trainer.sequence_balancing=True" in out
+    assert cfg.trainer.sequence_balancing
+    trainer = cfg.trainer.build(enable_checkpointing=False, logger=False)
+    assert sum(isinstance(cb, SequenceBalancing) for cb in trainer.callbacks) == 1
+    assert not grpo("trainer.balance_batch=False")[0].trainer.sequence_balancing
+    sft = parse_recipe_args(SFTRecipeConfig, ROOT / "configs" / "sft.yaml", ["trainer.balance_batch=true"])
+    assert sft.trainer.sequence_balancing

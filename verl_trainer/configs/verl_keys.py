@@ -124,6 +124,8 @@ VERL_KEYS: dict[str, Alias] = {
     "trainer.project_name": Alias("trainer.project_name", None, "the wandb project / mlflow experiment"),
     "trainer.experiment_name": Alias("trainer.experiment_name", None, "the wandb / mlflow run name"),
     "trainer.critic_warmup": Alias("algorithm.critic.warmup_steps", None, "PPO"),
+    "trainer.balance_batch": Alias("trainer.sequence_balancing", None,
+                                   "the SequenceBalancing callback; off by default here (verl: on)"),
     # data
     "data.max_response_length": Alias("algorithm.rollout.max_new_tokens"),
     # model
@@ -243,7 +245,6 @@ VERL_KEYS: dict[str, Alias] = {
 """verl key → our key (see :class:`Alias`)."""
 
 UNSUPPORTED: dict[str, str] = {
-    "trainer.balance_batch": "sequence balancing is a callback here: trainer.sequence_balancing=true",
     f"{_CORR}.rollout_rs": "verl's rejection sampling (token_k1, seq_mean_k3, ...) is not built; masked "
                            "importance sampling is algorithm.rollout_correction.mode=mask (weight 0 outside "
                            "the bounds)",

@@ -50,8 +50,20 @@ TRUNCATION_MODES = ("error", "left", "right", "middle")
 (``left``: the start is cut), first (``right``) or first and last halves (``middle``) tokens."""
 
 
+def _pyarrow_parquet(path: Path, action: str) -> Any:
+    """``pyarrow.parquet``, or an ``ImportError`` naming the file, the ``data`` extra and jsonl instead."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(
+            f"{action} {str(path)!r} needs pyarrow, which is not installed: pip install 'verl-trainer[data]' "
+            f"(pyarrow and datasets) or pip install pyarrow; or use a .jsonl file", name="pyarrow",
+        ) from None
+    return pq
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """The raw rows of a ``.parquet`` (pyarrow), ``.jsonl`` or ``.json`` file, as dicts.
+    """The raw rows of a ``.parquet`` (pyarrow: the ``data`` extra), ``.jsonl`` or ``.json`` file, as dicts.
 
     A path that is not a local file but a hub dataset id (``org/name[:config][@split]``, split ``train`` by
     default) is read from the local HF cache (:mod:`verl_trainer.data.hub`).
@@ -61,9 +73,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in (".parquet", ".pq"):
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
+        return _pyarrow_parquet(path, "reading").read_table(path).to_pylist()
     if suffix in (".jsonl", ".json"):
         return read_json_rows(path)  # errors name the file and line
     raise ValueError(f"cannot read prompts from {str(path)!r}: use a .parquet, .jsonl or .json file")
@@ -183,8 +193,8 @@ def save_rows(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     suffix = path.suffix.lower()
     if suffix in (".parquet", ".pq"):
+        pq = _pyarrow_parquet(path, "writing")
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         try:
             table = pa.Table.from_pylist([dict(r) for r in rows])

@@ -63,9 +63,13 @@ def _evaluate(trainer: Trainer, prefix: str, loader: ShardedLoader, step_name: s
 
 
 def validation_loop(trainer: Trainer, limit: int | None = None) -> dict[str, float]:
-    """Run the validation batches once (at most ``limit``); returns the values logged for it."""
+    """Run the validation batches once (at most ``limit``); returns the values logged for it.
+
+    They are also kept, with the step, as ``trainer.last_validation``.
+    """
     values = _evaluate(trainer, "validation", trainer.val_loader, "validation_step", limit)
     trainer.flush_metrics(force=True)
+    trainer.last_validation = (trainer.global_step, dict(values))
     return values
 
 

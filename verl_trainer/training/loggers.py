@@ -11,10 +11,13 @@
   (``WANDB_API_KEY`` or a ``api.wandb.ai`` entry in ``~/.netrc``) and ``WANDB_MODE`` is not set;
 * ``"tensorboard"``: ``TensorBoardLogger(save_dir=default_root_dir)`` (needs ``tensorboard`` or
   ``tensorboardX``, e.g. ``pip install verl-trainer[tensorboard]``: otherwise a ``ValueError`` naming it);
-* ``"mlflow"``: ``MLFlowLogger(experiment_name="verl-trainer")`` writing to a local store,
-  ``file:<default_root_dir>/mlruns`` (``MLFLOW_TRACKING_URI`` when set), never a server unless you name
-  one (needs the ``mlflow`` extra: ``pip install verl-trainer[mlflow]``, the tracking client
-  ``mlflow-skinny``, or full ``mlflow``; otherwise a ``ValueError`` naming it);
+* ``"mlflow"``: ``MLFlowLogger(experiment_name="verl-trainer")`` writing to a local SQLite store,
+  ``sqlite:///<default_root_dir>/mlflow.db`` (``MLFLOW_TRACKING_URI`` when set), never a server unless you
+  name one. Any process reads it back: ``mlflow.MlflowClient("sqlite:///<dir>/mlflow.db")``, or
+  ``mlflow ui --backend-store-uri sqlite:///<dir>/mlflow.db`` (the UI needs full ``mlflow``). Needs the
+  ``mlflow`` extra: ``pip install verl-trainer[mlflow]`` (the tracking client ``mlflow-skinny`` with
+  ``sqlalchemy`` and ``alembic`` for the SQLite store), or full ``mlflow``; otherwise a ``ValueError``
+  naming what to install;
 * a Lightning ``Logger`` instance, or a list mixing any of these.
 
 String specs are built at ``fit`` time on global rank 0 only (other ranks log nothing); hyperparameters
@@ -126,39 +129,70 @@ def TensorBoardLogger(save_dir: str, name: str | None = "lightning_logs", versio
     return LightningTensorBoardLogger(save_dir=save_dir, name=name, version=version, **kwargs)
 
 
-def _require_mlflow() -> None:
+MLFLOW_DB = "mlflow.db"
+"""The default MLflow store's file under the run directory (``sqlite:///<default_root_dir>/mlflow.db``)."""
+SQL_STORE_PACKAGES = ("sqlalchemy", "alembic")
+"""What mlflow's SQLite store needs beyond ``mlflow-skinny`` (full ``mlflow`` has them)."""
+
+
+def default_mlflow_uri(save_dir: str | os.PathLike) -> str:
+    """The tracking URI of the default store: a SQLite file under ``save_dir`` (absolute)."""
+    return f"sqlite:///{Path(save_dir).resolve() / MLFLOW_DB}"
+
+
+def _require_mlflow(tracking_uri: str | None = None) -> None:
+    """Check that mlflow, and for a SQLite store its database packages, are installed.
+
+    Args:
+        tracking_uri: The store that will be used; ``None``: ``MLFLOW_TRACKING_URI`` when set, else the
+            default SQLite store.
+    """
     if importlib.util.find_spec("mlflow") is None:
         raise ValueError(
             "logger='mlflow' needs the mlflow package, which is not installed; run `pip install "
-            "verl-trainer[mlflow]` (the tracking client, mlflow-skinny) or `pip install mlflow`, or use "
-            "logger='csv' / 'wandb'"
+            "verl-trainer[mlflow]` (the tracking client mlflow-skinny with its SQLite store) or `pip install "
+            "mlflow`, or use logger='csv' / 'wandb'"
+        )
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_mlflow_uri(".")
+    missing = [name for name in SQL_STORE_PACKAGES if importlib.util.find_spec(name) is None]
+    if uri.startswith("sqlite:") and missing:
+        raise ValueError(
+            f"logger='mlflow' writes to the SQLite store {uri}, which needs {' and '.join(missing)} (not "
+            f"installed; mlflow-skinny alone has no SQL store); run `pip install verl-trainer[mlflow]` (or "
+            f"`pip install {' '.join(missing)}`), or set MLFLOW_TRACKING_URI to a server (http://...)"
         )
 
 
 def MLFlowLogger(experiment_name: str = WANDB_PROJECT, run_name: str | None = None,  # noqa: N802
                  tracking_uri: str | None = None, save_dir: str = ".", **kwargs: Any) -> Any:
-    """Lightning's ``MLFlowLogger`` writing to a local file store unless ``tracking_uri`` names another.
+    """Lightning's ``MLFlowLogger`` writing to a local SQLite store unless ``tracking_uri`` names another.
 
     Args:
         experiment_name: The MLflow experiment (verl: ``trainer.project_name``).
         run_name: The run's name (verl: ``trainer.experiment_name``).
         tracking_uri: Where runs are stored; ``None``: ``MLFLOW_TRACKING_URI`` when set, else
-            ``file:<save_dir>/mlruns``. Read them back with ``mlflow.MlflowClient(tracking_uri)``.
-        save_dir: The directory of the default file store.
-        kwargs: Lightning's other ``MLFlowLogger`` arguments (``tags``, ``log_model``, ``prefix``, ...).
+            ``sqlite:///<save_dir>/mlflow.db``. Any process reads them back with
+            ``mlflow.MlflowClient(tracking_uri)`` or ``mlflow ui --backend-store-uri <tracking_uri>``.
+            A ``file:`` store (mlflow 3 deprecates it) is written as asked; reading it back needs
+            ``MLFLOW_ALLOW_FILE_STORE=true`` in the reading process too.
+        save_dir: The directory of the default store; a new experiment's artifacts go to
+            ``<save_dir>/mlartifacts`` (not the working directory).
+        kwargs: Lightning's other ``MLFlowLogger`` arguments (``tags``, ``log_model``, ``prefix``,
+            ``artifact_location``, ...).
 
     Raises:
-        ValueError: mlflow is not installed (names the extra to install).
+        ValueError: mlflow, or for the SQLite store sqlalchemy / alembic, is not installed (names the extra).
     """
-    _require_mlflow()
+    if tracking_uri is None:
+        tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or default_mlflow_uri(save_dir)
+    _require_mlflow(tracking_uri)
     from lightning.pytorch.loggers import MLFlowLogger as LightningMLFlowLogger
 
-    if tracking_uri is None:
-        tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"file:{Path(save_dir).resolve() / 'mlruns'}"
-    if tracking_uri.startswith("file:"):
-        # mlflow 3 keeps the file store in maintenance mode and refuses it unless told; it is the store
-        # that needs no server and no database package, so it is the default here
+    if tracking_uri.startswith("file:"):  # the user's choice; mlflow 3 refuses it unless told
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    if tracking_uri.startswith("sqlite:"):
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        kwargs.setdefault("artifact_location", (Path(save_dir).resolve() / "mlartifacts").as_uri())
     return LightningMLFlowLogger(experiment_name=experiment_name, run_name=run_name,
                                  tracking_uri=tracking_uri, **kwargs)
 

@@ -123,7 +123,7 @@ def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_p
     trainer.step_hooks = trainer.callback_step_hooks()  # the callbacks may have changed since construction
     seed_everything(trainer.seed)
     apply_deterministic(trainer.deterministic)
-    trainer.logging.setup(trainer.is_global_zero)
+    trainer.logging.setup(trainer.is_global_zero, getattr(module, "hparams", None))  # fit logs the same
     status = "failed"
     try:
         trainer.call_hook("setup", stage)
