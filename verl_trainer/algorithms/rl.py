@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from verl_trainer.algorithms.config import RLConfig
+from verl_trainer.algorithms.config import RLConfig, check_mini_batch_divides
 from verl_trainer.algorithms.dapo import overlong_penalty
 from verl_trainer.algorithms.distributed import count_mini_batches, drop_samples, split_mini_batches
 from verl_trainer.algorithms.greedy_baseline import (
@@ -186,6 +186,18 @@ class RLModule(TrainingModule):
         if self.reward_model is not None:
             specs[REWARD_MODEL_ENGINE] = self.reward_model.engine_spec()
         return specs
+
+    def check_data(self, datamodule: Any) -> None:
+        """``actor.ppo_mini_batch_size`` must divide the datamodule's ``train_batch_size`` (both in prompts).
+
+        A datamodule without ``config.train_batch_size`` is not checked.
+
+        Raises:
+            ValueError: From :func:`~verl_trainer.algorithms.config.check_mini_batch_divides`.
+        """
+        size = getattr(getattr(datamodule, "config", None), "train_batch_size", None)
+        if isinstance(size, int):
+            check_mini_batch_divides(self.config.actor.ppo_mini_batch_size, size)
 
     def setup(self, stage: str) -> None:
         """Build the rollout copy of the policy (once; it lives as long as the module)."""
