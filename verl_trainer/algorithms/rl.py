@@ -530,6 +530,8 @@ class RLModule(TrainingModule):
         ``val/mean@k``, ``val/best@k``, ``val/worst@k`` and the same per source, ``val/<data_source>/pass@k``
         (:mod:`verl_trainer.evaluate.validation`). Multi-turn: ``val/agent/*`` (turns, tool calls, errors,
         timeouts, correct tool use, tool-token share; the environment's reward is logged, not added).
+        Non-finite rewards: ``val/non_finite/rewards`` (a count over the whole validation), then
+        ``algorithm.non_finite.policy`` (``NonFiniteGuard.check_validation``).
         """
         if self.one_step_off is not None:
             self.one_step_off.before_validation()
@@ -544,6 +546,8 @@ class RLModule(TrainingModule):
             self._add_model_scores(b, s, info, metrics, "val/reward")
             check_reward_failures(self.reward_fn, b, s, info, self._step, self._dp_group, metrics,
                                   prefix="val/reward")
+            # NaN/inf rewards: val/non_finite/*, then algorithm.non_finite.policy as in training
+            self.non_finite.check_validation(b, s, self._step - 1, self._dp_group, metrics)
 
         scores, reward_metrics, info = score_batch(rollout_batch, self.reward_fn, prefix="val/reward",
                                                    on_scores=check, return_info=True, raise_on_error=False)
