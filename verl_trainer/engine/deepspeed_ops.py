@@ -141,8 +141,13 @@ def _uid(pid: int) -> int | None:
     return None
 
 
-def _scan(lock: Path, op_dir: Path) -> tuple[list[int], list[int], list[int]]:
-    """``(pids holding lock open, pids with their cwd inside op_dir, the lock owner's pids not readable)``."""
+def _scan(lock: Path, op_dir: Path) -> tuple[list[int], list[int], list[int], tuple[int, int]]:
+    """Look for the lock's owners in ``/proc``.
+
+    Returns:
+        ``(pids holding lock open, pids with their cwd inside op_dir, the lock owner's pids not readable,
+        the lock's (device, inode))``.
+    """
     st = lock.stat()
     target = (st.st_dev, st.st_ino)
     op_real = os.path.realpath(op_dir)
@@ -174,7 +179,7 @@ def _scan(lock: Path, op_dir: Path) -> tuple[list[int], list[int], list[int]]:
             if (fst.st_dev, fst.st_ino) == target:
                 holders.append(pid)
                 break
-    return holders, inside, hidden
+    return holders, inside, hidden, target
 
 
 def inspect_build_lock(op_dir: str | os.PathLike, clear: bool = False) -> BuildLockState:
@@ -194,7 +199,7 @@ def inspect_build_lock(op_dir: str | os.PathLike, clear: bool = False) -> BuildL
     if not os.path.isdir("/proc"):
         return BuildLockState(lock, "unproven", reason="there is no /proc to look for its owner")
     try:
-        holders, inside, hidden = _scan(lock, op_dir)
+        holders, inside, hidden, scanned = _scan(lock, op_dir)
     except FileNotFoundError:  # released while we looked
         return BuildLockState(lock, "absent")
     if holders:
@@ -209,7 +214,10 @@ def inspect_build_lock(op_dir: str | os.PathLike, clear: bool = False) -> BuildL
             f"processes {hidden} of the lock file's owner (uid {lock.stat().st_uid}) cannot be inspected "
             f"by this user"))
     if clear:
-        lock.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            now = lock.stat()
+            if (now.st_dev, now.st_ino) == scanned:  # not a new build's lock, made since the scan
+                lock.unlink()
     return BuildLockState(lock, "stale")
 
 
@@ -275,9 +283,9 @@ def _jit_builders(accelerator: Any) -> list[Any]:
         builder = accelerator.create_op_builder(class_name)
         if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
             continue  # deepspeed does not load it either
-        if builder.name in builder._loaded_ops:
+        if builder.name in getattr(builder, "_loaded_ops", {}):
             continue  # loaded in this process already
-        if installed_ops.get(builder.name, False) and accelerator_name == accelerator._name:
+        if installed_ops.get(builder.name, False) and accelerator_name == getattr(accelerator, "_name", None):
             continue  # pre-built into the deepspeed install: nothing is compiled
         out.append(builder)
     return out
