@@ -13,6 +13,7 @@ import importlib.util
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -234,7 +235,7 @@ def test_first_build_is_announced_on_rank_0_before_it_starts(tmp_path):
     announced = [(m, existed) for m, existed in seen[0] if "compiles its C++ op" in m]
     assert len(announced) == 1
     message, existed = announced[0]
-    assert f"'{OP}'" in message and str(root / OP) in message and not existed
+    assert f"'{OP}' now, into {socket.gethostname()}:{root / OP} " in message and not existed
     assert not any("compiles its C++ op" in m for m, _ in seen[1])
     assert (root / OP / f"{OP}.so").exists() and not (root / OP / "lock").exists()
     assert os.listdir(root) == [OP]  # the only op built

@@ -10,8 +10,8 @@ during the build leaves that file, and every later load on the machine waits for
 and silently. :func:`prepare_deepspeed_ops` runs on every rank before ``deepspeed.initialize`` and loads
 each such op itself (DeepSpeed's later load then returns the cached module):
 
-1. Rank 0 warns, before the build, when the op's ``.so`` is not in its directory yet (a first build takes
-   minutes), naming the op and the directory.
+1. Rank 0 warns, before the build, when the op's ``.so`` is not yet in the directory of any rank (a first
+   build takes minutes), naming the op and each such host and directory.
 2. Each rank inspects ``<op dir>/lock`` (:func:`inspect_build_lock`) while holding the project's build
    lock ``<op dir>/.verl_trainer_build.flock`` (an ``fcntl.flock``, released by the kernel when its
    holder dies, however it dies; the file itself is kept). The ranks gather what they found; if any rank
@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import socket
 import sys
 import time
 import warnings
@@ -321,9 +322,10 @@ def prepare_deepspeed_ops(accelerator: Any) -> list[str]:
     """
     rank = get_rank()
     builders = _jit_builders(accelerator)
-    report: list[tuple[str, str, str]] = []  # (op, state, message)
+    report: list[tuple[str, str, str, str | None]] = []  # (op, state, message, where it will compile)
     for builder in builders:
         op_dir = op_build_dir(builder.name)
+        built = any(op_dir.glob(f"{builder.name}*.so"))
         with build_lock(op_dir, wait_s=_FLOCK_PROBE_S) as held:
             busy = BuildLockState(op_dir / _BATON, "busy")
             found = inspect_build_lock(op_dir, clear=True) if held else busy
@@ -337,25 +339,27 @@ def prepare_deepspeed_ops(accelerator: Any) -> list[str]:
             owners = "; ".join(f"pid {p}: {cmd}" for p, cmd in found.owners)
             message = (f"DeepSpeed's op {builder.name!r} is being built by another process ({owners}); "
                        f"waiting for its lock {str(found.path)!r}")
-        report.append((builder.name, found.state, message))
+        where = None if built else f"{socket.gethostname()}:{op_dir}"
+        report.append((builder.name, found.state, message, where))
     everyone = all_gather_object((rank, report))
-    errors = [f"rank {r}: {msg}" for r, ops in everyone for _, state, msg in ops if state == "unproven"]
+    errors = [f"rank {r}: {msg}" for r, ops in everyone for _, state, msg, _ in ops if state == "unproven"]
     if errors:
         raise StaleBuildLockError("\n".join(errors))
     if rank == 0:
         said = set()
         for _, ops in everyone:
-            for _, state, message in ops:
+            for _, state, message, _ in ops:
                 if state in ("stale", "building") and message not in said:
                     said.add(message)
                     warnings.warn(message, stacklevel=2)
         for builder in builders:
-            op_dir = op_build_dir(builder.name)
-            if not any(op_dir.glob(f"{builder.name}*.so")):
+            where = sorted({w for _, ops in everyone for name, _, _, w in ops if name == builder.name and w})
+            if where:
                 warnings.warn(
-                    f"DeepSpeed compiles its C++ op {builder.name!r} into {str(op_dir)!r} now (the first "
-                    f"DeepSpeed run with this torch and Python here; this takes minutes, later runs reuse "
-                    f"it). Set TORCH_EXTENSIONS_DIR to build elsewhere.", stacklevel=2)
+                    f"DeepSpeed compiles its C++ op {builder.name!r} now, into {', '.join(where)} (host:"
+                    f"directory; the first DeepSpeed run with this torch and Python there: this takes "
+                    f"minutes, later runs reuse it). Set TORCH_EXTENSIONS_DIR to build elsewhere.",
+                    stacklevel=2)
     for builder in builders:
         _load(builder, op_build_dir(builder.name), rank)
     return [b.name for b in builders]
