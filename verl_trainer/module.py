@@ -109,6 +109,17 @@ class TrainingModule:
     def setup(self, stage: str) -> None:
         """Called on every rank at the start of ``fit`` / ``validate`` (``stage``), before the engines."""
 
+    def check_data(self, datamodule: Any) -> None:
+        """Check this module's settings against ``datamodule``'s before any model loads; default: nothing.
+
+        Called by :meth:`Trainer.check <verl_trainer.Trainer.check>` (in the launching process) and at the
+        start of ``fit`` on every rank, before :meth:`setup`: it must depend on the settings only, so every
+        rank raises alike.
+
+        Raises:
+            ValueError: A combination of settings that cannot run, naming both and the fix.
+        """
+
     def configure_engines(self) -> Mapping[str, EngineSpec | BaseEngine]:
         """Name the engines of this module, in a fixed order (the same on every rank).
 

@@ -50,6 +50,23 @@ def test_drop_policy_drops_the_whole_group_and_counts():
     assert not guard.check_samples(batch, adv, "advantages", 1, None, metrics).any()
 
 
+def test_validation_counts_with_a_sum_and_drops_whole_prompts_without_touching_training_counters():
+    from verl_trainer.metrics.metric import Reduction
+
+    guard = NonFiniteGuard(NonFiniteConfig(policy="drop_samples"), group_estimator=False)
+    batch, metrics, scores = _batch(), {}, torch.tensor([0.0, math.nan, 1.0, 0.5])
+    dropped = guard.check_validation(batch, scores, 3, None, metrics)
+    assert dropped.tolist() == [True, True, False, False]  # the prompt's every response: @k stays defined
+    assert scores.tolist() == [0.0, 0.0, 1.0, 0.5] and guard.dropped == 0
+    counted = metrics["val/non_finite/rewards"]
+    assert counted.reduction == Reduction.SUM and float(counted.aggregate()) == 1.0  # summed over batches
+    assert float(metrics["val/non_finite/dropped_samples"].aggregate()) == 2.0
+    strict = NonFiniteGuard(NonFiniteConfig(), False)
+    want = r"validation after step 3: 1 sample\(s\) with non-finite rewards \(uid 0 on rank 0: nan\)"
+    with pytest.raises(NonFiniteError, match=want):
+        strict.check_validation(_batch(), torch.tensor([math.nan, 1.0, 1.0, 1.0]), 3, None, {})
+
+
 def test_token_values_are_checked_under_the_response_mask():
     guard = NonFiniteGuard(NonFiniteConfig(), group_estimator=False)
     batch = _batch()

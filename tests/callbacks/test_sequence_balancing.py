@@ -128,7 +128,7 @@ def _grpo_step_with_balancing(model_dir: str, data_dir: str, root: str):
     cfg = load_config(GRPORecipeConfig, ROOT / "configs" / "grpo.yaml", [
         f"algorithm.model_path={model_dir}", f"data.train_files={data_dir}/train.jsonl",
         "data.val_files=null",
-        "data.train_batch_size=6", "algorithm.rollout.n=2", "algorithm.rollout.max_new_tokens=3",
+        "data.train_batch_size=8", "algorithm.rollout.n=2", "algorithm.rollout.max_new_tokens=3",
         "algorithm.actor.ppo_mini_batch_size=4", "algorithm.actor.engine.micro_batch_size_per_gpu=4",
     ])
     module = GRPO(cfg.algorithm)
@@ -154,7 +154,10 @@ def _imbalance(per_rank: list[list[int]], hidden: int) -> float:
 
 
 def test_callback_uses_the_modules_hidden_size_and_batch_multiple(tmp_path):
-    """Contract: the workload uses the actor's h (32, not 4096); the batch is padded to lcm(dp, mini × n)."""
+    """Contract: the workload uses the actor's h (32, not 4096) and the module's multiple lcm(dp, mini × n).
+
+    A valid config's batch is a multiple already (the mini-batch divides the batch, the DP size divides the
+    batch): no padding here; the padding itself is tested in tests/test_balancing.py."""
     make_tiny_model(tmp_path / "model", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, seed=1)
     task = ArithmeticTaskConfig(num_train=24, num_val=2, holdout_fraction=0.2)
     write_arithmetic_task(tmp_path / "data", task)
@@ -162,8 +165,8 @@ def test_callback_uses_the_modules_hidden_size_and_batch_multiple(tmp_path):
                               str(tmp_path / "run"), timeout=300)
     hidden, multiple, metrics, per_rank, imbalance, long_per_rank = results[0]
     assert hidden == 32 and multiple == 8  # lcm(dp=2, 4 prompts x n=2)
-    assert [len(lens) for lens in per_rank] == [8, 8]  # 12 real samples padded to 16, equal halves
-    assert metrics["global_seqlen/num_padding_samples"] == 4.0
+    assert [len(lens) for lens in per_rank] == [8, 8]  # 16 real samples, equal halves
+    assert metrics["global_seqlen/num_padding_samples"] == 0.0
     assert metrics["global_seqlen/workload_imbalance"] == pytest.approx(_imbalance(per_rank, 32), abs=1e-12)
     with_h, with_default = _imbalance(long_per_rank, 32), _imbalance(long_per_rank, 4096)
     assert abs(with_h - with_default) > 1e-6  # the two workload models tell apart on this batch

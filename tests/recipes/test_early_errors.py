@@ -52,11 +52,15 @@ def _no_model_loaded(capfd: pytest.CaptureFixture[str]) -> None:
          r"train.jsonl: prompt row 0 has \d+ tokens > max_prompt_length=2; .*data.truncation"),
         ("grpo", ["trainer.devices=4", "data.train_batch_size=6"], ValueError,
          r"data.train_batch_size=6 is not divisible by the data-parallel size 4"),
+        ("grpo", ["algorithm.actor.ppo_mini_batch_size=3"], ValueError,
+         r"algorithm.actor.ppo_mini_batch_size=3 does not divide data.train_batch_size=4 \(both in prompts "
+         r"per step\).*a divisor of 4 \(1, 2, 4; null: the whole batch\), or data.train_batch_size to a "
+         r"multiple of 3"),
         ("ppo", ["trainer.logger=[nope]"], ValueError, r"nope"),
         ("sft", ["data.train_files=${task.dir}/train.jsonl"], ValueError,
          r"train.jsonl: SFT row 0: a prompt-only row has nothing to train on \(it is RL data\)"),
     ],
-    ids=["missing-file", "long-prompt", "batch-vs-devices", "logger", "sft-columns"],
+    ids=["missing-file", "long-prompt", "batch-vs-devices", "mini-batch-vs-batch", "logger", "sft-columns"],
 )
 def test_recipe_errors_before_any_model_loads(assets, tmp_path, monkeypatch, capfd, recipe, overrides, error,
                                               match):

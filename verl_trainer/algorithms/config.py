@@ -39,6 +39,7 @@ __all__ = [
     "RewardConfig",
     "RewardModelConfig",
     "ValidationRolloutConfig",
+    "check_mini_batch_divides",
 ]
 
 
@@ -53,7 +54,9 @@ class ActorConfig:
         loss: Policy loss (clip ratios incl. DAPO's clip-higher ``clip_ratio_high``, ``loss_agg_mode``,
             KL loss to the reference, entropy bonus).
         ppo_mini_batch_size: Prompts per optimizer step over all DP ranks (each brings ``rollout.n``
-            samples); ``None``: the whole step batch is one mini-batch.
+            samples); ``None`` or ``>= data.train_batch_size``: the whole step batch is one mini-batch.
+            A smaller value must divide ``data.train_batch_size`` (checked before any model loads:
+            :func:`check_mini_batch_divides`).
         ppo_epochs: Passes over the step batch.
         calculate_entropy: Compute the policy entropy during the update (logged as ``actor/entropy``;
             needed when ``loss.entropy_coeff != 0``).
@@ -86,6 +89,33 @@ class ActorConfig:
                 f"actor.loss.entropy_coeff={self.loss.entropy_coeff} needs the entropy: set "
                 "actor.calculate_entropy=true (or entropy_coeff=0)"
             )
+
+
+def check_mini_batch_divides(ppo_mini_batch_size: int | None, train_batch_size: int) -> None:
+    """Refuse a PPO mini-batch size (prompts) smaller than the step's batch (prompts) that does not divide it.
+
+    Both are global prompt counts (``actor.ppo_mini_batch_size``, ``data.train_batch_size``). A step of
+    ``B`` prompts is split into ``ceil(B / m)`` mini-batches; unless ``m`` divides ``B`` they are not all of
+    ``m`` prompts (``B=4, m=3``: two mini-batches of 2 prompts), so no optimizer step sees the number of
+    samples asked for. ``m >= B`` is one mini-batch, the whole step batch, as ``null`` (the recipe
+    configs set ``m = B`` for one on-policy update per step, and a smaller ``data.train_batch_size``
+    keeps that meaning).
+
+    Raises:
+        ValueError: Naming both values and the sizes that would fit.
+    """
+    if ppo_mini_batch_size is None or ppo_mini_batch_size >= train_batch_size \
+            or train_batch_size % ppo_mini_batch_size == 0:
+        return
+    divisors = [d for d in range(1, train_batch_size + 1) if train_batch_size % d == 0]
+    shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
+    raise ValueError(
+        f"algorithm.actor.ppo_mini_batch_size={ppo_mini_batch_size} does not divide "
+        f"data.train_batch_size={train_batch_size} (both in prompts per step): the step's "
+        f"{train_batch_size} prompts cannot be split into mini-batches of {ppo_mini_batch_size}. Set "
+        f"algorithm.actor.ppo_mini_batch_size to a divisor of {train_batch_size} ({shown}; null: the whole "
+        f"batch), or data.train_batch_size to a multiple of {ppo_mini_batch_size}"
+    )
 
 
 @dataclass

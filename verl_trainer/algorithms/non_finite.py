@@ -141,14 +141,7 @@ class NonFiniteGuard:
         Returns:
             ``[B]`` bool: the samples dropped on this rank (all False under ``error`` or when all finite).
         """
-        real = schema.real_mask(batch)
-        if values.dim() == 2:
-            mask = batch[schema.RESPONSE_MASK].bool()
-            bad = (~torch.isfinite(values) & mask).any(-1)
-        else:
-            bad = ~torch.isfinite(values)
-        bad = bad & real
-        total = int(all_reduce(bad.sum().to(torch.float64), group).item())
+        bad, total = _non_finite(batch, values, group)
         metrics[f"non_finite/{what}"] = float(total)  # the same on every rank
         none = torch.zeros_like(bad)
         if total == 0:
@@ -164,6 +157,51 @@ class NonFiniteGuard:
         if get_rank() == 0:
             print(f"step {step}: dropped {dropped} sample(s) for {total} with non-finite {what} ({listed})",
                   flush=True)
+        return drop
+
+    def check_validation(self, batch: TensorDict, scores: torch.Tensor, after_step: int, group: Any,
+                         metrics: dict[str, Any]) -> torch.Tensor:
+        """Validation's non-finite rewards: counted, then the same policy as training (a collective).
+
+        ``val/non_finite/rewards`` is always logged: the samples of this batch over the DP group, declared
+        ``Metric.sum`` (summed over the validation batches, the same value on every rank), so the run's
+        validation reports its count. Then ``policy``:
+
+        * ``error``: :class:`NonFiniteError` on every rank together, naming the validation, the step and the
+          samples (as training would stop at them);
+        * ``drop_samples``: each such sample's prompt group (its ``uid``: the ``val_rollout.n`` responses
+          of one prompt) becomes padding, left out of every ``val/`` metric, so ``val/reward/mean`` and
+          ``val/pass@k`` are over the prompts whose rewards are all finite; logged as
+          ``val/non_finite/dropped_samples`` (``Metric.sum``). The training counters are not touched.
+
+        Args:
+            batch: This rank's scored validation batch ``[B]`` (``uid``, ``is_padding``); changed in place.
+            scores: ``[B]`` rewards; a dropped sample's is set to 0.
+            after_step: Training steps done before this validation (``trainer.global_step``), for messages.
+            group: The DP process group.
+            metrics: The validation step's outputs.
+
+        Returns:
+            ``[B]`` bool: the samples dropped on this rank.
+        """
+        bad, total = _non_finite(batch, scores, group)
+        metrics["val/non_finite/rewards"] = Metric.sum(float(total))
+        if total == 0:
+            if self.config.policy != "error":
+                metrics["val/non_finite/dropped_samples"] = Metric.sum(0.0)
+            return torch.zeros_like(bad)
+        listed = self._describe(batch, scores, bad, group, total)
+        if self.config.policy == "error":
+            raise NonFiniteError(
+                f"validation after step {after_step}: {total} sample(s) with non-finite rewards ({listed}); "
+                f"check the reward function, or set algorithm.non_finite.policy=drop_samples to leave those "
+                f"prompts out of the validation metrics (and those samples out of training)")
+        drop, dropped = drop_samples(batch, bad, True, group)
+        scores[drop] = 0.0
+        metrics["val/non_finite/dropped_samples"] = Metric.sum(float(dropped))
+        if get_rank() == 0:
+            print(f"validation after step {after_step}: left out {dropped} sample(s) for {total} with "
+                  f"non-finite rewards ({listed})", flush=True)
         return drop
 
     @staticmethod
@@ -213,6 +251,19 @@ class NonFiniteGuard:
                 f"rewards, advantages or losses (algorithm.non_finite.max_consecutive_skipped_steps="
                 f"{self.config.max_consecutive_skipped_steps}); the run is not training; {_fix(self.config)}"
             )
+
+
+def _non_finite(batch: TensorDict, values: torch.Tensor, group: Any) -> tuple[torch.Tensor, int]:
+    """``([B] bool`` real samples with a non-finite value, their count over ``group``)``; a collective.
+
+    ``values`` ``[B]``, or ``[B, T]`` checked under ``response_mask``.
+    """
+    if values.dim() == 2:
+        bad = (~torch.isfinite(values) & batch[schema.RESPONSE_MASK].bool()).any(-1)
+    else:
+        bad = ~torch.isfinite(values)
+    bad = bad & schema.real_mask(batch)
+    return bad, int(all_reduce(bad.sum().to(torch.float64), group).item())
 
 
 def check_reward_failures(reward_fn: RewardFunctions, batch: TensorDict, scores: torch.Tensor,

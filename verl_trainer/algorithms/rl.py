@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from verl_trainer.algorithms.config import RLConfig
+from verl_trainer.algorithms.config import RLConfig, check_mini_batch_divides
 from verl_trainer.algorithms.dapo import overlong_penalty
 from verl_trainer.algorithms.distributed import count_mini_batches, drop_samples, split_mini_batches
 from verl_trainer.algorithms.greedy_baseline import (
@@ -187,6 +187,18 @@ class RLModule(TrainingModule):
         if self.reward_model is not None:
             specs[REWARD_MODEL_ENGINE] = self.reward_model.engine_spec()
         return specs
+
+    def check_data(self, datamodule: Any) -> None:
+        """``actor.ppo_mini_batch_size`` must divide the datamodule's ``train_batch_size`` (both in prompts).
+
+        A datamodule without ``config.train_batch_size`` is not checked.
+
+        Raises:
+            ValueError: From :func:`~verl_trainer.algorithms.config.check_mini_batch_divides`.
+        """
+        size = getattr(getattr(datamodule, "config", None), "train_batch_size", None)
+        if isinstance(size, int):
+            check_mini_batch_divides(self.config.actor.ppo_mini_batch_size, size)
 
     def setup(self, stage: str) -> None:
         """Build the rollout copy of the policy (once; it lives as long as the module)."""
@@ -519,6 +531,8 @@ class RLModule(TrainingModule):
         ``val/mean@k``, ``val/best@k``, ``val/worst@k`` and the same per source, ``val/<data_source>/pass@k``
         (:mod:`verl_trainer.evaluate.validation`). Multi-turn: ``val/agent/*`` (turns, tool calls, errors,
         timeouts, correct tool use, tool-token share; the environment's reward is logged, not added).
+        Non-finite rewards: ``val/non_finite/rewards`` (a count over the whole validation), then
+        ``algorithm.non_finite.policy`` (``NonFiniteGuard.check_validation``).
         """
         if self.one_step_off is not None:
             self.one_step_off.before_validation()
@@ -533,6 +547,8 @@ class RLModule(TrainingModule):
             self._add_model_scores(b, s, info, metrics, "val/reward")
             check_reward_failures(self.reward_fn, b, s, info, self._step, self._dp_group, metrics,
                                   prefix="val/reward")
+            # NaN/inf rewards: val/non_finite/*, then algorithm.non_finite.policy as in training
+            self.non_finite.check_validation(b, s, self._step - 1, self._dp_group, metrics)
 
         scores, reward_metrics, info = score_batch(rollout_batch, self.reward_fn, prefix="val/reward",
                                                    on_scores=check, return_info=True, raise_on_error=False)

@@ -16,6 +16,8 @@ registered for both model types; it adds only what is DeepSpeed-specific:
 * ``optimizer_step`` is DeepSpeed's ``step``: global grad norm, clipping, and a non-finite norm zeroes the
   gradients and skips the step (fp32 and bf16; fp16 also adjusts its loss scale). The LR schedule is a
   torch ``LambdaLR`` on the same optimizer, stepped by ``lr_scheduler_step`` only.
+* The C++ op ``deepspeed.initialize`` JIT-builds (on CPU: ``deepspeed_shm_comm``) is loaded first by
+  ``engine/deepspeed_ops.py``: a first build is announced, a stale torch build lock is cleared or named.
 * ``get_per_tensor_param`` gathers one ZeRO-3 parameter at a time (``GatheredParameters``).
 * Checkpoints: DeepSpeed's own format under ``path/deepspeed/`` (model + ZeRO optimizer partitions),
   plus the shared ``extra_state_rank{r}.pt`` (scheduler, RNG), ``meta.json`` and the HF config; written
@@ -43,6 +45,7 @@ from verl_trainer.engine.base import BaseEngine
 from verl_trainer.engine.config import MODEL_TYPES, EngineConfig, OptimConfig
 from verl_trainer.engine.deepspeed_checkpoint import DeepSpeedCheckpointMixin
 from verl_trainer.engine.deepspeed_config import build_deepspeed_config
+from verl_trainer.engine.deepspeed_ops import prepare_deepspeed_ops
 from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler
 from verl_trainer.engine.optimizers import build_optimizer
 from verl_trainer.engine.registry import EngineRegistry
@@ -149,6 +152,9 @@ class DeepSpeedEngine(OptimizerMixin, DeepSpeedCheckpointMixin, BaseEngine):
             torch.cuda.set_device(self.device)
         torch.manual_seed(self.config.seed)
         self.topology = engine_topology(self.topology, self.config, self.device.type)
+        # The op deepspeed.initialize JIT-builds: announced, checked for a stale build lock (all ranks
+        # together, before the model loads), then loaded (engine/deepspeed_ops.py).
+        prepare_deepspeed_ops(deepspeed.accelerator.get_accelerator())
         model = self.build_model()  # checkpoint or factory, + LoRA adapters (engine/build.py)
         self.model_config = model.config
         if self.config.enable_gradient_checkpointing:

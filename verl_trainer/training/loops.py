@@ -126,6 +126,8 @@ def run_stage(trainer: Trainer, stage: str, module: Any, datamodule: Any, ckpt_p
     trainer.logging.setup(trainer.is_global_zero, getattr(module, "hparams", None))  # fit logs the same
     status = "failed"
     try:
+        if stage == "fit" and datamodule is not None and callable(getattr(module, "check_data", None)):
+            module.check_data(datamodule)  # settings only: every rank raises alike, before any model loads
         trainer.call_hook("setup", stage)
         module.setup(stage)
         resume = _check_resume(trainer, ckpt_path) if ckpt_path is not None else None  # before any engine

@@ -23,6 +23,8 @@ def preflight_check(trainer: Any, module: Any, datamodule: Any = None) -> int:
                for spec in specs.values() if isinstance(spec, EngineSpec)]
     dp_size = configs[0].dp_size(trainer.world_size) if configs else trainer.world_size
     check_adapters(specs)
+    if datamodule is not None and callable(getattr(module, "check_data", None)):
+        module.check_data(datamodule)  # the module's settings against the data's (mini-batch vs batch)
     if datamodule is not None and callable(getattr(datamodule, "check", None)):
         datamodule.check(dp_size)
     return dp_size
