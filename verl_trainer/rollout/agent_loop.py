@@ -75,7 +75,9 @@ class Trajectory:
         env_timeouts: Environment calls that ran past ``environment_timeout_s``.
         per_tool: Calls per tool name.
         reward: The environment's and the tools' summed reward.
-        messages: The conversation after the prompt (assistant text decoded for reading only).
+        messages: The conversation after the prompt (assistant text decoded for reading only; an assistant
+            turn whose calls ran has ``tool_calls``, ``[{"type": "function", "function": {"name",
+            "arguments"}}]``); TRL-style rewards get it as ``completions[i]``.
     """
 
     ids: list[int] = field(default_factory=list)
@@ -289,6 +291,9 @@ class AgentLoop:
             calls = self._parse(traj.messages[-1]["content"]) if self.tools else []
             if calls and not traj.done:
                 jobs.extend((i, c) for c in calls)
+                traj.messages[-1]["tool_calls"] = [  # the calls that ran, in the chat-message shape
+                    {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in calls if isinstance(c, ToolCall)]
             elif envs[i] is not None and not traj.done:
                 steps.append(i)
             else:
