@@ -186,6 +186,13 @@ VERL_KEYS: dict[str, Alias] = {
     f"{_ROLLOUT}.enforce_eager": Alias("algorithm.rollout.enforce_eager"),
     f"{_ROLLOUT}.free_cache_engine": Alias("algorithm.rollout.free_cache_engine"),
     f"{_ROLLOUT}.max_model_len": Alias("algorithm.rollout.max_model_len"),
+    f"{_ROLLOUT}.multi_turn.enable": Alias("algorithm.rollout.multi_turn.enable"),
+    f"{_ROLLOUT}.multi_turn.max_assistant_turns": Alias("algorithm.rollout.multi_turn.max_turns"),
+    f"{_ROLLOUT}.multi_turn.format": Alias("algorithm.rollout.multi_turn.tool_call_format"),
+    f"{_ROLLOUT}.multi_turn.tool_config_path": Alias("algorithm.rollout.multi_turn.tool_config_path", None,
+                                                     "verl's tool YAML (class_name, config, tool_schema)"),
+    f"{_ROLLOUT}.multi_turn.max_tool_response_length": Alias(
+        "algorithm.rollout.multi_turn.max_tool_response_length"),
     f"{_ROLLOUT}.val_kwargs.n": Alias("algorithm.val_rollout.n"),
     f"{_ROLLOUT}.val_kwargs.do_sample": Alias("algorithm.val_rollout.do_sample"),
     f"{_ROLLOUT}.val_kwargs.temperature": Alias("algorithm.val_rollout.temperature"),
