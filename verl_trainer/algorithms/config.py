@@ -241,6 +241,10 @@ class ValidationRolloutConfig:
             (each ``<= n``); ``None``: ``1, 2, 4, ..., n`` when ``n > 1``, none when ``n == 1``.
         correct_threshold: A sample whose reward reports no ``acc`` counts as correct (pass@k, maj@k)
             when its score is at least this.
+        log_generations: Samples of each validation to show (verl's ``trainer.log_val_generations``, TRL's
+            ``log_completions``): printed, written to ``<default_root_dir>/generations/val_step_<step>.jsonl``
+            and logged as the ``val/generations`` table where wandb logs
+            (:mod:`verl_trainer.algorithms.generations`); ``0``: none.
     """
 
     n: int = 1
@@ -249,8 +253,13 @@ class ValidationRolloutConfig:
     top_p: float = 1.0
     k: list[int] | None = None
     correct_threshold: float = 1.0
+    log_generations: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.log_generations, bool) or not isinstance(self.log_generations, int) \
+                or self.log_generations < 0:
+            raise ValueError(f"algorithm.val_rollout.log_generations={self.log_generations!r} must be an int "
+                             ">= 0 (samples shown per validation; 0: none)")
         if self.n < 1:
             raise ValueError(f"algorithm.val_rollout.n={self.n} must be >= 1 (responses per prompt)")
         if self.n > 1 and not self.do_sample:

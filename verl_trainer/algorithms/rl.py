@@ -46,6 +46,7 @@ from tensordict import TensorDict
 from verl_trainer.algorithms.config import RLConfig
 from verl_trainer.algorithms.dapo import overlong_penalty
 from verl_trainer.algorithms.distributed import count_mini_batches, drop_samples, split_mini_batches
+from verl_trainer.algorithms.generations import GenerationLog
 from verl_trainer.algorithms.greedy_baseline import (
     attach_reward_baselines,
     baseline_metrics,
@@ -143,6 +144,7 @@ class RLModule(TrainingModule):
         estimator = getattr(config, "adv_estimator", None)  # one that normalises within a prompt's group
         group_estimator = estimator is not None and "index" in estimator_inputs(estimator)
         self.non_finite = NonFiniteGuard(config.non_finite, group_estimator)
+        self.val_generations = GenerationLog(config.val_rollout.log_generations)
         self.group_estimator = group_estimator
         self.greedy_baseline = reads_reward_baselines(estimator)
         """The estimator reads ``reward_baselines`` (ReMax): every step also decodes each prompt greedily
@@ -546,6 +548,7 @@ class RLModule(TrainingModule):
             metrics.update(validation_metrics(prompts, v.ks, prefix="val"))
         metrics.update(response_length_metrics(rollout_batch, self.config.rollout.max_new_tokens,
                                                prefix="val/response_length"))
+        self.val_generations.record(rollout_batch, scores, batch_idx, self.trainer)  # log_generations
         return metrics
 
     # ----------------------------------------------------------------------------------- checkpoints

@@ -117,6 +117,8 @@ VERL_KEYS: dict[str, Alias] = {
     "trainer.test_freq": Alias("trainer.val_check_interval", _minus_one_is_null,
                                "-1 → null (no validation in fit)"),
     "trainer.val_before_train": Alias("trainer.validate_before_fit"),
+    "trainer.log_val_generations": Alias("algorithm.val_rollout.log_generations", None,
+                                         "console, generations/val_step_<step>.jsonl, wandb table"),
     "trainer.resume_mode": Alias("trainer.ckpt_path", _resume_mode,
                                  "auto → last, disable → null, resume_path → trainer.resume_from_path"),
     "trainer.resume_from_path": Alias("trainer.ckpt_path"),
