@@ -22,62 +22,16 @@ time limit as a plain call.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from transformers.utils import get_json_schema
 
+from verl_trainer.agents.tool_base import Tool, ToolError, settle
+from verl_trainer.agents.verl_tools import VerlTool, is_verl_tool
+
 __all__ = ["FunctionTool", "Tool", "ToolError", "as_tool", "settle"]
-
-
-class ToolError(Exception):
-    """A tool call the tool refuses (bad arguments, a failed computation): its message is the observation."""
-
-
-def settle(value: Any) -> Any:
-    """``value``, or, when it is awaitable (an ``async`` tool's coroutine), what it resolves to.
-
-    The awaitable runs in a new event loop on the calling thread (tool calls run on worker threads, which
-    have no running loop).
-    """
-    if not inspect.isawaitable(value):
-        return value
-
-    async def wait() -> Any:
-        return await value
-
-    return asyncio.run(wait())
-
-
-class Tool:
-    """A tool with per-trajectory state (verl's ``BaseTool`` life cycle).
-
-    Subclasses set :attr:`name` and implement :meth:`schema` and :meth:`execute`; :meth:`create`,
-    :meth:`reward` and :meth:`release` default to no state and no reward. Calls for different
-    trajectories may run concurrently (threads): keep per-trajectory state keyed by ``instance_id``.
-    """
-
-    name: str = ""
-
-    def schema(self) -> dict[str, Any]:
-        """The OpenAI-style function schema (``{"type": "function", "function": {...}}``)."""
-        raise NotImplementedError
-
-    def create(self, instance_id: str, row: Mapping[str, Any]) -> None:
-        """A trajectory starts; ``row``: its prompt's ``ground_truth``, ``data_source``, ``extra_info``."""
-
-    def execute(self, instance_id: str, arguments: dict[str, Any]) -> str:
-        """Run one call; the returned text is the observation. Raise :class:`ToolError` for a refused call."""
-        raise NotImplementedError
-
-    def reward(self, instance_id: str) -> float:
-        """This tool's reward for the trajectory (added to the environment's); default 0."""
-        return 0.0
-
-    def release(self, instance_id: str) -> None:
-        """The trajectory ended: free its state."""
 
 
 class FunctionTool(Tool):
@@ -128,8 +82,6 @@ def as_tool(obj: Any) -> Tool:
     Raises:
         ValueError: ``obj`` is none of these.
     """
-    from verl_trainer.agents.verl_tools import VerlTool, is_verl_tool  # it builds on this module
-
     if isinstance(obj, Tool):
         tool = obj
     elif is_verl_tool(obj):

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from verl_trainer.agents.tools import Tool, settle
+from verl_trainer.agents.tool_base import Tool, settle
 from verl_trainer.utils.registry import load_object
 
 __all__ = ["ToolSchema", "VerlTool", "is_verl_tool", "load_tool_config"]
