@@ -29,8 +29,9 @@ def rollout(model: str, max_new_tokens: int):
 def test_a_budget_shorter_than_one_call_warns_at_start_up(model):
     need = shortest_call_tokens(as_tool(calculator), load_tokenizer(model))
     assert need > 40  # the character tokenizer: '<tool_call>{"name": "calculator", ...' letter by letter
-    with pytest.warns(UserWarning, match=rf"algorithm.rollout.max_new_tokens=16 is shorter than the shortest "
-                                         rf"call of the tool\(s\) \{{'calculator': {need}\}}.*at least {need}"):
+    message = (rf"algorithm.rollout.max_new_tokens=16 is shorter than the shortest call of the tool\(s\) "
+               rf"\{{'calculator': {need}\}}.*at least {need}")
+    with pytest.warns(UserWarning, match=message):
         rollout(model, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # room for a call: no warning

@@ -1,6 +1,6 @@
-"""Validation generations (verl's ``trainer.log_val_generations``, TRL's ``log_completions``): a real
-validation of a tiny model prints the first samples, writes them as JSONL under the run directory and logs
-them as a wandb table (offline)."""
+"""Validation generations (verl's ``trainer.log_val_generations``): a real validation of a tiny model
+prints the first samples, writes them as JSONL under the run directory and logs them as a wandb table
+(offline); training steps' (TRL's ``log_completions``: ``algorithm.log_train_generations``) likewise."""
 
 from __future__ import annotations
 
@@ -60,9 +60,38 @@ def test_validation_generations_are_printed_written_as_jsonl_and_a_wandb_table(t
     assert [row[2] for row in table["data"]] == ["0+1=", "1+1=", "2+1="]
 
 
+def _fit_one_step(model: str, data: str, root: str) -> str:
+    """One GRPO step with TRL's habit ``log_completions``: ``algorithm.log_train_generations=2``."""
+    cfg = load_config(GRPORecipeConfig, ROOT / "configs" / "grpo.yaml", [
+        f"algorithm.model_path={model}", f"data.train_files={data}/train.jsonl", "data.val_files=null",
+        "data.train_batch_size=4", "algorithm.rollout.n=2", "algorithm.rollout.max_new_tokens=4",
+        "algorithm.actor.ppo_mini_batch_size=4", "algorithm.log_train_generations=2"])
+    trainer = Trainer(devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, default_root_dir=root)
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        trainer.fit(GRPO(cfg.algorithm), datamodule=PromptDataModule(cfg.data, load_tokenizer(model)))
+    return console.getvalue()
+
+
+def test_training_generations_of_each_step_are_printed_and_written(tmp_path):
+    model = make_tiny_model(tmp_path / "model", hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
+    save_rows([to_verl_row(f"{i}+1=", str(i + 1), "arith") for i in range(4)], tmp_path / "train.jsonl")
+    root = tmp_path / "run"
+    [out] = run_distributed(_fit_one_step, 1, str(model), str(tmp_path), str(root))
+    jsonl = root / "generations" / "train_step_1.jsonl"
+    written = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len(written) == 2 and all(r["step"] == 1 for r in written)
+    assert "[training generations, step 1]" in out
+    assert all(f"--- response:\n{r['response']}\n" in out for r in written)
+
+
 def test_log_generations_must_be_a_count():
+    from verl_trainer.algorithms import GRPOConfig
     from verl_trainer.algorithms.config import ValidationRolloutConfig
 
     for value in (-1, 1.5, True):
-        with pytest.raises(ValueError, match=r"log_generations=.* must be an int >= 0"):
+        with pytest.raises(ValueError, match=r"val_rollout.log_generations=.* must be an int >= 0"):
             ValidationRolloutConfig(log_generations=value)
+        with pytest.raises(ValueError, match=r"algorithm.log_train_generations=.* must be an int >= 0"):
+            GRPOConfig(log_train_generations=value)

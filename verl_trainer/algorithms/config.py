@@ -228,6 +228,12 @@ class RewardConfig:
                              f"for {len(names)} reward functions {names}; give one weight per function")
 
 
+def check_generation_count(key: str, value: object) -> None:
+    """Raise a ValueError naming ``key`` unless ``value`` (samples shown each time) is an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key}={value!r} must be an int >= 0 (samples shown each time; 0: none)")
+
+
 @dataclass
 class ValidationRolloutConfig:
     """Sampling of validation rollouts (verl's ``val_kwargs``): greedy, one response, by default.
@@ -256,10 +262,7 @@ class ValidationRolloutConfig:
     log_generations: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.log_generations, bool) or not isinstance(self.log_generations, int) \
-                or self.log_generations < 0:
-            raise ValueError(f"algorithm.val_rollout.log_generations={self.log_generations!r} must be an int "
-                             ">= 0 (samples shown per validation; 0: none)")
+        check_generation_count("algorithm.val_rollout.log_generations", self.log_generations)
         if self.n < 1:
             raise ValueError(f"algorithm.val_rollout.n={self.n} must be >= 1 (responses per prompt)")
         if self.n > 1 and not self.do_sample:
@@ -298,6 +301,11 @@ class RLConfig:
             ``mask`` = MIS; ``threshold``, ``threshold_lower``), verl's ``algorithm.rollout_correction``
             (:mod:`verl_trainer.core_algos.rollout_correction`). The mismatch metrics (``rollout_corr/*``)
             are logged whether it is on or off.
+        log_train_generations: Samples of each training step to show (TRL's ``log_completions`` /
+            ``num_completions_to_print``): printed, written to
+            ``<default_root_dir>/generations/train_step_<step>.jsonl`` and logged as the
+            ``train/generations`` table where wandb logs (:mod:`verl_trainer.algorithms.generations`);
+            ``0``: none. Validation's are ``val_rollout.log_generations``.
     """
 
     model_path: str = ""
@@ -308,6 +316,7 @@ class RLConfig:
     val_rollout: ValidationRolloutConfig = field(default_factory=ValidationRolloutConfig)
     non_finite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    log_train_generations: int = 0
 
     @property
     def ref_in_actor(self) -> bool:
@@ -315,6 +324,7 @@ class RLConfig:
         return self.actor.engine.lora_enabled if self.ref.in_actor is None else self.ref.in_actor
 
     def __post_init__(self) -> None:
+        check_generation_count("algorithm.log_train_generations", self.log_train_generations)
         if self.ref.in_actor and not self.actor.engine.lora_enabled:
             raise ValueError(
                 "ref.in_actor=true makes the reference the actor with its LoRA adapters disabled, but the "

@@ -1,15 +1,17 @@
-"""Sample generations of a validation, for a person to read.
+"""Sample generations of a validation (or a training step), for a person to read.
 
 Validation generations are written as JSONL under the run directory, printed to the console and logged as
 a wandb table.
 
-verl's ``trainer.log_val_generations`` / TRL's ``log_completions``: ``algorithm.val_rollout.log_generations``
-= ``N`` keeps the first ``N`` real samples of each validation (of rank 0's share of the validation set, in
-order) with their prompt (as written in the data file), response text, score, ground truth and data source
-(and, in multi-turn runs, the conversation's messages). Each validation writes
+verl's ``trainer.log_val_generations``: ``algorithm.val_rollout.log_generations`` = ``N`` keeps the first
+``N`` real samples of each validation (of rank 0's share of the validation set, in order) with their prompt
+(as written in the data file), response text, score, ground truth and data source (and, in multi-turn runs,
+the conversation's messages). Each validation writes
 ``<trainer.default_root_dir>/generations/val_step_<step>.jsonl`` (one JSON object per sample, replaced when
 the same step validates again), prints the samples, and logs ``val/generations`` (a table) to every logger
-that takes tables (Lightning's ``WandbLogger``, offline included).
+that takes tables (Lightning's ``WandbLogger``, offline included). TRL's ``log_completions`` /
+``num_completions_to_print``: ``algorithm.log_train_generations`` = ``N`` does the same with the first ``N``
+samples of each training step (``train_step_<step>.jsonl``, ``train/generations``; ``step`` counts from 1).
 """
 
 from __future__ import annotations
@@ -65,11 +67,16 @@ class GenerationLog:
     """Keeps, shows and writes the first ``limit`` samples of each validation (see the module docstring).
 
     Args:
-        limit: Samples per validation; ``0``: off.
+        limit: Samples per validation (or training step); ``0``: off.
+        stage: ``"val"`` (validation: the step is ``global_step``) or ``"train"`` (a training step: the
+            step is ``global_step + 1``, the step being trained).
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, stage: str = "val") -> None:
+        if stage not in ("val", "train"):
+            raise ValueError(f"stage={stage!r}; choose 'val' or 'train'")
         self.limit = int(limit)
+        self.stage = stage
         self.rows: list[dict[str, Any]] = []
 
     def record(self, batch: TensorDict, scores: torch.Tensor, batch_idx: int, trainer: Any) -> None:
@@ -85,20 +92,21 @@ class GenerationLog:
         room = self.limit - len(self.rows)
         if room <= 0:
             return
-        step = int(trainer.global_step)
+        step = int(trainer.global_step) + (self.stage == "train")
         new = generation_rows(batch, scores, step, room)
         if not new:
             return
         self.rows += new
-        _print(new, step)
-        path = Path(trainer.default_root_dir) / "generations" / f"val_step_{step}.jsonl"
+        _print(new, step, "validation" if self.stage == "val" else "training")
+        path = Path(trainer.default_root_dir) / "generations" / f"{self.stage}_step_{step}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(r, default=str) + "\n" for r in self.rows))
-        _log_table(getattr(getattr(trainer, "logging", None), "loggers", []), self.rows, step)
+        _log_table(getattr(getattr(trainer, "logging", None), "loggers", []), self.rows, step,
+                   f"{self.stage}/generations")
 
 
-def _print(rows: Sequence[dict[str, Any]], step: int) -> None:
-    print(f"\n[validation generations, step {step}]", flush=False)
+def _print(rows: Sequence[dict[str, Any]], step: int, stage: str) -> None:
+    print(f"\n[{stage} generations, step {step}]", flush=False)
     for r in rows:
         print(f"--- prompt ({r['data_source']}):\n{_prompt_text(r['prompt'])}\n"
               f"--- response:\n{r['response']}\n"
@@ -106,9 +114,9 @@ def _print(rows: Sequence[dict[str, Any]], step: int) -> None:
     print(flush=True)
 
 
-def _log_table(loggers: Sequence[Any], rows: Sequence[dict[str, Any]], step: int) -> None:
+def _log_table(loggers: Sequence[Any], rows: Sequence[dict[str, Any]], step: int, key: str) -> None:
     data = [[r["step"], str(r["data_source"]), _prompt_text(r["prompt"]), str(r["response"]), r["score"],
              json.dumps(r["ground_truth"], default=str)] for r in rows]
     for logger in loggers:
         if callable(getattr(logger, "log_table", None)):
-            logger.log_table(key="val/generations", columns=list(GENERATION_COLUMNS), data=data, step=step)
+            logger.log_table(key=key, columns=list(GENERATION_COLUMNS), data=data, step=step)

@@ -145,6 +145,7 @@ class RLModule(TrainingModule):
         group_estimator = estimator is not None and "index" in estimator_inputs(estimator)
         self.non_finite = NonFiniteGuard(config.non_finite, group_estimator)
         self.val_generations = GenerationLog(config.val_rollout.log_generations)
+        self.train_generations = GenerationLog(config.log_train_generations, stage="train")
         self.group_estimator = group_estimator
         self.greedy_baseline = reads_reward_baselines(estimator)
         """The estimator reads ``reward_baselines`` (ReMax): every step also decodes each prompt greedily
@@ -474,6 +475,7 @@ class RLModule(TrainingModule):
                 metrics["timing/baseline_rollout_s"] = time.perf_counter() - t_baseline
         t_rollout = time.perf_counter() - t0
         scores = self.score(rollout_batch, metrics)
+        self.train_generations.record(rollout_batch, scores, 0, trainer)  # log_train_generations
         if baseline is not None:  # ReMax: the greedy responses' rewards, as reward_baselines
             self.score_baseline(rollout_batch, baseline, metrics)
         self.compute_advantages(rollout_batch, scores, metrics)
