@@ -64,3 +64,14 @@ def test_a_template_that_ignores_tools_or_a_plain_text_prompt_is_refused_with_th
         _data(tmp_path, _tokenizer(CHAT_TEMPLATE), tools).check(1)
     with pytest.raises(ValueError, match=r"plain text.*data.chat_template=true.*tools_in_prompt=false"):
         _data(tmp_path, _tokenizer(TOOLS_TEMPLATE), tools, prompt="12*34=").check(1)
+
+
+def test_trls_per_sample_tools_column_is_refused_naming_the_run_setting(tmp_path):
+    tokenizer = _tokenizer(TOOLS_TEMPLATE)
+    row = {**to_verl_row([{"role": "user", "content": "12*34="}], "408", "arithmetic"),
+           "tools": [json.dumps({"name": "calculator"})]}  # TRL's dataset column: this row's tools
+    save_rows([row] * 2, tmp_path / "train.jsonl")
+    cfg = DataConfig(train_files=str(tmp_path / "train.jsonl"), train_batch_size=2, max_prompt_length=512)
+    with pytest.raises(ValueError, match=r"row 0 has a `tools` column \(TRL's per-sample tools.*"
+                                         r"algorithm.rollout.multi_turn.tools"):
+        PromptDataModule(cfg, tokenizer).check(1)

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from verl_trainer.data.prompts import save_rows, to_verl_row
-from verl_trainer.evaluate import best_at_k, maj_at_k, pass_at_k, worst_at_k
+from verl_trainer.evaluate import best_at_k, maj_at_k, normalize_answer, pass_at_k, worst_at_k
 from verl_trainer.evaluate.__main__ import main
 from verl_trainer.models import make_tiny_model
+from verl_trainer.rewards import extract_answer
 
 REWARD = '''
 from verl_trainer.evaluate import normalize_answer
@@ -57,6 +58,11 @@ def test_report_holds_the_estimators_of_the_per_prompt_samples(setup, tmp_path, 
     # correct: the reward's acc (the even final answers), recomputed from the saved answers
     for p in prompts:
         assert p["correct"] == sum(a is not None and a.isdigit() and int(a) % 2 == 0 for a in p["answers"])
+    # each prompt's text as written and its responses: what the model said, next to its scores
+    assert [p["prompt"] for p in prompts] == ["1+2=", "3+4=", "5+1=", "2+2=", "7+0=", "4+4="]
+    assert all(len(p["responses"]) == 4 and all(isinstance(r, str) for r in p["responses"]) for p in prompts)
+    for p in prompts:
+        assert [normalize_answer(extract_answer(r)) for r in p["responses"]] == p["answers"]
     total = sum(p["correct"] for p in prompts)
     assert 0 < total < 24, "the case must have both correct and wrong samples"
 

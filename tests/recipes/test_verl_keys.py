@@ -188,3 +188,31 @@ def test_verl_balance_batch_switches_on_sequence_balancing(capsys):
     assert not grpo("trainer.balance_batch=False")[0].trainer.sequence_balancing
     sft = parse_recipe_args(SFTRecipeConfig, ROOT / "configs" / "sft.yaml", ["trainer.balance_batch=true"])
     assert sft.trainer.sequence_balancing
+
+
+def test_verl_multi_turn_keys_and_its_tool_yaml(tmp_path):
+    (tmp_path / "lookup_tool.py").write_text(
+        "class Lookup:\n"
+        "    def __init__(self, config, tool_schema):\n"
+        "        self.config, self.tool_schema = config, tool_schema\n"
+        "    async def execute(self, instance_id, parameters, **kwargs):\n"
+        "        return self.config['table'].get(parameters['word'], 'unknown'), 0.0, {}\n"
+        "    async def calc_reward(self, instance_id, **kwargs):\n"
+        "        return 0.0\n")
+    schema = ("{type: function, function: {name: lookup, description: Look a word up., parameters: "
+              "{type: object, properties: {word: {type: string}}, required: [word]}}}")
+    (tmp_path / "tools.yaml").write_text(f"tools:\n  - class_name: {tmp_path}/lookup_tool.py:Lookup\n"
+                                         f"    config: {{type: native, table: {{cat: feline}}}}\n"
+                                         f"    tool_schema: {schema}\n")
+    cfg, notes = grpo("actor_rollout_ref.rollout.multi_turn.enable=true",
+                      "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+                      "actor_rollout_ref.rollout.multi_turn.format=hermes",
+                      "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=64",
+                      f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path}/tools.yaml")
+    multi_turn = cfg.algorithm.rollout.multi_turn
+    assert (multi_turn.enable, multi_turn.max_turns, multi_turn.tool_call_format,
+            multi_turn.max_tool_response_length) == (True, 3, "hermes", 64)
+    from verl_trainer.agents import resolve_tools
+    [tool] = resolve_tools(multi_turn.tools, multi_turn.tool_config_path)
+    assert tool.name == "lookup" and tool.execute("t0", {"word": "cat"}) == "feline"
+    assert any("max_assistant_turns" in n and "multi_turn.max_turns" in n for n in notes)

@@ -20,7 +20,8 @@ from verl_trainer.agents.parsers import (
     parse_hermes,
 )
 from verl_trainer.agents.template import ObservationEncoder
-from verl_trainer.agents.tools import FunctionTool, Tool, ToolError, as_tool
+from verl_trainer.agents.tools import FunctionTool, Tool, ToolError, as_tool, settle
+from verl_trainer.agents.verl_tools import VerlTool, load_tool_config
 
 __all__ = [
     "TOOL_CALL_PARSERS",
@@ -33,12 +34,15 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolError",
+    "VerlTool",
     "as_tool",
     "calculator",
     "get_tool_call_parser",
+    "load_tool_config",
     "parse_hermes",
     "prompt_tool_schemas",
     "python",
     "resolve_environment",
     "resolve_tools",
+    "settle",
 ]

@@ -10,6 +10,7 @@ from typing import Any
 from verl_trainer.agents.environment import Environment
 from verl_trainer.agents.parsers import TOOL_CALL_PARSERS
 from verl_trainer.agents.tools import Tool, as_tool
+from verl_trainer.agents.verl_tools import load_tool_config
 from verl_trainer.rewards.sandbox import check_sandbox
 from verl_trainer.utils.registry import load_object
 
@@ -35,7 +36,10 @@ class MultiTurnConfig:
             ``<tool_call>{json}</tool_call>`` of Qwen / Hermes chat templates), or (in Python) a parser
             callable.
         tools: Tools as ``"file.py:name"`` / ``"module:name"`` (like reward functions) naming a typed
-            function, a :class:`~verl_trainer.agents.Tool` subclass or instance; or (in Python) the objects.
+            function (plain or ``async``), a :class:`~verl_trainer.agents.Tool` subclass or instance; or (in
+            Python) the objects, verl-style tool instances included.
+        tool_config_path: verl's tool YAML (``tools: [{class_name, config, tool_schema}]``), its classes
+            built as ``cls(config, tool_schema)`` (:mod:`verl_trainer.agents.verl_tools`); added to ``tools``.
         environment: An :class:`~verl_trainer.agents.Environment` subclass (``"file.py:Name"`` or the class);
             ``None``: none (a turn without a tool call ends the trajectory).
         reward_weight: Weight of the trajectory's environment + tool reward, added to the reward functions'
@@ -52,6 +56,7 @@ class MultiTurnConfig:
     environment_timeout_s: float = 30.0
     tool_call_format: Any = "hermes"
     tools: list[Any] = field(default_factory=list)
+    tool_config_path: str | None = None
     environment: Any = None
     reward_weight: float = 1.0
     tools_in_prompt: bool = True
@@ -74,15 +79,17 @@ class MultiTurnConfig:
                              f"{TOOL_CALL_PARSERS.keys_repr()} or register a parser in "
                              "verl_trainer.agents.TOOL_CALL_PARSERS")
         if self.enable:  # load the user's code now: a bad name fails before any model loads
-            resolve_tools(self.tools)
+            resolve_tools(self.tools, self.tool_config_path)
             resolve_environment(self.environment)
-            if not self.tools and self.environment is None:
+            if not self.tools and not self.tool_config_path and self.environment is None:
                 raise ValueError(f"{where}.enable=true with no tools and no environment: name tools "
                                  f"({where}.tools=[path/to/tools.py:fn]) or an environment")
 
 
-def resolve_tools(specs: list[Any]) -> list[Tool]:
-    """The :class:`Tool` objects ``specs`` name (strings are loaded with the reward loader).
+def resolve_tools(specs: list[Any], tool_config_path: str | None = None) -> list[Tool]:
+    """The :class:`Tool` objects ``specs`` name, then those of verl's tool YAML ``tool_config_path``.
+
+    Strings in ``specs`` are loaded with the reward loader.
 
     A tool that runs model-written code (its function or class has ``uses_sandbox = True``, like the
     built-in ``python``) makes the sandbox check its isolation tool here.
@@ -95,6 +102,8 @@ def resolve_tools(specs: list[Any]) -> list[Tool]:
     for spec in specs:
         obj = load_object(spec, "tool") if isinstance(spec, str) else spec
         tools.append(as_tool(obj))
+    if tool_config_path:
+        tools.extend(load_tool_config(tool_config_path))
     if any(getattr(getattr(t, "fn", t), "uses_sandbox", False) for t in tools):
         check_sandbox()  # model-written code will run: refuse now (or warn, VERL_SANDBOX=none), not mid-run
     names = [t.name for t in tools]
@@ -110,9 +119,9 @@ def prompt_tool_schemas(config: MultiTurnConfig) -> list[dict[str, Any]] | None:
 
     ``None`` when multi-turn is off, ``tools_in_prompt`` is off or there are no tools.
     """
-    if not (config.enable and config.tools_in_prompt and config.tools):
+    if not (config.enable and config.tools_in_prompt and (config.tools or config.tool_config_path)):
         return None
-    return [tool.schema() for tool in resolve_tools(config.tools)]
+    return [tool.schema() for tool in resolve_tools(config.tools, config.tool_config_path)]
 
 
 def resolve_environment(spec: Any) -> Callable[[], Environment] | None:

@@ -14,50 +14,24 @@ instance id (verl's ``BaseTool``: ``create`` / ``execute`` / ``calc_reward`` / `
 A plain function with type hints and a Google docstring is a tool too (:class:`FunctionTool`): its schema
 comes from ``transformers.utils.get_json_schema`` (transformers' chat-template tool support), its return
 value (``str()``-ed) is the observation. :func:`as_tool` turns either into a :class:`Tool`.
+
+``async def`` functions and ``async`` methods are tools too (TRL accepts both): each call's coroutine is run
+to completion on the calling worker thread (:func:`settle`, a fresh event loop per call), under the same
+time limit as a plain call.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from transformers.utils import get_json_schema
 
-__all__ = ["FunctionTool", "Tool", "ToolError", "as_tool"]
+from verl_trainer.agents.tool_base import Tool, ToolError, settle
+from verl_trainer.agents.verl_tools import VerlTool, is_verl_tool
 
-
-class ToolError(Exception):
-    """A tool call the tool refuses (bad arguments, a failed computation): its message is the observation."""
-
-
-class Tool:
-    """A tool with per-trajectory state (verl's ``BaseTool`` life cycle).
-
-    Subclasses set :attr:`name` and implement :meth:`schema` and :meth:`execute`; :meth:`create`,
-    :meth:`reward` and :meth:`release` default to no state and no reward. Calls for different
-    trajectories may run concurrently (threads): keep per-trajectory state keyed by ``instance_id``.
-    """
-
-    name: str = ""
-
-    def schema(self) -> dict[str, Any]:
-        """The OpenAI-style function schema (``{"type": "function", "function": {...}}``)."""
-        raise NotImplementedError
-
-    def create(self, instance_id: str, row: Mapping[str, Any]) -> None:
-        """A trajectory starts; ``row``: its prompt's ``ground_truth``, ``data_source``, ``extra_info``."""
-
-    def execute(self, instance_id: str, arguments: dict[str, Any]) -> str:
-        """Run one call; the returned text is the observation. Raise :class:`ToolError` for a refused call."""
-        raise NotImplementedError
-
-    def reward(self, instance_id: str) -> float:
-        """This tool's reward for the trajectory (added to the environment's); default 0."""
-        return 0.0
-
-    def release(self, instance_id: str) -> None:
-        """The trajectory ended: free its state."""
+__all__ = ["FunctionTool", "Tool", "ToolError", "as_tool", "settle"]
 
 
 class FunctionTool(Tool):
@@ -93,26 +67,33 @@ class FunctionTool(Tool):
             raise ToolError(f"{self.name} has no argument(s) {unknown}; its arguments are "
                             f"{sorted(self._params)}")
         try:
-            return str(self.fn(**arguments))
+            return str(settle(self.fn(**arguments)))
         except TypeError as exc:  # missing / wrongly typed arguments
             raise ToolError(f"{self.name}: {exc}") from exc
 
 
 def as_tool(obj: Any) -> Tool:
-    """A :class:`Tool` instance as is, a ``Tool`` subclass instantiated, a plain function wrapped.
+    """``obj`` as a :class:`Tool`.
+
+    A ``Tool`` instance as is, a ``Tool`` subclass instantiated, a plain (or ``async``) function wrapped, a
+    verl-style tool object (``execute`` / ``calc_reward``) adapted
+    (:class:`~verl_trainer.agents.verl_tools.VerlTool`).
 
     Raises:
         ValueError: ``obj`` is none of these.
     """
     if isinstance(obj, Tool):
         tool = obj
+    elif is_verl_tool(obj):
+        tool = VerlTool(obj)
     elif isinstance(obj, type) and issubclass(obj, Tool):
         tool = obj()
     elif callable(obj) and inspect.isroutine(obj):
         tool = FunctionTool(obj)
     else:
-        raise ValueError(f"{obj!r} is not a tool: give a typed function with a docstring, a Tool subclass or "
-                         "a Tool instance")
+        raise ValueError(f"{obj!r} is not a tool: give a typed function with a docstring, a Tool subclass, "
+                         "a Tool instance or a verl tool instance (a verl tool class: list it in "
+                         "multi_turn.tool_config_path's YAML, which gives it its config and tool_schema)")
     if not tool.name:
         raise ValueError(f"tool {obj!r} has no name; set the class attribute `name`")
     return tool

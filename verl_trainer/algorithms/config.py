@@ -258,6 +258,12 @@ class RewardConfig:
                              f"for {len(names)} reward functions {names}; give one weight per function")
 
 
+def check_generation_count(key: str, value: object) -> None:
+    """Raise a ValueError naming ``key`` unless ``value`` (samples shown each time) is an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key}={value!r} must be an int >= 0 (samples shown each time; 0: none)")
+
+
 @dataclass
 class ValidationRolloutConfig:
     """Sampling of validation rollouts (verl's ``val_kwargs``): greedy, one response, by default.
@@ -271,6 +277,10 @@ class ValidationRolloutConfig:
             (each ``<= n``); ``None``: ``1, 2, 4, ..., n`` when ``n > 1``, none when ``n == 1``.
         correct_threshold: A sample whose reward reports no ``acc`` counts as correct (pass@k, maj@k)
             when its score is at least this.
+        log_generations: Samples of each validation to show (verl's ``trainer.log_val_generations``, TRL's
+            ``log_completions``): printed, written to ``<default_root_dir>/generations/val_step_<step>.jsonl``
+            and logged as the ``val/generations`` table where wandb logs
+            (:mod:`verl_trainer.algorithms.generations`); ``0``: none.
     """
 
     n: int = 1
@@ -279,8 +289,10 @@ class ValidationRolloutConfig:
     top_p: float = 1.0
     k: list[int] | None = None
     correct_threshold: float = 1.0
+    log_generations: int = 0
 
     def __post_init__(self) -> None:
+        check_generation_count("algorithm.val_rollout.log_generations", self.log_generations)
         if self.n < 1:
             raise ValueError(f"algorithm.val_rollout.n={self.n} must be >= 1 (responses per prompt)")
         if self.n > 1 and not self.do_sample:
@@ -319,6 +331,11 @@ class RLConfig:
             ``mask`` = MIS; ``threshold``, ``threshold_lower``), verl's ``algorithm.rollout_correction``
             (:mod:`verl_trainer.core_algos.rollout_correction`). The mismatch metrics (``rollout_corr/*``)
             are logged whether it is on or off.
+        log_train_generations: Samples of each training step to show (TRL's ``log_completions`` /
+            ``num_completions_to_print``): printed, written to
+            ``<default_root_dir>/generations/train_step_<step>.jsonl`` and logged as the
+            ``train/generations`` table where wandb logs (:mod:`verl_trainer.algorithms.generations`);
+            ``0``: none. Validation's are ``val_rollout.log_generations``.
     """
 
     model_path: str = ""
@@ -329,6 +346,7 @@ class RLConfig:
     val_rollout: ValidationRolloutConfig = field(default_factory=ValidationRolloutConfig)
     non_finite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    log_train_generations: int = 0
 
     @property
     def ref_in_actor(self) -> bool:
@@ -336,6 +354,7 @@ class RLConfig:
         return self.actor.engine.lora_enabled if self.ref.in_actor is None else self.ref.in_actor
 
     def __post_init__(self) -> None:
+        check_generation_count("algorithm.log_train_generations", self.log_train_generations)
         if self.ref.in_actor and not self.actor.engine.lora_enabled:
             raise ValueError(
                 "ref.in_actor=true makes the reference the actor with its LoRA adapters disabled, but the "

@@ -46,6 +46,7 @@ from tensordict import TensorDict
 from verl_trainer.algorithms.config import RLConfig, check_mini_batch_divides
 from verl_trainer.algorithms.dapo import overlong_penalty
 from verl_trainer.algorithms.distributed import count_mini_batches, drop_samples, split_mini_batches
+from verl_trainer.algorithms.generations import GenerationLog
 from verl_trainer.algorithms.greedy_baseline import (
     attach_reward_baselines,
     baseline_metrics,
@@ -143,6 +144,8 @@ class RLModule(TrainingModule):
         estimator = getattr(config, "adv_estimator", None)  # one that normalises within a prompt's group
         group_estimator = estimator is not None and "index" in estimator_inputs(estimator)
         self.non_finite = NonFiniteGuard(config.non_finite, group_estimator)
+        self.val_generations = GenerationLog(config.val_rollout.log_generations)
+        self.train_generations = GenerationLog(config.log_train_generations, stage="train")
         self.group_estimator = group_estimator
         self.greedy_baseline = reads_reward_baselines(estimator)
         """The estimator reads ``reward_baselines`` (ReMax): every step also decodes each prompt greedily
@@ -484,6 +487,7 @@ class RLModule(TrainingModule):
                 metrics["timing/baseline_rollout_s"] = time.perf_counter() - t_baseline
         t_rollout = time.perf_counter() - t0
         scores = self.score(rollout_batch, metrics)
+        self.train_generations.record(rollout_batch, scores, 0, trainer)  # log_train_generations
         if baseline is not None:  # ReMax: the greedy responses' rewards, as reward_baselines
             self.score_baseline(rollout_batch, baseline, metrics)
         self.compute_advantages(rollout_batch, scores, metrics)
@@ -562,6 +566,7 @@ class RLModule(TrainingModule):
             metrics.update(validation_metrics(prompts, v.ks, prefix="val"))
         metrics.update(response_length_metrics(rollout_batch, self.config.rollout.max_new_tokens,
                                                prefix="val/response_length"))
+        self.val_generations.record(rollout_batch, scores, batch_idx, self.trainer)  # log_generations
         return metrics
 
     # ----------------------------------------------------------------------------------- checkpoints

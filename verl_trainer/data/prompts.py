@@ -291,6 +291,17 @@ def _is_record(row: Any) -> bool:
     return isinstance(row, Mapping) and {"prompt", GROUND_TRUTH, DATA_SOURCE, EXTRA_INFO, "index"} <= set(row)
 
 
+def _refuse_tools_column(rec: Mapping[str, Any], name: str) -> None:
+    """Fail on TRL's per-sample ``tools`` column: it would be silently unused (tools are per run here)."""
+    value = rec.get(COLUMNS, {}).get("tools")
+    if value is not None and not (hasattr(value, "__len__") and len(value) == 0):
+        raise ValueError(f"{name}: prompt row {rec.get('index')} has a `tools` column (TRL's per-sample "
+                         f"tools: {str(value)[:80]}); tools are the run's here, not the row's, so it would "
+                         "be ignored. Name the tools in algorithm.rollout.multi_turn.tools (or "
+                         ".tool_config_path) and drop the column; data for your reward goes in another "
+                         "column")
+
+
 class PromptDataset(Dataset):
     """Tokenised prompts with their reward data; items are dicts, batches come from :meth:`collate`.
 
@@ -313,8 +324,9 @@ class PromptDataset(Dataset):
 
     Raises:
         ValueError: A prompt longer than ``max_prompt_length`` with ``truncation="error"`` (the message
-            names the row, its length and both fixes), no prompt left after filtering, or ``tools`` that
-            the tokenizer's chat template does not render.
+            names the row, its length and both fixes), no prompt left after filtering, ``tools`` that
+            the tokenizer's chat template does not render, or a row with TRL's per-sample ``tools`` column
+            (the tools are the run's: ``algorithm.rollout.multi_turn.tools``).
     """
 
     def __init__(self, source: str | Path | Sequence[Mapping[str, Any]], tokenizer: Any,
@@ -334,6 +346,7 @@ class PromptDataset(Dataset):
         self.num_filtered = 0
         self.items: list[dict[str, Any]] = []
         for rec in records:
+            _refuse_tools_column(rec, name)
             ids = encode_prompt(tokenizer, rec["prompt"], chat_template, tools)
             if len(ids) > max_prompt_length:
                 if filter_overlong_prompts:

@@ -9,8 +9,9 @@
 
 The JSON report holds ``metrics`` (``pass@k``, ``maj@k``, ``mean@k``, ``best@k``, ``worst@k`` for each
 ``k``, ``num_prompts``, ``num_samples``), ``per_source`` (the same per ``data_source``) and ``prompts``: one
-entry per prompt with ``index``, ``data_source``, ``n``, ``correct`` (the number of correct samples),
-``scores`` and ``answers``; plus ``model``, ``n``, ``k`` and ``report`` (a marker: an existing
+entry per prompt with ``index``, ``data_source``, ``prompt`` (as written in the file: text or chat
+messages), ``n``, ``correct`` (the number of correct samples), ``scores``, ``answers`` and ``responses``
+(each sample's text); plus ``model``, ``n``, ``k`` and ``report`` (a marker: an existing
 ``eval.output`` is replaced only when it holds one).
 """
 
@@ -105,8 +106,9 @@ def _sample_and_score(cfg: EvaluateConfig, model_dir: str) -> list[PromptSamples
         sources = cols.get("data_source", ["unknown"] * len(texts))
         scores, info = compute_rewards(texts, cols.get("ground_truth", [None] * len(texts)), sources, rewards,
                                        cols.get("extra_info"), return_info=True, columns=cols.get("columns"))
+        written = [c.get("prompt") for c in cols.get("columns") or [{} for _ in texts]]
         prompts += prompt_samples(batch[UID].tolist(), sources, texts, scores, info,
-                                  cfg.eval.correct_threshold)
+                                  cfg.eval.correct_threshold, prompts=written)
     return prompts
 
 
@@ -127,8 +129,9 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
         "k": ks,
         "metrics": metrics,
         "per_source": per_source,
-        "prompts": [{"index": p.index, "data_source": p.data_source, "n": p.n, "correct": p.num_correct,
-                     "scores": p.scores, "answers": p.answers} for p in prompts],
+        "prompts": [{"index": p.index, "data_source": p.data_source, "prompt": p.prompt, "n": p.n,
+                     "correct": p.num_correct, "scores": p.scores, "answers": p.answers,
+                     "responses": p.responses} for p in prompts],
     }
     if cfg.eval.output:
         write_report(report, cfg.eval.output)

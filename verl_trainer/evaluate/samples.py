@@ -77,6 +77,8 @@ class PromptSamples:
         scores: ``[n]`` rewards.
         correct: ``[n]`` correctness in ``[0, 1]``.
         answers: ``[n]`` normalised answers (``None``: no answer).
+        prompt: The prompt as written in its file (text or chat messages); ``None`` when not given.
+        responses: ``[n]`` the responses' text (empty when not given).
     """
 
     index: int
@@ -84,6 +86,8 @@ class PromptSamples:
     scores: list[float]
     correct: list[float]
     answers: list[str | None] = field(default_factory=list)
+    prompt: Any = None
+    responses: list[str] = field(default_factory=list)
 
     @property
     def n(self) -> int:
@@ -110,7 +114,8 @@ class PromptSamples:
 
 def prompt_samples(uids: Sequence[int], data_sources: Sequence[str], texts: Sequence[str],
                    scores: torch.Tensor, info: Mapping[str, torch.Tensor] | None = None,
-                   correct_threshold: float = 1.0) -> list[PromptSamples]:
+                   correct_threshold: float = 1.0, prompts: Sequence[Any] | None = None
+                   ) -> list[PromptSamples]:
     """Group ``B`` scored samples by prompt (``uid``), in order of first appearance.
 
     Args:
@@ -120,6 +125,8 @@ def prompt_samples(uids: Sequence[int], data_sources: Sequence[str], texts: Sequ
         scores: ``[B]`` rewards.
         info: The reward's other per-sample values (``acc`` ``[B]`` is the correctness when present).
         correct_threshold: Without ``acc``: a sample is correct when its score is at least this.
+        prompts: ``[B]`` the prompt each sample answers, as written; given, each group keeps its prompt and
+            its responses' text.
 
     Returns:
         One :class:`PromptSamples` per distinct ``uid``.
@@ -138,12 +145,16 @@ def prompt_samples(uids: Sequence[int], data_sources: Sequence[str], texts: Sequ
         group = groups.get(uid)
         if group is None:
             group = groups[uid] = PromptSamples(uid, str(data_sources[i]), [], [], [])
+            if prompts is not None:
+                group.prompt = prompts[i]
         elif group.data_source != str(data_sources[i]):
             raise ValueError(f"prompt {uid} has samples from data sources {group.data_source!r} and "
                              f"{data_sources[i]!r}; the samples of one prompt share its uid and data source")
         group.scores.append(values[i])
         group.correct.append(min(max(correct[i], 0.0), 1.0))
         group.answers.append(normalize_answer(extract_answer(texts[i])))
+        if prompts is not None:
+            group.responses.append(str(texts[i]))
     return list(groups.values())
 
 

@@ -37,6 +37,12 @@ FAILED_KEY = "_failed"
 TIMED_OUT_KEY = "_timed_out"
 """``info`` entries ``[B]`` (1 where a reward call failed / timed out); counted, not averaged, in metrics."""
 
+COMPLETION_MESSAGES = "_completion_messages"
+"""Column :func:`score_batch` sets in a multi-turn batch: each trajectory's messages after the prompt
+(``assistant`` turns with their ``tool_calls``, ``tool`` results, an environment's ``user`` replies), which
+TRL-style functions get as ``completions[i]`` (TRL's multi-turn shape: ``completion[-1]["content"]`` is the
+final answer). Not passed as a keyword argument itself."""
+
 
 def _accepts_extra_info(fn: RewardFn) -> bool:
     try:
@@ -190,12 +196,16 @@ class RewardFunctions:
         b = len(texts)
         prompts = [c.get("prompt") for c in columns]
         chat = any(isinstance(p, list) for p in prompts)
-        completions: list[Any] = (
-            [[{"role": "assistant", "content": t}] for t in texts] if chat else list(texts)
-        )
+        conversations = [c.get(COMPLETION_MESSAGES) for c in columns]
+        completions: list[Any]
+        if any(m is not None for m in conversations):  # multi-turn: assistant and tool turns apart (TRL)
+            completions = [[dict(m) for m in ms] if ms is not None else [{"role": "assistant", "content": t}]
+                           for ms, t in zip(conversations, texts)]
+        else:
+            completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else list(texts)
         kwargs: dict[str, Any] = {"ground_truth": list(truths), "data_source": list(sources),
                                   "extra_info": list(extras)}
-        for key in sorted({k for c in columns for k in c} - {"prompt"} - set(kwargs)):
+        for key in sorted({k for c in columns for k in c} - {"prompt", COMPLETION_MESSAGES} - set(kwargs)):
             kwargs[key] = [c.get(key) for c in columns]
         kwargs = {"prompts": prompts, "completions": completions, **kwargs, **(shared or {})}
         required = [n for n, p in inspect.signature(fn).parameters.items()
@@ -426,7 +436,8 @@ def score_batch(batch: TensorDict, reward_fn: str | RewardFn | RewardFunctions, 
         return_info: Also return the reward's other per-sample values (``info[key]`` ``[B]``, e.g. ``acc``).
         raise_on_error: See :func:`compute_rewards`.
         trl_kwargs: See :func:`compute_rewards`. TRL-style functions also get ``completion_ids`` (TRL's
-            name): each response's token ids, a list of ints per sample.
+            name): each response's token ids, a list of ints per sample. In a multi-turn batch their
+            ``completions[i]`` is the trajectory's message list (see :data:`COMPLETION_MESSAGES`).
 
     Returns:
         ``(scores [B], metrics)`` — see :func:`reward_metrics`; with ``return_info``,
@@ -440,6 +451,9 @@ def score_batch(batch: TensorDict, reward_fn: str | RewardFn | RewardFunctions, 
     extras = data.get("extra_info")
     columns = data.get("columns") or [{} for _ in texts]
     columns = [{**c, "completion_ids": ids} for c, ids in zip(columns, _completion_ids(batch))]
+    if "agent_info" in batch.keys():  # multi-turn (rollout.base.AGENT_INFO): the conversation, turn by turn
+        infos = batch["agent_info"]
+        columns = [{**c, COMPLETION_MESSAGES: info["messages"]} for c, info in zip(columns, infos)]
     scores, info = compute_rewards(texts, truths, sources, reward_fn, extras, return_info=True,
                                    columns=columns, raise_on_error=raise_on_error, trl_kwargs=trl_kwargs)
     if on_scores is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from verl_trainer.agents.budget import warn_if_no_call_fits
 from verl_trainer.rollout.agent_loop import AgentLoop, Trajectory
 from verl_trainer.rollout.base import (
     AGENT_INFO,
@@ -108,6 +109,8 @@ def build_rollout(config: RolloutConfig, model: Any, tokenizer: Any = None) -> B
         rollout = HFRollout(config, model, tokenizer)
     if config.multi_turn.enable:
         rollout.agent_loop = AgentLoop(config.multi_turn, rollout.tokenizer, rollout.eos_token_ids)
+        warn_if_no_call_fits(rollout.agent_loop.tools.values(), rollout.tokenizer, config.max_new_tokens,
+                             config.multi_turn.tool_call_format)
     return rollout
 
 

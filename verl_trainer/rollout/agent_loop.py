@@ -8,7 +8,8 @@ under ``tool_timeout_s``; their results (or error observations) become ``role: t
 an environment's answer a ``role: user`` message, rendered through the chat template
 (:class:`~verl_trainer.agents.template.ObservationEncoder`) and appended as tokens with mask 0.
 
-**User code is bounded.** Every tool call (``create``, ``execute``, ``reward``, ``release``) and every
+**User code is bounded.** Every tool call (``create``, ``execute``, ``reward``, ``release``; an ``async``
+one's coroutine is run to its end on the worker thread) and every
 environment call (construction with ``reset``, ``step``, ``close``) runs on a daemon thread
 (:class:`~verl_trainer.utils.daemon_calls.DaemonCalls`) under ``tool_timeout_s`` /
 ``environment_timeout_s``; a call past it is abandoned (never joined, so the process exits when the run
@@ -44,7 +45,7 @@ from verl_trainer.agents.config import MultiTurnConfig, resolve_environment, res
 from verl_trainer.agents.environment import Environment, StepResult
 from verl_trainer.agents.parsers import MalformedToolCall, ToolCall, get_tool_call_parser
 from verl_trainer.agents.template import ObservationEncoder
-from verl_trainer.agents.tools import Tool, ToolError
+from verl_trainer.agents.tools import Tool, ToolError, settle
 from verl_trainer.data import schema
 from verl_trainer.metrics import Metric
 from verl_trainer.rollout.base import AGENT_INFO
@@ -74,7 +75,9 @@ class Trajectory:
         env_timeouts: Environment calls that ran past ``environment_timeout_s``.
         per_tool: Calls per tool name.
         reward: The environment's and the tools' summed reward.
-        messages: The conversation after the prompt (assistant text decoded for reading only).
+        messages: The conversation after the prompt (assistant text decoded for reading only; an assistant
+            turn whose calls ran has ``tool_calls``, ``[{"type": "function", "function": {"name",
+            "arguments"}}]``); TRL-style rewards get it as ``completions[i]``.
     """
 
     ids: list[int] = field(default_factory=list)
@@ -120,7 +123,8 @@ class AgentLoop:
         self.config = config
         self.tokenizer = tokenizer
         self.eos = set(int(e) for e in eos_token_ids)
-        self.tools: dict[str, Tool] = {t.name: t for t in resolve_tools(config.tools)}
+        tools = resolve_tools(config.tools, config.tool_config_path)
+        self.tools: dict[str, Tool] = {t.name: t for t in tools}
         self.environment = resolve_environment(config.environment)
         self.parse = get_tool_call_parser(config.tool_call_format)
         self.encoder = ObservationEncoder(tokenizer, sorted(self.eos))
@@ -153,7 +157,7 @@ class AgentLoop:
         if tool is None:
             return "error", f"Error: no tool named {call.name!r}; the tools are {sorted(self.tools)}"
         try:
-            return "ok", tool.execute(instance_id, call.arguments)
+            return "ok", str(settle(tool.execute(instance_id, call.arguments)))
         except ToolError as exc:
             return "error", f"Error: {exc}"
         except Exception as exc:  # noqa: BLE001 - a failing tool is an observation, never a crashed run
@@ -235,7 +239,7 @@ class AgentLoop:
                envs: list[Environment | None]) -> None:
         """Tools' ``create`` and the environments' construction + ``reset``, bounded; sets ``envs``."""
         owners = [(i, tool) for i in range(len(trajs)) for tool in self.tools.values()]
-        calls = [functools.partial(tool.create, ids[i], rows[i]) for i, tool in owners]
+        calls = [functools.partial(_settled, tool.create, ids[i], rows[i]) for i, tool in owners]
         for (i, _), (status, _) in zip(owners, self._bounded(calls, env=False)):
             self._count(trajs[i], status, env=False)
             trajs[i].broken |= status != "ok"
@@ -250,7 +254,7 @@ class AgentLoop:
     def _end(self, trajs: list[Trajectory], ids: list[str], envs: list[Environment | None]) -> None:
         """Tools' ``release`` and the environments' ``close``, bounded and counted."""
         owners = [(i, tool) for i in range(len(trajs)) for tool in self.tools.values()]
-        calls = [functools.partial(tool.release, ids[i]) for i, tool in owners]
+        calls = [functools.partial(_settled, tool.release, ids[i]) for i, tool in owners]
         for (i, _), (status, _) in zip(owners, self._bounded(calls, env=False)):
             self._count(trajs[i], status, env=False)
         open_envs = [(i, env) for i, env in enumerate(envs) if env is not None]
@@ -287,6 +291,9 @@ class AgentLoop:
             calls = self._parse(traj.messages[-1]["content"]) if self.tools else []
             if calls and not traj.done:
                 jobs.extend((i, c) for c in calls)
+                traj.messages[-1]["tool_calls"] = [  # the calls that ran, in the chat-message shape
+                    {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in calls if isinstance(c, ToolCall)]
             elif envs[i] is not None and not traj.done:
                 steps.append(i)
             else:
@@ -361,7 +368,12 @@ def _step(env: Environment, message: str) -> StepResult:
 
 
 def _tool_reward(tool: Tool, instance_id: str) -> float:
-    return float(tool.reward(instance_id))
+    return float(settle(tool.reward(instance_id)))
+
+
+def _settled(method: Callable[..., Any], *args: Any) -> Any:
+    """``method(*args)``, its coroutine run to the end when it is ``async``."""
+    return settle(method(*args))
 
 
 def agent_rewards_and_metrics(batch: TensorDict,

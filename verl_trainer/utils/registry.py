@@ -181,6 +181,8 @@ def _module_from_file(path: Path, kind: str) -> ModuleType:
         raise ValueError(f"{kind} file {str(path)!r}: cannot import it as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look their module up there
+    if str(path.parent) not in sys.path:  # `import helpers` of a sibling helpers.py works, as in a script
+        sys.path.append(str(path.parent))  # appended: an installed module of the same name wins
     try:
         spec.loader.exec_module(module)
     except BaseException:
@@ -194,7 +196,9 @@ def load_object(spec: str, kind: str) -> Any:
     """The object ``spec`` names: ``"package.module:name"`` (imported) or ``"path/to/file.py:name"``.
 
     A file is loaded once per process (resolving it again returns the same objects, so a decorator in it
-    registers once). ``name`` may be dotted (``"file.py:Class.method"``).
+    registers once). ``name`` may be dotted (``"file.py:Class.method"``). The file's folder is appended to
+    ``sys.path``, so the file may ``import`` its sibling modules (an installed module of the same name is
+    found first: give siblings distinct names).
 
     Args:
         spec: ``"<module or file>:<name>"``.
