@@ -547,6 +547,7 @@ class RLModule(TrainingModule):
         rollout_batch = self.rollout.generate(batch, step=step, stream=1, n=v.n, do_sample=v.do_sample,
                                               temperature=v.temperature, top_p=v.top_p)
         metrics: dict[str, Any] = {}
+
         def check(b: TensorDict, s: torch.Tensor, info: dict[str, torch.Tensor]) -> None:
             self._add_model_scores(b, s, info, metrics, "val/reward")
             check_reward_failures(self.reward_fn, b, s, info, self._step, self._dp_group, metrics,
