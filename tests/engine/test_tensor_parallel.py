@@ -102,12 +102,12 @@ def _tp_rank(model_path, batch, optim, tp, model_type, micro):
     return {**out, "params": collect_params(engine), "topo": topo, "layout": layout}
 
 
-def _check_steps(out, ref):
+def _check_steps(out, ref, param_rtol=1e-5):
     for rank_out in out:
         for step, r in enumerate(rank_out["results"]):
             assert relative_error(torch.tensor(r["loss"]), torch.tensor(ref["losses"][step])) < 1e-5
             assert relative_error(torch.tensor(r["grad_norm"]), torch.tensor(ref["grad_norms"][step])) < 1e-5
-        assert_close_params(rank_out["params"], ref["params"])  # full tensors under the HF names
+        assert_close_params(rank_out["params"], ref["params"], rtol=param_rtol)  # full tensors, HF names
 
 
 @pytest.mark.slow  # the default CI runs dp=1 x tp=2 in the invariance slice (tests/invariance/cases.py)
@@ -154,7 +154,9 @@ def test_dp2_tp2_matches_plain_pytorch(model_path):
                           {"micro_batch_size_per_gpu": 2})
     assert [o["topo"] for o in out] == [(2, 0, True, 2), (2, 0, False, 2), (2, 1, True, 2), (2, 1, False, 2)]
     assert out[0]["layout"] == (True, ("dp", "tp"), (8, 32), True, True, True)  # 1/2 over tp, 1/2 over dp
-    _check_steps(out, ref)
+    # parameters after 2 AdamW steps: 1.07e-5 (layer 1's k_proj) on 2026-12-07's machine and venv, the code
+    # before that day's changes included; AdamW turns round-off in near-zero gradients into ~lr steps
+    _check_steps(out, ref, param_rtol=2e-5)
 
 
 # ---------------------------------------------------------------------------------- checkpoints
