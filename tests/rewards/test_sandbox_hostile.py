@@ -64,6 +64,16 @@ def both(code: str) -> str:
     return out
 
 
+def assert_nothing_reaches(server: socket.socket, code: str) -> None:
+    """Run ``code`` through :func:`both`; the listening ``server`` (timeout set) must accept nothing."""
+    try:
+        both(code)
+        with pytest.raises(TimeoutError):
+            server.accept()
+    finally:
+        server.close()
+
+
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -248,12 +258,7 @@ def test_no_tcp_of_any_kind(isolation):
             "    try:\n        make()\n        hits += 1\n    except OSError as e:\n"
             "        print(type(e).__name__)\n"
             "print('ESCAPED' if hits else 'contained')\n")
-    try:
-        both(code)
-        with pytest.raises(TimeoutError):
-            server.accept()
-    finally:
-        server.close()
+    assert_nothing_reaches(server, code)
 
 
 @pytest.mark.parametrize("kind", ["path", "abstract"])
@@ -266,12 +271,7 @@ def test_no_unix_sockets(isolation, tmp_path, kind):
     code = ("import socket\ns = socket.socket(socket.AF_UNIX)\n"
             f"try:\n    s.connect({address!r})\n    print('ESCAPED')\nexcept OSError as e:\n"
             "    print(type(e).__name__)\n")
-    try:
-        both(code)
-        with pytest.raises(TimeoutError):
-            server.accept()
-    finally:
-        server.close()
+    assert_nothing_reaches(server, code)
 
 
 # ------------------------------------------------------------------------------------ what was contained
