@@ -42,7 +42,8 @@ def test_a_piped_run_prints_whole_lines_and_validates_once_at_the_last_step(asse
     args = [
         sys.executable, str(ROOT / "recipes" / "sft.py"), "trainer.max_steps=4",
         "trainer.val_check_interval=2",
-        "trainer.validate_before_fit=false", "trainer.logger=[csv]", "trainer.enable_checkpointing=false",
+        "trainer.validate_before_fit=false", "trainer.logger=[csv]", "trainer.enable_checkpointing=true",
+        "trainer.checkpoint.every_n_train_steps=2",  # a checkpoint at a validation step flushes its values
         "trainer.export_hf=false", f"trainer.callbacks=['{counter}:CountValidations']",
         f"trainer.default_root_dir={tmp_path / 'run'}", f"model.path={assets / 'model'}",
         "model.make_tiny_if_missing=false", f"task.dir={assets / 'data'}", "task.write_if_missing=false",

@@ -57,9 +57,10 @@ def _evaluate(trainer: Trainer, prefix: str, loader: ShardedLoader, step_name: s
     finally:
         trainer.evaluating = False
     trainer.logging.reduce(trainer.metric_group)  # before on_*_epoch_end: callbacks see the reduced values
+    values = trainer.logging.pending()  # kept: a checkpoint saved in on_*_end flushes (logs) them
     trainer.call_hook(f"on_{prefix}_epoch_end")
     trainer.call_hook(f"on_{prefix}_end")
-    return trainer.logging.pending()
+    return {**values, **trainer.logging.pending()}
 
 
 def validation_loop(trainer: Trainer, limit: int | None = None) -> dict[str, float]:
