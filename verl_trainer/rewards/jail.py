@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from verl_trainer.rewards.sandbox import SandboxLimits
 
-__all__ = ["ISOLATION_CHOICES", "Isolation", "SandboxUnavailableError", "candidates", "requested_isolation",
-           "unavailable"]
+__all__ = ["ISOLATION_CHOICES", "Isolation", "SandboxUnavailableError", "candidates", "cpu_seconds",
+           "requested_isolation", "unavailable"]
 
 ISOLATION_CHOICES = ("auto", "nsjail", "bwrap", "none")
 """The values of ``VERL_SANDBOX``."""
@@ -122,7 +122,8 @@ def _top_level_links() -> tuple[list[tuple[str, str]], list[str]]:
     return links, dirs
 
 
-def _cpu_seconds(limits: SandboxLimits) -> int:
+def cpu_seconds(limits: SandboxLimits) -> int:
+    """``RLIMIT_CPU`` of a run: ``limits.cpu_s``, else ``ceil(timeout_s) + 1``."""
     return limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1
 
 
@@ -144,7 +145,7 @@ def nsjail_argv(binary: str, program_dir: str, argv: list[str], limits: SandboxL
             "--mount", f"none:/tmp:tmpfs:size={limits.disk_mb << 20}"]
     for key, value in _ENV.items():
         cmd += ["--env", f"{key}={value}"]
-    cmd += ["--rlimit_as", str(limits.memory_mb), "--rlimit_cpu", str(_cpu_seconds(limits)),
+    cmd += ["--rlimit_as", str(limits.memory_mb), "--rlimit_cpu", str(cpu_seconds(limits)),
             "--rlimit_fsize", str(limits.max_file_mb), "--rlimit_nofile", "64", "--rlimit_core", "0",
             "--rlimit_nproc", str(limits.max_processes)]
     if cgroup:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import math
 import os
 import resource
 import select
@@ -38,6 +37,7 @@ from verl_trainer.rewards.jail import (
     Isolation,
     SandboxUnavailableError,
     candidates,
+    cpu_seconds,
     interpreter,
     remove_stale_cgroups,
     requested_isolation,
@@ -177,8 +177,7 @@ def check_sandbox() -> Isolation:
 
 def _rlimits(limits: SandboxLimits) -> dict[int, int]:
     """The per-process limits (bubblewrap and ``none``; nsjail sets its own inside the jail)."""
-    cpu = limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1
-    return {resource.RLIMIT_AS: limits.memory_mb << 20, resource.RLIMIT_CPU: cpu,
+    return {resource.RLIMIT_AS: limits.memory_mb << 20, resource.RLIMIT_CPU: cpu_seconds(limits),
             resource.RLIMIT_FSIZE: limits.max_file_mb << 20, resource.RLIMIT_NOFILE: 64,
             resource.RLIMIT_CORE: 0}
 
