@@ -30,7 +30,7 @@ from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
 from verl_trainer.models.tiny import make_tiny_model
 from verl_trainer.models.weight_files import check_weight_dir
-from verl_trainer.rollout import check_vllm_rollout, resolve_rollout_name
+from verl_trainer.rollout import resolve_rollout_name, rollout_class
 from verl_trainer.training.plotting import plot_training_curves
 from verl_trainer.utils.cached_dir import fingerprint, is_current, normalize, settings_difference
 from verl_trainer.utils.dir_lock import DirectoryLock
@@ -184,8 +184,8 @@ def prepare(cfg: Any, trainer: Any, module_cls: type, data_cls: type) -> Run:
     module = module_cls(dataclasses.replace(cfg.algorithm, model_path=policy))
     rollout = getattr(cfg.algorithm, "rollout", None)
     backend = None if rollout is None else resolve_rollout_name(rollout, explicit or base)
-    if backend == "vllm":  # before any model
-        check_vllm_rollout(explicit or base, rollout.tensor_parallel_size)
+    if backend is not None:  # before any model
+        rollout_class(backend).check(rollout, explicit or base)
     if backend is not None and (ignored := rollout.ignored_by(backend)) and launch_rank() == 0:
         names = ", ".join(f"algorithm.rollout.{setting}" for setting in ignored)
         print(f"note: the {backend} rollout does not read {names} (settings of the other backend; "

@@ -50,7 +50,6 @@ def test_vllm_missing_names_the_extra(head16):
 def test_unsupported_head_size_architecture_and_tp(head16, tmp_path):
     with pytest.raises(ValueError, match=r"head size 16 .* takes head sizes \[32, 64.*num_attention_heads=2"):
         build_rollout(RolloutConfig(name="vllm"), head16)
-    assert "verl_trainer.rollout.vllm_rollout" not in sys.modules  # nothing was built
     odd = Path(tmp_path / "odd")
     odd.mkdir()
     config = json.loads((Path(head16) / "config.json").read_text())

@@ -1,8 +1,10 @@
-"""Rollout: sample responses from the current policy (HF ``generate``, or a colocated vLLM engine).
+"""Rollout: sample responses from the current policy (HF ``generate``, a colocated vLLM engine, or yours).
 
-``build_rollout(config, model_path)`` picks the backend. ``vllm`` is never imported unless it is
-installed and chosen: :class:`VLLMRollout` loads on first access of the attribute. ``docs/rollout.md``
-compares the two and states the ``auto`` rule.
+``build_rollout(config, model_path)`` builds the backend ``config.name`` names through the rollout
+registry (:mod:`verl_trainer.rollout.registry`: a registered name, ``"module:Class"`` or
+``"file.py:Class"``). Importing this package registers ``hf`` and ``vllm``; the ``vllm`` package itself is
+imported only when a vLLM engine is built. ``docs/rollout.md`` compares the two, states the ``auto`` rule
+and shows how to add a backend.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from verl_trainer.rollout.base import (
 )
 from verl_trainer.rollout.config import RolloutConfig
 from verl_trainer.rollout.hf import HFRollout
+from verl_trainer.rollout.registry import ROLLOUT_REGISTRY, register_rollout, rollout_class
+from verl_trainer.rollout.vllm_rollout import VLLMRollout
 from verl_trainer.rollout.vllm_support import check_vllm_rollout, model_config, vllm_available
 
 __all__ = [
@@ -34,14 +38,18 @@ __all__ = [
     "ROLLOUT_NON_TENSOR_KEYS",
     "BaseRollout",
     "HFRollout",
+    "ROLLOUT_REGISTRY",
     "RolloutConfig",
     "Trajectory",
     "build_rollout",
     "decoder_params",
     "check_vllm_rollout",
     "derive_sample_seed",
+    "register_rollout",
     "resolve_rollout_name",
+    "rollout_class",
     "truncate_at_eos",
+    "VLLMRollout",
     "vllm_available",
 ]
 
@@ -85,38 +93,28 @@ def resolve_rollout_name(config: RolloutConfig | str, model: Any = None) -> str:
 
 
 def build_rollout(config: RolloutConfig, model: Any, tokenizer: Any = None) -> BaseRollout:
-    """Build the rollout backend named by ``config.name``.
+    """Build the rollout backend named by ``config.name`` (``"auto"`` resolved here first).
 
     Args:
         config: Rollout settings.
-        model: A checkpoint directory (both backends) or a transformers model (``hf`` only).
+        model: A checkpoint directory (every backend) or a transformers model (``hf`` and backends that
+            take one).
         tokenizer: Defaults to the tokenizer saved with the checkpoint.
 
     Returns:
-        An :class:`HFRollout` or :class:`VLLMRollout`; with ``config.multi_turn.enable`` it rolls out
-        multi-turn trajectories through an :class:`AgentLoop`.
+        An instance of the named :class:`BaseRollout` subclass, built as ``cls(config, model, tokenizer)``
+        after ``cls.check(config, model)``; with ``config.multi_turn.enable`` it rolls out multi-turn
+        trajectories through an :class:`AgentLoop`.
 
+    Raises:
+        UnknownKeyError, ValueError, ImportError: From :func:`rollout_class` and the backend's ``check``,
+            before any model loads.
     """
-    name = resolve_rollout_name(config, model)
-    if name == "vllm":
-        if not isinstance(model, (str, Path)):
-            raise ValueError("the vllm rollout loads from a checkpoint directory; pass a path")
-        check_vllm_rollout(model, config.tensor_parallel_size)  # before vllm or any model loads
-        from verl_trainer.rollout.vllm_rollout import VLLMRollout  # lazy: vllm is optional
-
-        rollout: BaseRollout = VLLMRollout(config, model, tokenizer)
-    else:
-        rollout = HFRollout(config, model, tokenizer)
+    backend = rollout_class(resolve_rollout_name(config, model))
+    backend.check(config, model)  # before any model loads
+    rollout = backend(config, model, tokenizer)  # type: ignore[call-arg]  # BaseRollout's subclasses' shape
     if config.multi_turn.enable:
         rollout.agent_loop = AgentLoop(config.multi_turn, rollout.tokenizer, rollout.eos_token_ids)
         warn_if_no_call_fits(rollout.agent_loop.tools.values(), rollout.tokenizer, config.max_new_tokens,
                              config.multi_turn.tool_call_format)
     return rollout
-
-
-def __getattr__(name: str) -> Any:
-    if name == "VLLMRollout":
-        from verl_trainer.rollout.vllm_rollout import VLLMRollout  # lazy: vllm is optional
-
-        return VLLMRollout
-    raise AttributeError(f"module 'verl_trainer.rollout' has no attribute {name!r}")

@@ -37,7 +37,8 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from tensordict import NonTensorStack, TensorDict
@@ -46,8 +47,10 @@ from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.data.prompts import collate_prompts
 from verl_trainer.data.schema import NON_TENSOR_KEYS, non_tensor_lists, prompt_token_lists
-from verl_trainer.rollout.config import RolloutConfig
 from verl_trainer.utils.listing import first_of
+
+if TYPE_CHECKING:  # the config reads the backend registry, which holds BaseRollout classes
+    from verl_trainer.rollout.config import RolloutConfig
 
 RESPONSE_TEXT = "response_text"
 AGENT_INFO = "agent_info"
@@ -126,11 +129,36 @@ def weight_mismatch_report(unknown: list[str], missing: list[str], shapes: list[
 class BaseRollout(ABC):
     """Generates ``n`` responses per prompt; receives the trained weights after each update.
 
+    A backend class is built as ``cls(config, model, tokenizer)`` by
+    :func:`verl_trainer.rollout.build_rollout` (``model``: the policy's checkpoint directory, or a model
+    object where the backend takes one; ``tokenizer``: ``None`` means the checkpoint's), after
+    :meth:`check`. It declares what it reads and supports in the class attributes below.
+
     Args:
         config: Sampling and backend settings.
         tokenizer: The model's tokenizer (pad/eos ids, response decoding).
 
     """
+
+    backend_settings: ClassVar[tuple[str, ...]] = ()
+    """The :class:`RolloutConfig` fields only this backend reads (a run with another backend is told it
+    ignores them when they differ from their defaults: ``RolloutConfig.ignored_by``)."""
+    one_step_off: ClassVar[bool] = False
+    """Whether :meth:`generate` may run on a background thread while the actor trains
+    (``max_staleness=1``): the backend keeps its own weights, written only between generations, and runs
+    no collective while it generates."""
+
+    @classmethod
+    def check(cls, config: RolloutConfig, model: str | Path | object) -> None:
+        """Raise before any model loads when this backend cannot run ``model`` with ``config`` here.
+
+        The default accepts everything; a backend with an optional package or limits overrides it (the
+        recipes call it before the warm start, :func:`~verl_trainer.rollout.build_rollout` before building).
+
+        Raises:
+            ImportError, ValueError: Naming the value and the fix.
+        """
+        return None
 
     def __init__(self, config: RolloutConfig, tokenizer: Any) -> None:
         self.config = config

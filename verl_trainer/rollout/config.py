@@ -5,18 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from verl_trainer.agents.config import MultiTurnConfig
+from verl_trainer.rollout.registry import AUTO, backend_only_settings, rollout_class
 
-ROLLOUT_NAMES = ("auto", "hf", "vllm")
 DECODINGS = ("auto", "generate", "drop_finished")
 CACHE_IMPLEMENTATIONS = ("auto", "dynamic", "static")
 MAX_STALENESS = (0, 1)
 """The supported ``max_staleness`` values: synchronous, and one-step-off."""
-BACKEND_ONLY = {
-    "hf": ("decoding", "cache_implementation", "compile_decoding", "share_weights"),
-    "vllm": ("gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_model_len",
-             "free_cache_engine"),
-}
-"""The settings only one backend reads (``RolloutConfig.ignored_by`` names those the other one ignores)."""
 
 
 @dataclass
@@ -27,10 +21,13 @@ class RolloutConfig:
     ``top_p``, ``top_k``, ``do_sample``); ``max_new_tokens`` is verl's ``response_length``.
 
     Attributes:
-        name: Backend: ``"hf"`` (transformers ``generate``, CPU or GPU), ``"vllm"`` (a colocated vLLM
-            engine, CPU with the ``vllm`` extra or CUDA; ``docs/rollout.md``), or ``"auto"``: what measured
-            faster where it runs (:func:`verl_trainer.rollout.resolve_rollout_name`: vllm where it is
-            installed and can run the model, on CUDA or for models of >= 25M decoder parameters on CPU).
+        name: Backend: a registered name — ``"hf"`` (transformers ``generate``, CPU or GPU), ``"vllm"`` (a
+            colocated vLLM engine, CPU with the ``vllm`` extra or CUDA; ``docs/rollout.md``) —, or
+            ``"auto"``: what measured faster where it runs (:func:`verl_trainer.rollout.resolve_rollout_name`:
+            vllm where it is installed and can run the model, on CUDA or for models of >= 25M decoder
+            parameters on CPU), or a :class:`~verl_trainer.rollout.BaseRollout` subclass by where it is
+            defined, ``"package.module:Class"`` or ``"path/to/file.py:Class"``
+            (:func:`verl_trainer.rollout.registry.rollout_class`).
         n: Samples per prompt (GRPO group size). The ``n`` samples of a prompt are adjacent in the
             output and share its ``uid``.
         temperature: Sampling temperature (> 0 when ``do_sample``).
@@ -104,8 +101,8 @@ class RolloutConfig:
 
     def validate(self) -> None:
         """Check every field; raise ``ValueError`` naming the field, its value and the valid range."""
-        if self.name not in ROLLOUT_NAMES:
-            raise ValueError(f"rollout name={self.name!r} is unknown; choose one of {ROLLOUT_NAMES}")
+        if self.name != AUTO:
+            rollout_class(self.name)  # an unknown name, or a user's class that does not load, fails here
         if self.n < 1:
             raise ValueError(f"rollout n={self.n} must be >= 1 (samples per prompt)")
         if self.max_new_tokens < 1:
@@ -156,12 +153,13 @@ class RolloutConfig:
             )
         if not self.max_staleness:
             return
-        if self.name == "vllm":
+        backend = None if self.name == AUTO else rollout_class(self.name)  # auto: checked once built
+        if backend is not None and not backend.one_step_off:
             raise ValueError(
-                "rollout max_staleness=1 with name='vllm': the colocated vLLM engine cannot generate while "
-                "the actor trains in the same process (it reloads weights in place and sleeps between "
-                "rollouts); "
-                "use name='hf' for the asynchronous rollout, or max_staleness=0 with vllm"
+                f"rollout max_staleness=1 with name={self.name!r}: the {backend.__name__} backend cannot "
+                "generate while the actor trains (it does not declare one_step_off: a backend with its own "
+                "weights that may generate on a background thread); use name='hf' for the asynchronous "
+                f"rollout, or max_staleness=0 with {self.name}"
             )
         if self.multi_turn.enable:
             raise ValueError(
@@ -173,12 +171,14 @@ class RolloutConfig:
     def ignored_by(self, backend: str) -> list[str]:
         """``name=value`` of the settings changed from their defaults that ``backend`` does not read.
 
+        The candidates are the registered backends' ``backend_settings``; ``backend`` reads its own.
+
         Args:
-            backend: The backend the run resolved to (``"hf"`` or ``"vllm"``).
+            backend: The backend the run resolved to (a registered name or ``"module:Class"``).
         """
-        defaults = type(self)()
-        return [f"{name}={getattr(self, name)}" for other, names in BACKEND_ONLY.items() if other != backend
-                for name in names if getattr(self, name) != getattr(defaults, name)]
+        defaults, reads = type(self)(), set(rollout_class(backend).backend_settings)
+        return [f"{name}={getattr(self, name)}" for name in backend_only_settings()
+                if name not in reads and getattr(self, name) != getattr(defaults, name)]
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from verl_trainer.models.loading import load_causal_lm, load_tokenizer
 from verl_trainer.rollout.base import BaseRollout, weight_mismatch_report
 from verl_trainer.rollout.config import RolloutConfig
 from verl_trainer.rollout.divergence import DivergenceError, diverged, is_sampler_error
+from verl_trainer.rollout.registry import register_rollout
 from verl_trainer.rollout.sampling import RowSampler, logits_warpers, row_uniforms, sample_dropping_finished
 from verl_trainer.utils.device import get_torch_device
 
@@ -48,6 +49,7 @@ def resolve_decoding(config: RolloutConfig, device: torch.device) -> tuple[str, 
     return decoding, cache, cache == "static" and cuda
 
 
+@register_rollout("hf")
 class HFRollout(BaseRollout):
     """Batched sampling with ``model.generate`` on left-padded prompts, under ``torch.no_grad``.
 
@@ -61,6 +63,9 @@ class HFRollout(BaseRollout):
         tokenizer: Defaults to the tokenizer saved with ``model`` (a path is required then).
 
     """
+
+    backend_settings = ("decoding", "cache_implementation", "compile_decoding", "share_weights")
+    one_step_off = True  # its model is a private copy, written only between generations
 
     def __init__(self, config: RolloutConfig, model: str | Path | PreTrainedModel,
                  tokenizer: Any = None) -> None:

