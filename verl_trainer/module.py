@@ -11,7 +11,7 @@ What to implement::
             return {"actor": EngineSpec("language_model", EngineConfig(model_path=...), OptimConfig())}
 
         def training_step(self, batch, batch_idx):         # one trainer step on this rank's shard
-            batch = self.trainer.call_before_update(batch)  # RL: after rollout/rewards/advantages
+            batch = self.trainer.call_hook("on_before_update", batch)  # RL: after rollout/rewards/advantages
             actor = self.engines["actor"]
             with actor.train_mode():
                 out = actor.train_batch(batch, self.loss_fn, hooks=self.step_hooks)
@@ -41,7 +41,7 @@ to the step's metrics with its reduction over micro-batches and ranks (``"mean"`
 ``self.log_dict({...}, reduce=...)`` logs several.
 
 **Hooks a step may dispatch** (``self.trainer``): ``call_hook("on_rollout_end", batch)`` after rollout
-and rewards; ``batch = call_before_update(batch)`` before the engine update (callbacks such as
+and rewards; ``batch = call_hook("on_before_update", batch)`` before the engine update (callbacks such as
 ``SequenceBalancing`` may return a re-partitioned batch); ``engine.train_batch(batch, loss_fn,
 hooks=self.step_hooks)`` — the one optimizer step — dispatches ``on_micro_batches`` (the planned
 micro-batches), ``on_before_backward`` (per micro-batch), ``on_after_backward`` and

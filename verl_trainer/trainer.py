@@ -235,7 +235,7 @@ class Trainer(LightningAttributes):
                             if any(_listens(cb, name) for cb in self.callbacks)})
 
     def call_before_update(self, batch: Any) -> Any:
-        """Dispatch ``on_before_update`` and return the (possibly replaced) batch."""
+        """Deprecated alias of ``call_hook("on_before_update", batch)``, the one dispatch."""
         return self.call_hook("on_before_update", batch)
 
     # -------------------------------------------------------------------------------------- logging

@@ -184,3 +184,15 @@ def test_callback_base_is_compatible():
     cb = Custom()
     assert cb.state_dict() == {} and cb.state_key == "test_callback_base_is_compatible.<locals>.Custom"
     assert cb.on_before_update(None, None, "batch") is None
+
+
+def test_call_before_update_is_an_alias_of_the_one_dispatch():
+    """``call_hook("on_before_update", batch)`` is the spelling; the deprecated alias gives the same batch."""
+
+    class Halve(Callback):
+        def on_before_update(self, trainer, module, batch):
+            return batch[: len(batch) // 2]
+
+    trainer = Trainer(max_steps=1, enable_progress_bar=False, enable_checkpointing=False, callbacks=[Halve()])
+    batch = list(range(8))
+    assert trainer.call_hook("on_before_update", batch) == trainer.call_before_update(batch) == [0, 1, 2, 3]

@@ -78,7 +78,7 @@ class SFT(TrainingModule):
     def training_step(self, batch: TensorDict, batch_idx: int) -> StepOutput:
         """One optimizer step on this rank's batch ``[B, T]``."""
         if self.trainer is not None:
-            batch = self.trainer.call_before_update(batch)
+            batch = self.trainer.call_hook("on_before_update", batch)
         actor = self.engines["actor"]
         with actor.train_mode():
             out = actor.train_batch(batch, self.loss_fn, hooks=self.step_hooks)
