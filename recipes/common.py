@@ -16,26 +16,48 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from verl_trainer.agents import prompt_tool_schemas
-from verl_trainer.algorithms.data import DataConfig, SFTDataModule
+from verl_trainer.algorithms.config import GRPOConfig, PPOConfig
+from verl_trainer.algorithms.data import DataConfig, PromptDataModule, SFTDataModule
 from verl_trainer.algorithms.sft import SFT, SFTConfig
 from verl_trainer.callbacks import ProgressBar
-from verl_trainer.configs import DEMO_MODEL_PATH, ModelConfig, TaskConfig, TrainerConfig, WarmStartConfig
+from verl_trainer.configs import (
+    DEMO_MODEL_PATH,
+    GRPORecipeConfig,
+    ModelConfig,
+    PPORecipeConfig,
+    SFTRecipeConfig,
+    TaskConfig,
+    TrainerConfig,
+    WarmStartConfig,
+)
 from verl_trainer.configs.demo_scope import apply_demo_scope
 from verl_trainer.configs.run_length import run_length, with_schedule_length
 from verl_trainer.data.hub import data_fingerprint
 from verl_trainer.data.tasks import write_arithmetic_task
+from verl_trainer.engine import BaseEngine
 from verl_trainer.export.hf_dir import HF_MODEL_KINDS
 from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
 from verl_trainer.models.tiny import make_tiny_model
 from verl_trainer.models.weight_files import check_weight_dir
+from verl_trainer.module import TrainingModule
 from verl_trainer.rollout import resolve_rollout_name, rollout_class
+from verl_trainer.trainer import Trainer
 from verl_trainer.training.plotting import plot_training_curves
 from verl_trainer.utils.cached_dir import fingerprint, is_current, normalize, settings_difference
 from verl_trainer.utils.dir_lock import DirectoryLock
 from verl_trainer.utils.distributed import barrier, get_rank
 from verl_trainer.utils.fs import ensure_replaceable, is_owned, mark_owned, replace_dir_atomically
+
+RecipeConfig = SFTRecipeConfig | GRPORecipeConfig | PPORecipeConfig
+"""A recipe's whole config (``configs/*.yaml`` read by ``parse_recipe_args``)."""
+AlgorithmConfig = SFTConfig | GRPOConfig | PPOConfig
+"""A recipe's ``algorithm`` section: what its module is built from."""
+DataModule = PromptDataModule | SFTDataModule
+"""The datamodules the recipes train on."""
 
 RL_PROGRESS = ("reward/mean", "val/reward/mean", "response_length/mean", "actor/pg_loss")
 WAIT_FOR_FILES_S = 600.0
@@ -149,13 +171,14 @@ class Run:
     """
 
     base: str
-    module: Any
-    data: Any
+    module: TrainingModule
+    data: DataModule
     export_dir: str | None
     warm_start: bool
 
 
-def prepare(cfg: Any, trainer: Any, module_cls: type, data_cls: type) -> Run:
+def prepare(cfg: RecipeConfig, trainer: Trainer, module_cls: Callable[[AlgorithmConfig], TrainingModule],
+            data_cls: type[DataModule]) -> Run:
     """Everything that can fail before a model loads, in the launching process.
 
     Checks the export directory, resolves the models (a missing one fails here; the demo's tiny model is
@@ -208,7 +231,8 @@ def prepare(cfg: Any, trainer: Any, module_cls: type, data_cls: type) -> Run:
     return Run(base, module, data, export_dir, warm is not None)
 
 
-def _set_run_length(cfg: Any, trainer: Any, algorithm: Any, batches_per_epoch: int) -> Any:
+def _set_run_length(cfg: RecipeConfig, trainer: Trainer, algorithm: AlgorithmConfig,
+                    batches_per_epoch: int) -> AlgorithmConfig:
     """Set ``trainer.max_steps`` from the epochs (:mod:`verl_trainer.configs.run_length`); returns
     ``algorithm`` with the schedules that followed the run's length spanning it. Printed once."""
     t = cfg.trainer
@@ -222,7 +246,7 @@ def _set_run_length(cfg: Any, trainer: Any, algorithm: Any, batches_per_epoch: i
     return algorithm
 
 
-def lock_checkpoint_dir(trainer: Any) -> DirectoryLock | None:
+def lock_checkpoint_dir(trainer: Trainer) -> DirectoryLock | None:
     """Lock the run's checkpoint directory now, in the launching process (rank 0), until the script ends.
 
     ``ModelCheckpoint`` locks it for the fit (``verl_trainer/utils/dir_lock.py``); taking it here first
@@ -242,7 +266,7 @@ def lock_checkpoint_dir(trainer: Any) -> DirectoryLock | None:
     return lock
 
 
-def checkpoint_lock(trainer: Any) -> DirectoryLock | None:
+def checkpoint_lock(trainer: Trainer) -> DirectoryLock | None:
     """The (not yet taken) lock of the run's checkpoint directory; ``None`` without checkpointing."""
     ckpt = trainer.checkpoint_callback
     if ckpt is None:
@@ -305,8 +329,8 @@ def resolve_algorithm_model(path: str) -> str:
     return resolve_model_path(path, "algorithm.model_path") if path else ""
 
 
-def export_policy(engine: Any, out_dir: str | os.PathLike, kind: str = "hf_export", dtype: Any = None,
-                  **details: Any) -> str:
+def export_policy(engine: BaseEngine, out_dir: str | os.PathLike, kind: str = "hf_export",
+                  dtype: torch.dtype | None = None, **details: object) -> str:
     """``engine.save_hf(out_dir, dtype=dtype)`` (a collective); rank 0 then records ``kind`` and ``details``
     in its marker.
 
@@ -321,7 +345,7 @@ def export_policy(engine: Any, out_dir: str | os.PathLike, kind: str = "hf_expor
     return str(out_dir)
 
 
-def validate(trainer: Any, module: Any, data: Any) -> dict[str, float]:
+def validate(trainer: Trainer, module: TrainingModule, data: DataModule) -> dict[str, float]:
     """``trainer.validate`` once; its reduced metrics (the same on every rank); ``{}`` without
     ``data.val_files``."""
     if not data.config.val_files:
@@ -329,7 +353,7 @@ def validate(trainer: Any, module: Any, data: Any) -> dict[str, float]:
     return dict(trainer.validate(module, datamodule=data)[0])
 
 
-def validate_after_fit(trainer: Any, module: Any, data: Any) -> dict[str, float]:
+def validate_after_fit(trainer: Trainer, module: TrainingModule, data: DataModule) -> dict[str, float]:
     """The "after training" validation: the one ``fit`` ran at its last step when there was one (its
     schedule hit the last step: the same weights, so no second pass), else one ``trainer.validate``; ``{}``
     without ``data.val_files``."""
@@ -341,7 +365,7 @@ def validate_after_fit(trainer: Any, module: Any, data: Any) -> dict[str, float]
     return validate(trainer, module, data)
 
 
-def _csv_path(trainer: Any) -> Path | None:
+def _csv_path(trainer: Trainer) -> Path | None:
     from lightning.pytorch.loggers import CSVLogger
 
     for lg in trainer.loggers:
@@ -350,14 +374,14 @@ def _csv_path(trainer: Any) -> Path | None:
     return None
 
 
-def _mlflow_stores(trainer: Any) -> list[str]:
+def _mlflow_stores(trainer: Trainer) -> list[str]:
     """The tracking URIs of the run's MLflow loggers."""
     from lightning.pytorch.loggers import MLFlowLogger
 
     return [lg._tracking_uri for lg in trainer.loggers if isinstance(lg, MLFlowLogger) and lg._tracking_uri]
 
 
-def report(trainer: Any, before: dict[str, float] | None, after: dict[str, float], keys: tuple[str, ...],
+def report(trainer: Trainer, before: dict[str, float] | None, after: dict[str, float], keys: tuple[str, ...],
            plot: bool = True, started: float | None = None, exported: str | None = None) -> None:
     """Print before/after validation values, write the PNG next to the CSV, list the outputs (rank 0)."""
     if not trainer.is_global_zero:

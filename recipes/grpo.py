@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from verl_trainer.algorithms import GRPO, PromptDataModule
-from verl_trainer.callbacks import ProgressBar
+from verl_trainer.callbacks import Callback, ProgressBar
 from verl_trainer.configs import GRPORecipeConfig, parse_recipe_args
 from verl_trainer.recipes import common
 from verl_trainer.recipes.configs import config_path
@@ -26,8 +26,8 @@ from verl_trainer.user_errors import run_command, user_setup
 CONFIG = config_path("grpo")
 
 
-def main(algorithm_cls: type = GRPO, default_config: Path = CONFIG, argv: Sequence[str] | None = None,
-         callbacks: Sequence = ()) -> None:
+def main(algorithm_cls: type[GRPO] = GRPO, default_config: Path = CONFIG, argv: Sequence[str] | None = None,
+         callbacks: Sequence[Callback] = ()) -> None:
     """Run the recipe; ``argv`` (default: the command line) and extra ``callbacks`` are for launchers such as
     ``examples/ray_grpo.py``."""
     started = time.monotonic()

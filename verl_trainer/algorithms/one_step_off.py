@@ -43,7 +43,7 @@ from tensordict import TensorDict
 from verl_trainer.data import schema
 from verl_trainer.data.schema import prompt_token_lists
 from verl_trainer.metrics import Metric
-from verl_trainer.rollout import HFRollout
+from verl_trainer.rollout import BaseRollout
 from verl_trainer.rollout.divergence import DivergenceError
 
 if TYPE_CHECKING:
@@ -52,15 +52,16 @@ if TYPE_CHECKING:
 __all__ = ["OneStepOffRollout", "check_async_rollout"]
 
 
-def check_async_rollout(rollout: Any) -> None:
+def check_async_rollout(rollout: BaseRollout) -> None:
     """Refuse a built rollout backend that cannot generate on a background thread (after ``auto``).
 
     Raises:
         ValueError: Naming the backend and the fix.
     """
-    if not isinstance(rollout, HFRollout) or rollout.agent_loop is not None:
+    if not type(rollout).one_step_off or rollout.agent_loop is not None:  # declared by the backend class
         raise ValueError(
-            f"rollout max_staleness=1 needs the single-turn hf rollout, got {type(rollout).__name__}"
+            f"rollout max_staleness=1 needs a single-turn rollout whose backend declares one_step_off "
+            f"(hf does), got {type(rollout).__name__}"
             f"{' with a multi-turn agent loop' if rollout.agent_loop is not None else ''} (name='auto' may "
             "pick vllm): set algorithm.rollout.name=hf, or max_staleness=0"
         )

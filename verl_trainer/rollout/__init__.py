@@ -10,9 +10,9 @@ and shows how to add a backend.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from verl_trainer.agents.budget import warn_if_no_call_fits
 from verl_trainer.rollout.agent_loop import AgentLoop, Trajectory
@@ -67,7 +67,8 @@ def decoder_params(model: str | Path) -> int:
     return 12 * int(config["num_hidden_layers"]) * int(config["hidden_size"]) ** 2
 
 
-def resolve_rollout_name(config: RolloutConfig | str, model: Any = None) -> str:
+def resolve_rollout_name(config: RolloutConfig | str,
+                         model: str | Path | PreTrainedModel | None = None) -> str:
     """The backend ``"auto"`` stands for where this runs (any other name is returned as is).
 
     ``"vllm"`` when vllm is installed, ``model`` is a checkpoint directory vLLM can run here
@@ -92,7 +93,8 @@ def resolve_rollout_name(config: RolloutConfig | str, model: Any = None) -> str:
     return "vllm"
 
 
-def build_rollout(config: RolloutConfig, model: Any, tokenizer: Any = None) -> BaseRollout:
+def build_rollout(config: RolloutConfig, model: str | Path | PreTrainedModel,
+                  tokenizer: PreTrainedTokenizerBase | None = None) -> BaseRollout:
     """Build the rollout backend named by ``config.name`` (``"auto"`` resolved here first).
 
     Args:
@@ -112,7 +114,7 @@ def build_rollout(config: RolloutConfig, model: Any, tokenizer: Any = None) -> B
     """
     backend = rollout_class(resolve_rollout_name(config, model))
     backend.check(config, model)  # before any model loads
-    rollout = backend(config, model, tokenizer)  # type: ignore[call-arg]  # BaseRollout's subclasses' shape
+    rollout = backend(config, model, tokenizer)  # the constructor every backend has (BaseRollout)
     if config.multi_turn.enable:
         rollout.agent_loop = AgentLoop(config.multi_turn, rollout.tokenizer, rollout.eos_token_ids)
         warn_if_no_call_fits(rollout.agent_loop.tools.values(), rollout.tokenizer, config.max_new_tokens,
