@@ -111,3 +111,19 @@ def test_grpo_trains_with_the_docs_backend_named_by_its_file(backend_file, tmp_p
     stops = set(out["stops"])
     assert all(t not in stops for r in out["responses"] for t in r[:-1])  # a newline only ends a response
     assert any(r and r[-1] in stops for r in out["responses"])  # and some did end at one
+
+
+def test_registration_refuses_taken_and_reserved_names_and_non_backends():
+    from verl_trainer.rollout import register_rollout
+
+    class Other(HFRollout):
+        pass
+
+    with pytest.raises(ValueError, match="rollout backend 'hf' is already registered"):
+        register_rollout("hf")(Other)
+    for reserved in ("auto", "pkg.mod:Other"):
+        with pytest.raises(ValueError, match="is reserved"):
+            register_rollout(reserved)
+    with pytest.raises(ValueError, match="not a subclass of verl_trainer.rollout.BaseRollout"):
+        register_rollout("not_a_backend")(RolloutConfig)
+    assert "not_a_backend" not in ROLLOUT_REGISTRY and ROLLOUT_REGISTRY["hf"] is HFRollout
