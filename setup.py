@@ -1,7 +1,7 @@
 """Package layout that pyproject.toml cannot express alone.
 
-Three directories sit at the repository root (DESIGN §3) and are installed inside the package, in normal
-and in editable installs alike: ``callbacks/`` as ``verl_trainer.callbacks``, ``recipes/`` as
+Three directories sit at the repository root (docs/design.md §3) and are installed inside the package,
+in normal and in editable installs alike: ``callbacks/`` as ``verl_trainer.callbacks``, ``recipes/`` as
 ``verl_trainer.recipes`` and ``configs/`` (the recipes' YAML files, package data) as
 ``verl_trainer.recipes.configs``.
 """

@@ -6,7 +6,7 @@ uniform in [50, 4000] balanced by workload (what verl's trainer does):
   * time of ours on a list and on a tensor, and the speed-up ratios,
   * partition quality (max - mean) / mean of the workloads, ours vs the baseline, on the same inputs.
 
-Targets (issue): >= 10x faster in all three cases, tensor input as fast as list input, quality no worse
+Targets: >= 10x faster in all three cases, tensor input as fast as list input, quality no worse
 than the baseline's and <= 1e-5.
 
 Usage: python bench/balance.py [--seeds 3] [--tensor-baseline-all]

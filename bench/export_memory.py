@@ -1,14 +1,12 @@
-"""Peak memory of exporting an engine's model as an HF directory: ``engine.save_hf`` vs. the previous export.
+"""Peak memory of exporting an engine's model as an HF directory: ``engine.save_hf`` vs. a full-copy export.
 
-The previous export (``recipes/common.export_hf_model`` until this change, reproduced below as the baseline)
-cloned every full tensor into a dict, loaded a second model from the source checkpoint, loaded the dict
-into it and called ``save_pretrained``: about two extra copies of the model. ``engine.save_hf`` streams
-``get_per_tensor_param()`` into safetensors shards of ``--shard-mb`` and holds at most one shard plus one
-tensor. Each side runs in its own process (peak RSS is a per-process high-water mark) on an inference-only
-fsdp2 engine (one gloo rank) of the same Llama; reported is the peak RSS during the export (the kernel's
-high-water mark, reset after the engine was built) minus the RSS before it, and the ratio baseline / save_hf
-measured in this run. Both outputs are checked to hold the same
-tensors.
+The baseline (reproduced below) clones every full tensor into a dict, loads a second model from the source
+checkpoint, loads the dict into it and calls ``save_pretrained``: about two extra copies of the model.
+``engine.save_hf`` streams ``get_per_tensor_param()`` into safetensors shards of ``--shard-mb`` and holds at
+most one shard plus one tensor. Each side runs in its own process (peak RSS is a per-process high-water
+mark) on an inference-only fsdp2 engine (one gloo rank) of the same Llama; reported is the peak RSS during
+the export (the kernel's high-water mark, reset after the engine was built) minus the RSS before it, and the
+ratio baseline / save_hf measured in this run. Both outputs are checked to hold the same tensors.
 
 Usage: python bench/export_memory.py [--hidden 1024] [--layers 8] [--vocab 32000] [--shard-mb 100]
 """
@@ -49,7 +47,7 @@ def _peak_rss_mib() -> float:
 
 
 def _baseline_export(engine, source: str, out: Path) -> None:
-    """The export the recipes used before ``save_hf`` (a full copy of the tensors + a second model)."""
+    """The baseline export: a full copy of the tensors + a second model, then ``save_pretrained``."""
     from verl_trainer.models.loading import load_causal_lm
 
     params = {name: tensor.detach().cpu().clone() for name, tensor in engine.get_per_tensor_param()}

@@ -10,8 +10,8 @@ For every vocabulary ``V`` x token count ``n`` x logits dtype it times one forwa
 ``log_probs @ w1 + entropy @ w2``) at several float32 element budgets per chunk (``--budgets``, in Mi
 elements: ``chunk = max(1, budget // V)`` tokens) and as one chunk of all ``n`` tokens. The baseline is
 the shipped rule (``CHUNK_ELEMENTS``). The sides alternate within each of ``--reps`` paired rounds (after
-one warm-up), each round starting at the next side (the first call of a round measured up to 2.5x slower
-here, whichever side it was: a fixed order biased a first version of this bench); a side's speed-up is the
+one warm-up), each round starting at the next side (the first call of a round is slower, whichever side
+it is, so a fixed order would bias the result); a side's speed-up is the
 median over rounds of baseline time / side time in that round (a round's timings share the machine's
 load). The float32 values and
 gradients of every side are checked against one unchunked float32 ``log_softmax`` first (1e-5 absolute

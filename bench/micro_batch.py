@@ -10,7 +10,7 @@ For 256 samples with lengths uniform in [50, 4000] and token budgets 4096, 8192,
     when samples come close to the budget;
   * that every micro-batch fits the budget, always.
 
-Targets (issue): never more micro-batches than verl, >= 20x faster than verl's loop.
+Targets: never more micro-batches than verl, >= 20x faster than verl's loop.
 
 Usage: python bench/micro_batch.py [--trials 200] [--verl-trials 5]
 """

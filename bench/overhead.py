@@ -14,7 +14,7 @@ the next, so logging and callbacks count. The first step of every run is a warm-
 alternating rounds and the median step time is compared. The per-step losses of the two sides must
 agree (same math); the largest relative difference is printed.
 
-Target (issue 9): overhead <= 5%.
+Target: overhead <= 5%.
 
 Usage: python bench/overhead.py [--steps 5] [--rounds 2] [--batch 16] [--budget 4096]
 """

@@ -1,4 +1,4 @@
-"""Plot the benchmark results written with ``--json`` into one PNG (the README's benchmark figure).
+"""Plot the benchmark results written with ``--json`` into one PNG (the figure of docs/benchmarks.md).
 
     python bench/step_throughput.py --json bench/results/step_throughput.json
     python bench/overhead.py --json bench/results/overhead.json

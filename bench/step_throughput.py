@@ -17,7 +17,7 @@ Every side computes the same loss on the same weights: the first step's losses a
 agree. MFU = useful model FLOPs (real tokens only, causal attention counted once) / the peak matmul rate
 of this device measured here (``torch.mm`` of large square matrices, fp32 and bf16).
 
-Target (issue 9): ours >= 2x the tokens/s of the padded baseline.
+Target: ours >= 2x the tokens/s of the padded baseline.
 
 Usage: python bench/step_throughput.py [--samples 32] [--budget 4096] [--repeats 3] [--dtype fp32|bf16]
        python bench/step_throughput.py --device cuda --dtype bf16 --hidden 1024 --layers 8 --samples 128

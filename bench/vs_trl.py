@@ -10,14 +10,12 @@ the step (TRL ``loss_type="dapo"``), clip 0.2, one optimizer step per generation
 in one micro-batch, one process and ``--threads`` torch threads per side (default 1: with other work
 on the machine, more OpenMP threads than free cores slow both sides several-fold, ours more).
 
-**Equal length distributions.** Both sides sample with the same settings from the same weights (checked:
-token for token the same samples from the same seed). What can still make their lengths differ is
-learning: at lr 1e-3 on this random model a few lucky rewards move the policy within 2-3 steps, and
-where it goes depends on which responses were drawn (our side alone, three seeds: mean lengths 33, 91
-and 108 by step 4), so the two sides' lengths drift apart by chance, which is what the old 108.8 vs
-66.2 was. At the default lr 1e-6 the policy stays where it started and both sides sample the same
-length distribution every step; the work of a step (sampling, forward, backward, optimizer) does not
-depend on the lr. The script prints both sides' per-sample length histograms, means and the
+**Equal length distributions.** Both sides sample with the same settings from the same weights (token
+for token the same samples from the same seed). At a large lr a few lucky rewards move this random
+policy within a few steps, in a direction set by which responses were drawn, so the two sides' lengths
+would drift apart by chance; at the default lr 1e-6 the policy stays where it started and both sides
+sample the same length distribution every step (the work of a step does not depend on the lr). The
+script prints both sides' per-sample length histograms, means and the
 two-sample Kolmogorov-Smirnov distance with its 5% critical value.
 
 Each side runs in its own subprocess, the sides alternating (ours, trl, ours, trl, ...: ``--rounds``
@@ -35,7 +33,7 @@ time over its response tokens):
     forward/backward, optimizer; each plus its loop's per-step overhead). Ours' ``timing/update_s``
     (no loop overhead) is shown too.
 
-Target (issue 9): TRL step / our step >= 1.5.
+Target: TRL step / our step >= 1.5 where response lengths vary; no slower at equal lengths.
 
 TRL is not a dependency of this project. Install it without letting pip touch torch:
 ``pip install datasets && pip install --no-deps trl`` (trl 1.16.0 needs accelerate, datasets, transformers,
@@ -44,7 +42,7 @@ pandas, all present then). Without it the script says so and exits 0.
 Usage: python bench/vs_trl.py [--steps 8] [--warmup 2] [--rounds 2] [--prompts 32] [--n 8]
                               [--hidden 256] [--layers 4] [--max-new-tokens 8] [--threads 1] [--lr 1e-6]
                               [--decoding auto]
-Variable lengths (issue 19): python bench/vs_trl.py --max-new-tokens 128 --prompts 16 --n 8
+Variable lengths: python bench/vs_trl.py --max-new-tokens 128 --prompts 16 --n 8
 """
 
 from __future__ import annotations
@@ -65,7 +63,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TARGETS = {"variable": 1.5, "equal": 1.0}
-"""trl step / our step: >= 1.5x where response lengths vary (issue 19), no slower at equal lengths."""
+"""trl step / our step: >= 1.5x where response lengths vary, no slower at equal lengths."""
 EQUAL_LENGTH_MAX_NEW_TOKENS = 8
 """The equal-length workload's cap (the default): nearly every response reaches it."""
 SEED = 0

@@ -1,4 +1,4 @@
-"""The recipes, installed as ``verl_trainer.recipes`` (``setup.py`` maps this directory; DESIGN §13).
+"""The recipes, installed as ``verl_trainer.recipes`` (``setup.py`` maps this directory; docs/design.md §3).
 
 Each recipe runs three ways, the same code and the same YAML configs (``configs/``, shipped in the package
 as :mod:`verl_trainer.recipes.configs`)::

@@ -46,3 +46,30 @@ def test_the_loss_and_estimator_recipe_registers_names_configs_use():
         assert log_prob.grad is not None and log_prob.grad[~mask.bool()].abs().sum() == 0
     finally:
         del ADV_ESTIMATOR_REGISTRY["my_adv"], POLICY_LOSS_REGISTRY["my_loss"]
+
+
+ROOT = DOC.parents[1]
+
+
+def test_the_architecture_page_is_a_map_not_a_log():
+    """No dated entries, commit hashes or branch names; a layer row names its paths, not their story."""
+    text = DOC.read_text()
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), "dated history belongs in git or docs/benchmarks.md"
+    assert not re.search(r"`[0-9a-f]{7,40}`|\bwt-[a-z0-9]+", text)
+    layers = text[text.index("## Layers"):text.index("## One RL step")]
+    rows = [row for row in layers.splitlines() if row.startswith("| ") and not row.startswith("| layer |")]
+    assert len(rows) >= 10
+    for row in rows:
+        assert len(row.split(" | ")[1]) <= 80, f"describe the layer in a few words: {row[:80]}"
+
+
+def test_every_design_citation_names_a_section_of_docs_design_md():
+    sections = set(re.findall(r"^## (\d+)\. ", (ROOT / "docs" / "design.md").read_text(), re.M))
+    cited = []
+    folders = ("verl_trainer", "callbacks", "recipes", "docs", "bench", "scripts", "tests")
+    for path in [ROOT / "setup.py", ROOT / "README.md", *(p for f in folders for p in (ROOT / f).rglob("*"))]:
+        if path.suffix in (".py", ".md") and path.is_file():
+            for start, end in re.findall(r"design\.md\)? §(\d+)(?:[–-](\d+))?", path.read_text()):
+                cited += [(path, start), *([(path, end)] if end else [])]
+    assert cited, "the code cites docs/design.md"
+    assert [(str(p.relative_to(ROOT)), s) for p, s in cited if s not in sections] == []

@@ -1,4 +1,4 @@
-"""``verl-trainer <command> [args]``: the recipes and tools by name, for a pip install (DESIGN §13).
+"""``verl-trainer <command> [args]``: the recipes and tools by name, for a pip install (docs/design.md §3).
 
     verl-trainer grpo key=value ...              = python recipes/grpo.py key=value ... in a clone
     verl-trainer grpo --config dapo ...          a config shipped with the package, by name

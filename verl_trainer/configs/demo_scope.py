@@ -1,23 +1,17 @@
 """The demo's own parts (the arithmetic task, its validation set, the warm start) apply only to the demo.
 
-The demo configs (``configs/grpo.yaml``, ``dapo.yaml``, ``dr_grpo.yaml``, ``grpo_lora.yaml``,
-``ppo.yaml``, ``remax.yaml``) train the demo's tiny model on the arithmetic task, after a short SFT warm
-start on the same task (``warm_start.enable: auto``). A verl user who keeps their command line
-(``actor_rollout_ref.model.path=Qwen/... data.train_files=gsm8k/train.parquet``) must get RL on their
-model and data, not an SFT of their model on ``"a+b="`` first. :func:`apply_demo_scope` decides, after the
-config is loaded and before anything runs:
+:func:`apply_demo_scope` runs after the config is loaded and before anything runs, so that a verl user who
+keeps their command line gets RL on their model and data, not an SFT on ``"a+b="`` first:
 
 * ``warm_start.enable: auto`` runs the warm start only with the demo's own model (``model.path`` at
   :data:`~verl_trainer.configs.recipes.DEMO_MODEL_PATH`, no ``algorithm.model_path``) and the demo's own
   data (``data.train_files`` inside ``task.dir``); otherwise it is off, with a printed note.
-* ``warm_start.enable: true`` is the user's explicit choice and runs, except where it cannot do what
-  was asked: with ``algorithm.model_path`` (the policy would not start from the warm start) or with the
-  user's own RL data while ``warm_start.train_files`` is still the demo's arithmetic SFT file. Those are
-  refused with the fix.
+* ``warm_start.enable: true`` runs, except where it cannot do what was asked (with
+  ``algorithm.model_path``, or with the user's own RL data while ``warm_start.train_files`` is still the
+  demo's SFT file): those are refused with the fix.
 * ``data.val_files`` still at the demo's validation set while ``data.train_files`` is the user's: the
-  validation set is dropped, with a note (validating a gsm8k run on ``"a+b="`` is silently wrong).
-* The task files are written only when some file the run reads lies in ``task.dir``; a user's model on
-  the demo's task is noted.
+  validation set is dropped, with a note.
+* The task files are written only when some file the run reads lies in ``task.dir``.
 """
 
 from __future__ import annotations

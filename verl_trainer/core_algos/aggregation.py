@@ -13,7 +13,7 @@ micro-batches), then calls ``loss_fn(model_output, micro_batch, info)`` once per
 ``(loss, metrics)`` back:
 
 * ``model_output``: ``dict[str, Tensor]``, each ``[b, t]`` with the same shape as
-  ``micro_batch["input_ids"]`` and aligned with it (DESIGN: next-token convention,
+  ``micro_batch["input_ids"]`` and aligned with it (docs/design.md §5: next-token convention,
   ``log_probs[:, i] = log p(input_ids[:, i] | input_ids[:, :i])``; position 0 and padding hold 0).
   Keys: ``"log_probs"`` and, when asked, ``"entropy"`` (language model); ``"values"`` (value model).
 * ``micro_batch``: the micro-batch ``TensorDict`` (padded ``[b, t]``; see ``verl_trainer.data.schema``).
@@ -102,7 +102,7 @@ def local_counts(data: Mapping[str, Any] | Any) -> torch.Tensor:
 
     Real samples are those with ``is_padding == False`` — every row when the tag is absent. A real
     sample whose loss mask is all zero counts: ``seq-mean-*`` modes average over the step's samples
-    (DESIGN §6: rows with no token contribute 0 to the numerator, 1 to the denominator).
+    (docs/design.md §5: rows with no token contribute 0 to the numerator, 1 to the denominator).
     """
     mask = loss_mask_of(data)
     num_tokens = mask.to(torch.float64).sum().cpu()

@@ -4,9 +4,8 @@ verl 0.9.1's names, argument order and semantics (``verl/utils/seqlen_balancing.
 differences, each on purpose:
 
 * :func:`karmarkar_karp` returns verl's partition (same algorithm and tie-breaking, checked against a
-  textbook implementation in the tests) but runs 10-200x faster
-  (:mod:`~verl_trainer.core_algos.karmarkar_karp`), and a torch tensor input is as fast as a list (verl's
-  is 20-30x slower on tensors, which its trainer passes).
+  textbook implementation in the tests), vectorised (:mod:`~verl_trainer.core_algos.karmarkar_karp`);
+  a torch tensor input costs what a list does (``bench/balance.py`` measures both).
 * :func:`greedy_partition` places the longest item first (LPT); verl's iterates in input order.
 * :func:`calculate_workload` takes the model's hidden size (verl hard-codes 4096) and any of list /
   numpy / tensor.

@@ -1,30 +1,12 @@
 """Fast Karmarkar-Karp (largest differencing) k-way partitioning on numpy arrays.
 
-This is the engine behind :func:`verl_trainer.core_algos.balancing.karmarkar_karp`. It computes the same
-partition as the textbook heap algorithm verl ships (a heap of states, each state ``k`` sets; pop the
-two states with the largest spread, merge the heaviest set of one with the lightest of the other,
-push back), including its tie-breaking, but without a Python object per set:
+The engine behind :func:`verl_trainer.core_algos.balancing.karmarkar_karp`: :func:`kk_partition` returns
+the same partition as the textbook heap algorithm verl ships (a heap of states of ``k`` sets; pop the two
+states with the largest spread, merge the heaviest set of one with the lightest of the other, push back),
+tie-breaking included.
 
-* **Encoding.** A set is one ``int64``: ``sum | count | gid`` bit fields, where ``gid`` is
-  ``1 + index`` of the set's first item and ``0`` marks an empty set. Sorting encoded values orders
-  sets by (sum, item count, first index): the textbook order. Merging two sets adds the second one's
-  sum and count to the first (which keeps its gid) and records ``parent[gid_2] = gid_1``; membership
-  is resolved once at the end by pointer jumping. (When the three fields do not fit 62 bits the
-  count is dropped, so sets of equal sum are ordered by first index only.)
-* **equal_size=True** (every state starts full): merges are done in vectorised *rounds*. All states
-  are sorted by heap priority and paired (1st with 2nd, 3rd with 4th, ...); the pairs are merged at
-  once, and the longest prefix of pairs that the heap would really have popped in that order (no
-  merged state outranks a later pair) is kept. ~log(n/k) rounds of a dozen numpy calls instead of
-  n/k heap operations.
-* **equal_size=False** (every state starts as one item): a heap of merged states plus the sorted
-  stream of single items. A state that still has empty sets keeps its priority while it absorbs
-  single items, so whole runs of items are absorbed in one step (found with ``searchsorted``). Once
-  only full states are left the rest is the equal_size process, and it is done in rounds too.
-* Once few states are left (fewer than ``128 / k``), or a round keeps only a few pairs (the process
-  has become sequential), the rest is merged with a plain heap on Python ints.
-
-Values must be non-negative integers (callers convert); sums too large for the encoding are
-quantised by a right shift, which keeps the balancing but not bit-exactness.
+Invariants: values are non-negative integers (callers convert); when the encoded sums would not fit 62
+bits they are quantised by a right shift, which keeps the balancing but not bit-exactness.
 """
 
 from __future__ import annotations
@@ -105,6 +87,9 @@ def _merge_fn(k: int) -> Callable[[list[int], list[int], int], list[int]]:
     return eval(f"lambda a, b, hi: sorted(({terms},))")  # the source is built from k alone
 
 
+# Once few states are left (fewer than ``_TAIL_SETS / k``), or a round keeps only a few pairs (the process has
+# become sequential), numpy's per-call overhead outweighs its vector width: the rest is merged with a plain
+# heap on Python ints.
 def _python_tail(states: np.ndarray, key: np.ndarray, shift: int, mask: int, merges: _Merges) -> np.ndarray:
     """Finish a few full states with a plain heap on Python ints (cheaper than numpy calls)."""
     hi = ~mask
@@ -125,6 +110,10 @@ def _python_tail(states: np.ndarray, key: np.ndarray, shift: int, mask: int, mer
     return np.array(heap[0][2], dtype=np.int64)
 
 
+# equal_size=True (every state starts full): instead of n/k heap operations, ~log(n/k) rounds of a dozen
+# numpy calls. All states are sorted by heap priority and paired (1st with 2nd, 3rd with 4th, ...); the
+# pairs are merged at once, and the longest prefix of pairs that the heap would really have popped in
+# that order (no merged state outranks a later pair) is kept.
 def _rounds(states: np.ndarray, shift: int, mask: int, merges: _Merges) -> np.ndarray:
     """Merge full states (no empty set) in vectorised rounds until one is left.
 
@@ -173,6 +162,9 @@ def _rounds(states: np.ndarray, shift: int, mask: int, merges: _Merges) -> np.nd
     return states[0]
 
 
+# equal_size=False (every state starts as one item): a state that still has empty sets keeps its priority
+# while it absorbs single items, so whole runs of items are absorbed in one step (``searchsorted``). Once
+# only full states are left the rest is the equal_size process, done in rounds too.
 def _heap(enc: np.ndarray, k: int, shift: int, mask: int, merges: _Merges) -> np.ndarray:
     """equal_size=False: heap of merged states plus the descending stream of single items.
 
@@ -272,6 +264,10 @@ def kk_partition(values: np.ndarray, k: int, equal_size: bool) -> list[list[int]
     n = values.shape[0]
     if k == 1:
         return [list(range(n))]
+    # A set is one int64 of bit fields ``sum | count | gid`` (gid = 1 + index of the set's first item, 0 =
+    # empty), so sorting encoded values orders sets by (sum, item count, first index): the textbook order,
+    # with no Python object per set. Merging adds the second set's sum and count to the first (which keeps
+    # its gid) and records parent[gid_2] = gid_1; membership is resolved once at the end by pointer jumping.
     gid_bits = n.bit_length()
     max_count = n // k if equal_size else n - k + 1
     count_bits = max_count.bit_length()

@@ -12,10 +12,9 @@ All tensors are ``[b, t]``. ``config`` is read by attribute or key (``clip_ratio
 mutates ``config.global_batch_info`` on every micro-batch, which a frozen typed config cannot do.
 
 Every loss aggregates through :func:`agg_loss` with the global denominators, so ``pg_loss`` is a partial
-value (none takes a local mean). ``metrics`` maps verl's names (``actor/pg_clipfrac``, ``actor/ppo_kl``,
-``actor/pg_clipfrac_lower``) to :class:`~verl_trainer.metrics.Metric` token means weighted by the token
-count, so they reduce to the token mean of the whole step; verl returns Python floats (local means that
-its trainer averages unweighted, which changes with micro-batching).
+value (none takes a local mean). ``metrics`` maps verl's names (e.g. ``actor/pg_clipfrac``; all of them:
+docs/metrics.md) to :class:`~verl_trainer.metrics.Metric` token means weighted by the token count, so they
+reduce to the token mean of the whole step (verl returns local means as floats).
 """
 
 from __future__ import annotations

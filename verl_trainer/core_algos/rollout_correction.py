@@ -1,27 +1,17 @@
 """Train/inference mismatch: metrics, and truncated / masked importance sampling (TIS / MIS).
 
-The rollout samples from its own copy of the policy (another kernel, dtype or engine: HF ``generate``,
-vLLM), so the probability it sampled a token with, ``q`` (``rollout_log_probs``), can differ from the
-trainer's ``pi_old`` (``old_log_probs``, the same weights through the training engine). The policy loss
-is an expectation under ``pi_old``; the samples come from ``q``. Importance sampling corrects it with the
-ratio ``rho = pi_old / q`` per token (``level="token"``) or per sequence (``level="sequence"``:
-``prod_t rho_t``), bounded by a threshold ``C``:
+With ``q`` the probability the rollout sampled a token with (``rollout_log_probs``) and ``pi_old`` the
+trainer's (``old_log_probs``), the weight of the ratio ``rho = pi_old / q`` per token (``level="token"``)
+or per sequence (``level="sequence"``: ``prod_t rho_t``), with a threshold ``C``, is:
 
-* ``mode="truncate"`` (TIS; verl's ``rollout_is``, TRL's ``*_truncate``): ``w = min(rho, C)``;
-* ``mode="mask"`` (MIS; TRL's ``*_mask``, verl 0.6's ``rollout_is_mode=mask``): ``w = rho`` inside
-  ``[threshold_lower, C]``, else ``0``. The token (or the whole sequence) then trains nothing, but stays
-  in the loss denominators, as in TRL; verl's rejection sampling (``rollout_rs``) removes it from
-  ``response_mask`` before the step instead, which changes the global token count.
+* ``mode="truncate"`` (TIS): ``w = min(rho, C)``;
+* ``mode="mask"`` (MIS): ``w = rho`` inside ``[threshold_lower, C]``, else ``0``; a masked token (or
+  sequence) trains nothing but stays in the loss denominators.
 
-``w`` is detached and multiplies the per-token policy loss (``rollout_is_weights`` of every policy loss).
-Log-ratios are clamped to ``[-20, 20]`` before ``exp`` (verl's safety bound).
-
-Every metric declares its reduction (token means weighted by the token count, sequence means by the
-sequence count, MAX / MIN over elements), so the logged values are those of the whole step for any dp
-size and micro-batching. The names are verl's (``rollout_corr/*``, ``training/rollout_probs_diff_*``)
-where verl has them; ``rollout_corr/log_prob_abs_diff_{mean,max}`` (``|log pi_old - log q|``) are ours.
-verl's ``*_std`` and ``training/rollout_actor_probs_pearson_corr`` are not logged: neither is a
-reduction of per-micro-batch values.
+Invariants: ``w`` is detached and multiplies the per-token policy loss (``rollout_is_weights`` of every
+policy loss); log-ratios are clamped to ``[-20, 20]`` before ``exp``; every metric declares its reduction,
+so the logged values are the whole step's at any dp size and micro-batching (names: docs/metrics.md; how
+they compare with verl's and TRL's: docs/internals.md, *Train/inference mismatch*).
 """
 
 from __future__ import annotations

@@ -1,28 +1,19 @@
 """Hub dataset ids as data paths, read offline from the local Hugging Face cache. Nothing is downloaded.
 
-``data.train_files=openai/gsm8k`` (and ``data.val_files``, ``PromptDataset("org/name", ...)``,
-``SFTDataset(...)``: every entry point that takes a data path) names a dataset on the Hub when the path is not
-a local file. It is read from the **hub cache** (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
-``~/.cache/huggingface/hub``), where both ``hf download --repo-type dataset <id>`` and
-``datasets.load_dataset(<id>)`` put its files (``datasets--<org>--<name>/snapshots/<commit>/...``, the
-commit named by ``refs/main``):
+Every entry point that takes a data path (``data.train_files``, ``data.val_files``, ``PromptDataset``,
+``SFTDataset``) accepts ``org/name``, ``org/name@split``, ``org/name:config`` and
+``org/name:config@split`` when the path is not a local file (TRL's ``dataset_name`` / ``dataset_config`` /
+``dataset_train_split`` in one string; split ``train`` by default, ``test`` for ``data.val_files``).
 
-1. ``huggingface_hub.snapshot_download(id, repo_type="dataset", local_files_only=True)`` finds the cached
-   snapshot (one that the cache's own file listing shows partial, e.g. after ``hf download --include``, is
-   read for the files it has, with a warning naming what is missing);
-2. ``datasets`` reads that directory as it reads the Hub repository: the configs of its dataset card
-   (``README.md``), the splits by file name (``train``, ``test``, ``validation``, ...), parquet / jsonl / json
-   / csv / arrow files. It streams the files in place (``load_dataset(snapshot, config, split=...,
-   streaming=True)``), so no arrow copy is written.
+The dataset is read from the hub cache only (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
+``~/.cache/huggingface/hub``): ``snapshot_download(..., local_files_only=True)`` finds the snapshot (a
+partial one is read for the files it has, with a warning) and ``datasets`` streams its files in place
+(configs from the dataset card, splits by file name). A dataset with several configs and no default needs
+``:config``.
 
-The path's syntax, TRL's ``dataset_name`` / ``dataset_config`` / ``dataset_train_split`` in one string:
-``org/name`` (split ``train``, and ``test`` for ``data.val_files``: TRL's defaults), ``org/name@split``,
-``org/name:config`` and ``org/name:config@split``. A dataset with several configs and no default needs
-``:config``. A missing id, config or split is an error naming it, where it was looked for and the fix.
-
-Only the hub cache is read, not ``datasets``' own arrow cache (``HF_DATASETS_CACHE``: the converted copies
-an earlier ``load_dataset`` made of the files it put in the hub cache). Split slices (``train[:10%]``) are
-not supported (streaming reads whole splits); the message lists the splits there are.
+Raises (through the readers): a missing id, config or split is an error naming it, where it was looked
+for and the fix; split slices (``train[:10%]``) are refused listing the splits there are. User guide:
+docs/trl.md.
 """
 
 from __future__ import annotations

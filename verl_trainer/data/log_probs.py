@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 CHUNK_ELEMENTS = 1 << 20
-"""float32 elements of one chunk (1 Mi, 4 MiB): ``chunk = max(1, CHUNK_ELEMENTS // V)`` tokens (6 at
-``V`` = 151,936). Measured on CPU (``bench/log_softmax.py``, fwd+bwd, table in ``docs/architecture.md``):
-1.16-1.73x faster than the previous 4 Mi at ``V`` 32k-152k x 1,024 tokens x fp32 / bf16 (a chunk's float32
-copies stay in cache); 16 Mi or one chunk 0.33-0.66x; 0.25-0.5 Mi no faster than 1 Mi beyond the noise."""
+"""float32 elements of one chunk (4 MiB): ``chunk = max(1, CHUNK_ELEMENTS // V)`` tokens.
+
+Small enough that a chunk's float32 copies stay in cache, large enough that the per-chunk overhead does not
+show; ``bench/log_softmax.py`` measures the choice (docs/benchmarks.md)."""
 
 
 def _chunk_rows(vocab: int, chunk_elements: int) -> int:

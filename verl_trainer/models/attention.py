@@ -1,33 +1,24 @@
 """Padding-free (varlen) attention for HF models, registered through transformers' attention interface.
 
-The engine packs a micro-batch into one row ``[1, N]`` (``verl_trainer.data.packing``). The linear
-layers run on the packed row; attention must not cross samples. With transformers 5.24 + sdpa,
-restarting position ids alone do NOT isolate the samples (the model builds a cache by default, which
-disables transformers' packed-sequence detection, and any 2-D attention mask does too), and a 4-D
-block-diagonal mask costs O(N^2) memory. So attention runs within the segments given by ``cu_seqlens``
-(:func:`varlen_attention`), without a Python loop over samples:
+The engine packs a micro-batch into one row ``[1, N]`` (``verl_trainer.data.packing``); the linear layers
+run on the packed row and :func:`varlen_attention` runs attention within the segments given by
+``cu_seqlens``, without a Python loop over samples and without an O(N^2) mask:
 
-* CUDA fp16/bf16: ``flash_attn_varlen_func`` when flash-attn is installed, else PyTorch's
-  ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10) — ``verl_trainer.models.varlen_kernels``;
-* otherwise (CPU, fp32): segments of similar length batched into one causal sdpa call per bucket
-  (``verl_trainer.models.bucketed_attention``; O(sum L_i^2) compute, no O(N^2) mask).
+* CUDA fp16/bf16: ``flash_attn_varlen_func`` when flash-attn is installed, else PyTorch's ``varlen_attn``
+  (``verl_trainer.models.varlen_kernels``);
+* otherwise (CPU, fp32): one call per segment length (``verl_trainer.models.bucketed_attention``).
 
-Sliding-window layers run their window inside the same paths (no 4-D mask for a packed row).
+Sliding-window layers run their window inside the same paths.
 
-How ``cu_seqlens`` reach the attention function: transformers forwards every extra keyword of
-``model(...)`` down to the attention function (``FlashAttentionKwargs``: ``cu_seq_lens_q``,
-``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``), next to ``position_ids``.
-:func:`varlen_model_kwargs` builds them; :func:`packed_forward` passes them. Without them the
-function derives the segments from ``position_ids`` (a new segment wherever the position does not go
-up by one), and with a padding mask or a KV cache (``generate``) it is plain sdpa — so a model
-switched to ``"verl_varlen"`` still works for ordinary padded forwards and generation.
+How the segments arrive: :func:`varlen_model_kwargs` builds transformers' ``FlashAttentionKwargs``
+(``cu_seq_lens_q`` / ``_k``, ``max_length_q`` / ``_k``), which ``model(...)`` forwards to the attention
+function; :func:`packed_forward` passes them. Without them the segments are derived from ``position_ids``
+(a new segment wherever the position does not go up by one), and with a padding mask or a KV cache
+(``generate``) the function is plain sdpa, so a model switched to ``"verl_varlen"`` still runs ordinary
+padded forwards and generation. The mask function registered with it returns ``None`` whenever no padding
+or cache is involved, so transformers never builds a mask for a packed row.
 
-The attention function is registered together with a mask function (``AttentionMaskInterface``) that
-returns ``None`` whenever no padding or cache is involved, so transformers never builds an O(N^2) mask
-for a packed row.
-
-Ulysses SP wraps :func:`varlen_attention` (all-to-all before and after) and registers its wrapper
-with :func:`register_varlen_attention`.
+Ulysses SP wraps :func:`varlen_attention` and registers its wrapper with :func:`register_varlen_attention`.
 """
 
 from __future__ import annotations
@@ -66,6 +57,9 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(edges).to(torch.int32)
 
 
+# Why not the model's own masking: restarting position ids alone do not isolate the samples of a packed
+# row (the model builds a cache by default, which disables transformers' packed-sequence detection, and
+# any 2-D attention mask does too), and a 4-D block-diagonal mask costs O(N^2) memory.
 def varlen_attention(
     query: torch.Tensor,
     key: torch.Tensor,

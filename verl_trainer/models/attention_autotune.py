@@ -1,40 +1,25 @@
 """Which packed-attention path each layout takes on CPU: the matmul crossover, measured per shape.
 
 ``verl_trainer.models.bucketed_attention`` runs buckets of segments up to a *crossover* length as batched
-matmuls and longer ones as one sdpa call each. Where the
-crossover lies depends on the layout: one constant (:data:`MATMUL_MAX_LENGTH`, tuned on 4 query / 2 KV
-heads x 64) made full multi-head attention with a small head dim slower than the per-segment loop. So the
-crossover is chosen per :class:`ShapeKey` ``(H, H_kv, D, dtype, device type)`` by a short autotune when
-a model is built (:func:`agree_on_model_attention`) and kept in the kernel's table
-(``bucketed_attention.LAYOUT_CROSSOVERS``; a layout not in it takes the constant rule):
+matmuls and longer ones as one sdpa call each. The crossover is chosen per :class:`ShapeKey`
+``(H, H_kv, D, dtype, device type)`` when a model is built (:func:`agree_on_model_attention`) and kept in
+``bucketed_attention.LAYOUT_CROSSOVERS``; a layout not in that table takes the constant rule
+(:data:`MATMUL_MAX_LENGTH` in fp32, sdpa in half precision).
 
-* at each of :data:`PROBE_LENGTHS` (up to ``max(MATMUL_MAX_LENGTH, D)``, so the kept softmax stays no
-  larger than a few query tensors), one causal bucket of about :data:`PROBE_TOKENS` tokens runs forward
-  and backward through the real packed attention on the matmul path and on the sdpa path (q/k/v in HF's
-  layout; :func:`measure_probe`), the two sides alternating in :data:`PROBE_ROUNDS` paired rounds, each
-  side's best round kept (other load only adds time: the median of per-round ratios chose sdpa everywhere
-  for the demo's layout on a machine at load ~10, the best of 9 rounds kept the quiet choice at load 3-4);
-* the crossover is the longest probed length up to which the matmul side never measured clearly slower
-  (speed-up >= :data:`KEEP_MATMUL_ABOVE`); 0 (sdpa everywhere) when it does at the shortest. Probing stops
-  at the first loss. Tens of milliseconds per key.
+:func:`choose_crossover` times one causal bucket of about :data:`PROBE_TOKENS` tokens forward and backward
+on both paths at each of :data:`PROBE_LENGTHS`, in :data:`PROBE_ROUNDS` paired rounds, keeping each
+side's best round; the crossover is the longest probed length up to which the matmul side is never
+clearly slower (speed-up >= :data:`KEEP_MATMUL_ABOVE`), 0 when it is at the shortest.
 
-Half precision (bf16 / fp16) may take the matmul path too, on the bucket upcast to fp32 (one rounding at
-the end, so within half-precision round-off of the loop, not bitwise); the constant rule keeps it on sdpa.
+Invariants: one choice per key whether or not gradients are needed (old and new log-probs of the same
+tokens come from the same kernel); every rank of a run takes the same choice (rank 0 measures, the others
+receive its crossover over the default group); nothing is measured inside a forward.
 
-One choice per key whether or not gradients are needed (timed fwd+bwd, the training cost): old and new
-log-probs of the same tokens then come from the same kernel. The two paths agree to fp32 round-off, not
-bitwise, so every rank of a run must take the same one: the choice is made where every rank builds its
-model (:func:`agree_on_model_attention`, called by the engines' model build): rank 0 measures and the
-others receive its crossover over the default group. Nothing is measured inside a forward (no collective
-there: pipeline stages and rank-local evaluation do not meet), so a layout first seen there takes the
-constant rule on every rank.
-
-Switches: ``VERL_TRAINER_ATTENTION_AUTOTUNE=0`` keeps the constant everywhere (what the tests pin, so
-runs they compare take the same path). Results are cached in-process and in a JSON file
-(:func:`cache_path`: ``VERL_TRAINER_ATTENTION_AUTOTUNE_CACHE``, else ``$XDG_CACHE_HOME/verl_trainer/
-attention_autotune.json``; ``VERL_TRAINER_ATTENTION_AUTOTUNE_CACHE=0``: no file), keyed also by the torch
-version and the CPU thread count, read with ``json`` only and written atomically; an unreadable file is
-ignored with a warning.
+Switches: ``VERL_TRAINER_ATTENTION_AUTOTUNE=0`` keeps the constant rule everywhere (the tests pin it).
+Choices are cached in-process and in a JSON file (:func:`cache_path`:
+``VERL_TRAINER_ATTENTION_AUTOTUNE_CACHE``, else ``$XDG_CACHE_HOME/verl_trainer/attention_autotune.json``;
+``0``: no file), keyed also by the torch version and the CPU thread count, read with ``json`` only and
+written atomically; an unreadable file is ignored with a warning.
 """
 
 from __future__ import annotations

@@ -4,42 +4,15 @@ Where no fused varlen kernel exists (CPU; CUDA in fp32 or without one), the segm
 grouped by length; each group (a *bucket*) is one batched call with no padding and no mask beyond the
 causal (or sliding-window) one:
 
-* short buckets (segments up to the layout's crossover length, on CPU without dropout:
-  :func:`matmul_crossover`, measured per ``(H, H_kv, D, dtype)`` by ``verl_trainer.models.attention_autotune``
-  at model build, else ``MATMUL_MAX_LENGTH`` in fp32 only; half precision runs the matmuls on the bucket
-  upcast to fp32): batched matmuls with a hand-written backward (:func:`matmul_attention_forward`), where
-  the CPU flash kernel's cost per token is highest;
-* the others: one ``scaled_dot_product_attention`` over ``[count, H, length, D]``.
+* buckets of segments up to the layout's crossover (:func:`matmul_crossover`; CPU without dropout only)
+  run as batched matmuls with a hand-written backward (:func:`matmul_attention_forward`); half precision
+  runs them upcast to fp32 and rounds once at the end;
+* the others run as one ``scaled_dot_product_attention`` over ``[count, H, length, D]``.
 
-Both equal a per-segment loop to fp32 round-off (sdpa buckets bitwise in ``bench/attention.py``).
-
-Data movement is one pass each way per tensor. Rows are addressed as ``[N * H_kv, F / H_kv]`` (a token
-is ``H_kv`` rows), so one index reads a short bucket KV-head-major (its matrices) and an sdpa bucket
-token-major. :class:`_Buckets` runs the short buckets one after another, each read right before its
-matmuls and written right after (the data is still in cache), and reads the sdpa buckets' rows (a view
-when its segments lie side by side: one segment alone, or a row packed in length order);
-:class:`_PutRows` writes the sdpa outputs into the same output. Every packed token belongs to exactly one
-bucket, so each output and gradient row is written once: never a scatter-add, never a zero fill. The
-inputs are read as rows ``[N, H * D]``: free for HF's layout (a transposed ``[1, N, H, D]``), one copy
-otherwise.
-
-Measured with ``bench/attention.py`` (fwd+bwd, CPU): padding segments of similar lengths into one call
-(fewer, larger calls) lost to one call per distinct length on every workload — 1,024 segments of 8-16
-tokens take 9 calls here.
-
-The matmul bucket kernel (the CPU short path): for segments of up to a few dozen tokens the CPU
-flash-attention kernel costs about the same per token whatever the length, 1.3x what plain batched
-matmuls with a softmax in between cost (measured on segments of 17-64 tokens; 1.1x at 65-128):
-
-* layout: one matrix per (segment, KV head), the ``g = H / H_kv`` query heads that share the KV head
-  side by side in each row, so the query is ``[C * H_kv, L * g, D]`` with row ``r`` = position ``r // g``
-  and ``k, v`` are ``[C * H_kv, L, D]``: GQA repeats no keys, and one row gather of the packed row
-  (rows of ``[N * H_kv, F / H_kv]``) reads a bucket in this order;
-* forward: ``P = softmax(scale * q k^T + mask)``, ``out = P v``; ``P`` ``[C * H_kv, L * g, L]`` is kept
-  (no larger than ``q`` for ``L <= D``), so the backward is four matmuls and no recomputation.
-
-Its results equal the per-segment sdpa reference to fp32 round-off (not bitwise: another summation
-order). Used on CPU without dropout for buckets up to the layout's crossover (:func:`matmul_crossover`).
+Invariants: every packed token belongs to exactly one bucket, so each output and gradient row is written
+once (no scatter-add, no zero fill); no token attends across segments; the result equals a per-segment
+sdpa loop to fp32 round-off (sdpa buckets bitwise; matmul buckets sum in another order). How the
+crossover is chosen: ``verl_trainer.models.attention_autotune`` and docs/internals.md.
 """
 
 from __future__ import annotations

@@ -5,18 +5,11 @@ re-distributed with one all-to-all: from (``N/sp`` tokens, all ``H`` heads) to (
 ``H/sp`` heads) — :func:`gather_seq_scatter_heads` — and back after it — :func:`gather_heads_scatter_seq`.
 Everything else (embeddings, MLPs, norms, the LM head) runs on the local ``N/sp`` tokens.
 
-The functions keep the names, argument order and semantics of ``verl.utils.ulysses`` (verl 0.9.1), so
-calling code moves over unchanged; the implementation is this project's own:
-
-* the all-to-all is one ``all_to_all_single`` (supported by gloo as well as nccl; ``async_op`` is
-  accepted for compatibility and runs synchronously);
-* :class:`SeqAllToAll` is an autograd function whose backward is the mirror all-to-all;
-* :func:`gather_outputs_and_unpad` gathers the per-rank outputs; its backward keeps this rank's slice of
-  the gradient and, with ``grad_scaler=True``, multiplies it by ``sp``. Why: every SP rank computes the
-  same loss from the same gathered outputs, and each rank's parameter gradient holds only the part
-  that flows through its own tokens; the true gradient is the SUM over the SP group. Data-parallel
-  wrappers (FSDP over the whole world) AVERAGE over ``dp * sp`` ranks, so the ``sp`` factor makes that
-  average equal the DP average of the true gradients: the loss and the gradient are unchanged by ``sp``.
+The functions keep the names, argument order and semantics of ``verl.utils.ulysses`` (verl 0.9.1); the
+implementation is this project's own. Invariants: :class:`SeqAllToAll`'s backward is the mirror
+all-to-all; :func:`gather_outputs_and_unpad` with ``grad_scaler=True`` leaves the loss and the gradient
+unchanged by ``sp`` under data-parallel wrappers that average over ``dp * sp`` ranks. ``async_op`` is
+accepted for compatibility and runs synchronously.
 
 The SP group is a process-wide setting (:func:`set_ulysses_sequence_parallel_group`, verl's name) that
 can be overridden for a block with :func:`ulysses_sequence_parallel_group`; every function also takes
@@ -350,6 +343,10 @@ class Gather(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor) -> tuple:
         """This rank's slice of the gradient, scaled by ``sp`` when ``grad_scaler``."""
         grad = grad_output.narrow(ctx.gather_dim, ctx.rank * ctx.part, ctx.part)
+        # Every SP rank computes the same loss from the same gathered outputs, and each rank's parameter
+        # gradient holds only the part that flows through its own tokens: the true gradient is the SUM
+        # over the SP group. Wrappers that AVERAGE over dp * sp ranks (FSDP over the world) then need
+        # the factor sp for their average to equal the DP average of the true gradients.
         if ctx.grad_scaler:
             grad = grad * ctx.sp
         return None, grad.contiguous(), None, None, None
@@ -370,7 +367,7 @@ def gather_outputs_and_unpad(
         gather_dim: Sequence dimension of ``x``.
         unpad_dim: Dimension to unpad (usually ``gather_dim``); ``None``: keep the padding.
         padding_size: ``pad_size`` returned by :func:`ulysses_pad_and_slice_inputs`.
-        grad_scaler: Multiply the backward by ``sp`` (see the module docstring: right when gradients are
+        grad_scaler: Multiply the backward by ``sp`` (right when gradients are
             then AVERAGED over the SP ranks, as FSDP over the whole world does; use ``False`` when they
             are SUMMED).
         group: SP group (default: the current one).

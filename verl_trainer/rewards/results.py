@@ -2,11 +2,10 @@
 
 A verl-style ``compute_score`` returns, per sample, a number or a dict with a numeric ``"score"``; a TRL
 function returns one number (or ``None``: "no score for this one") per completion. Anything else — ``None``
-from a verl function, a list, a string such as ``"0.5"``, a tensor of several values — used to fail deep in
-``float()`` with no hint of which reward or which sample, or (a string) to pass. Here the
-message names the reward function, the sample's index, its data source and the start of its response, and
-what was returned: a failed call of that sample (:mod:`verl_trainer.rewards.failures`, ``on_error``), or a
-:class:`RewardReturnError` when a TRL function's whole result has the wrong shape.
+from a verl function, a list, a string such as ``"0.5"``, a tensor of several values — is refused, never
+converted: the message names the reward function, the sample's index, its data source, the start of its
+response and what was returned: a failed call of that sample (:mod:`verl_trainer.rewards.failures`,
+``on_error``), or a :class:`RewardReturnError` when a TRL function's whole result has the wrong shape.
 """
 
 from __future__ import annotations

@@ -1,28 +1,19 @@
 """User callables under a time limit on reusable daemon threads; a call past its limit is abandoned.
 
-Reward functions, tools and environments are arbitrary Python objects (closures, stateful tool instances,
-TRL's ``log_metric`` callback, per-run state) that cannot be sent to another process, and the training
-process holds accelerator and collective state a forked child must not copy. So they cannot run where they
-could be killed; they run here instead:
+Contract of :class:`DaemonCalls`:
 
 * each call runs on a **daemon** thread (reused between calls): the caller waits at most ``timeout_s``;
 * a call past it is **abandoned**: the caller gets :class:`AbandonedCallError` (a ``TimeoutError``) and
-  goes on; the thread finishes the call whenever it does and then exits. Daemon threads are not joined at
-  interpreter exit (``concurrent.futures`` workers are), so the process exits when the run ends whatever
-  an abandoned call is doing;
+  goes on; the thread finishes the call whenever it does and then exits, and never keeps the process
+  alive at exit;
 * the leak is **bounded**: while :data:`MAX_ABANDONED` abandoned calls still run in this process, a new
-  call is not started — it is refused with an :class:`AbandonedCallError` (``started=False``) at once,
-  handled like a time-out. :func:`abandoned_calls` reports the counts.
+  call is refused at once with an :class:`AbandonedCallError` (``started=False``), handled like a
+  time-out. :func:`abandoned_calls` reports the counts;
+* the caller's current CUDA device and grad mode are set on the worker thread for each call.
 
-Limits of threads (no thread can be stopped from outside): a call that holds the GIL in C code (a
-catastrophically backtracking ``re`` pattern) stalls every thread of the process, the caller included;
-such work belongs in a process (:class:`~verl_trainer.utils.timeout_pool.TimeoutPool`, as
-``default_compute_score`` does). Code that installs signal handlers (``signal.alarm`` time-outs, e.g.
-``math_verify.parse`` with its default ``parsing_timeout``) cannot run off the main thread and raises
-``ValueError``: turn those limits off, the limit here bounds the call.
-
-The caller's current CUDA device and grad mode are set on the worker thread for each call (both are
-per-thread in torch), so a call computes where and how it would have in the caller's thread.
+Limits: a call that holds the GIL in C code stalls every thread of the process (such work belongs in a
+process: :class:`~verl_trainer.utils.timeout_pool.TimeoutPool`); code that installs signal handlers
+(``signal.alarm`` time-outs) cannot run off the main thread and raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -40,6 +31,11 @@ __all__ = ["MAX_ABANDONED", "AbandonedCallError", "DaemonCalls", "abandoned_call
 
 logger = logging.getLogger(__name__)
 
+# Reward functions, tools and environments are arbitrary Python objects (closures, stateful tools, TRL's
+# log_metric callback) that cannot be sent to another process, and the training process holds
+# accelerator and collective state that a forked child must not copy: so they run on threads, which
+# cannot be killed, and a call past its limit is abandoned rather than stopped. Daemon threads (not
+# concurrent.futures workers, which are joined at exit) let the process end whatever such a call does.
 MAX_ABANDONED = 64
 """Abandoned calls that may still run at once in the process; past it new calls are refused."""
 MAX_IDLE = 32
