@@ -8,8 +8,8 @@
 * :class:`SafetensorsShardWriter` (``shards.py``) writes the weights, one shard in memory at a time.
 """
 
-from verl_trainer.export.hf_dir import HFLayout, save_hf_model
-from verl_trainer.export.shards import SafetensorsShardWriter
+from verl_trainer.models.hf_dir import HFLayout, save_hf_model
+from verl_trainer.models.safetensors_shards import SafetensorsShardWriter
 
 __all__ = ["HFLayout", "SafetensorsShardWriter", "save_hf_model"]
 

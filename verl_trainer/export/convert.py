@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
-from verl_trainer.engine.checkpoint import HF_DIR, META
-from verl_trainer.export.hf_dir import HF_MODEL_KINDS, HFLayout, save_hf_model
-from verl_trainer.export.shards import parse_size
-from verl_trainer.export.sources import generation_config_of, tokenizer_dir
+from verl_trainer.engine.checkpoint import DCP_SUBDIR, DEEPSPEED_SUBDIR, HF_DIR, META_FILE
+from verl_trainer.models.hf_dir import HF_MODEL_KINDS, HFLayout, save_hf_model
+from verl_trainer.models.hf_files import CONFIG_NAME
+from verl_trainer.models.hf_sources import generation_config_of, tokenizer_dir
+from verl_trainer.models.safetensors_shards import parse_size
 from verl_trainer.utils.fs import ensure_replaceable
 from verl_trainer.utils.manifest import verify_manifest
 from verl_trainer.utils.safe_load import refusal
@@ -56,7 +57,7 @@ def find_engine_checkpoint(path: str | os.PathLike, engine: str = "actor") -> Pa
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(root)!r} does not exist")
-    if (root / "meta.json").is_file() and ((root / "dcp").is_dir() or (root / "deepspeed").is_dir()):
+    if (root / META_FILE).is_file() and ((root / DCP_SUBDIR).is_dir() or (root / DEEPSPEED_SUBDIR).is_dir()):
         return root  # one engine's checkpoint
     if not (root / STATE_FILE).is_file():
         last = find_last_checkpoint(root)
@@ -197,17 +198,17 @@ def convert_checkpoint(
     _refuse_overlap(Path(ckpt_dir), Path(out_dir), directory)
     ensure_replaceable(out_dir, "OUT_DIR", HF_MODEL_KINDS)
     verify_manifest(directory)
-    meta: dict[str, Any] = json.loads((directory / META).read_text())
+    meta: dict[str, Any] = json.loads((directory / META_FILE).read_text())
     hf_dir = directory / HF_DIR
-    if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"checkpoint {str(directory)!r} has no {HF_DIR}/config.json to export with")
+    if not (hf_dir / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"checkpoint {str(directory)!r} has no {HF_DIR}/{CONFIG_NAME} to export with")
     config = AutoConfig.from_pretrained(str(hf_dir))
     model_type = meta.get("model_type", "language_model")
     layout = HFLayout(config, model_type)
-    if (directory / "dcp").is_dir():
-        named = _dcp_tensors(directory / "dcp", layout, parse_size(max_shard_size))
+    if (directory / DCP_SUBDIR).is_dir():
+        named = _dcp_tensors(directory / DCP_SUBDIR, layout, parse_size(max_shard_size))
     else:
-        named = _deepspeed_tensors(directory / "deepspeed")
+        named = _deepspeed_tensors(directory / DEEPSPEED_SUBDIR)
     source = tokenizer or tokenizer_dir(hf_dir) or tokenizer_dir(meta.get("model_path"))
     return save_hf_model(named, out_dir, config, model_type, tokenizer=source,
                          generation_config=generation_config_of(hf_dir), max_shard_size=max_shard_size,
