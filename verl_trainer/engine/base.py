@@ -1,7 +1,7 @@
 """The engine interface: :class:`BaseEngine` (with its mode contexts ``train_mode`` / ``eval_mode``).
 
 An engine owns one model (and, when trained, its optimizer and LR scheduler) sharded over the
-data-parallel ranks. Its public surface has five groups (DESIGN.md §4):
+data-parallel ranks. Its public surface has five groups:
 
 * lifecycle: :meth:`~BaseEngine.initialize`, :meth:`~BaseEngine.to`, :meth:`~BaseEngine.train_mode`,
   :meth:`~BaseEngine.eval_mode`;
@@ -21,7 +21,13 @@ A backend is one class plus its registration; everything else is a part the engi
 * the schedule (``engine.schedule``): ``compute.SEQUENTIAL``, or with ``pp > 1`` the engine's
   ``pipeline.PipelineParallel`` part (``engine.pipeline``, set by the backend that splits the model);
 * LoRA (``engine.lora``: ``lora.LoRAAdapters``, only when the model carries adapters), loss scaling
-  (``engine.grad_scaler``, only under float16) and offload (``offload.py``, only when configured).
+  (``engine.grad_scaler``, only under float16) and offload (``offload.py``, only when configured);
+* the weights out (``weights.WeightStream``: ``get_per_tensor_param``, LoRA merged) and the HF directory
+  (``hf_export.HFExport``: ``save_hf``), built from the engine's state when called.
+
+verl's public names stay on the engine as delegations to these parts. What a backend can do is declared on
+its class (``SUPPORTS_*_PARALLEL``, ``RESHARDABLE_CHECKPOINTS``, ``CPU_FLOAT16_REFUSAL``) and read from
+there (the registry's ``backend_class`` / ``backends(capability)``).
 
 This class holds the one micro-batch loop (:meth:`forward_backward_batch`) and the one optimizer step
 (:meth:`train_batch`). The engine owns no loss: the caller hands ``loss_function(model_output,
