@@ -460,24 +460,22 @@ class BaseEngine(ABC):
     # ------------------------------------------------------------------------------------ topology
     def get_data_parallel_size(self) -> int:
         """Return the number of DP ranks (world_size // (sp_size * tp_size * pp_size))."""
-        return self._topology().dp_size
+        assert self.topology is not None
+        return self.topology.dp_size
 
     def get_data_parallel_rank(self) -> int:
         """Return this rank's DP rank."""
-        return self._topology().dp_rank
+        assert self.topology is not None
+        return self.topology.dp_rank
 
     def get_data_parallel_group(self) -> dist.ProcessGroup | None:
         """Return the DP process group (``None`` when not distributed)."""
-        return self._topology().dp_group
+        assert self.topology is not None
+        return self.topology.dp_group
 
     def is_mp_src_rank_with_outputs(self) -> bool:
         """Whether this rank reports its DP rank's outputs (``Topology.reports_outputs``; none: yes)."""
         return self.topology is None or self.topology.reports_outputs
-
-    def _topology(self) -> Topology:
-        if self.topology is None:
-            raise RuntimeError(f"{type(self).__name__} has no topology yet; call engine.initialize() first")
-        return self.topology
 
     # --------------------------------------------------------------------------------------- model
     def build_model(self) -> torch.nn.Module:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from tensordict import TensorDict
@@ -33,6 +33,9 @@ from verl_trainer.engine.config import EngineConfig
 from verl_trainer.engine.heads import ModelType
 from verl_trainer.engine.hooks import StepHooks
 from verl_trainer.engine.micro_batch import restore_dynamic_batch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = [
     "SEQUENTIAL", "MicroBatchStep", "Schedule", "ScheduleResult", "ScheduledEngine", "SequentialSchedule",
@@ -128,7 +131,7 @@ class ScheduledEngine(Protocol):
     device: torch.device
     module: torch.nn.Module | None
     config: EngineConfig
-    model_config: Any  # the model's HF config
+    model_config: PretrainedConfig
     model_type: ModelType
 
     def forward_micro_batch(self, micro_batch: TensorDict, calculate_entropy: bool = False,

@@ -11,12 +11,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from verl_trainer.models.hf_dir import save_hf_model
 from verl_trainer.models.hf_sources import generation_config_of, tokenizer_dir
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["HFExport"]
 
@@ -33,7 +36,7 @@ class HFExport:
     """
 
     model_path: str | None
-    model_config: Any
+    model_config: PretrainedConfig
     model_type: str
 
     def save(
