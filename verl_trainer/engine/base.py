@@ -76,7 +76,7 @@ from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.heads import model_type_part
 from verl_trainer.engine.hf_export import HFExport
 from verl_trainer.engine.hooks import NO_HOOKS, StepHooks
-from verl_trainer.engine.lora import require_lora
+from verl_trainer.engine.lora import LoRAAdapters, require_lora
 from verl_trainer.engine.micro_batch import prepare_micro_batches
 from verl_trainer.engine.topology import Topology
 from verl_trainer.engine.weights import WeightStream
@@ -84,7 +84,6 @@ from verl_trainer.utils.device import get_torch_device
 from verl_trainer.utils.distributed import all_reduce
 
 if TYPE_CHECKING:
-    from verl_trainer.engine.lora import LoRAAdapters
     from verl_trainer.engine.pipeline import PipelineParallel
 
 LossFunction = Callable[..., "tuple[torch.Tensor, dict[str, Any]]"]
