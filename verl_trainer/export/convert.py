@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from verl_trainer.engine.checkpoint import HF_DIR, META_FILE
+from verl_trainer.engine.checkpoint_dirs import ENGINES_DIR, STATE_FILE, find_last_checkpoint
 from verl_trainer.engine.checkpoint_tensors import is_engine_checkpoint, model_tensors
 from verl_trainer.models.hf_dir import HF_MODEL_KINDS, HFLayout, save_hf_model
 from verl_trainer.models.hf_files import CONFIG_NAME
@@ -37,12 +38,6 @@ def find_engine_checkpoint(path: str | os.PathLike, engine: str = "actor") -> Pa
     Raises:
         FileNotFoundError: Naming ``path``, what was looked for, and the engines it has.
     """
-    from verl_trainer.engine.checkpoint_dirs import (  # lazy: 41 more modules only when used
-        ENGINES_DIR,
-        STATE_FILE,
-        find_last_checkpoint,
-    )
-
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(root)!r} does not exist")
@@ -109,7 +104,6 @@ def convert_checkpoint(
         UnsafeCheckpointError: If a file holds anything but tensors and plain data.
     """
     from transformers import AutoConfig
-
 
     directory = find_engine_checkpoint(ckpt_dir, engine)
     _refuse_overlap(Path(ckpt_dir), Path(out_dir), directory)
