@@ -28,7 +28,7 @@ from typing import Any
 
 from verl_trainer.callbacks.base import Callback
 from verl_trainer.engine.checkpoint_dirs import checkpoint_dir_name, claim_checkpoint_dir, prune_checkpoints
-from verl_trainer.export.shards import parse_size
+from verl_trainer.models.safetensors_shards import parse_size
 from verl_trainer.utils.dir_lock import DirectoryLock, DirectoryLockedError
 from verl_trainer.utils.distributed import barrier, broadcast_object
 

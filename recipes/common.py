@@ -38,7 +38,7 @@ from verl_trainer.configs.run_length import run_length, with_schedule_length
 from verl_trainer.data.hub import data_fingerprint
 from verl_trainer.data.tasks import write_arithmetic_task
 from verl_trainer.engine import BaseEngine
-from verl_trainer.export.hf_dir import HF_MODEL_KINDS
+from verl_trainer.models.hf_dir import HF_MODEL_KINDS
 from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
 from verl_trainer.models.tiny import make_tiny_model

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from verl_trainer.export import save_hf_model
-from verl_trainer.export.shards import parse_size
+from verl_trainer.models.safetensors_shards import parse_size
 from verl_trainer.models.tiny import build_tokenizer
 from verl_trainer.utils.fs import NotOwnedError
 

@@ -1,7 +1,7 @@
 """The engine interface: :class:`BaseEngine` (with its mode contexts ``train_mode`` / ``eval_mode``).
 
 An engine owns one model (and, when trained, its optimizer and LR scheduler) sharded over the
-data-parallel ranks. Its public surface has five groups (DESIGN.md §4):
+data-parallel ranks. Its public surface has five groups:
 
 * lifecycle: :meth:`~BaseEngine.initialize`, :meth:`~BaseEngine.to`, :meth:`~BaseEngine.train_mode`,
   :meth:`~BaseEngine.eval_mode`;
@@ -21,7 +21,13 @@ A backend is one class plus its registration; everything else is a part the engi
 * the schedule (``engine.schedule``): ``compute.SEQUENTIAL``, or with ``pp > 1`` the engine's
   ``pipeline.PipelineParallel`` part (``engine.pipeline``, set by the backend that splits the model);
 * LoRA (``engine.lora``: ``lora.LoRAAdapters``, only when the model carries adapters), loss scaling
-  (``engine.grad_scaler``, only under float16) and offload (``offload.py``, only when configured).
+  (``engine.grad_scaler``, only under float16) and offload (``offload.py``, only when configured);
+* the weights out (``weights.WeightStream``: ``get_per_tensor_param``, LoRA merged) and the HF directory
+  (``hf_export.HFExport``: ``save_hf``), built from the engine's state when called.
+
+verl's public names stay on the engine as delegations to these parts. What a backend can do is declared on
+its class (``SUPPORTS_*_PARALLEL``, ``RESHARDABLE_CHECKPOINTS``, ``CPU_FLOAT16_REFUSAL``) and read from
+there (the registry's ``backend_class`` / ``backends(capability)``).
 
 This class holds the one micro-batch loop (:meth:`forward_backward_batch`) and the one optimizer step
 (:meth:`train_batch`). The engine owns no loss: the caller hands ``loss_function(model_output,
@@ -68,16 +74,16 @@ from verl_trainer.engine.build import build_model
 from verl_trainer.engine.compute import SEQUENTIAL, MicroBatchStep, Schedule
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.heads import model_type_part
+from verl_trainer.engine.hf_export import HFExport
 from verl_trainer.engine.hooks import NO_HOOKS, StepHooks
+from verl_trainer.engine.lora import LoRAAdapters, require_lora
 from verl_trainer.engine.micro_batch import prepare_micro_batches
 from verl_trainer.engine.topology import Topology
-from verl_trainer.export.hf_dir import save_hf_model
-from verl_trainer.export.sources import generation_config_of, tokenizer_dir
+from verl_trainer.engine.weights import WeightStream
 from verl_trainer.utils.device import get_torch_device
 from verl_trainer.utils.distributed import all_reduce
 
 if TYPE_CHECKING:
-    from verl_trainer.engine.lora import LoRAAdapters
     from verl_trainer.engine.pipeline import PipelineParallel
 
 LossFunction = Callable[..., "tuple[torch.Tensor, dict[str, Any]]"]
@@ -111,6 +117,12 @@ class BaseEngine(ABC):
     """Whether the backend applies ``tensor_model_parallel_size > 1`` (else refused at construction)."""
     SUPPORTS_PIPELINE_PARALLEL: ClassVar[bool] = False
     """Whether the backend applies ``pipeline_model_parallel_size > 1`` (else refused at construction)."""
+    RESHARDABLE_CHECKPOINTS: ClassVar[bool] = False
+    """Whether a checkpoint it wrote loads at another world size (DCP reshards; per-rank partitions do not).
+    A resume at another world size is refused otherwise (``training/resume_check.py``)."""
+    CPU_FLOAT16_REFUSAL: ClassVar[str | None] = None
+    """Why ``precision='16-mixed'`` cannot run on a CPU without native float16 (``None``: torch emulates it,
+    it runs); the strategy's precision check says it (``training/strategy.py``)."""
 
     def __init__(
         self,
@@ -461,14 +473,8 @@ class BaseEngine(ABC):
         return self.topology.dp_group
 
     def is_mp_src_rank_with_outputs(self) -> bool:
-        """One rank per DP rank reports outputs: SP / TP rank 0, and under PP the last stage (verl's choice).
-
-        Every SP / TP / PP rank of a DP rank returns the same outputs (PP broadcasts the last stage's).
-        """
-        topo = self.topology
-        if topo is None:
-            return True
-        return topo.sp_rank == 0 and topo.tp_rank == 0 and topo.pp_rank == topo.pp_size - 1
+        """Whether this rank reports its DP rank's outputs (``Topology.reports_outputs``; none: yes)."""
+        return self.topology is None or self.topology.reports_outputs
 
     # --------------------------------------------------------------------------------------- model
     def build_model(self) -> torch.nn.Module:
@@ -484,6 +490,7 @@ class BaseEngine(ABC):
         """Trainable elements of the full (unsharded) model, counted when it was built."""
         return self._num_trainable
 
+    # ------------------------------------------------------------------------------ LoRA (engine.lora)
     @property
     def peft_model(self) -> Any:
         """The engine's ``PeftModel`` (``None`` without adapters)."""
@@ -494,35 +501,24 @@ class BaseEngine(ABC):
         """True when the engine's model carries peft adapters."""
         return self.lora is not None
 
-    def _require_lora(self, what: str) -> LoRAAdapters:
-        if self.lora is None:
-            raise RuntimeError(
-                f"{what} needs LoRA adapters, but {type(self).__name__} has none; set "
-                f"EngineConfig.lora_rank > 0 (or lora_adapter_path, or a model factory returning a PeftModel)"
-            )
-        return self.lora
-
     def disable_adapters(self) -> contextlib.AbstractContextManager:
-        """A context in which the model computes as the base model (adapters and saved heads bypassed).
+        """A context in which the model computes as the base model (``LoRAAdapters.disabled``).
 
         Raises:
             RuntimeError: If the engine has no adapters.
         """
-        return self._require_lora("disable_adapters()").disabled()
+        return require_lora(self.lora, type(self).__name__, "disable_adapters()").disabled()
 
     def save_adapter(self, path: str | os.PathLike) -> str:
-        """Write the adapters as a peft directory (``adapter_config.json`` + ``adapter_model.safetensors``).
+        """Write the adapters as a peft directory (``LoRAAdapters.save``); a collective, rank 0 writes.
 
-        A collective: call it on every rank; rank 0 writes, every rank returns once the files exist.
         ``PeftModel.from_pretrained(base_model, path)`` loads it; so does ``EngineConfig.lora_adapter_path``.
-
-        Returns:
-            ``path`` as a string.
+        Returns ``path`` as a string once the files exist; raises ``RuntimeError`` without adapters.
         """
-        lora = self._require_lora("save_adapter()")
+        lora = require_lora(self.lora, type(self).__name__, "save_adapter()")
         return lora.save(path, dict(self.get_per_tensor_param(adapters_only=True)), self.config.model_path)
 
-    # ------------------------------------------------------------------------------- weight export
+    # ------------------------------------------------------------------- weights (engine/weights.py)
     @abstractmethod
     def named_full_tensors(
         self, keep: Callable[[str], bool] | None = None
@@ -530,20 +526,12 @@ class BaseEngine(ABC):
         """Backend part: state-dict ``(name, full_tensor)`` for the names ``keep`` accepts; a collective."""
 
     def get_per_tensor_param(self, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, full_tensor)`` one at a time; a collective, call it on every rank.
+        """Yield ``(hf_name, full_tensor)`` one at a time (``WeightStream.tensors``); a collective.
 
-        With LoRA the tensors are the base model's, adapters merged; ``adapters_only=True`` yields the
-        adapter tensors under peft's names instead (``engine/lora.py``).
-
-        Raises:
-            RuntimeError: ``adapters_only=True`` on an engine without adapters.
+        With LoRA the base model's tensors, adapters merged, or with ``adapters_only=True`` the adapters
+        under peft's names (``RuntimeError`` without adapters).
         """
-        if self.lora is None:
-            if adapters_only:
-                self._require_lora("get_per_tensor_param(adapters_only=True)")
-            yield from self.named_full_tensors()
-        else:
-            yield from self.lora.per_tensor_params(self.named_full_tensors, adapters_only)
+        return WeightStream(self.named_full_tensors, self.lora, type(self).__name__).tensors(adapters_only)
 
     def get_shareable_params(self) -> dict[str, torch.Tensor] | None:
         """The parameters' own storage under HF names, when a consumer may alias them instead of copying.
@@ -563,32 +551,14 @@ class BaseEngine(ABC):
         max_shard_size: int | str = "5GB",
         dtype: torch.dtype | None = None,
     ) -> str:
-        """Write the model as a standard HF directory; a collective, call it on every rank.
+        """Write the model (LoRA merged) as a standard HF directory (``HFExport.save``); a collective.
 
-        ``config.json``, ``model.safetensors`` (sharded above ``max_shard_size``, with the index),
-        ``generation_config.json`` and the tokenizer: ``AutoModelForCausalLM.from_pretrained(path)`` (a
-        value model: ``AutoModelForTokenClassification``, with its ``score`` head) loads it. Tensors are
-        gathered one at a time (:meth:`get_per_tensor_param`; LoRA merged) and rank 0 holds at most one
-        shard; rank 0 writes under a temporary name renamed to ``path`` when complete
-        (``verl_trainer/export/hf_dir.py``).
-
-        Args:
-            path: The output directory (replaced only if verl-trainer wrote it).
-            tokenizer: A tokenizer, a directory to load one from, ``"model_path"`` (the model's own, when
-                ``config.model_path`` has one) or ``None`` (none written).
-            max_shard_size: Bytes per safetensors file (int or e.g. ``"2GB"``).
-            dtype: Save floating-point weights in this dtype (default: the engine's parameter dtype).
-
-        Returns:
-            ``str(path)``.
+        ``AutoModelForCausalLM.from_pretrained(path)`` (a value model: ``AutoModelForTokenClassification``)
+        loads it. ``tokenizer``: a tokenizer, a directory, ``"model_path"`` (the model's own) or ``None``;
+        ``dtype``: of the floating-point weights (default: the parameters'). Returns ``str(path)``.
         """
-        source = self.config.model_path
-        if isinstance(tokenizer, str) and tokenizer == "model_path":
-            tokenizer = tokenizer_dir(source)
-        return save_hf_model(
-            self.get_per_tensor_param(), path, self.model_config, self.MODEL_TYPE, tokenizer=tokenizer,
-            generation_config=generation_config_of(source), max_shard_size=max_shard_size, dtype=dtype,
-        )
+        export = HFExport(self.config.model_path, self.model_config, self.MODEL_TYPE)
+        return export.save(self.get_per_tensor_param(), path, tokenizer, max_shard_size, dtype)
 
     # --------------------------------------------------------------------------------- checkpoints
     @abstractmethod

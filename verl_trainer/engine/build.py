@@ -8,20 +8,17 @@ adapters or a factory's model may carry them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from verl_trainer.engine.config import EngineConfig
 from verl_trainer.engine.heads import ModelType, attention_for
+from verl_trainer.engine.lora import LoRAAdapters, apply_lora, find_peft_model
 from verl_trainer.models.attention import ensure_varlen_attention
 from verl_trainer.models.attention_autotune import agree_on_model_attention
 from verl_trainer.models.ulysses_attention import check_ulysses_compatible
 from verl_trainer.utils.device import get_torch_device
 from verl_trainer.utils.distributed import get_world_size, is_initialized
-
-if TYPE_CHECKING:
-    from verl_trainer.engine.lora import LoRAAdapters
 
 ModelFactory = Callable[[], torch.nn.Module]
 """A zero-argument callable returning the model (a transformers model or ``PeftModel``)."""
@@ -68,12 +65,6 @@ def build_model(
     _agree_on_attention(model, config)
     if factory is None and not config.lora_enabled:
         return model, None
-    from verl_trainer.engine.lora import (  # lazy: cycle with engine.lora
-        LoRAAdapters,
-        apply_lora,
-        find_peft_model,
-    )
-
     model = apply_lora(model, config, model_type.name)
     peft_model = find_peft_model(model)
     return model, None if peft_model is None else LoRAAdapters(peft_model)

@@ -29,7 +29,7 @@ import random
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -48,8 +48,11 @@ from verl_trainer.utils.manifest import MANIFEST_FILE, verify_manifest, write_ma
 from verl_trainer.utils.safe_load import safe_torch_load
 
 EXTRA_STATE = "extra_state_rank{rank}.pt"
-META = "meta.json"
+META_FILE = "meta.json"
 HF_DIR = "huggingface"
+DCP_SUBDIR = "dcp"
+DEEPSPEED_SUBDIR = "deepspeed"
+"""The state of an engine checkpoint: DCP files (FSDP / FSDP2) or DeepSpeed's own (ZeRO)."""
 CHECKPOINT_KIND = "checkpoint"
 """The marker kind of checkpoint directories: only :func:`atomic_checkpoint_dir` replaces one."""
 
@@ -234,9 +237,9 @@ def write_meta(directory: Path, meta: dict[str, Any], hf_config: Any = None, sou
     """
     if get_rank() != 0:
         return
-    (directory / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    (directory / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
     if hf_config is not None and hasattr(hf_config, "save_pretrained"):
-        from verl_trainer.export.sources import save_model_files  # lazy: loads transformers only when used
+        from verl_trainer.models.hf_sources import save_model_files  # lazy: loads transformers only when used
 
         hf_config.save_pretrained(directory / HF_DIR)
         save_model_files(source, directory / HF_DIR)
@@ -248,6 +251,9 @@ class DCPCheckpointMixin:
     Attributes read: ``module``, ``optimizer``, ``lr_scheduler``, ``backend``, ``MODEL_TYPE``,
     ``has_adapters`` (LoRA: frozen base weights are not saved; they come from the model path again).
     """
+
+    RESHARDABLE_CHECKPOINTS: ClassVar[bool] = True
+    """DCP saves the state with its global layout: a checkpoint loads at any world size and layout."""
 
     has_adapters: bool
     config: Any
@@ -292,7 +298,7 @@ class DCPCheckpointMixin:
         flat = self._pipeline_size > 1
         state = self._state_dicts(flat)
         with atomic_checkpoint_dir(path) as tmp:
-            dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+            dcp.save(state, checkpoint_id=str(tmp / DCP_SUBDIR))
             scaler = getattr(self, "grad_scaler", None)  # float16: the loss scale and its growth tracker
             extra = {} if scaler is None else {"grad_scaler": scaler.state_dict()}
             save_extra_state(tmp, self.lr_scheduler, global_step, extra)
@@ -315,10 +321,10 @@ class DCPCheckpointMixin:
         from verl_trainer.engine.safe_dcp import safe_dcp_load  # lazy: loads torch DCP only when used
 
         directory = resolve_checkpoint_dir(path)
-        meta = json.loads((directory / META).read_text()) if (directory / META).exists() else {}
+        meta = json.loads((directory / META_FILE).read_text()) if (directory / META_FILE).exists() else {}
         flat = bool(meta.get("flat_optimizer_state", False))
         state = self._state_dicts(flat)
-        safe_dcp_load(state, directory / "dcp")
+        safe_dcp_load(state, directory / DCP_SUBDIR)
         if self.optimizer is None:
             set_model_state_dict(self.module, state["model"], options=self._state_dict_options(flat))
         else:

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Collection
 from pathlib import Path
 
-from verl_trainer.engine.checkpoint import CHECKPOINT_KIND
+from verl_trainer.engine.checkpoint import CHECKPOINT_KIND, META_FILE
 from verl_trainer.utils.fs import (
     OWNER_MARKER,
     NotOwnedError,
@@ -54,7 +54,6 @@ __all__ = [
 
 STATE_FILE = "trainer_state.pt"
 RNG_FILE = "rng_rank{rank}.pt"
-META_FILE = "meta.json"
 ENGINES_DIR = "engines"
 _STEP_RE = re.compile(r"^\.?step_(\d+)(\.old)?$")
 

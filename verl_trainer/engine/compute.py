@@ -29,13 +29,17 @@ from tensordict import TensorDict
 
 from verl_trainer.core_algos.aggregation import GlobalBatchInfo
 from verl_trainer.data import schema
+from verl_trainer.engine.config import EngineConfig
+from verl_trainer.engine.heads import ModelType
 from verl_trainer.engine.hooks import StepHooks
 from verl_trainer.engine.micro_batch import restore_dynamic_batch
 
 if TYPE_CHECKING:
-    from verl_trainer.engine.base import BaseEngine
+    from transformers import PretrainedConfig
 
-__all__ = ["SEQUENTIAL", "MicroBatchStep", "Schedule", "ScheduleResult", "SequentialSchedule"]
+__all__ = [
+    "SEQUENTIAL", "MicroBatchStep", "Schedule", "ScheduleResult", "ScheduledEngine", "SequentialSchedule",
+]
 
 
 def _pad_width(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -117,17 +121,41 @@ ScheduleResult = tuple[torch.Tensor, list[dict[str, Any]], dict[str, torch.Tenso
 original order on ``step.out_device``, else None)``, on this rank."""
 
 
+class ScheduledEngine(Protocol):
+    """What a schedule uses of the engine whose micro-batches it runs (``BaseEngine`` has all of it).
+
+    The sequential schedule calls the three methods; the pipeline schedule reads the attributes (the
+    stage module, its device and dtypes, the model type's outputs).
+    """
+
+    device: torch.device
+    module: torch.nn.Module | None
+    config: EngineConfig
+    model_config: PretrainedConfig
+    model_type: ModelType
+
+    def forward_micro_batch(self, micro_batch: TensorDict, calculate_entropy: bool = False,
+                            temperature: float | None = None) -> dict[str, torch.Tensor]:
+        """The micro-batch's outputs ``{key: [b, t]}``."""
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss."""
+
+    def _grad_sync_context(self, is_last: bool) -> contextlib.AbstractContextManager:
+        """Context around a micro-batch's forward and backward; gradients synced when ``is_last``."""
+
+
 class Schedule(Protocol):
     """How the micro-batches of one step run (see the module docstring)."""
 
-    def run(self, engine: BaseEngine, step: MicroBatchStep) -> ScheduleResult:
+    def run(self, engine: ScheduledEngine, step: MicroBatchStep) -> ScheduleResult:
         """Run every micro-batch of ``step`` forward (and backward unless forward only); their results."""
 
 
 class SequentialSchedule:
     """Each micro-batch forward then backward, in order; gradients synced on the last one only."""
 
-    def run(self, engine: BaseEngine, step: MicroBatchStep) -> ScheduleResult:
+    def run(self, engine: ScheduledEngine, step: MicroBatchStep) -> ScheduleResult:
         """Forward, loss and backward of each micro-batch (``engine._grad_sync_context`` around each).
 
         Returns:

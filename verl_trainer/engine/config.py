@@ -16,27 +16,11 @@ from typing import Any, Literal
 import torch
 
 from verl_trainer.engine.optimizers import DEFAULT_IMPL, optimizer_kwargs, resolve_optimizer
+from verl_trainer.models.hf_files import DTYPES as DTYPES  # re-exported: the recipes' configs read it here
+from verl_trainer.models.hf_files import MODEL_TYPES, to_dtype
 
 LR_SCHEDULERS = ("constant", "cosine", "linear")
 DECAYING_SCHEDULERS = ("cosine", "linear")
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def to_dtype(name: str | torch.dtype) -> torch.dtype:
-    """Return the ``torch.dtype`` named e.g. ``"bf16"`` / ``"float32"`` (a dtype is returned as is)."""
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
 class _Validated:
@@ -383,10 +367,6 @@ class EngineConfig(_Validated):
                 f"product divides the number of ranks"
             )
         return world_size // mp
-
-
-MODEL_TYPES = ("language_model", "value_model")
-"""The model types every backend registers (``engine/heads.py``)."""
 
 
 @dataclass

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from verl_trainer.engine.base import BaseEngine
-from verl_trainer.engine.config import MODEL_TYPES, EngineConfig, OptimConfig
+from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.deepspeed_checkpoint import DeepSpeedCheckpointMixin
 from verl_trainer.engine.deepspeed_config import build_deepspeed_config
 from verl_trainer.engine.deepspeed_ops import prepare_deepspeed_ops
@@ -50,6 +50,7 @@ from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler
 from verl_trainer.engine.optimizers import build_optimizer
 from verl_trainer.engine.registry import EngineRegistry
 from verl_trainer.engine.topology import engine_topology
+from verl_trainer.models.hf_files import MODEL_TYPES
 from verl_trainer.utils.distributed import is_initialized
 
 if importlib.util.find_spec("deepspeed") is None:
@@ -116,6 +117,7 @@ class DeepSpeedEngine(OptimizerMixin, DeepSpeedCheckpointMixin, BaseEngine):
     # Ulysses: the gathered outputs' gradients are scaled by sp and DeepSpeed (no mpu) averages
     # gradients over all dp x sp ranks, as FSDP does.
     SUPPORTS_SEQUENCE_PARALLEL = True
+    CPU_FLOAT16_REFUSAL = "DeepSpeed's CPU accelerator has no float16 support here"
 
     def __init__(
         self,

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from verl_trainer.engine.checkpoint import (
-    META,
+    DEEPSPEED_SUBDIR,
+    META_FILE,
     atomic_checkpoint_dir,
     load_extra_state,
     resolve_checkpoint_dir,
@@ -46,7 +47,6 @@ from verl_trainer.engine.checkpoint import (
 from verl_trainer.engine.config import EngineConfig
 from verl_trainer.utils.safe_load import refusal, safe_torch_load
 
-CHECKPOINT_SUBDIR = "deepspeed"
 CHECKPOINT_TAG = "state"
 _FORCE_SAFE, _FORCE_UNSAFE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 
@@ -152,7 +152,7 @@ class DeepSpeedCheckpointMixin:
         """Save model, ZeRO optimizer partitions, scheduler and RNG atomically to ``path``; a collective."""
         with atomic_checkpoint_dir(path) as tmp:
             self.ds_engine.save_checkpoint(
-                str(tmp / CHECKPOINT_SUBDIR), tag=CHECKPOINT_TAG, client_state={}, save_latest=True,
+                str(tmp / DEEPSPEED_SUBDIR), tag=CHECKPOINT_TAG, client_state={}, save_latest=True,
                 exclude_frozen_parameters=self.has_adapters,
             )  # ``latest``: DeepSpeed's ZeRO-3 module-only load ignores the tag and reads it
             save_extra_state(tmp, self.lr_scheduler, global_step)
@@ -179,7 +179,7 @@ class DeepSpeedCheckpointMixin:
             ValueError: If the checkpoint was written with another ZeRO stage.
         """
         directory = resolve_checkpoint_dir(path)
-        meta = json.loads((directory / META).read_text()) if (directory / META).exists() else {}
+        meta = json.loads((directory / META_FILE).read_text()) if (directory / META_FILE).exists() else {}
         saved_stage = meta.get("zero_stage", self.config.zero_stage)
         if saved_stage != self.config.zero_stage:
             raise ValueError(
@@ -188,13 +188,13 @@ class DeepSpeedCheckpointMixin:
             )
         train = self.optimizer is not None
         if not train and self.config.zero_stage == 3:
-            self._load_zero3_module_only(directory / CHECKPOINT_SUBDIR)
+            self._load_zero3_module_only(directory / DEEPSPEED_SUBDIR)
             payload = load_extra_state(directory, None)
             meta.setdefault("global_step", payload.get("global_step", 0))
             return meta
         with safe_checkpoint_engine(self.ds_engine):
             load_path, _ = self.ds_engine.load_checkpoint(
-                str(directory / CHECKPOINT_SUBDIR),
+                str(directory / DEEPSPEED_SUBDIR),
                 tag=CHECKPOINT_TAG,
                 load_optimizer_states=train,
                 load_lr_scheduler_states=False,
@@ -202,7 +202,7 @@ class DeepSpeedCheckpointMixin:
                 load_module_strict=not self.has_adapters,
             )
         if load_path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint under {str(directory / CHECKPOINT_SUBDIR)!r}")
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {str(directory / DEEPSPEED_SUBDIR)!r}")
         payload = load_extra_state(directory, self.lr_scheduler)
         meta.setdefault("global_step", payload.get("global_step", 0))
         return meta

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from verl_trainer.engine.base import BaseEngine
 from verl_trainer.engine.checkpoint import DCPCheckpointMixin
-from verl_trainer.engine.config import MODEL_TYPES, EngineConfig, OptimConfig
+from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.heads import VocabSlice
 from verl_trainer.engine.loss_scale import build_grad_scaler, uses_loss_scaling
 from verl_trainer.engine.offload import move_grads, move_module, move_optimizer_state
@@ -31,6 +31,7 @@ from verl_trainer.engine.pipeline import PipelineParallel, check_pipeline_model
 from verl_trainer.engine.registry import EngineRegistry
 from verl_trainer.engine.tensor_parallel import apply_tensor_parallel, vocab_slice_start
 from verl_trainer.engine.topology import engine_topology
+from verl_trainer.models.hf_files import MODEL_TYPES
 from verl_trainer.utils.distributed import is_initialized
 
 FSDP_BACKENDS = ("fsdp", "fsdp2")

@@ -34,9 +34,10 @@ from verl_trainer.data.packing import (
     shift_to_targets,
     token_log_probs_and_entropy,
 )
-from verl_trainer.engine.config import MODEL_TYPES, EngineConfig, to_dtype
+from verl_trainer.engine.config import EngineConfig
 from verl_trainer.engine.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from verl_trainer.models.attention import VARLEN_ATTENTION, packed_forward
+from verl_trainer.models.hf_files import MODEL_TYPES, to_dtype
 from verl_trainer.models.loading import load_causal_lm, load_value_model
 from verl_trainer.models.ulysses_attention import ULYSSES_ATTENTION, check_ulysses_compatible
 from verl_trainer.models.ulysses_forward import ulysses_packed_log_probs, ulysses_packed_values
@@ -291,7 +292,7 @@ class ValueModel(ModelType):
 
 
 MODEL_TYPE_PARTS: dict[str, type[ModelType]] = {part.name: part for part in (LanguageModel, ValueModel)}
-"""Every model type's class by its registry name (the names: ``engine/config.py: MODEL_TYPES``)."""
+"""Every model type's class by its registry name (the names: ``models/hf_files.py: MODEL_TYPES``)."""
 
 
 def model_type_part(name: str) -> ModelType:

@@ -161,6 +161,25 @@ def apply_lora(model: torch.nn.Module, config: EngineConfig, model_type: str) ->
     return peft_model
 
 
+def require_lora(lora: LoRAAdapters | None, owner: str, what: str) -> LoRAAdapters:
+    """``lora``, the engine's LoRA part, when there is one.
+
+    Args:
+        lora: The engine's part (``engine.lora``).
+        owner: The engine's class name, for the message.
+        what: The call that needs adapters, for the message.
+
+    Raises:
+        RuntimeError: ``lora`` is ``None``; the message names the call and how to add adapters.
+    """
+    if lora is None:
+        raise RuntimeError(
+            f"{what} needs LoRA adapters, but {owner} has none; set "
+            f"EngineConfig.lora_rank > 0 (or lora_adapter_path, or a model factory returning a PeftModel)"
+        )
+    return lora
+
+
 class LoRAAdapters:
     """The LoRA part of an engine: its ``PeftModel`` and what only a model with adapters does.
 

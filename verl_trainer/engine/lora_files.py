@@ -82,7 +82,7 @@ def _expected_names(directory: Path, model_config: Any, model_type: str) -> set[
     from peft import LoraConfig, get_peft_model
     from peft.utils import get_peft_model_state_dict
 
-    from verl_trainer.export.hf_dir import auto_model_class  # lazy: 7 more modules only when used
+    from verl_trainer.models.hf_dir import auto_model_class  # lazy: 7 more modules only when used
 
     config = copy.deepcopy(model_config)
     if model_type == "value_model":

@@ -20,16 +20,14 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from verl_trainer.utils.registry import Registry, UnknownKeyError, is_object_path, load_object
 
-if TYPE_CHECKING:
-    from verl_trainer.engine.config import OptimConfig
-
-__all__ = ["DEFAULT_IMPL", "OPTIMIZERS", "build_optimizer", "optimizer_kwargs", "resolve_optimizer"]
+__all__ = ["DEFAULT_IMPL", "OPTIMIZERS", "OptimizerSettings", "build_optimizer", "optimizer_kwargs",
+           "resolve_optimizer"]
 
 DEFAULT_IMPL = "torch.optim"
 """``OptimConfig.optimizer_impl`` default: names are looked up in the registry, then in ``torch.optim``."""
@@ -40,6 +38,19 @@ OPTIMIZERS.add("adam", torch.optim.Adam)
 OPTIMIZERS.add("sgd", torch.optim.SGD)
 OPTIMIZERS.add("adamw_torch", torch.optim.AdamW)  # HF TrainingArguments' / TRL's optim= names
 OPTIMIZERS.add("adamw_torch_fused", torch.optim.AdamW)
+
+
+class OptimizerSettings(Protocol):
+    """What building an optimizer reads of a config: these fields of ``engine.config.OptimConfig``."""
+
+    optimizer: str
+    optimizer_impl: str
+    override_optimizer_config: dict[str, Any]
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+    eps: float
+
 
 _FUSED = (torch.optim.AdamW, torch.optim.Adam)
 """Classes built with ``fused=True`` first (the fused kernel takes FSDP2's DTensor parameters)."""
@@ -81,7 +92,7 @@ def resolve_optimizer(name: str, impl: str = DEFAULT_IMPL) -> type[torch.optim.O
     return cls
 
 
-def optimizer_kwargs(cls: type[torch.optim.Optimizer], config: OptimConfig) -> dict[str, Any]:
+def optimizer_kwargs(cls: type[torch.optim.Optimizer], config: OptimizerSettings) -> dict[str, Any]:
     """The keyword arguments ``cls`` is built with from ``config`` (without the parameters).
 
     ``lr``; ``betas`` / ``eps`` / ``weight_decay`` where ``cls.__init__`` names them; then
@@ -95,7 +106,7 @@ def optimizer_kwargs(cls: type[torch.optim.Optimizer], config: OptimConfig) -> d
     return kwargs
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerSettings) -> torch.optim.Optimizer:
     """``config.optimizer`` over the trainable ``params`` (weight decay on every parameter, as verl does).
 
     Adam / AdamW use the fused kernel (CPU and CUDA; it takes FSDP2's DTensor parameters), equal to
@@ -105,7 +116,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -
 
     Args:
         params: Parameters (plain or DTensor); those without ``requires_grad`` are left out.
-        config: Optimizer config.
+        config: The optimizer config (an ``OptimConfig``).
     """
     cls = resolve_optimizer(config.optimizer, config.optimizer_impl)
     trainable = [p for p in params if p.requires_grad]

@@ -29,22 +29,19 @@ An engine with ``pp == 1`` never builds this part and never enters this file.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from verl_trainer.data.packing import pack_batch
-from verl_trainer.engine.compute import MicroBatchStep, ScheduleResult
+from verl_trainer.engine.compute import MicroBatchStep, ScheduledEngine, ScheduleResult
 from verl_trainer.engine.config import EngineConfig, to_dtype
 from verl_trainer.engine.heads import ModelType
 from verl_trainer.engine.pipeline_stage import StageForward, check_pipeline_compatible, make_stage, pad_packed
 from verl_trainer.engine.topology import Topology
 from verl_trainer.models.source import resolve_model_path
 from verl_trainer.utils.distributed import all_gather_object, broadcast_object
-
-if TYPE_CHECKING:
-    from verl_trainer.engine.base import BaseEngine
 
 __all__ = ["PipelineParallel", "check_pipeline_model"]
 
@@ -91,7 +88,7 @@ class PipelineParallel:
         """``(name, shape, dtype, owner stage)`` of every tensor of the unsplit model, in its order."""
 
     # ------------------------------------------------------------------------------ the schedule
-    def run(self, engine: BaseEngine, step: MicroBatchStep) -> ScheduleResult:
+    def run(self, engine: ScheduledEngine, step: MicroBatchStep) -> ScheduleResult:
         """Run every micro-batch through the stages (forward, and backward unless forward only).
 
         Returns:
@@ -134,7 +131,7 @@ class PipelineParallel:
 class _PipelineRun:
     """One step of a stage: the padded rows, the torch schedule, the last stage's results."""
 
-    def __init__(self, engine: BaseEngine, pipeline: PipelineParallel, step: MicroBatchStep) -> None:
+    def __init__(self, engine: ScheduledEngine, pipeline: PipelineParallel, step: MicroBatchStep) -> None:
         self.engine = engine
         self.stage_forward = pipeline.stage_forward
         self.step = step

@@ -122,6 +122,26 @@ class EngineRegistry:
         return list(cls._registry.keys())  # type: ignore[arg-type]
 
     @classmethod
+    def backend_class(cls, backend: str) -> type | None:
+        """The engine class first registered under the backend name ``backend``, or ``None``."""
+        for key in cls._registry.keys():
+            if key[1] == backend:
+                return cls._registry.get(key).cls
+        return None
+
+    @classmethod
+    def backends(cls, capability: str | None = None) -> list[str]:
+        """The registered backend names, sorted; with ``capability``, those whose class sets it true.
+
+        Args:
+            capability: A class attribute of the backend (``"RESHARDABLE_CHECKPOINTS"``, ...).
+        """
+        names = sorted({key[1] for key in cls._registry.keys()})
+        if capability is None:
+            return names
+        return [name for name in names if getattr(cls.backend_class(name), capability, False)]
+
+    @classmethod
     def get_entry(cls, model_type: str, backend: str) -> EngineEntry:
         """Look up the entry for ``(model_type, backend)`` on this machine's device and vendor.
 

@@ -79,6 +79,14 @@ class Topology:
             self.tp_mesh = mesh["tp"]
             self.tp_rank = mesh.get_local_rank("tp")
 
+    @property
+    def reports_outputs(self) -> bool:
+        """One rank per DP rank reports outputs: SP / TP rank 0, and under PP the last stage (verl's choice).
+
+        Every SP / TP / PP rank of a DP rank returns the same outputs (PP broadcasts the last stage's).
+        """
+        return self.sp_rank == 0 and self.tp_rank == 0 and self.pp_rank == self.pp_size - 1
+
 
 def _first_parallel(sp: int, tp: int, pp: int = 1) -> tuple[str, int]:
     if sp != 1:

@@ -12,9 +12,7 @@ import argparse
 import pickle
 import sys
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from verl_trainer.models.hf_files import DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:

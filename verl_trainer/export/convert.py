@@ -3,16 +3,9 @@
 ``python -m verl_trainer.export CKPT_DIR OUT_DIR`` (``__main__.py``) calls :func:`convert_checkpoint`.
 ``CKPT_DIR`` may be a trainer checkpoint (``step_000003/``: the ``actor`` engine, or ``--engine critic``), a
 checkpoint directory (``checkpoints/``: its newest complete ``step_*``), or one engine's checkpoint
-(``step_000003/engines/actor``). The checkpoint is verified against its manifest first, and everything is
-read pickle-free:
-
-* FSDP / FSDP2 (DCP): ``.metadata`` through :class:`~verl_trainer.engine.safe_dcp.SafeFileSystemReader`;
-  the model's tensors are read one shard-sized group at a time (a partial ``dcp.load`` of just those), so
-  no more than one safetensors shard is in memory;
-* DeepSpeed ZeRO-1/2/3: DeepSpeed's own consolidation (``get_fp32_state_dict_from_zero_checkpoint``: the
-  fp32 master weights) with every ``torch.load`` forced to ``weights_only``
-  (:func:`~verl_trainer.engine.deepspeed_checkpoint.weights_only_torch_load`); it holds the full fp32
-  model in memory once.
+(``step_000003/engines/actor``). The checkpoint is verified against its manifest first; its model tensors
+are read pickle-free by the engine's reader (``engine/checkpoint_tensors.py``: DCP one shard-sized group at
+a time, DeepSpeed through its fp32 consolidation).
 
 The config, tokenizer and generation config come from the checkpoint's ``huggingface/`` folder.
 """
@@ -21,24 +14,22 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from verl_trainer.engine.checkpoint import HF_DIR, META
-from verl_trainer.export.hf_dir import HF_MODEL_KINDS, HFLayout, save_hf_model
-from verl_trainer.export.shards import parse_size
-from verl_trainer.export.sources import generation_config_of, tokenizer_dir
+from verl_trainer.engine.checkpoint import HF_DIR, META_FILE
+from verl_trainer.engine.checkpoint_dirs import ENGINES_DIR, STATE_FILE, find_last_checkpoint
+from verl_trainer.engine.checkpoint_tensors import is_engine_checkpoint, model_tensors
+from verl_trainer.models.hf_dir import HF_MODEL_KINDS, HFLayout, save_hf_model
+from verl_trainer.models.hf_files import CONFIG_NAME
+from verl_trainer.models.hf_sources import generation_config_of, tokenizer_dir
+from verl_trainer.models.safetensors_shards import parse_size
 from verl_trainer.utils.fs import ensure_replaceable
 from verl_trainer.utils.manifest import verify_manifest
-from verl_trainer.utils.safe_load import refusal
 
 __all__ = ["convert_checkpoint", "find_engine_checkpoint"]
-
-MODEL_PREFIX = "model."  # DCP flattens {"model": {fqn: tensor}, "optimizer": ...} to "model.<fqn>"
 
 
 def find_engine_checkpoint(path: str | os.PathLike, engine: str = "actor") -> Path:
@@ -47,17 +38,11 @@ def find_engine_checkpoint(path: str | os.PathLike, engine: str = "actor") -> Pa
     Raises:
         FileNotFoundError: Naming ``path``, what was looked for, and the engines it has.
     """
-    from verl_trainer.engine.checkpoint_dirs import (  # lazy: 41 more modules only when used
-        ENGINES_DIR,
-        STATE_FILE,
-        find_last_checkpoint,
-    )
-
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(root)!r} does not exist")
-    if (root / "meta.json").is_file() and ((root / "dcp").is_dir() or (root / "deepspeed").is_dir()):
-        return root  # one engine's checkpoint
+    if is_engine_checkpoint(root):
+        return root
     if not (root / STATE_FILE).is_file():
         last = find_last_checkpoint(root)
         if last is None:
@@ -87,78 +72,6 @@ def _refuse_overlap(ckpt: Path, out: Path, found: Path) -> None:
                 f"OUT_DIR={str(out)!r} {relation} the checkpoint {str(source)!r}; the export would replace "
                 f"or mix with the checkpoint it reads. Choose an OUT_DIR outside the checkpoint directory"
             )
-
-
-def _refuse_adapters(names: Iterable[str], where: Path) -> None:
-    """Raise for a LoRA checkpoint: it holds the adapters, not the base weights the export needs."""
-    adapters = [name for name in names if "lora_" in name]
-    if adapters:
-        raise ValueError(
-            f"{str(where)!r} is a LoRA checkpoint (it holds adapters such as {adapters[0]!r}, not the base "
-            f"weights); export a LoRA run with engine.save_hf(path) or ModelCheckpoint(save_hf=True), which "
-            f"write the merged model"
-        )
-
-
-def _dcp_tensors(dcp_dir: Path, layout: HFLayout, shard_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model tensors of a DCP checkpoint, read in groups of at most ``shard_bytes`` (one process)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from verl_trainer.engine.safe_dcp import (  # lazy: loads torch DCP only when used
-        SafeFileSystemReader,
-        safe_dcp_load,
-    )
-
-    metadata = SafeFileSystemReader(dcp_dir).read_metadata()
-    stored = {key.removeprefix(MODEL_PREFIX): meta for key, meta in metadata.state_dict_metadata.items()
-              if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
-    _refuse_adapters(stored, dcp_dir)
-    order = [name for name in layout.names if name in stored]
-    order += [name for name in stored if name not in set(order)]  # unexpected ones: reported by the layout
-    group: list[str] = []
-    size = 0
-
-    def load(names: list[str]) -> dict[str, torch.Tensor]:
-        state = {"model": {n: torch.empty(tuple(stored[n].size), dtype=stored[n].properties.dtype)
-                           for n in names}}
-        with warnings.catch_warnings():  # one process on purpose: DCP's "assuming a single process" note
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            safe_dcp_load(state, dcp_dir, allow_partial_load=True)
-        return state["model"]
-
-    for name in order:
-        meta = stored[name]
-        nbytes = meta.size.numel() * torch.empty((), dtype=meta.properties.dtype).element_size()
-        if group and size + nbytes > shard_bytes:
-            yield from load(group).items()
-            group, size = [], 0
-        group.append(name)
-        size += nbytes
-    if group:
-        yield from load(group).items()
-
-
-def _deepspeed_tensors(ds_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The fp32 weights of a DeepSpeed checkpoint (DeepSpeed's consolidation, ``weights_only`` loads)."""
-    import pickle
-
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    from verl_trainer.engine.deepspeed_checkpoint import (  # lazy: 40 more modules only when used
-        CHECKPOINT_TAG,
-        weights_only_torch_load,
-    )
-
-    try:
-        with weights_only_torch_load():
-            state = get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=CHECKPOINT_TAG)
-    except pickle.UnpicklingError as exc:
-        raise refusal(ds_dir / CHECKPOINT_TAG, f"a file in it failed to load ({exc})") from None
-    _refuse_adapters(state, ds_dir)
-    while state:
-        name = next(iter(state))
-        yield name, state.pop(name)  # released as it is written
 
 
 def convert_checkpoint(
@@ -192,22 +105,18 @@ def convert_checkpoint(
     """
     from transformers import AutoConfig
 
-
     directory = find_engine_checkpoint(ckpt_dir, engine)
     _refuse_overlap(Path(ckpt_dir), Path(out_dir), directory)
     ensure_replaceable(out_dir, "OUT_DIR", HF_MODEL_KINDS)
     verify_manifest(directory)
-    meta: dict[str, Any] = json.loads((directory / META).read_text())
+    meta: dict[str, Any] = json.loads((directory / META_FILE).read_text())
     hf_dir = directory / HF_DIR
-    if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"checkpoint {str(directory)!r} has no {HF_DIR}/config.json to export with")
+    if not (hf_dir / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"checkpoint {str(directory)!r} has no {HF_DIR}/{CONFIG_NAME} to export with")
     config = AutoConfig.from_pretrained(str(hf_dir))
     model_type = meta.get("model_type", "language_model")
     layout = HFLayout(config, model_type)
-    if (directory / "dcp").is_dir():
-        named = _dcp_tensors(directory / "dcp", layout, parse_size(max_shard_size))
-    else:
-        named = _deepspeed_tensors(directory / "deepspeed")
+    named = model_tensors(directory, layout.names, parse_size(max_shard_size))
     source = tokenizer or tokenizer_dir(hf_dir) or tokenizer_dir(meta.get("model_path"))
     return save_hf_model(named, out_dir, config, model_type, tokenizer=source,
                          generation_config=generation_config_of(hf_dir), max_shard_size=max_shard_size,

@@ -28,6 +28,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from verl_trainer.engine.checkpoint_dirs import META_FILE
+from verl_trainer.engine.registry import EngineRegistry
 from verl_trainer.training import run_inputs
 
 if TYPE_CHECKING:
@@ -43,9 +45,6 @@ __all__ = [
     "run_metadata",
 ]
 
-META_FILE = "meta.json"
-RESHARDABLE = frozenset({"fsdp", "fsdp2"})
-"""Backends whose checkpoints (DCP) load at another world size."""
 MODEL_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size", "tie_word_embeddings")
 """The HF config entries that shape the parameters (a checkpoint's tensors fit only this model)."""
@@ -158,10 +157,11 @@ def check_run_settings(trainer: Trainer, path: Path, meta: dict[str, Any]) -> li
         raise _mismatch(path, "seed", meta["seed"], trainer.seed,
                         "the data order and the random states continue the checkpoint's run")
     if "world_size" in meta and meta["world_size"] != trainer.world_size:
-        if strategy not in RESHARDABLE:
+        reshardable = EngineRegistry.backends("RESHARDABLE_CHECKPOINTS")  # the backends declare it
+        if strategy not in reshardable:
             raise _mismatch(path, "the world size", meta["world_size"], trainer.world_size,
                             f"{strategy} saves its partitioned state per rank; only "
-                            f"{'/'.join(sorted(RESHARDABLE))} (DCP) checkpoints reshard")
+                            f"{'/'.join(reshardable)} (DCP) checkpoints reshard")
         changes.append(f"world size: {meta['world_size']} -> {trainer.world_size} (DCP reshards the state)")
     if "max_steps" in meta and meta["max_steps"] != trainer.max_steps:
         changes.append(f"trainer.max_steps: {meta['max_steps']} -> {trainer.max_steps}")

@@ -87,11 +87,12 @@ def check_precision(precision: str, device_type: str, backend: str | None = None
     """
     if precision == "16-mixed":
         if device_type == "cpu" and not fp16_supported_on_cpu():
-            if backend is not None and backend.startswith("deepspeed"):
+            refusal = getattr(EngineRegistry.backend_class(backend or ""), "CPU_FLOAT16_REFUSAL", None)
+            if refusal is not None:  # declared by the backend class (DeepSpeed's CPU accelerator)
                 raise ValueError(
-                    f"precision='16-mixed' with strategy={backend!r} on this CPU: DeepSpeed's CPU "
-                    f"accelerator has no float16 support here (no AVX512-FP16 / AMX-FP16); use "
-                    f"strategy='fsdp2' (torch emulates float16) or precision='bf16-mixed' / '32-true'"
+                    f"precision='16-mixed' with strategy={backend!r} on this CPU: {refusal} (no AVX512-FP16 "
+                    f"/ AMX-FP16); use strategy='fsdp2' (torch emulates float16) or precision='bf16-mixed' "
+                    f"/ '32-true'"
                 )
             warnings.warn(
                 "precision='16-mixed' on a CPU without native float16 (AVX512-FP16 / AMX-FP16): torch "

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_NAME", "SafetensorsShardWriter", "parse_size"]
+from verl_trainer.models.hf_files import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-SAFE_WEIGHTS_NAME = "model.safetensors"
-SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+__all__ = ["SafetensorsShardWriter", "parse_size"]
+
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
           "GIB": 2**30, "TIB": 2**40}
 

@@ -7,7 +7,7 @@ models) and the tokenizer files — so ``AutoModelForCausalLM.from_pretrained(di
 transformers. The engines' ``save_hf`` and ``python -m verl_trainer.export`` both write through here.
 
 Tensors arrive one at a time (``engine.get_per_tensor_param()``, or read from a checkpoint); only the
-current safetensors shard is held (:class:`~verl_trainer.export.shards.SafetensorsShardWriter`). Tied
+current safetensors shard is held (``models/safetensors_shards.py``: ``SafetensorsShardWriter``). Tied
 weights (``lm_head.weight`` = ``model.embed_tokens.weight`` when ``tie_word_embeddings``) are written once,
 as ``save_pretrained`` does; the names are checked against the architecture (an instance on the ``meta``
 device, built from the config), so a missing or unexpected tensor is an error, not a silently broken model.
@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from verl_trainer.export.shards import SafetensorsShardWriter, parse_size
+from verl_trainer.models.hf_files import MODEL_TYPES
+from verl_trainer.models.safetensors_shards import SafetensorsShardWriter, parse_size
 from verl_trainer.utils.distributed import all_gather_object, get_rank
 from verl_trainer.utils.fs import ensure_replaceable, replace_dir_atomically
 
-__all__ = ["HF_MODEL_KINDS", "MODEL_TYPES", "HFLayout", "save_hf_model"]
+__all__ = ["HF_MODEL_KINDS", "HFLayout", "auto_model_class", "save_hf_model"]
 
-MODEL_TYPES = ("language_model", "value_model")
 HF_MODEL_KINDS = ("hf_export", "warm_start")
 """Marker kinds of the HF model directories the project writes; an export replaces only one of these."""
 _NOT_SAVED = ("_attn_implementation_internal", "_attn_implementation", "attn_implementation")

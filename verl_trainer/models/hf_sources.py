@@ -12,13 +12,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from verl_trainer.models.hf_files import GENERATION_CONFIG_NAME, TOKENIZER_FILES
 from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
 
-__all__ = ["TOKENIZER_FILES", "generation_config_of", "save_model_files", "tokenizer_dir"]
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-"""A directory holding one of these has a tokenizer."""
+__all__ = ["generation_config_of", "save_model_files", "tokenizer_dir"]
 
 
 def _local(path: str | os.PathLike | None) -> Path | None:
@@ -41,7 +39,7 @@ def tokenizer_dir(path: str | os.PathLike | None) -> str | None:
 def generation_config_of(path: str | os.PathLike | None) -> Any:
     """The ``GenerationConfig`` saved in ``path`` (``generation_config.json``), or ``None``."""
     local = _local(path)
-    if local is None or not (local / "generation_config.json").is_file():
+    if local is None or not (local / GENERATION_CONFIG_NAME).is_file():
         return None
     from transformers import GenerationConfig
 
