@@ -11,19 +11,25 @@ inside it.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from verl_trainer.callbacks.base import Callback
 from verl_trainer.engine.checkpoint import atomic_checkpoint_dir, get_rng_state, set_rng_state
 from verl_trainer.engine.checkpoint_dirs import ENGINES_DIR, META_FILE, RNG_FILE, STATE_FILE
+from verl_trainer.module import TrainingModule
+from verl_trainer.training.progress import Progress
 from verl_trainer.utils.distributed import barrier, get_rank
 from verl_trainer.utils.manifest import verify_manifest
 from verl_trainer.utils.safe_load import safe_torch_load
 
-__all__ = ["load_engines", "load_rng", "load_state", "write_checkpoint"]
+__all__ = ["load_engines", "load_rng", "load_state", "restore_run", "save_run", "write_checkpoint"]
+
+STATE_VERSION = 1
+"""The version of ``trainer_state.pt``'s layout."""
 
 
 def write_checkpoint(
@@ -94,3 +100,45 @@ def load_rng(path: Path) -> bool:
     return True
 
 
+def save_run(path: Path, progress: Progress, module: TrainingModule, callbacks: Sequence[Callback],
+             call_hook: Callable[..., Any], meta: dict[str, Any]) -> None:
+    """Write the run's checkpoint to ``path``: engines, RNG, ``meta``, then progress, module and callbacks.
+
+    A collective (every rank calls it); ``on_save_checkpoint`` is dispatched with the state dict before it
+    is written, so a callback may add to it.
+    """
+
+    def make_state() -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "version": STATE_VERSION,
+            **progress.state_dict(),
+            "module": module.state_dict(),
+            "callbacks": {cb.state_key: cb.state_dict() for cb in callbacks},
+        }
+        call_hook("on_save_checkpoint", state)
+        return state
+
+    write_checkpoint(path, module.engines, make_state, meta, progress.global_step)
+
+
+def restore_run(path: Path, progress: Progress, module: TrainingModule, callbacks: Sequence[Callback],
+                call_hook: Callable[..., Any]) -> None:
+    """Load a checkpoint written by :func:`save_run`: engines, progress, module and callback states, then RNG.
+
+    The engines' models must have been checked against the checkpoint's first (``resume_check``). Every
+    trainable engine's optimizer and schedule follow the current config after loading
+    (``apply_optim_config``); ``on_load_checkpoint`` is dispatched with the loaded state.
+    """
+    load_engines(path, module.engines)
+    for engine in module.engines.values():
+        if getattr(engine, "optimizer", None) is not None:
+            engine.apply_optim_config()  # a changed lr / schedule applies (the checkpoint restored the old)
+    state = load_state(path)
+    progress.load_state_dict(state)
+    module.load_state_dict(state.get("module") or {})
+    saved = state.get("callbacks") or {}
+    for cb in callbacks:
+        if cb.state_key in saved:
+            cb.load_state_dict(saved[cb.state_key])
+    call_hook("on_load_checkpoint", state)
+    load_rng(path)

@@ -23,7 +23,6 @@ __all__ = [
     "check_limit",
     "check_optional_count",
     "check_val_check_interval",
-    "limited_batches",
     "parse_max_time",
     "reject_unknown_args",
 ]
@@ -35,7 +34,7 @@ UNSUPPORTED_ARGS: dict[str, str] = {
     "benchmark": "set torch.backends.cudnn.benchmark yourself (LLM layers use no cuDNN convolutions)",
     "inference_mode": "remove it: validate / test / predict always run under torch.no_grad",
     "use_distributed_sampler": "remove it: the Trainer always re-shards the data over the data-parallel "
-                               "ranks with a resumable sampler (verl_trainer.training.data)",
+                               "ranks with a resumable sampler (verl_trainer.data.sharded_loader)",
     "profiler": "profile with torch.profiler inside a Callback (e.g. on_train_batch_start / _end)",
     "detect_anomaly": "call torch.autograd.set_detect_anomaly(True) in your script",
     "barebones": "use enable_progress_bar=False, enable_checkpointing=False, logger=False",
@@ -116,27 +115,6 @@ def check_limit(name: str, value: Any) -> int | float | None:
         f"{name}={value!r}; use an int >= 0 (batches), a float in [0, 1] (fraction of the batches) or None "
         "(all)"
     )
-
-
-def limited_batches(total: int | None, limit: int | float | None) -> int | None:
-    """The number of batches to run out of ``total`` under ``limit`` (``None``: all ``total``).
-
-    A fraction of a loader with an unknown length (an iterable dataset) is an error; a fraction that
-    rounds to 0 batches of a non-empty loader runs 1.
-
-    Raises:
-        ValueError: A fraction of a loader of unknown length.
-    """
-    if limit is None:
-        return total
-    if _is_int(limit):
-        return limit if total is None else min(limit, total)
-    if total is None:
-        raise ValueError(
-            f"a fractional batch limit ({limit}) needs a loader with a length; this one (an iterable "
-            "dataset) has none: give an int number of batches"
-        )
-    return max(1, int(total * limit)) if total and limit > 0 else 0
 
 
 def check_val_check_interval(value: Any) -> int | float | None:

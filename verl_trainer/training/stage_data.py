@@ -4,14 +4,17 @@
 ``validate/test/predict(module, dataloaders=None, ..., datamodule=None)`` keep Lightning's names and
 positional order. A datamodule passed where the loaders go is taken as the datamodule (as Lightning does,
 so ``fit(module, data)`` works either way); loaders (a ``DataLoader`` or a map-style ``Dataset`` of ready
-batches) are wrapped in :class:`Loaders`, whose ``*_dataloader()`` methods the loops call.
+batches) are wrapped in :class:`Loaders`, whose ``*_dataloader()`` methods :func:`stage_loader` calls to
+shard each kind of data by data-parallel rank.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Loaders", "fit_data", "is_datamodule", "stage_data"]
+from verl_trainer.data.sharded_loader import ShardedLoader, as_dataloader, make_sharded_loader
+
+__all__ = ["Loaders", "fit_data", "is_datamodule", "stage_data", "stage_loader"]
 
 KINDS = ("train", "val", "test", "predict")
 
@@ -70,3 +73,27 @@ def stage_data(stage: str, dataloaders: Any, datamodule: Any) -> Any:
     if dataloaders is not None and datamodule is not None:
         raise ValueError(f"{stage} got dataloaders and a datamodule; pass one of them")
     return datamodule if dataloaders is None else dataloaders
+
+
+def stage_loader(kind: str, datamodule: Any, module: Any, direct: bool, dp_rank: int, dp_size: int, seed: int,
+                 limit: int | float | None) -> ShardedLoader | None:
+    """This rank's shard of the ``kind`` data (``train`` / ``val`` / ``test`` / ``predict``), or ``None``.
+
+    The data is ``datamodule.{kind}_dataloader()``, else (``direct``) the datamodule itself when it is a
+    loader or dataset passed in its place, else ``module.{kind}_dataloader()`` when no datamodule is given.
+    Validation and test data tag the sampler's padding rows; ``limit`` is ``limit_{kind}_batches``.
+    """
+    method = f"{kind}_dataloader"
+    source = None
+    if datamodule is not None:
+        if callable(getattr(datamodule, method, None)):
+            source = getattr(datamodule, method)()
+        elif direct and not is_datamodule(datamodule):
+            source = datamodule
+    elif callable(getattr(module, method, None)):
+        source = getattr(module, method)()
+    if source is None:
+        return None
+    loader = as_dataloader(source, f"{kind} data")
+    tag_padding = kind in ("val", "test")
+    return make_sharded_loader(loader, dp_rank, dp_size, seed, tag_padding=tag_padding, limit=limit)

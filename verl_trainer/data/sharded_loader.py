@@ -29,10 +29,9 @@ from tensordict import TensorDict
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
 
 from verl_trainer.data.hf_batch import to_schema_batch
+from verl_trainer.data.loader_position import LoaderPosition, limited_batches
 from verl_trainer.data.schema import mark_padding
-from verl_trainer.training.iterable_data import IterableShardedLoader
-from verl_trainer.training.lightning_args import limited_batches
-from verl_trainer.training.loader_position import LoaderPosition
+from verl_trainer.data.sharded_stream import IterableShardedLoader
 
 __all__ = ["ResumableDistributedSampler", "ShardedLoader", "as_dataloader", "make_sharded_loader"]
 
