@@ -48,16 +48,20 @@ from verl_trainer.engine.hooks import STEP_HOOK_NAMES, StepHooks
 from verl_trainer.metrics import Metric
 from verl_trainer.module import TrainingModule
 from verl_trainer.training import checkpoint, failure, launch, resume_check
-from verl_trainer.training.args import TrainerArgs
-from verl_trainer.training.checked_args import check_trainer_args
+from verl_trainer.training.arguments import TrainerArgs, check_trainer_args
 from verl_trainer.training.evaluation import EVAL_STAGES, EvaluationLoop
 from verl_trainer.training.fit_loop import FitLimits, FitLoop
-from verl_trainer.training.lightning_args import reject_unknown_args
-from verl_trainer.training.lightning_module import LightningAttributes, check_lightning_habits
+from verl_trainer.training.lightning_compat import (
+    LightningAttributes,
+    check_lightning_habits,
+    fit_data,
+    reject_unknown_args,
+    stage_data,
+    stage_loader,
+)
 from verl_trainer.training.logging import MetricLogging
 from verl_trainer.training.preflight import preflight_check
 from verl_trainer.training.progress import Progress
-from verl_trainer.training.stage_data import fit_data, stage_data, stage_loader
 from verl_trainer.training.strategy import Strategy
 from verl_trainer.utils.distributed import barrier, broadcast_object
 
