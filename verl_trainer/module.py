@@ -71,6 +71,7 @@ from verl_trainer.metrics import Metric
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from verl_trainer.callbacks.progress import ProgressBar
     from verl_trainer.engine.base import BaseEngine
     from verl_trainer.engine.topology import Topology
 
@@ -118,7 +119,7 @@ class ModuleTrainer(Protocol):
         """Inside a validation / test / predict loop."""
 
     @property
-    def progress_bar_callback(self) -> Any:
+    def progress_bar_callback(self) -> ProgressBar | None:
         """The ``ProgressBar`` callback, if any (its ``metrics`` tuple names what it shows)."""
 
     step_hooks: StepHooks

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import operator
 import os
 import random
 import warnings
@@ -42,7 +43,6 @@ import torch.distributed as dist
 from verl_trainer.callbacks import Callback, MetricReduction, ModelCheckpoint, ProgressBar
 from verl_trainer.callbacks.base import HOOK_NAMES
 from verl_trainer.data.sharded_loader import ShardedLoader, refuse_raw_rows
-from verl_trainer.engine.checkpoint_dirs import STATE_FILE, find_last_checkpoint
 from verl_trainer.engine.config import EngineSpec
 from verl_trainer.engine.hooks import STEP_HOOK_NAMES, StepHooks
 from verl_trainer.metrics import Metric
@@ -63,12 +63,14 @@ from verl_trainer.training.logging import MetricLogging
 from verl_trainer.training.preflight import preflight_check
 from verl_trainer.training.progress import Progress
 from verl_trainer.training.strategy import Strategy
-from verl_trainer.utils.distributed import barrier, broadcast_object
+from verl_trainer.utils.distributed import barrier
 
 __all__ = ["Trainer"]
 
 _DEFAULTS = TrainerArgs()  # the one source of the defaults (the recipes' TrainerConfig extends it)
 _CHAINED_HOOKS = frozenset({"on_before_update"})
+CkptPath = str | os.PathLike | None
+"""``ckpt_path``: ``None`` (fresh), ``"last"`` or a checkpoint directory."""
 
 
 def _listens(callback: Callback, hook: str) -> bool:
@@ -167,14 +169,12 @@ class Trainer(LightningAttributes):
         """The running stage (``"fit"``, ``"validate"``, ``"test"``, ``"predict"``), else ``None``."""
         return self.progress.stage
 
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps done (restored on resume)."""
-        return self.progress.global_step
-
-    @global_step.setter
-    def global_step(self, value: int) -> None:
+    def _set_global_step(self, value: int) -> None:
         self.progress.global_step = value
+
+    # A C-level getter: modules read it on every step, and it is a field read, not a call of the Trainer.
+    global_step = property(operator.attrgetter("progress.global_step"), _set_global_step,
+                           doc="Optimizer steps done (restored on resume).")
 
     @property
     def should_stop(self) -> bool:
@@ -423,7 +423,7 @@ class Trainer(LightningAttributes):
         return preflight_check(self, module, datamodule)
 
     @staticmethod
-    def _check_module(module: Any) -> None:
+    def _check_module(module: object) -> None:
         for name in ("configure_engines", "training_step"):
             if not callable(getattr(module, name, None)):
                 raise TypeError(
@@ -432,11 +432,11 @@ class Trainer(LightningAttributes):
                 )
         check_lightning_habits(module)
 
-    def _launch(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: Any) -> Any:
+    def _launch(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: CkptPath) -> Any:
         launcher = launch.launcher_for(self._env, self.devices, self.num_nodes)
         return launcher.launch(self._run_guarded, stage, module, datamodule, ckpt_path)
 
-    def _run_guarded(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: Any) -> Any:
+    def _run_guarded(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: CkptPath) -> Any:
         with failure.guard():
             self.world = launch.connect(
                 self._env, self.devices, self.num_nodes,
@@ -446,7 +446,7 @@ class Trainer(LightningAttributes):
                 os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
             return self._run_stage(stage, module, datamodule, ckpt_path)
 
-    def _run_stage(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: Any) -> Any:
+    def _run_stage(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: CkptPath) -> Any:
         """Set up ``stage`` on this rank (module, engines, data, checkpoint) and run its loop."""
         progress = self.progress
         progress.stage, progress.should_stop, progress.train_loader = stage, False, None
@@ -479,7 +479,7 @@ class Trainer(LightningAttributes):
                 barrier()
             progress.stage = None
 
-    def _run_loop(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: Any,
+    def _run_loop(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: CkptPath,
                   resume: tuple[Path, dict[str, Any]] | None) -> Any:
         """Shard the stage's data, restore ``ckpt_path``, build the stage's loop and run it."""
         fit, has_val, evaluates = stage == "fit", stage in ("fit", "validate"), stage in EVAL_STAGES
@@ -558,31 +558,15 @@ class Trainer(LightningAttributes):
         }
         checkpoint.save_run(Path(path), self.progress, self.module, self.callbacks, self.call_hook, meta)
 
-    def _resolve_checkpoint(self, ckpt_path: str | os.PathLike) -> Path | None:
-        if str(ckpt_path) != "last":
-            path = Path(ckpt_path)
-            if not (path / STATE_FILE).is_file():
-                raise FileNotFoundError(
-                    f"ckpt_path={str(ckpt_path)!r} is not a complete checkpoint directory")
-            return path
-        found = broadcast_object(str(find_last_checkpoint(self.checkpoint_dir) or ""))  # rank 0's choice
-        return Path(found) if found else None
-
     def _check_resume(self, ckpt_path: str | os.PathLike) -> tuple[Path, dict[str, Any]] | None:
-        """Resolve ``ckpt_path`` and check the run's settings against the checkpoint's, before any engine.
+        """Find ``ckpt_path``'s checkpoint and check this run against it (:func:`checkpoint.check_resume`).
 
-        Every rank reads the same ``meta.json`` and raises the same
-        :class:`~verl_trainer.training.resume_check.ResumeMismatchError` together. The differences that
-        apply are printed on rank 0 and kept in ``resume_changes``.
-
-        Returns:
-            ``(checkpoint directory, its meta.json)``, or ``None`` when ``"last"`` found no checkpoint.
+        The differences that apply are printed on rank 0 and kept in ``resume_changes``.
         """
-        path = self._resolve_checkpoint(ckpt_path)
-        if path is None:
+        found = checkpoint.check_resume(ckpt_path, self.checkpoint_dir, self)
+        if found is None:
             return None
-        meta = resume_check.read_meta(path)
-        self.resume_changes = resume_check.check_run_settings(self, path, meta)
+        path, meta, self.resume_changes = found
         if self.resume_changes and self.is_global_zero:
             listed = "\n  ".join(self.resume_changes)
             print(f"resuming from {path}; changed since the checkpoint (these apply):\n  {listed}",

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from verl_trainer.data.sharded_loader import ShardedLoader
 from verl_trainer.module import TrainingModule
@@ -56,8 +57,8 @@ class EvaluationLoop:
         num_sanity_val_steps: Validation batches of the sanity check at the start of fit (-1: all).
     """
 
-    def __init__(self, module: TrainingModule, progress: Progress, call_hook: Callable[..., Any],
-                 logging: MetricLogging, flush: Callable[..., None], metric_group: Any,
+    def __init__(self, module: TrainingModule, progress: Progress, call_hook: Callable[..., object],
+                 logging: MetricLogging, flush: Callable[..., None], metric_group: dist.ProcessGroup | None,
                  val_loader: ShardedLoader | None = None, eval_loader: ShardedLoader | None = None,
                  num_sanity_val_steps: int = 0) -> None:
         self.module, self.progress, self.call_hook, self.logging = module, progress, call_hook, logging

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+
 from verl_trainer.callbacks.base import HOOK_NAMES, Callback, unknown_hooks
 from verl_trainer.data.schema import concat_batches
 from verl_trainer.data.sharded_loader import ShardedLoader
@@ -84,8 +86,8 @@ class FitLoop:
     """
 
     def __init__(self, module: TrainingModule, progress: Progress, limits: FitLimits,
-                 call_hook: Callable[..., Any], logging: MetricLogging, evaluation: EvaluationLoop,
-                 metric_group: Any, callbacks: Sequence[Callback], is_global_zero: bool,
+                 call_hook: Callable[..., object], logging: MetricLogging, evaluation: EvaluationLoop,
+                 metric_group: dist.ProcessGroup | None, callbacks: Sequence[Callback], is_global_zero: bool,
                  dp_rank: int) -> None:
         self.module, self.progress, self.limits = module, progress, limits
         self.call_hook, self.logging, self.evaluation = call_hook, logging, evaluation
