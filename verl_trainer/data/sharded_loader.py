@@ -254,7 +254,7 @@ def make_sharded_loader(loader: DataLoader, dp_rank: int, dp_size: int, seed: in
     """The loader of a stage, sharded over the DP ranks.
 
     :class:`ShardedLoader` for a map-style dataset, ``IterableShardedLoader`` for an iterable one
-    (``training/iterable_data.py``).
+    (``data/sharded_stream.py``).
     """
     if isinstance(loader.dataset, IterableDataset):
         return IterableShardedLoader(loader, dp_rank, dp_size, limit=limit)
