@@ -78,7 +78,8 @@ def test_max_time_stops_after_the_step_that_crossed_it(tmp_path):
 
 def test_the_trainer_attributes_read_and_write_the_loop_progress():
     trainer = Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False)
-    assert (trainer.global_step, trainer.current_epoch, trainer.should_stop, trainer.state) == (0, 0, False, None)
+    before = (trainer.global_step, trainer.current_epoch, trainer.should_stop, trainer.state)
+    assert before == (0, 0, False, None)
     trainer.should_stop = True
     trainer.global_step = 5
     assert trainer.progress.should_stop and trainer.progress.global_step == 5
