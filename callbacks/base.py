@@ -1,7 +1,7 @@
 """The callback base class: Lightning's hook names plus the RL points of one step.
 
 Every Lightning callback hook has a moment in this loop and is dispatched (``HOOK_NAMES``; the order is
-in ``verl_trainer/training/loops.py``). :func:`unknown_hooks` finds methods a callback defines that look
+in ``verl_trainer/training/fit_loop.py``). :func:`unknown_hooks` finds methods a callback defines that look
 like hooks but are never called (a typo, or a LightningModule-only hook); the Trainer warns about them at
 fit start. :func:`check_callback` rejects Lightning's own callback instances, naming ours.
 """

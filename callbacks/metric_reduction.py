@@ -1,6 +1,6 @@
 """MetricReduction: over which group the loops reduce a step's outputs (one value per metric, every rank).
 
-On by default and always the first callback. The loops do the work (``training/loops.py``,
+On by default and always the first callback. The loops do the work (``training/fit_loop.py``,
 ``training/evaluation.py``): right after ``training_step`` (before any ``on_train_batch_end``) they put
 what it returned (see ``verl_trainer.module``) on the Trainer's one metric path
 (:class:`~verl_trainer.metrics.Metric` values keep their declared reduction, lists of per-micro-batch

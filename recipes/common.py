@@ -44,9 +44,9 @@ from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
 from verl_trainer.models.tiny import make_tiny_model
 from verl_trainer.models.weight_files import check_weight_dir
 from verl_trainer.module import TrainingModule
+from verl_trainer.recipes.plotting import plot_training_curves
 from verl_trainer.rollout import resolve_rollout_name, rollout_class
 from verl_trainer.trainer import Trainer
-from verl_trainer.training.plotting import plot_training_curves
 from verl_trainer.utils.cached_dir import fingerprint, is_current, normalize, settings_difference
 from verl_trainer.utils.dir_lock import DirectoryLock
 from verl_trainer.utils.distributed import barrier, get_rank

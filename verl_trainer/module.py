@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -69,11 +69,13 @@ from verl_trainer.engine.hooks import StepHooks
 from verl_trainer.metrics import Metric
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from verl_trainer.callbacks.progress import ProgressBar
     from verl_trainer.engine.base import BaseEngine
     from verl_trainer.engine.topology import Topology
-    from verl_trainer.trainer import Trainer
 
-__all__ = ["EngineSpec", "StepOutput", "TrainingModule"]
+__all__ = ["EngineSpec", "ModuleTrainer", "StepOutput", "TrainingModule"]
 
 LOG_REDUCTIONS = ("mean", "sum", "min", "max")
 """What :meth:`TrainingModule.log` may reduce with (``Metric``'s reductions)."""
@@ -86,18 +88,72 @@ StepOutput = Mapping[str, Any]
 """What ``training_step`` / ``validation_step`` return (see the module docstring)."""
 
 
+class ModuleTrainer(Protocol):
+    """What a module may use of the Trainer running it (``self.trainer``; :class:`verl_trainer.Trainer`).
+
+    The module depends on this, not on the Trainer class, so neither imports the other.
+    """
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps done."""
+
+    @property
+    def current_epoch(self) -> int:
+        """The training epoch (0-based)."""
+
+    @property
+    def is_global_zero(self) -> bool:
+        """True on global rank 0."""
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel size."""
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel group (``None``: the whole world)."""
+
+    @property
+    def evaluating(self) -> bool:
+        """Inside a validation / test / predict loop."""
+
+    @property
+    def progress_bar_callback(self) -> ProgressBar | None:
+        """The ``ProgressBar`` callback, if any (its ``metrics`` tuple names what it shows)."""
+
+    step_hooks: StepHooks
+    """The engine's optimizer-step hooks dispatching to the callbacks."""
+
+    default_root_dir: str
+    """Where logs, checkpoints and generations go."""
+
+    def log_metrics(self, metrics: Mapping[str, Metric | float]) -> None:
+        """Add values to the current step's metrics, each with its reduction."""
+
+    def call_hook(self, hook: str, *args: Any) -> Any:
+        """Dispatch a callback hook (``on_before_update`` returns the possibly replaced batch)."""
+
+    def call_before_update(self, batch: Any) -> Any:
+        """Dispatch ``on_before_update``; returns the (possibly replaced) batch."""
+
+    def peek_next_batch(self) -> Any | None:
+        """This rank's batch of the next training step, read ahead (``None``: unknown)."""
+
+
 class TrainingModule:
     """Base class of what ``Trainer.fit`` trains (see the module docstring for the contract).
 
     Attributes:
-        trainer: The Trainer running this module (set by ``fit`` / ``validate``).
+        trainer: The Trainer running this module (set by ``fit`` / ``validate``), as
+            :class:`ModuleTrainer`.
         engines: The initialised engines, by the names :meth:`configure_engines` returned.
         topology: The run's process topology (``dp_group``, ``dp_rank``, ``dp_size``, ...), set with the
             engines; ``None`` before.
     """
 
     def __init__(self) -> None:
-        self.trainer: Trainer | None = None
+        self.trainer: ModuleTrainer | None = None
         self.engines: dict[str, BaseEngine] = {}
         self.topology: Topology | None = None
 

@@ -8,8 +8,12 @@
 
 Every rank runs the Trainer. ``fit`` starts or joins the process world (``verl_trainer.training.launch``),
 builds the module's engines with the strategy, shards the data by data-parallel rank
-(``verl_trainer.training.data``), restores a checkpoint, and runs the loop (``verl_trainer.training.loops``)
-with hooks dispatched by :meth:`Trainer.call_hook`. Invalid arguments fail here, at construction.
+(``verl_trainer.data.sharded_loader``), restores a checkpoint, and hands the run to its loop
+(:class:`~verl_trainer.training.fit_loop.FitLoop`; validation / test / predict:
+:class:`~verl_trainer.training.evaluation.EvaluationLoop`), which owns the run's
+:class:`~verl_trainer.training.progress.Progress` and dispatches hooks through :meth:`Trainer.call_hook`.
+The Trainer's Lightning attributes (``global_step``, ``current_epoch``, ``should_stop``, ...) read that
+progress. Invalid arguments fail here, at construction.
 
 Callback order is fixed: ``MetricReduction`` first (its group is where the loops reduce the module's
 step outputs into logged values, before any callback sees them), then the user's callbacks in the given
@@ -20,36 +24,52 @@ earlier when a checkpoint is saved, so a checkpoint never precedes its own step 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
+import random
+import warnings
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 import torch.distributed as dist
 
 from verl_trainer.callbacks import Callback, MetricReduction, ModelCheckpoint, ProgressBar
 from verl_trainer.callbacks.base import HOOK_NAMES
+from verl_trainer.data.sharded_loader import ShardedLoader, refuse_raw_rows
+from verl_trainer.engine.config import EngineSpec
 from verl_trainer.engine.hooks import STEP_HOOK_NAMES, StepHooks
 from verl_trainer.metrics import Metric
 from verl_trainer.module import TrainingModule
-from verl_trainer.training import failure, launch, loops, validation_schedule
-from verl_trainer.training.args import TrainerArgs
-from verl_trainer.training.checked_args import check_trainer_args
-from verl_trainer.training.data import ShardedLoader, refuse_raw_rows
-from verl_trainer.training.lightning_args import reject_unknown_args
-from verl_trainer.training.lightning_module import LightningAttributes, check_lightning_habits
+from verl_trainer.training import checkpoint, failure, launch, resume_check
+from verl_trainer.training.arguments import TrainerArgs, check_trainer_args
+from verl_trainer.training.evaluation import EVAL_STAGES, EvaluationLoop
+from verl_trainer.training.fit_loop import FitLimits, FitLoop
+from verl_trainer.training.lightning_compat import (
+    LightningAttributes,
+    check_lightning_habits,
+    fit_data,
+    reject_unknown_args,
+    stage_data,
+    stage_loader,
+)
 from verl_trainer.training.logging import MetricLogging
 from verl_trainer.training.preflight import preflight_check
-from verl_trainer.training.stage_data import fit_data, stage_data
+from verl_trainer.training.progress import Progress
 from verl_trainer.training.strategy import Strategy
+from verl_trainer.utils.distributed import barrier
 
 __all__ = ["Trainer"]
 
 _DEFAULTS = TrainerArgs()  # the one source of the defaults (the recipes' TrainerConfig extends it)
 _CHAINED_HOOKS = frozenset({"on_before_update"})
+CkptPath = str | os.PathLike | None
+"""``ckpt_path``: ``None`` (fresh), ``"last"`` or a checkpoint directory."""
 
 
 def _listens(callback: Callback, hook: str) -> bool:
@@ -135,19 +155,59 @@ class Trainer(LightningAttributes):
         self.world: launch.World | None = None
         self.module: TrainingModule | None = None
         self.datamodule: Any = None  # set by fit / validate / test / predict (Lightning's attribute)
-        self.state: str | None = None
-        self.global_step = 0
-        self.should_stop = False
+        self.progress = Progress()  # owned by the stage's loops; the properties below read it
+        self.fit_loop: FitLoop | None = None  # the latest fit's loop
         self.resume_changes: list[str] = []  # what changed since the checkpoint a fit resumed from (applied)
-        self.train_loader: ShardedLoader | None = None
         self.val_loader: ShardedLoader | None = None
         self.eval_loader: ShardedLoader | None = None  # test / predict data
-        self.sanity_checking = False
-        self.evaluating = False  # inside a validation / test / predict loop
-        # (global_step, reduced metrics) of the latest validation pass of fit or validate; sanity checks
-        # excluded. A recipe reuses it instead of validating the same weights twice.
-        self.last_validation: tuple[int, dict[str, float]] | None = None
         self.step_hooks = self.callback_step_hooks()
+
+    # ------------------------------------------------------------------------------------ progress
+    @property
+    def state(self) -> str | None:
+        """The running stage (``"fit"``, ``"validate"``, ``"test"``, ``"predict"``), else ``None``."""
+        return self.progress.stage
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps done (restored on resume)."""
+        return self.progress.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.progress.global_step = value
+
+    @property
+    def should_stop(self) -> bool:
+        """A stop request (callbacks set it); fit honours it after ``min_steps`` / ``min_epochs``."""
+        return self.progress.should_stop
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        self.progress.should_stop = value
+
+    @property
+    def train_loader(self) -> ShardedLoader | None:
+        """This rank's training data during ``fit`` (its epoch and position are the fit's)."""
+        return self.progress.train_loader
+
+    @property
+    def sanity_checking(self) -> bool:
+        """Inside the sanity-check validation at the start of fit."""
+        return self.progress.sanity_checking
+
+    @property
+    def evaluating(self) -> bool:
+        """Inside a validation / test / predict loop."""
+        return self.progress.evaluating
+
+    @property
+    def last_validation(self) -> tuple[int, dict[str, float]] | None:
+        """``(global_step, reduced metrics)`` of the latest validation pass of fit or validate.
+
+        Sanity checks are excluded; a recipe reuses it instead of validating the same weights twice.
+        """
+        return self.progress.last_validation
 
     # ------------------------------------------------------------------------------------ topology
     @property
@@ -282,7 +342,7 @@ class Trainer(LightningAttributes):
         self.logging.flush(self.global_step, force, last_step=self.global_step == self.max_steps)
 
     # ------------------------------------------------------------------------------------- entry points
-    def fit(self, module: Any, train_dataloaders: Any = None, val_dataloaders: Any = None,
+    def fit(self, module: TrainingModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
             datamodule: Any = None, ckpt_path: str | os.PathLike | None = None) -> None:
         """Train ``module`` until ``max_steps`` / ``max_epochs`` (Lightning's arguments and their order).
 
@@ -303,11 +363,12 @@ class Trainer(LightningAttributes):
         self._launch("fit", module, datamodule, ckpt_path)
 
     def validation_due(self) -> bool:
-        """Whether ``fit`` validates after the current step (see ``training/validation_schedule.py``)."""
-        return validation_schedule.validation_due(self)
+        """Whether ``fit`` validates after the current step (``FitLoop.validation_due``; outside fit: no)."""
+        return self.fit_loop is not None and self.fit_loop.validation_due()
 
-    def validate(self, module: Any, dataloaders: Any = None, ckpt_path: str | os.PathLike | None = None,
-                 verbose: bool = True, datamodule: Any = None) -> list[dict[str, float]]:
+    def validate(self, module: TrainingModule, dataloaders: Any = None,
+                 ckpt_path: str | os.PathLike | None = None, verbose: bool = True,
+                 datamodule: Any = None) -> list[dict[str, float]]:
         """Run the validation data once; returns ``[metrics]`` (reduced over batches and ranks).
 
         ``dataloaders`` (a DataLoader / Dataset, or a datamodule) or ``datamodule``: Lightning's arguments,
@@ -316,8 +377,9 @@ class Trainer(LightningAttributes):
         self._check_module(module)
         return self._launch("validate", module, stage_data("validate", dataloaders, datamodule), ckpt_path)
 
-    def test(self, module: Any, dataloaders: Any = None, ckpt_path: str | os.PathLike | None = None,
-             verbose: bool = True, datamodule: Any = None) -> list[dict[str, float]]:
+    def test(self, module: TrainingModule, dataloaders: Any = None,
+             ckpt_path: str | os.PathLike | None = None, verbose: bool = True,
+             datamodule: Any = None) -> list[dict[str, float]]:
         """Run ``module.test_step`` over the test data once; returns ``[metrics]`` (reduced over ranks).
 
         Args:
@@ -330,7 +392,7 @@ class Trainer(LightningAttributes):
         self._check_module(module)
         return self._launch("test", module, stage_data("test", dataloaders, datamodule), ckpt_path)
 
-    def predict(self, module: Any, dataloaders: Any = None, datamodule: Any = None,
+    def predict(self, module: TrainingModule, dataloaders: Any = None, datamodule: Any = None,
                 return_predictions: bool | None = None, ckpt_path: str | os.PathLike | None = None
                 ) -> list[Any]:
         """Run ``module.predict_step`` over the predict data; returns this rank's outputs, batch by batch.
@@ -346,7 +408,7 @@ class Trainer(LightningAttributes):
                              "drop the argument (or write them from predict_step / a callback)")
         return self._launch("predict", module, stage_data("predict", dataloaders, datamodule), ckpt_path)
 
-    def check(self, module: Any, datamodule: Any = None) -> int:
+    def check(self, module: TrainingModule, datamodule: Any = None) -> int:
         """Check a run's settings before any process starts or any model loads; returns the DP size.
 
         Every engine spec of ``module.configure_engines()`` is resolved with the strategy and precision
@@ -362,7 +424,7 @@ class Trainer(LightningAttributes):
         return preflight_check(self, module, datamodule)
 
     @staticmethod
-    def _check_module(module: Any) -> None:
+    def _check_module(module: object) -> None:
         for name in ("configure_engines", "training_step"):
             if not callable(getattr(module, name, None)):
                 raise TypeError(
@@ -371,11 +433,11 @@ class Trainer(LightningAttributes):
                 )
         check_lightning_habits(module)
 
-    def _launch(self, stage: str, module: Any, datamodule: Any, ckpt_path: Any) -> Any:
+    def _launch(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: CkptPath) -> Any:
         launcher = launch.launcher_for(self._env, self.devices, self.num_nodes)
         return launcher.launch(self._run_guarded, stage, module, datamodule, ckpt_path)
 
-    def _run_guarded(self, stage: str, module: Any, datamodule: Any, ckpt_path: Any) -> Any:
+    def _run_guarded(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: CkptPath) -> Any:
         with failure.guard():
             self.world = launch.connect(
                 self._env, self.devices, self.num_nodes,
@@ -383,14 +445,95 @@ class Trainer(LightningAttributes):
             )
             if self.accelerator == "cpu":
                 os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
-            return loops.run_stage(self, stage, module, datamodule, ckpt_path)
+            return self._run_stage(stage, module, datamodule, ckpt_path)
+
+    def _run_stage(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: CkptPath) -> Any:
+        """Set up ``stage`` on this rank (module, engines, data, checkpoint) and run its loop."""
+        progress = self.progress
+        progress.stage, progress.should_stop, progress.train_loader = stage, False, None
+        self.module, self.datamodule = module, datamodule  # Lightning's; the data's fingerprint is saved
+        module.trainer = self
+        if datamodule is not None and hasattr(datamodule, "trainer"):
+            datamodule.trainer = self  # Lightning's attribute: the datamodule reads trainer.dp_size
+        self.step_hooks = self.callback_step_hooks()  # the callbacks may have changed since construction
+        _seed_everything(self.seed)
+        _apply_deterministic(self.deterministic)
+        self.logging.setup(self.is_global_zero, getattr(module, "hparams", None))  # fit logs the same
+        status = "failed"
+        try:
+            if stage == "fit" and datamodule is not None and callable(getattr(module, "check_data", None)):
+                module.check_data(datamodule)  # settings only: every rank raises alike, before any model
+            self.call_hook("setup", stage)
+            module.setup(stage)
+            resume = self._check_resume(ckpt_path) if ckpt_path is not None else None  # before any engine
+            self._configure_engines(module)
+            result = self._run_loop(stage, module, datamodule, ckpt_path, resume)
+            status = "success"
+            return result
+        except BaseException as exc:
+            self.call_hook("on_exception", exc)
+            raise
+        finally:
+            self.call_hook("teardown", stage)
+            self.logging.finalize(status)
+            if status == "success":
+                barrier()
+            progress.stage = None
+
+    def _run_loop(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: CkptPath,
+                  resume: tuple[Path, dict[str, Any]] | None) -> Any:
+        """Shard the stage's data, restore ``ckpt_path``, build the stage's loop and run it."""
+        fit, has_val, evaluates = stage == "fit", stage in ("fit", "validate"), stage in EVAL_STAGES
+
+        def loader(kind: str, direct: bool) -> ShardedLoader | None:
+            return stage_loader(kind, datamodule, module, direct, self.dp_rank, self.dp_size, self.seed,
+                                self.limits[kind])
+
+        self.progress.train_loader = loader("train", direct=True) if fit else None
+        self.val_loader = loader("val", direct=not fit) if has_val else None
+        self.eval_loader = loader(stage, direct=True) if evaluates else None
+        if fit and self.train_loader is None:
+            raise ValueError("fit needs training data: pass a datamodule or define module.train_dataloader()")
+        if ckpt_path is not None:
+            self._restore(ckpt_path, resume)
+        evaluation = EvaluationLoop(module, self.progress, self.call_hook, self.logging, self.flush_metrics,
+                                    self.metric_group, self.val_loader, self.eval_loader,
+                                    self.num_sanity_val_steps)
+        if stage == "validate":
+            return [evaluation.validate()]
+        if not fit:
+            return evaluation.run_stage(stage)
+        limits = FitLimits(
+            self.max_steps, self.max_epochs, self.min_steps, self.min_epochs, self.max_time,
+            self.accumulate_grad_batches, self.val_check_interval, self.check_val_every_n_epoch,
+            self.limits["train"],
+        )
+        self.fit_loop = FitLoop(module, self.progress, limits, self.call_hook, self.logging, evaluation,
+                                self.metric_group, self.callbacks, self.is_global_zero, self.dp_rank)
+        return self.fit_loop.run()
+
+    def _configure_engines(self, module: TrainingModule) -> None:
+        """Build and initialise the module's engines with the strategy (on its one topology), once per module.
+
+        The module gets the run's topology with them (``module.topology``); ``gradient_clip_val`` overrides
+        every spec's ``OptimConfig.clip_grad``.
+        """
+        if not module.engines:
+            specs = dict(module.configure_engines())
+            if self.gradient_clip_val is not None:
+                clip = self.gradient_clip_val
+                specs = {name: dataclasses.replace(spec, optim=spec.optim.replace(clip_grad=clip))
+                         if isinstance(spec, EngineSpec) and spec.optim is not None else spec
+                         for name, spec in specs.items()}
+            module.engines = self.strategy.build_engines(specs, self.precision, self.seed, self.accelerator)
+        module.topology = self.strategy.topology or module.topology
 
     def peek_next_batch(self) -> Any | None:
         """This rank's batch of the next training step, read ahead without consuming it (``None``: unknown).
 
-        See :func:`verl_trainer.training.loops.peek_next_step_batch`.
+        See :meth:`verl_trainer.training.fit_loop.FitLoop.peek_next_batch`; ``None`` outside ``fit``.
         """
-        return loops.peek_next_step_batch(self)
+        return self.fit_loop.peek_next_batch() if self.fit_loop is not None and self.state == "fit" else None
 
     # ------------------------------------------------------------------------------------- checkpoints
     @property
@@ -402,6 +545,59 @@ class Trainer(LightningAttributes):
         return Path(self.default_root_dir) / "checkpoints"
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Save everything needed to continue exactly (a collective: call it on every rank)."""
-        loops.save_checkpoint(self, Path(path))
+        """Save everything needed to continue exactly (a collective: call it on every rank).
+
+        See ``training/checkpoint.py`` for the directory; ``meta.json`` records what a resume is checked
+        against (``training/resume_check.py``).
+        """
+        self.flush_metrics()
+        self.logging.save()
+        meta = {
+            "global_step": self.global_step,
+            "run_id": getattr(self.checkpoint_callback, "run_id", None),
+            **resume_check.run_metadata(self),
+        }
+        checkpoint.save_run(Path(path), self.progress, self.module, self.callbacks, self.call_hook, meta)
+
+    def _check_resume(self, ckpt_path: str | os.PathLike) -> tuple[Path, dict[str, Any]] | None:
+        """Find ``ckpt_path``'s checkpoint and check this run against it (:func:`checkpoint.check_resume`).
+
+        The differences that apply are printed on rank 0 and kept in ``resume_changes``.
+        """
+        found = checkpoint.check_resume(ckpt_path, self.checkpoint_dir, self)
+        if found is None:
+            return None
+        path, meta, self.resume_changes = found
+        if self.resume_changes and self.is_global_zero:
+            listed = "\n  ".join(self.resume_changes)
+            print(f"resuming from {path}; changed since the checkpoint (these apply):\n  {listed}",
+                  flush=True)
+        return path, meta
+
+    def _restore(self, ckpt_path: str | os.PathLike, resume: tuple[Path, dict[str, Any]] | None) -> None:
+        """Restore the checkpoint :meth:`_check_resume` found (``None``: ``"last"`` found none; warn)."""
+        if resume is None:
+            if self.is_global_zero:
+                warnings.warn(
+                    f"ckpt_path='last' found no complete checkpoint in {str(self.checkpoint_dir)!r}; "
+                    f"starting from scratch", stacklevel=2,
+                )
+            return
+        path, meta = resume
+        resume_check.check_models(path, meta, self.module.engines)
+        checkpoint.restore_run(path, self.progress, self.module, self.callbacks, self.call_hook)
+
+
+def _seed_everything(seed: int) -> None:
+    """Seed Python, numpy and torch (CPU and CUDA) identically on every rank."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _apply_deterministic(setting: bool | str) -> None:
+    """``Trainer(deterministic=)``: deterministic torch kernels (``"warn"``: warn where there are none)."""
+    if setting:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=setting == "warn")
 

@@ -47,5 +47,5 @@ def test_the_debug_setting_shows_the_traceback(tmp_path):
     proc = _run([str(ROOT / "recipes" / "grpo.py"), "trainer.val_check_interval=2.5"], tmp_path,
                 VERL_TRAINER_DEBUG="1")
     assert proc.returncode == 1
-    assert "Traceback (most recent call last)" in proc.stderr and "lightning_args.py" in proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr and "arguments.py" in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("ValueError: val_check_interval=2.5"), proc.stderr

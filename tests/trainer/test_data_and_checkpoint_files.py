@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from verl_trainer.data.sharded_loader import ResumableDistributedSampler, ShardedLoader, as_dataloader
 from verl_trainer.engine.checkpoint_dirs import (
     STATE_FILE,
     find_last_checkpoint,
     list_checkpoints,
     prune_checkpoints,
 )
-from verl_trainer.training.data import ResumableDistributedSampler, ShardedLoader, as_dataloader
 from verl_trainer.utils.fs import mark_owned
 
 

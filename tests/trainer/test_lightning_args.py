@@ -11,12 +11,9 @@ import pytest
 from verl_trainer import Trainer
 from verl_trainer.callbacks import HOOK_NAMES, Callback, EarlyStopping, ModelCheckpoint
 from verl_trainer.callbacks.base import unknown_hooks
-from verl_trainer.training.lightning_args import (
-    HARMLESS_VALUES,
-    UNSUPPORTED_ARGS,
-    limited_batches,
-    parse_max_time,
-)
+from verl_trainer.data.loader_position import limited_batches
+from verl_trainer.training.lightning_compat import HARMLESS_VALUES, UNSUPPORTED_ARGS
+from verl_trainer.utils.durations import parse_max_time
 
 # Every Lightning 2.x callback hook; each must be dispatched here.
 LIGHTNING_CALLBACK_HOOKS = [

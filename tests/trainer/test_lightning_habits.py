@@ -15,7 +15,7 @@ from verl_trainer import Trainer
 from verl_trainer.algorithms.sft import SFT
 from verl_trainer.callbacks import EarlyStopping, LearningRateMonitor
 from verl_trainer.testing.distributed import run_distributed
-from verl_trainer.training.stage_data import Loaders, fit_data, stage_data
+from verl_trainer.training.lightning_compat import Loaders, fit_data, stage_data
 
 
 def _quiet(root: Path, **kwargs) -> Trainer:

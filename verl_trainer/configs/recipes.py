@@ -29,7 +29,7 @@ from verl_trainer.configs.callbacks import build_callbacks, check_callback_specs
 from verl_trainer.data.tasks import ArithmeticTaskConfig
 from verl_trainer.engine.checkpoint_dirs import STATE_FILE
 from verl_trainer.engine.config import DTYPES, EngineConfig, OptimConfig, to_dtype
-from verl_trainer.training.args import TrainerArgs
+from verl_trainer.training.arguments import TrainerArgs
 from verl_trainer.training.loggers import WANDB_PROJECT, MLFlowLogger, make_wandb_logger
 
 NAMED_LOGGERS = frozenset({"wandb", "mlflow"})
@@ -80,7 +80,7 @@ class CheckpointConfig:
 class TrainerConfig(TrainerArgs):
     """The ``trainer:`` section: the Trainer's own arguments plus what the recipe adds.
 
-    The Trainer's arguments and their defaults are :class:`~verl_trainer.training.args.TrainerArgs`
+    The Trainer's arguments and their defaults are :class:`~verl_trainer.training.arguments.TrainerArgs`
     (Lightning's names), written once.
 
     Attributes:

@@ -22,8 +22,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from verl_trainer.data.loader_position import limited_batches
 from verl_trainer.engine.config import RUN_LENGTH, OptimConfig
-from verl_trainer.training.lightning_args import limited_batches
 
 __all__ = ["epochs_set_the_length", "run_length", "with_schedule_length"]
 

@@ -17,21 +17,24 @@ round are not removed).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from verl_trainer.trainer import Trainer
-    from verl_trainer.training.data import ShardedLoader
+from verl_trainer.data.sharded_loader import ShardedLoader
+from verl_trainer.module import TrainingModule
+from verl_trainer.training.logging import MetricLogging
+from verl_trainer.training.progress import Progress
 
-__all__ = ["EVAL_STAGES", "run_eval_stage", "sanity_check", "validation_loop"]
+__all__ = ["EVAL_STAGES", "EvaluationLoop"]
 
 EVAL_STAGES = ("test", "predict")
 """Stages whose data is ``eval_loader`` (``test_dataloader()`` / ``predict_dataloader()``)."""
 
 
-def _batches(loader: ShardedLoader, limit: int | None = None) -> Any:
+def _batches(loader: ShardedLoader, limit: int | None = None) -> Iterator[tuple[int, Any]]:
     loader.epoch, loader.batches = 0, 0
     for batch_idx, batch in enumerate(loader.epoch_batches()):
         if limit is not None and batch_idx >= limit:
@@ -39,82 +42,107 @@ def _batches(loader: ShardedLoader, limit: int | None = None) -> Any:
         yield batch_idx, batch
 
 
-def _evaluate(trainer: Trainer, prefix: str, loader: ShardedLoader, step_name: str,
-              limit: int | None = None) -> dict[str, float]:
-    module = trainer.module
-    step = getattr(module, step_name)
-    trainer.flush_metrics()
-    trainer.call_hook(f"on_{prefix}_start")
-    trainer.call_hook(f"on_{prefix}_epoch_start")
-    trainer.evaluating = True  # self.log's on_step / on_epoch: evaluation values are per run
-    try:
+class EvaluationLoop:
+    """Validation, sanity check, test and predict over one stage's data.
+
+    Args:
+        module: The module whose ``validation_step`` / ``test_step`` / ``predict_step`` run.
+        progress: The run's progress (its evaluation flags are set here; ``global_step`` is read).
+        call_hook: The callbacks' dispatch, ``call_hook(name, *args)``.
+        logging: The run's metric state.
+        flush: Logs the pending values (``flush(force=True)``: now).
+        metric_group: The group outputs are reduced over (``None``: the world).
+        val_loader: The validation data (``None``: none).
+        eval_loader: The test / predict data (``None``: none).
+        num_sanity_val_steps: Validation batches of the sanity check at the start of fit (-1: all).
+    """
+
+    def __init__(self, module: TrainingModule, progress: Progress, call_hook: Callable[..., object],
+                 logging: MetricLogging, flush: Callable[..., None], metric_group: dist.ProcessGroup | None,
+                 val_loader: ShardedLoader | None = None, eval_loader: ShardedLoader | None = None,
+                 num_sanity_val_steps: int = 0) -> None:
+        self.module, self.progress, self.call_hook, self.logging = module, progress, call_hook, logging
+        self.flush, self.metric_group = flush, metric_group
+        self.val_loader, self.eval_loader = val_loader, eval_loader
+        self.num_sanity_val_steps = num_sanity_val_steps
+
+    def _evaluate(self, prefix: str, loader: ShardedLoader, step_name: str,
+                  limit: int | None = None) -> dict[str, float]:
+        step = getattr(self.module, step_name)
+        self.flush()
+        self.call_hook(f"on_{prefix}_start")
+        self.call_hook(f"on_{prefix}_epoch_start")
+        self.progress.evaluating = True  # self.log's on_step / on_epoch: evaluation values are per run
+        try:
+            with torch.no_grad():
+                for batch_idx, batch in _batches(loader, limit):
+                    self.call_hook(f"on_{prefix}_batch_start", batch, batch_idx)
+                    outputs = step(batch, batch_idx)
+                    self.logging.add(outputs)  # reduced with every batch's, once, below
+                    self.call_hook(f"on_{prefix}_batch_end", outputs, batch, batch_idx)
+        finally:
+            self.progress.evaluating = False
+        self.logging.reduce(self.metric_group)  # before on_*_epoch_end: callbacks see the reduced values
+        values = self.logging.pending()  # kept: a checkpoint saved in on_*_end flushes (logs) them
+        self.call_hook(f"on_{prefix}_epoch_end")
+        self.call_hook(f"on_{prefix}_end")
+        return {**values, **self.logging.pending()}
+
+    def validate(self, limit: int | None = None) -> dict[str, float]:
+        """Run the validation batches once (at most ``limit``); returns the values logged for it.
+
+        They are also kept, with the step, as ``progress.last_validation``.
+
+        Raises:
+            ValueError: There is no validation data.
+        """
+        if self.val_loader is None:
+            raise ValueError("validate needs validation data: a datamodule with val_dataloader()")
+        values = self._evaluate("validation", self.val_loader, "validation_step", limit)
+        self.flush(force=True)
+        self.progress.last_validation = (self.progress.global_step, dict(values))
+        return values
+
+    def sanity_check(self) -> None:
+        """``num_sanity_val_steps`` validation batches before training; their metrics are discarded."""
+        count = self.num_sanity_val_steps
+        if not count or self.val_loader is None or self.progress.global_step > 0:
+            return
+        before = dict(self.logging.callback_metrics)
+        self.progress.sanity_checking = True
+        try:
+            self.call_hook("on_sanity_check_start")
+            self._evaluate("validation", self.val_loader, "validation_step", None if count < 0 else count)
+            self.logging.discard(before)
+            self.call_hook("on_sanity_check_end")
+        finally:
+            self.progress.sanity_checking = False
+
+    def run_stage(self, stage: str) -> Any:
+        """``test`` → ``[metrics]``; ``predict`` → this rank's list of ``predict_step`` outputs.
+
+        Raises:
+            ValueError: The stage has no data.
+        """
+        loader = self.eval_loader
+        if loader is None:
+            raise ValueError(
+                f"{stage} needs data: a datamodule with {stage}_dataloader(), a DataLoader passed as "
+                f"datamodule, or module.{stage}_dataloader()"
+            )
+        if stage == "test":
+            values = self._evaluate("test", loader, "test_step")
+            self.flush(force=True)
+            return [values]
+        predictions = []
+        self.call_hook("on_predict_start")
+        self.call_hook("on_predict_epoch_start")
         with torch.no_grad():
-            for batch_idx, batch in _batches(loader, limit):
-                trainer.call_hook(f"on_{prefix}_batch_start", batch, batch_idx)
-                outputs = step(batch, batch_idx)
-                trainer.logging.add(outputs)  # reduced with every batch's, once, below
-                trainer.call_hook(f"on_{prefix}_batch_end", outputs, batch, batch_idx)
-    finally:
-        trainer.evaluating = False
-    trainer.logging.reduce(trainer.metric_group)  # before on_*_epoch_end: callbacks see the reduced values
-    values = trainer.logging.pending()  # kept: a checkpoint saved in on_*_end flushes (logs) them
-    trainer.call_hook(f"on_{prefix}_epoch_end")
-    trainer.call_hook(f"on_{prefix}_end")
-    return {**values, **trainer.logging.pending()}
-
-
-def validation_loop(trainer: Trainer, limit: int | None = None) -> dict[str, float]:
-    """Run the validation batches once (at most ``limit``); returns the values logged for it.
-
-    They are also kept, with the step, as ``trainer.last_validation``.
-    """
-    values = _evaluate(trainer, "validation", trainer.val_loader, "validation_step", limit)
-    trainer.flush_metrics(force=True)
-    trainer.last_validation = (trainer.global_step, dict(values))
-    return values
-
-
-def sanity_check(trainer: Trainer) -> None:
-    """``num_sanity_val_steps`` validation batches before training; their metrics are discarded."""
-    count = trainer.num_sanity_val_steps
-    if not count or trainer.val_loader is None or trainer.global_step > 0:
-        return
-    before = dict(trainer.callback_metrics)
-    trainer.sanity_checking = True
-    try:
-        trainer.call_hook("on_sanity_check_start")
-        _evaluate(trainer, "validation", trainer.val_loader, "validation_step", None if count < 0 else count)
-        trainer.logging.discard(before)
-        trainer.call_hook("on_sanity_check_end")
-    finally:
-        trainer.sanity_checking = False
-
-
-def run_eval_stage(trainer: Trainer, stage: str) -> Any:
-    """``test`` → ``[metrics]``; ``predict`` → this rank's list of ``predict_step`` outputs.
-
-    Raises:
-        ValueError: The stage has no data.
-    """
-    loader = trainer.eval_loader
-    if loader is None:
-        raise ValueError(
-            f"{stage} needs data: a datamodule with {stage}_dataloader(), a DataLoader passed as datamodule, "
-            f"or module.{stage}_dataloader()"
-        )
-    if stage == "test":
-        values = _evaluate(trainer, "test", loader, "test_step")
-        trainer.flush_metrics(force=True)
-        return [values]
-    module, predictions = trainer.module, []
-    trainer.call_hook("on_predict_start")
-    trainer.call_hook("on_predict_epoch_start")
-    with torch.no_grad():
-        for batch_idx, batch in _batches(loader):
-            trainer.call_hook("on_predict_batch_start", batch, batch_idx)
-            out = module.predict_step(batch, batch_idx)
-            trainer.call_hook("on_predict_batch_end", out, batch, batch_idx)
-            predictions.append(out)
-    trainer.call_hook("on_predict_epoch_end")
-    trainer.call_hook("on_predict_end")
-    return predictions
+            for batch_idx, batch in _batches(loader):
+                self.call_hook("on_predict_batch_start", batch, batch_idx)
+                out = self.module.predict_step(batch, batch_idx)
+                self.call_hook("on_predict_batch_end", out, batch, batch_idx)
+                predictions.append(out)
+        self.call_hook("on_predict_epoch_end")
+        self.call_hook("on_predict_end")
+        return predictions

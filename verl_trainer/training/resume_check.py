@@ -26,17 +26,19 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from verl_trainer.engine.checkpoint_dirs import META_FILE
 from verl_trainer.engine.registry import EngineRegistry
 from verl_trainer.training import run_inputs
 
 if TYPE_CHECKING:
-    from verl_trainer.trainer import Trainer
+    from verl_trainer.module import TrainingModule
+    from verl_trainer.training.strategy import Strategy
 
 __all__ = [
     "ResumeMismatchError",
+    "ResumingRun",
     "check_models",
     "check_run_settings",
     "flatten",
@@ -81,7 +83,22 @@ def model_fingerprint(engine: Any) -> dict[str, Any]:
     return {"engine_type": getattr(engine, "MODEL_TYPE", type(engine).__name__), **shape}
 
 
-def run_metadata(trainer: Trainer) -> dict[str, Any]:
+class ResumingRun(Protocol):
+    """What a resume check reads of a run (:class:`verl_trainer.Trainer` is one)."""
+
+    strategy: Strategy
+    precision: str
+    seed: int
+    max_steps: int
+    module: TrainingModule | None
+    datamodule: Any
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes."""
+
+
+def run_metadata(trainer: ResumingRun) -> dict[str, Any]:
     """The settings a checkpoint of ``trainer``'s run records in ``meta.json`` (plain JSON data)."""
     module = trainer.module
     hparams = flatten(dict(module.hparams)) if module is not None else {}
@@ -131,7 +148,7 @@ def _mismatch(path: Path, what: str, saved: Any, now: Any, why: str) -> ResumeMi
     )
 
 
-def check_run_settings(trainer: Trainer, path: Path, meta: dict[str, Any]) -> list[str]:
+def check_run_settings(trainer: ResumingRun, path: Path, meta: dict[str, Any]) -> list[str]:
     """Compare the run's settings with the checkpoint's, before any engine is built.
 
     Args:

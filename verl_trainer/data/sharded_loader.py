@@ -29,10 +29,9 @@ from tensordict import TensorDict
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
 
 from verl_trainer.data.hf_batch import to_schema_batch
+from verl_trainer.data.loader_position import LoaderPosition, limited_batches
 from verl_trainer.data.schema import mark_padding
-from verl_trainer.training.iterable_data import IterableShardedLoader
-from verl_trainer.training.lightning_args import limited_batches
-from verl_trainer.training.loader_position import LoaderPosition
+from verl_trainer.data.sharded_stream import IterableShardedLoader
 
 __all__ = ["ResumableDistributedSampler", "ShardedLoader", "as_dataloader", "make_sharded_loader"]
 
@@ -255,7 +254,7 @@ def make_sharded_loader(loader: DataLoader, dp_rank: int, dp_size: int, seed: in
     """The loader of a stage, sharded over the DP ranks.
 
     :class:`ShardedLoader` for a map-style dataset, ``IterableShardedLoader`` for an iterable one
-    (``training/iterable_data.py``).
+    (``data/sharded_stream.py``).
     """
     if isinstance(loader.dataset, IterableDataset):
         return IterableShardedLoader(loader, dp_rank, dp_size, limit=limit)

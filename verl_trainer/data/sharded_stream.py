@@ -21,8 +21,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 from verl_trainer.data.hf_batch import to_schema_batch
-from verl_trainer.training.lightning_args import limited_batches
-from verl_trainer.training.loader_position import LoaderPosition
+from verl_trainer.data.loader_position import LoaderPosition, limited_batches
 from verl_trainer.utils.distributed import all_reduce
 
 __all__ = ["IterableShardedLoader"]

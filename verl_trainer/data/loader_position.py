@@ -1,13 +1,13 @@
 """Where a sharded loader stands in its data: epoch and batches consumed, as a checkpointable position.
 
 The position is saved as globally consumed samples, so a run can resume it with another DP size as long
-as the samples divide into whole steps. :class:`~verl_trainer.training.data.ShardedLoader` (map-style) and
-:class:`~verl_trainer.training.iterable_data.IterableShardedLoader` (streams) share it.
+as the samples divide into whole steps. :class:`~verl_trainer.data.sharded_loader.ShardedLoader`
+(map-style) and :class:`~verl_trainer.data.sharded_stream.IterableShardedLoader` (streams) share it.
 """
 
 from __future__ import annotations
 
-__all__ = ["LoaderPosition"]
+__all__ = ["LoaderPosition", "limited_batches"]
 
 
 class LoaderPosition:
@@ -57,3 +57,24 @@ class LoaderPosition:
             )
         self.epoch = int(state["epoch"])
         self.batches = int(state["samples"]) // per_step
+
+
+def limited_batches(total: int | None, limit: int | float | None) -> int | None:
+    """The number of batches to run out of ``total`` under ``limit`` (``None``: all ``total``).
+
+    A fraction of a loader with an unknown length (an iterable dataset) is an error; a fraction that
+    rounds to 0 batches of a non-empty loader runs 1.
+
+    Raises:
+        ValueError: A fraction of a loader of unknown length.
+    """
+    if limit is None:
+        return total
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        return limit if total is None else min(limit, total)
+    if total is None:
+        raise ValueError(
+            f"a fractional batch limit ({limit}) needs a loader with a length; this one (an iterable "
+            "dataset) has none: give an int number of batches"
+        )
+    return max(1, int(total * limit)) if total and limit > 0 else 0
