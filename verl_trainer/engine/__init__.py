@@ -1,4 +1,4 @@
-"""The engine layer: ``EngineRegistry``, ``BaseEngine`` and the backends (DESIGN.md §4).
+"""The engine layer: ``EngineRegistry``, ``BaseEngine`` and the backends (docs/design.md §4).
 
 Importing this package registers the built-in engines. Optional backends are imported inside
 ``try/except ImportError`` so a machine without their package (e.g. deepspeed) imports fine; their

@@ -1,7 +1,7 @@
 """What one ``forward_backward_batch`` carries, and its default schedule.
 
 ``BaseEngine.forward_backward_batch`` is the one micro-batch loop of every engine, in the order
-DESIGN.md §4 fixes:
+docs/design.md §4 fixes:
 
 1. ``core_algos/aggregation.py: compute_global_batch_info``: ``batch_num_tokens`` (the loss-mask sum) and
    ``global_batch_size`` (real samples) all-reduced over the DP group, before splitting;

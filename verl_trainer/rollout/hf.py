@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 
+from verl_trainer.models.hf_files import to_dtype
 from verl_trainer.models.loading import load_causal_lm, load_tokenizer
 from verl_trainer.rollout.base import BaseRollout, weight_mismatch_report
 from verl_trainer.rollout.config import RolloutConfig
@@ -17,8 +18,6 @@ from verl_trainer.rollout.divergence import DivergenceError, diverged, is_sample
 from verl_trainer.rollout.registry import register_rollout
 from verl_trainer.rollout.sampling import RowSampler, logits_warpers, row_uniforms, sample_dropping_finished
 from verl_trainer.utils.device import get_torch_device
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -75,7 +74,7 @@ class HFRollout(BaseRollout):
             tokenizer = load_tokenizer(model)
         super().__init__(config, tokenizer)
         self.device = resolve_device(config.device)
-        dtype = _DTYPES[config.dtype]
+        dtype = to_dtype(config.dtype)
         if isinstance(model, (str, Path)):
             self.model = load_causal_lm(
                 model, attn_implementation=config.attn_implementation, torch_dtype=dtype

@@ -134,13 +134,9 @@ def bf16_supported(device_type: str) -> bool:
     return any(p() for p in probes if p is not None)
 
 
-def _registered_backends() -> list[str]:
-    return sorted({key[1] for key in EngineRegistry.registered()})
-
-
 def available_strategies() -> list[str]:
     """The strategy names this installation can build (the registered engine backends)."""
-    return _registered_backends()
+    return EngineRegistry.backends()
 
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -190,7 +186,7 @@ class Strategy:
                 f"strategy {self.backend!r} needs the package {package!r}, which is not installed; install "
                 f"it with `pip install 'verl-trainer[{extra}]'` or choose another strategy"
             )
-        known = _registered_backends()
+        known = EngineRegistry.backends()
         if self.backend not in known:
             raise ValueError(
                 f"unknown strategy {self.backend!r}; registered strategies (engine backends): "
