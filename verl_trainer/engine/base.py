@@ -1,58 +1,17 @@
 """The engine interface: :class:`BaseEngine` (with its mode contexts ``train_mode`` / ``eval_mode``).
 
 An engine owns one model (and, when trained, its optimizer and LR scheduler) sharded over the
-data-parallel ranks. Its public surface has five groups:
-
-* lifecycle: :meth:`~BaseEngine.initialize`, :meth:`~BaseEngine.to`, :meth:`~BaseEngine.train_mode`,
-  :meth:`~BaseEngine.eval_mode`;
-* compute: :meth:`~BaseEngine.forward_backward_batch`, :meth:`~BaseEngine.train_batch`,
-  :meth:`~BaseEngine.infer_batch`;
-* optimizer: :meth:`~BaseEngine.optimizer_zero_grad`, :meth:`~BaseEngine.optimizer_step`,
-  :meth:`~BaseEngine.lr_scheduler_step`;
-* topology: ``get_data_parallel_size/rank/group``, :meth:`~BaseEngine.is_mp_src_rank_with_outputs`;
-* weight export: :meth:`~BaseEngine.get_per_tensor_param`, :meth:`~BaseEngine.save_hf` (an HF directory);
-
-plus :meth:`~BaseEngine.save_checkpoint` / :meth:`~BaseEngine.load_checkpoint`.
-
-A backend is one class plus its registration; everything else is a part the engine holds:
-
-* the model type (``engine.model_type``: ``heads.LanguageModel`` / ``heads.ValueModel``, from the
-  registry's ``model_type``): which HF class is loaded, which outputs are computed;
-* the schedule (``engine.schedule``): ``compute.SEQUENTIAL``, or with ``pp > 1`` the engine's
-  ``pipeline.PipelineParallel`` part (``engine.pipeline``, set by the backend that splits the model);
-* LoRA (``engine.lora``: ``lora.LoRAAdapters``, only when the model carries adapters), loss scaling
-  (``engine.grad_scaler``, only under float16) and offload (``offload.py``, only when configured);
-* the weights out (``weights.WeightStream``: ``get_per_tensor_param``, LoRA merged) and the HF directory
-  (``hf_export.HFExport``: ``save_hf``), built from the engine's state when called.
-
-verl's public names stay on the engine as delegations to these parts. What a backend can do is declared on
-its class (``SUPPORTS_*_PARALLEL``, ``RESHARDABLE_CHECKPOINTS``, ``CPU_FLOAT16_REFUSAL``) and read from
-there (the registry's ``backend_class`` / ``backends(capability)``).
+data-parallel ranks; its public surface keeps verl's names (docs/design.md §4). A backend is one class plus
+its registration; the rest are parts the engine holds: the model type (``engine/heads.py``), the schedule
+(``compute.SEQUENTIAL`` or, with ``pp > 1``, ``engine.pipeline``), LoRA (``engine.lora``), float16 loss
+scaling (``engine.grad_scaler``), offload, the weight stream (``weights.py``) and the HF export
+(``hf_export.py``). verl's method names delegate to them. A backend's capabilities are class attributes
+(``SUPPORTS_*_PARALLEL``, ``RESHARDABLE_CHECKPOINTS``, ``CPU_FLOAT16_REFUSAL``), read through the registry.
 
 This class holds the one micro-batch loop (:meth:`forward_backward_batch`) and the one optimizer step
 (:meth:`train_batch`). The engine owns no loss: the caller hands ``loss_function(model_output,
-micro_batch, info)`` in (contract: ``verl_trainer.core_algos.aggregation``).
-
-Writing a backend (``fsdp.py`` and ``deepspeed.py`` follow this recipe;
-``tests/engine/test_backend_recipe.py`` builds one from it)::
-
-    @EngineRegistry.register(model_type=["language_model", "value_model"], backend="mine",
-                             device=["cpu", "cuda"])
-    class MyEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
-        def initialize(self):
-            self.topology = engine_topology(self.topology, self.config, self.device.type)
-            model = self.build_model()                  # checkpoint or factory, + LoRA
-            self.model_config = model.config
-            self.module = wrap(model, self.topology.shard_mesh)          # your sharding
-            self.optimizer = build_optimizer(self.module.parameters(), self.optim_config)
-            self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim_config)
-            self.initialized = True
-        def to(self, device, model=True, optimizer=True, grad=True): ...   # offload.py helpers
-        def named_full_tensors(self, keep=None): ...    # (name, full tensor) one at a time
-        # optional: forward_model (what is called), _backward(loss), _grad_sync_context(is_last)
-
-``OptimizerMixin`` (``optim.py``) is the torch-optimizer step; ``DCPCheckpointMixin`` (``checkpoint.py``)
-the DCP checkpoints; a backend with its own (DeepSpeed) implements those methods itself.
+micro_batch, info)`` in (contract: ``verl_trainer.core_algos.aggregation``). Writing a backend:
+docs/architecture.md, "How to add ..." (tested by ``tests/engine/test_backend_recipe.py``).
 """
 
 from __future__ import annotations

@@ -56,9 +56,8 @@ __all__ = [
 
 AUTO_CPU_VLLM_MIN_PARAMS = 25_000_000
 """``auto`` on CPU picks vLLM for models with at least this many decoder parameters (``12 * layers *
-hidden**2``): the smallest shape of ``bench/rollout.py`` where vLLM was > 1.1x faster per token in two runs
-(2026-12-04: 25M 1.55x / 1.40x, 85M 1.47x / 1.46x; 11M 1.15x / 1.05x, hidden 256 / 4 layers (3M) 0.88x;
-earlier: Qwen2.5-0.5B's layers (231M) 1.51x, the demo (0.1M) HF 3.4x faster)."""
+hidden**2``): the smallest shape of ``bench/rollout.py`` where vLLM is faster per token (the figures and how
+to re-measure: docs/rollout.md, "``auto``")."""
 
 
 def decoder_params(model: str | Path) -> int:

