@@ -1,42 +1,24 @@
 """DeepSpeed's JIT-built ops: announced before they compile, and never stuck behind a stale build lock.
 
-On CPU, ``deepspeed.initialize`` builds one C++ op the first time it runs with a given torch and Python:
-``deepspeed_shm_comm`` (``ShareMemCommBuilder``, loaded by ``deepspeed.comm``'s ``TorchBackend``; the
-engine builds its torch optimizer itself, so no optimizer op is built). torch compiles it with
-``torch.utils.cpp_extension.load`` into ``$TORCH_EXTENSIONS_DIR/<op>/`` (unset:
-``~/.cache/torch_extensions/py<maj><min>_<cpu|cuXY>/<op>/``), guarded by torch's ``FileBaton``: the file
-``<op dir>/lock``, created with ``O_CREAT | O_EXCL`` and removed when the build ends. A process killed
-during the build leaves that file, and every later load on the machine waits for it to disappear, forever
-and silently. :func:`prepare_deepspeed_ops` runs on every rank before ``deepspeed.initialize`` and loads
-each such op itself (DeepSpeed's later load then returns the cached module):
+On CPU ``deepspeed.initialize`` builds ``deepspeed_shm_comm`` the first time it runs with a given torch and
+Python, into :func:`extensions_root`'s ``<op>/`` under torch's ``FileBaton`` (the file ``<op dir>/lock``),
+which a killed build leaves behind for every later load to wait on. :func:`prepare_deepspeed_ops` runs on
+every rank before ``deepspeed.initialize`` and loads each such op itself (DeepSpeed's later load returns the
+cached module):
 
-1. Rank 0 warns, before the build, when the op's ``.so`` is not yet in the directory of any rank (a first
-   build takes minutes), naming the op and each such host and directory.
-2. Each rank inspects ``<op dir>/lock`` (:func:`inspect_build_lock`) while holding the project's build
-   lock ``<op dir>/.verl_trainer_build.flock`` (an ``fcntl.flock``, released by the kernel when its
-   holder dies, however it dies; the file itself is kept). The ranks gather what they found; if any rank
-   found a lock it cannot prove stale, every rank raises :class:`StaleBuildLockError` together, naming
-   the file and the fix.
-3. Each rank loads the op while holding the build lock (ranks on one machine take turns: the first
-   builds, the others find it built). A stale ``lock`` found there (an owner killed since step 2) is
-   cleared when proven stale and raised otherwise.
+1. rank 0 warns before a first build, naming the op and each host and directory where it is missing;
+2. each rank inspects ``<op dir>/lock`` (:func:`inspect_build_lock`) while holding the project's build lock
+   (:func:`build_lock`); if any rank found a lock it cannot prove stale, every rank raises
+   :class:`StaleBuildLockError` together, naming the file and the fix;
+3. each rank loads the op while holding the build lock (the first builds, the others find it built).
 
-When is torch's ``lock`` stale? Measured during a real build of ``deepspeed_shm_comm`` (torch 2.13): the
-building Python process keeps the lock file open (``FileBaton`` holds the descriptor from creation to
-release; it is not inherited by children), and ``ninja`` and the compilers it starts run with their
-working directory in the op directory, holding no descriptor of the lock. The kernel closes a killed
-process's descriptors. So a ``lock`` is **stale** when (a) this process holds the project's build lock
-(so no verl-trainer process is inside its build), (b) no live process has the lock file open (scanning
-``/proc/<pid>/fd``, by device and inode), and (c) no live process has its working directory inside the
-op directory (the killed owner's ``ninja`` may still be writing there). A lock that passes (a)-(c) is
-removed and reported (a warning on rank 0). It is **unproven**, and the start fails at once with
-:class:`StaleBuildLockError` naming the file and ``rm <path>`` as the fix, when (c) fails (a process
-sits in the directory with no lock open), when ``/proc`` is missing (not Linux), or when a process of
-the lock file's owner (the user whose process created it) cannot be inspected (another user's processes,
-for a lock another user created). A lock some process holds open is a build in progress: rank 0 warns
-with its pid and command, and torch waits for it. Processes in another PID namespace (another container
-sharing the directory) or on another host (a network file system) are invisible to this check: give such
-runs separate ``TORCH_EXTENSIONS_DIR`` directories.
+A ``lock`` is **stale** when (a) this process holds the project's build lock, (b) no live process has the
+lock file open (by device and inode, in ``/proc/<pid>/fd``) and (c) no live process has its working
+directory inside the op directory; it is then removed and reported on rank 0. A lock held open is a build in
+progress (rank 0 names its pid, torch waits). It is **unproven** when (c) fails, ``/proc`` is missing, or a
+process of the lock's owner cannot be inspected. Processes in another PID namespace or on another host are
+not seen. The reasons and the tests: docs/reliability.md, "A killed DeepSpeed op build never blocks later
+runs".
 """
 
 from __future__ import annotations

@@ -1,22 +1,20 @@
 """A crash on one rank ends every rank with that rank's error, never a hang.
 
-The pieces (all ranks run them; :func:`guard` wraps every ``fit`` / ``validate``):
+All ranks run these parts; :func:`guard` wraps every ``fit`` / ``validate``:
 
-* **failure channel**: a client of the rendezvous TCPStore (``MASTER_ADDR:MASTER_PORT``, hosted by rank 0,
-  or by the torchrun agent). The first rank that fails posts ``(rank, traceback)`` under a key of the
-  current run (first writer wins, ``compare_set``).
-* **guard**: on an exception a rank posts its error. If another rank's error is already posted (or, when
-  the exception is a broken collective, appears within a few seconds), this rank raises
-  :class:`RankFailedError` carrying that rank's traceback, chained to its own exception.
-* **watchdog thread**: polls the channel; when another rank's error appears it acknowledges it and gives
-  this rank's main thread :data:`FAILURE_GRACE_S` to end by itself (gloo collectives fail quickly once the
-  failing process exits); a main thread still blocked then (e.g. in an NCCL collective) is ended with the
-  failing rank's message and exit code 1. A child started by the launcher also ends when its launcher
-  (rank 0) is gone.
+* the failure channel: a client of the rendezvous TCPStore (``MASTER_ADDR:MASTER_PORT``). The first rank
+  that fails posts ``(rank, traceback)`` under a key of the current run (first writer wins, ``compare_set``).
+* :func:`guard`: on an exception a rank posts its error. If another rank's error is already posted (or, for
+  a broken collective, appears within a few seconds), it raises :class:`RankFailedError` carrying that
+  rank's traceback, chained to its own exception.
+* the watchdog thread: when another rank's error appears it gives the main thread
+  :data:`FAILURE_GRACE_S` to end by itself, then ends a main thread still blocked (an NCCL collective)
+  with the failing rank's message and exit code 1. A child of the launcher also ends when rank 0 is gone.
 
 A process killed without a Python error (SIGKILL, segfault) cannot post: the launcher's observer posts
-``rank r exited with code c`` for it (``verl_trainer.training.launch``); under torchrun/SLURM the launcher
-ends the job. The collective timeout of the process group is the last resort.
+``rank r exited with code c`` for it (:mod:`verl_trainer.training.launch`); under torchrun / SLURM the
+launcher ends the job; the process group's collective timeout is the last resort. The promise and its
+tests: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ import torch.distributed as dist
 
 __all__ = ["CollectiveTimeoutError", "RankFailedError", "guard", "start_watchdog"]
 
-FAILURE_GRACE_S = 10.0
+FAILURE_GRACE_S = 10.0  # gloo collectives fail quickly once the failing process exits; NCCL ones may not
 """Seconds a rank's main thread gets to end by itself once another rank's failure is known."""
 POLL_S = 0.25
 COMM_ERROR_WAIT_S = 5.0

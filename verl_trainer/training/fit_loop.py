@@ -21,11 +21,9 @@ Hook order of ``fit`` (pinned by ``tests/trainer/test_hooks.py``; validation, te
 ``on_train_end``). ``on_exception`` runs when the stage raises, before ``teardown``.
 
 ``accumulate_grad_batches=K`` joins K consecutive loader batches into the batch of one optimizer step
-(``data/schema.py: concat_batches``) before ``training_step``: the engine then computes the global
-denominators (tokens, samples) over all K batches, splits the joined batch into its micro-batches
-(``micro_batch_size_per_gpu`` or the token budget) and steps once. So the loss and gradient equal one
-step on a K-times larger batch exactly, which summing K separately normalised backward passes would
-not (token-mean over K batches of different token counts). ``global_step`` counts optimizer steps.
+(``data/schema.py: concat_batches``) before ``training_step``, so the loss and gradient equal one step on a
+K-times larger batch (docs/lightning.md, "accumulate_grad_batches and the global denominators");
+``global_step`` counts optimizer steps.
 """
 
 from __future__ import annotations

@@ -1,25 +1,19 @@
 """Joining or starting the process world: Lightning's cluster environments and script launcher.
 
-Every rank runs the same script (SPMD). How the ranks come to exist:
+Every rank runs the same script (SPMD). The ranks come from one of:
 
-* **plain ``python script.py``** with ``Trainer(devices=N)``: Lightning's
-  :class:`~lightning.fabric.plugins.environments.LightningEnvironment` does not find ``LOCAL_RANK``,
-  so :class:`ScriptLauncher` (Lightning's ``_SubprocessScriptLauncher``) re-runs the same command N-1
-  times with ``LOCAL_RANK=1..N-1`` (and ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``NODE_RANK``);
-  the parent becomes rank 0. The children run the script from the top and join when they reach
-  ``fit``. Scripts therefore need an ``if __name__ == "__main__":`` guard, as with Lightning.
-* **torchrun**, **SLURM** (``srun``), LSF: :func:`select_cluster_environment` detects them
-  (Lightning's environments, in Lightning's order) and every process joins the existing world;
-  ``devices``/``num_nodes`` are checked against it (``validate_settings``).
-* **an initialised process group** (e.g. a test harness): it is joined as is.
+* a plain ``python script.py`` with ``Trainer(devices=N)``: :class:`ScriptLauncher` (Lightning's
+  ``_SubprocessScriptLauncher``) re-runs the same command N-1 times with ``LOCAL_RANK=1..N-1`` (and
+  ``MASTER_ADDR`` / ``MASTER_PORT`` / ``WORLD_SIZE`` / ``NODE_RANK``); the parent is rank 0 and the children
+  join when they reach ``fit``, so scripts need an ``if __name__ == "__main__":`` guard, as with Lightning;
+* torchrun, SLURM (``srun``), LSF: :func:`select_cluster_environment` detects them (Lightning's
+  environments, in its order) and every process joins; ``devices`` / ``num_nodes`` are checked against
+  the world (``validate_settings``);
+* an initialised process group (a test harness): joined as is.
 
-:func:`connect` then initialises the process group (gloo on CPU, nccl on CUDA) through the
-``env://`` rendezvous and keeps it for later ``fit``/``validate`` calls of the same script.
-
-Failure handling (no rank may hang when another one fails) is in :mod:`verl_trainer.training.failure`:
-a failing rank posts its traceback to the rendezvous store; a watchdog thread on every rank ends a
-rank whose main thread stays blocked; the launcher's observer reports a child that died without a
-Python error (SIGKILL, segfault) and kills what is left.
+:func:`connect` initialises the process group (gloo on CPU, nccl on CUDA) through ``env://`` and keeps it
+for later ``fit`` / ``validate`` calls of the same script. Ending every rank when one fails:
+:mod:`verl_trainer.training.failure`.
 """
 
 from __future__ import annotations

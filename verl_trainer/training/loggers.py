@@ -1,27 +1,12 @@
 """Loggers of the Trainer: Lightning's CSV, wandb, TensorBoard and MLflow loggers, on global rank 0 only.
 
-``Trainer(logger=...)`` accepts:
-
-* ``True`` (default): a ``CSVLogger`` (Lightning's fallback when TensorBoard is absent);
-* ``False`` / ``None``: no logging;
-* ``"csv"``: ``CSVLogger(save_dir=default_root_dir, name="lightning_logs")`` — metrics in
-  ``<default_root_dir>/lightning_logs/version_N/metrics.csv``, hyperparameters in ``hparams.yaml``;
-* ``"wandb"``: ``WandbLogger(save_dir=default_root_dir, project="verl-trainer")`` — the run directory is
-  ``<default_root_dir>/wandb/``; it runs **offline automatically** when no API key is configured
-  (``WANDB_API_KEY`` or a ``api.wandb.ai`` entry in ``~/.netrc``) and ``WANDB_MODE`` is not set;
-* ``"tensorboard"``: ``TensorBoardLogger(save_dir=default_root_dir)`` (needs ``tensorboard`` or
-  ``tensorboardX``, e.g. ``pip install verl-trainer[tensorboard]``: otherwise a ``ValueError`` naming it);
-* ``"mlflow"``: ``MLFlowLogger(experiment_name="verl-trainer")`` writing to a local SQLite store,
-  ``sqlite:///<default_root_dir>/mlflow.db`` (``MLFLOW_TRACKING_URI`` when set), never a server unless you
-  name one. Any process reads it back: ``mlflow.MlflowClient("sqlite:///<dir>/mlflow.db")``, or
-  ``mlflow ui --backend-store-uri sqlite:///<dir>/mlflow.db`` (the UI needs full ``mlflow``). Needs the
-  ``mlflow`` extra: ``pip install verl-trainer[mlflow]`` (the tracking client ``mlflow-skinny`` with
-  ``sqlalchemy`` and ``alembic`` for the SQLite store), or full ``mlflow``; otherwise a ``ValueError``
-  naming what to install;
-* a Lightning ``Logger`` instance, or a list mixing any of these.
-
-String specs are built at ``fit`` time on global rank 0 only (other ranks log nothing); hyperparameters
-(``module.hparams``) are logged once per run.
+``Trainer(logger=...)`` accepts ``True`` (a ``CSVLogger``, Lightning's fallback), ``False`` / ``None``,
+``"csv"`` (``<default_root_dir>/lightning_logs/version_N/``), ``"wandb"`` (``<default_root_dir>/wandb/``;
+offline when no API key is configured and ``WANDB_MODE`` is unset), ``"tensorboard"``, ``"mlflow"`` (a local
+SQLite store ``sqlite:///<default_root_dir>/mlflow.db``, or ``MLFLOW_TRACKING_URI``), a Lightning ``Logger``,
+or a list of these. A missing optional package is a ``ValueError`` naming what to install. String specs are
+built at ``fit`` time on global rank 0 only (other ranks log nothing); ``module.hparams`` are logged once per
+run. User guide: docs/lightning.md, "Trainer arguments".
 """
 
 from __future__ import annotations
