@@ -1,10 +1,7 @@
 """The module interface that SFT, PPO and GRPO implement for :class:`verl_trainer.Trainer`.
 
-A :class:`TrainingModule` is small: it names its engines, says what one training step does, and holds
-whatever plain state it needs across steps. The Trainer does the rest (processes, engines' setup,
-data sharding, hooks, metric reduction, logging, checkpoints). Every rank runs the same module (SPMD).
-
-What to implement::
+A :class:`TrainingModule` names its engines, says what one training step does, and holds the plain state it
+needs across steps; the Trainer does the rest. Every rank runs the same module (SPMD). ::
 
     class MySFT(TrainingModule):
         def configure_engines(self):                      # called once the process group exists
@@ -18,42 +15,29 @@ What to implement::
             return {"train/loss": out["loss"], "train/grad_norm": out["grad_norm"],
                     "micro_batches": out["metrics"]}
 
-Required: :meth:`~TrainingModule.configure_engines`, :meth:`~TrainingModule.training_step`.
-Optional: :meth:`~TrainingModule.validation_step`, :meth:`~TrainingModule.test_step`,
-:meth:`~TrainingModule.predict_step`, :meth:`~TrainingModule.setup`,
-:meth:`~TrainingModule.state_dict` / :meth:`~TrainingModule.load_state_dict` (plain data: it is saved
-with ``torch.save`` and loaded with ``weights_only=True``), :attr:`~TrainingModule.hparams` (logged once),
-``train_dataloader()`` / ``val_dataloader()`` when no datamodule is passed to ``fit``.
+Required: :meth:`~TrainingModule.configure_engines`, :meth:`~TrainingModule.training_step`. Optional:
+``validation_step``, ``test_step``, ``predict_step``, ``setup``, ``state_dict`` / ``load_state_dict`` (plain
+data: saved with ``torch.save``, loaded with ``weights_only=True``), ``hparams`` (logged once),
+``train_dataloader()`` / ``val_dataloader()`` when ``fit`` gets no datamodule.
 
-**Step outputs** (``training_step`` / ``validation_step`` return a mapping; the loop reduces
-it over micro-batches and ranks before anything is logged):
+**Step outputs** (``training_step`` / ``validation_step`` return a mapping, reduced over micro-batches and
+ranks before anything is logged):
 
 * a :class:`~verl_trainer.metrics.Metric` — reduced as it declares (SUM / MEAN / MIN / MAX);
-* a plain number or 0-d tensor — a MEAN over ranks (use it for values equal on every rank: the
-  engine's global ``loss``, ``grad_norm``, ``lr``);
-* a list of per-micro-batch ``{name: Metric}`` dicts (``engine.train_batch(...)["metrics"]``) — merged
-  in under their own names (the key is not used);
-* anything else (tensors, batches) is passed to ``on_train_batch_end`` but not logged.
+* a plain number or 0-d tensor — a MEAN over ranks (for values equal on every rank: the engine's global
+  ``loss``, ``grad_norm``, ``lr``);
+* a list of per-micro-batch ``{name: Metric}`` dicts (``engine.train_batch(...)["metrics"]``) — merged in
+  under their own names (the key is not used);
+* anything else is passed to ``on_train_batch_end`` but not logged.
 
-**Logging from a step**: ``self.log("name", value, reduce="mean")`` (Lightning's ``self.log``) adds a value
-to the step's metrics with its reduction over micro-batches and ranks (``"mean"``, ``"sum"``, ``"min"``,
-``"max"``) — the same path as the step outputs (:meth:`Trainer.log_metrics`); call it on every rank.
-``self.log_dict({...}, reduce=...)`` logs several.
-
-**Hooks a step may dispatch** (``self.trainer``): ``call_hook("on_rollout_end", batch)`` after rollout
-and rewards; ``batch = call_hook("on_before_update", batch)`` before the engine update (callbacks such as
-``SequenceBalancing`` may return a re-partitioned batch); ``engine.train_batch(batch, loss_fn,
-hooks=self.step_hooks)`` — the one optimizer step — dispatches ``on_micro_batches`` (the planned
-micro-batches), ``on_before_backward`` (per micro-batch), ``on_after_backward`` and
-``on_before_optimizer_step``. The Trainer steps every engine's LR scheduler once after each
-``training_step``.
+**Hooks a step may dispatch** (``self.trainer.call_hook``): ``on_rollout_end(batch)`` after rollout and
+rewards; ``batch = on_before_update(batch)`` before the engine update (a callback may return a
+re-partitioned batch); ``engine.train_batch(..., hooks=self.step_hooks)`` dispatches the optimizer-step
+hooks. The Trainer steps every engine's LR scheduler once after each ``training_step``.
 
 **Declared contract** (what callbacks may ask a module): :attr:`TrainingModule.actor`,
-:attr:`TrainingModule.hidden_size` (the actor model's), :attr:`TrainingModule.required_batch_multiple`.
-
-**Data parallelism**: ``self.topology`` (``dp_group`` / ``dp_rank`` / ``dp_size``; also
-``self.trainer.dp_group`` / ...) is the run's topology, which the Trainer's strategy builds once, hands to
-every engine and sets on the module with them; the Trainer shards the data by it.
+:attr:`TrainingModule.hidden_size`, :attr:`TrainingModule.required_batch_multiple`. User guide:
+docs/lightning.md, "Modules".
 """
 
 from __future__ import annotations

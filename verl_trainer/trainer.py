@@ -6,20 +6,18 @@
                       callbacks=[ModelCheckpoint(every_n_train_steps=10)])
     trainer.fit(SFT(config), datamodule=data, ckpt_path="last")
 
-Every rank runs the Trainer. ``fit`` starts or joins the process world (``verl_trainer.training.launch``),
-builds the module's engines with the strategy, shards the data by data-parallel rank
-(``verl_trainer.data.sharded_loader``), restores a checkpoint, and hands the run to its loop
-(:class:`~verl_trainer.training.fit_loop.FitLoop`; validation / test / predict:
+Every rank runs the Trainer, a façade: ``fit`` starts or joins the process world
+(``verl_trainer.training.launch``), builds the module's engines with the strategy, shards the data by
+data-parallel rank, restores a checkpoint, and hands the run to
+:class:`~verl_trainer.training.fit_loop.FitLoop` (evaluation:
 :class:`~verl_trainer.training.evaluation.EvaluationLoop`), which owns the run's
-:class:`~verl_trainer.training.progress.Progress` and dispatches hooks through :meth:`Trainer.call_hook`.
-The Trainer's Lightning attributes (``global_step``, ``current_epoch``, ``should_stop``, ...) read that
-progress. Invalid arguments fail here, at construction.
+:class:`~verl_trainer.training.progress.Progress`; the Lightning attributes (``global_step``,
+``current_epoch``, ``should_stop``, ...) read it. Invalid arguments fail at construction.
 
-Callback order is fixed: ``MetricReduction`` first (its group is where the loops reduce the module's
-step outputs into logged values, before any callback sees them), then the user's callbacks in the given
-order (the default ``ProgressBar`` after them), and ``ModelCheckpoint`` callbacks last, as in Lightning.
-Metrics of a step are logged on rank 0 after ``on_train_batch_end`` (every ``log_every_n_steps``), or
-earlier when a checkpoint is saved, so a checkpoint never precedes its own step in the logs.
+Invariants: callbacks run in ``training/arguments.py``'s fixed order (``MetricReduction`` first, the user's in
+the given order, ``ModelCheckpoint`` last); a step's metrics are logged on rank 0 after
+``on_train_batch_end``, or earlier when a checkpoint is saved, so a checkpoint never precedes its own step in
+the logs. The parts: docs/lightning.md, "The Trainer's parts".
 """
 
 from __future__ import annotations

@@ -1,32 +1,23 @@
 """DeepSpeed engines: ZeRO stage 1, 2 or 3 (``deepspeed``, ``deepspeed_stage_{1,2,3}``).
 
-:class:`DeepSpeedEngine` is one backend class (``BaseEngine``'s recipe: the one micro-batch loop, the
-model-type and LoRA parts) with the LR schedule of ``OptimizerMixin`` and DeepSpeed's checkpoints,
-registered for both model types; it adds only what is DeepSpeed-specific:
+:class:`DeepSpeedEngine` is one backend class (``BaseEngine``'s loop and parts, ``OptimizerMixin``'s LR
+schedule, DeepSpeed's checkpoints), registered for both model types. What is DeepSpeed-specific:
 
-* ``deepspeed.initialize`` with a generated config dict (``engine/deepspeed_config.py``) and the torch
-  optimizer built from ``OptimConfig`` (AdamW by default, any class by name: ``engine/optimizers.py``; the
-  config sets ``zero_allow_untested_optimizer``); ``gradient_accumulation_steps`` stays 1 and the engine
-  marks the last micro-batch with ``set_gradient_accumulation_boundary``, so no loss is divided by the
-  micro-batch count. Gradients are reduced once per step, after the last micro-batch: ZeRO-1 at that boundary;
-  ZeRO-2/3 (which reduce inside every backward, and whose ``no_sync`` refuses) inside one DeepSpeed
-  ``coalesce_grad_reduction`` block spanning the step's micro-batches (see ``_grad_sync_context``).
-* Every forward goes through the DeepSpeed engine (``DeepSpeedEngine.forward``): ZeRO-3 gives wrong
-  gradients from the second micro-batch on when the HF module is called directly.
-* ``optimizer_step`` is DeepSpeed's ``step``: global grad norm, clipping, and a non-finite norm zeroes the
-  gradients and skips the step (fp32 and bf16; fp16 also adjusts its loss scale). The LR schedule is a
-  torch ``LambdaLR`` on the same optimizer, stepped by ``lr_scheduler_step`` only.
-* The C++ op ``deepspeed.initialize`` JIT-builds (on CPU: ``deepspeed_shm_comm``) is loaded first by
-  ``engine/deepspeed_ops.py``: a first build is announced, a stale torch build lock is cleared or named.
-* ``get_per_tensor_param`` gathers one ZeRO-3 parameter at a time (``GatheredParameters``).
-* Checkpoints: DeepSpeed's own format under ``path/deepspeed/`` (model + ZeRO optimizer partitions),
-  plus the shared ``extra_state_rank{r}.pt`` (scheduler, RNG), ``meta.json`` and the HF config; written
-  atomically and read with ``torch.load(weights_only=True)`` (``engine/deepspeed_checkpoint.py``).
+* ``deepspeed.initialize`` with a generated config (``engine/deepspeed_config.py``) and the torch optimizer
+  built from ``OptimConfig`` (``engine/optimizers.py``); ``gradient_accumulation_steps`` stays 1 and the
+  last micro-batch is marked with ``set_gradient_accumulation_boundary``, so no loss is divided by the
+  micro-batch count, and gradients are reduced once per step (:meth:`DeepSpeedEngine._grad_sync_context`).
+* Every forward goes through ``DeepSpeedEngine.forward`` (:class:`DeepSpeedForward`), Ulysses included.
+* ``optimizer_step`` is DeepSpeed's ``step`` (global grad norm, clipping, a non-finite norm zeroes the
+  gradients and skips the step; fp16 also adjusts its loss scale); the LR schedule is a torch ``LambdaLR``
+  on the same optimizer, stepped by ``lr_scheduler_step`` only.
+* The C++ op ``deepspeed.initialize`` JIT-builds is loaded first by ``engine/deepspeed_ops.py``.
+* ``named_full_tensors`` gathers one ZeRO-3 parameter at a time (``GatheredParameters``).
+* Checkpoints: DeepSpeed's format under ``path/deepspeed/`` plus the shared extra state, ``meta.json`` and
+  HF config, written atomically, read with ``weights_only=True`` (``engine/deepspeed_checkpoint.py``).
 
-Ulysses sequence parallelism (``ulysses_sequence_parallel_size > 1``) runs the shared Ulysses forwards
-(``models/ulysses_forward.py``) through ``DeepSpeedEngine.forward``. ``import deepspeed`` happens in
-:meth:`DeepSpeedEngine.initialize`, so importing ``verl_trainer.engine`` stays cheap; this module raises
-``ImportError`` when deepspeed is not installed.
+``import deepspeed`` happens in :meth:`DeepSpeedEngine.initialize`; without the package it raises
+``ImportError``.
 """
 
 from __future__ import annotations
@@ -214,6 +205,7 @@ class DeepSpeedEngine(OptimizerMixin, DeepSpeedCheckpointMixin, BaseEngine):
     @property
     def forward_model(self) -> DeepSpeedForward:
         """What the shared packed / Ulysses forwards call (through ``DeepSpeedEngine.forward``)."""
+        # never the HF module directly: ZeRO-3 then gives wrong gradients from the second micro-batch on
         return DeepSpeedForward(self.ds_engine)
 
     def _backward(self, loss: torch.Tensor) -> None:

@@ -1,23 +1,20 @@
 """Split a rank's mini-batch into micro-batches: a fixed size, or a token budget (dynamic).
 
 verl 0.9.1's names and semantics (``verl/utils/seqlen_balancing.py``: ``rearrange_micro_batches``,
-``get_reverse_idx``, ``restore_dynamic_batch``; ``prepare_micro_batches`` of its engine), with:
+``get_reverse_idx``, ``restore_dynamic_batch``; ``prepare_micro_batches`` of its engine). Invariants:
 
-* **Dynamic mode finds the fewest micro-batches directly.** verl starts at ``ceil(total / budget)``
-  and re-runs Karmarkar-Karp with one more micro-batch until every one fits (~2 s for 256 samples at
-  a 4096 budget). Here first-fit-decreasing gives a feasible count, the Martello-Toth lower bound
-  often proves it minimal, else Karmarkar-Karp is tried at each smaller count, so the count is never
-  above verl's. Every micro-batch fits the budget, always; they are token-balanced where possible.
-* **Every DP rank runs the same number of micro-batches** (FSDP gathers parameters in each forward:
-  a rank with one fewer hangs the others). The count is the MAX over the DP group, agreed in one
-  all-reduce that also carries the longest sample, so a sample over the budget raises ``ValueError``
-  on every rank together instead of a hang.
-* A rank that has fewer samples than the agreed count gets **padding micro-batches**: one synthetic
-  sample each (``verl_trainer.core_algos.balancing.make_padding_samples``: one token, zero loss mask,
-  ``is_padding``), marked ``-1`` in the returned index list; :func:`restore_dynamic_batch` drops
-  their rows. A rank with at least that many samples never gets an empty or padding micro-batch.
+* Dynamic mode: every micro-batch fits the budget, and their count is never above verl's (the fewest
+  :func:`min_micro_batches` finds); they are token-balanced where possible.
+* Every DP rank runs the same number of micro-batches (FSDP gathers parameters in each forward: a rank with
+  one fewer hangs the others): the MAX over the DP group, agreed in one all-reduce that also carries the
+  longest sample, so a sample over the budget raises ``ValueError`` on every rank together.
+* A rank with fewer samples than the agreed count gets padding micro-batches of one synthetic sample each
+  (``core_algos.balancing.make_padding_samples``: one token, zero loss mask, ``is_padding``), marked ``-1``
+  in the returned index list; :func:`restore_dynamic_batch` drops their rows. A rank with at least that
+  many samples never gets an empty or padding micro-batch.
 
-Sample lengths come from ``data["seq_len"]`` (else ``attention_mask.sum(-1)``).
+Sample lengths come from ``data["seq_len"]`` (else ``attention_mask.sum(-1)``). Figures against verl:
+docs/benchmarks.md (dynamic micro-batching).
 """
 
 from __future__ import annotations
