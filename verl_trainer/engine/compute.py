@@ -1,21 +1,16 @@
 """What one ``forward_backward_batch`` carries, and its default schedule.
 
 ``BaseEngine.forward_backward_batch`` is the one micro-batch loop of every engine, in the order
-docs/design.md §4 fixes:
+docs/design.md §4 fixes (global denominators before the split, the same micro-batch count on every DP rank,
+outputs back in the original order). Every schedule calls :meth:`MicroBatchStep.loss` for
+``loss_fn(model_output, micro_batch, info)`` (never divided by the number of micro-batches) and
+:meth:`MicroBatchStep.keep` for forward-only outputs.
 
-1. ``core_algos/aggregation.py: compute_global_batch_info``: ``batch_num_tokens`` (the loss-mask sum) and
-   ``global_batch_size`` (real samples) all-reduced over the DP group, before splitting;
-2. ``prepare_micro_batches`` (fixed size, or dynamic by token budget; same count on every DP rank);
-3. the engine's schedule runs the micro-batches; every schedule calls :meth:`MicroBatchStep.loss` for
-   ``loss_fn(model_output, micro_batch, info)`` (never divided by the number of micro-batches) and
-   :meth:`MicroBatchStep.keep` for forward-only outputs;
-4. forward-only outputs are restored to the original sample order (:meth:`MicroBatchStep.model_output`).
-
-A schedule is an object whose ``run(engine, step)`` runs the micro-batches and returns what they produced,
+A schedule is an object whose ``run(engine, step)`` runs the micro-batches and returns
 ``(local loss sum, per-micro-batch metrics, forward-only outputs or None)`` (:data:`ScheduleResult`):
-:data:`SEQUENTIAL` (:class:`SequentialSchedule`: each micro-batch forward then backward, gradients
-synced on the last) for every engine without pipeline stages; ``engine/pipeline.py:
-PipelineParallel`` (1F1B / GPipe over stages) with ``pipeline_model_parallel_size > 1``.
+:data:`SEQUENTIAL` (:class:`SequentialSchedule`: each micro-batch forward then backward, gradients synced on
+the last) for every engine without pipeline stages; ``engine/pipeline.py: PipelineParallel`` with
+``pipeline_model_parallel_size > 1``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,21 @@
 """Pipeline parallelism part: the stage split, the pipelined schedule of one step, the stage-owned export.
 
-With ``pipeline_model_parallel_size = pp > 1`` the engine's topology is a ``(pp, dp)`` mesh, the model is
-cut into ``pp`` stages (``engine/pipeline_stage.py``: HF names kept) and every stage is sharded by FSDP2
-over its dp group. Every stage of a dp rank holds the same samples and plans the same micro-batches
-(the engine's planner, fixed size or dynamic by token budget). An engine with ``pp > 1`` holds one
-:class:`PipelineParallel` (``engine.pipeline``) and gives it to its micro-batch loop as the schedule; it:
+With ``pipeline_model_parallel_size = pp > 1`` the topology is a ``(pp, dp)`` mesh, the model is cut into
+``pp`` stages (``engine/pipeline_stage.py``: HF names kept), each sharded by FSDP2 over its dp group. An
+engine with ``pp > 1`` holds one :class:`PipelineParallel` (``engine.pipeline``) as its loop's schedule; an
+engine with ``pp == 1`` never builds it. Invariants:
 
-1. packs each micro-batch into one row and pads every row of the step to the longest one's token count
-   ``T`` (one extra segment that nothing attends to), so the hidden states sent between stages have one
-   static shape ``[1, T, H]`` per step: the stage is built with that shape (no shape-inference pass) and
-   dynamic micro-batches of any length work;
-2. runs the schedule: **1F1B** (at most ``pp`` micro-batches' activations alive on a stage; GPipe keeps
-   all of them) when there are at least ``pp`` micro-batches, else GPipe (the same order then); forward
-   only: GPipe's forward loop. ``scale_grads=False``: each micro-batch loss is already the partial sum
-   over the global denominators (DESIGN §4), so nothing is divided by the micro-batch count;
-3. computes the model outputs and the loss on the last stage only, with the same ``GlobalBatchInfo``;
-   the losses, metrics and (forward only) the ``[B, T]`` outputs are then broadcast from the last stage
-   to the pipeline group, so every rank returns the same result (``is_mp_src_rank_with_outputs`` is the
-   last stage, verl's choice);
-4. the grad norm sums the stages' squared norms over the pipeline group (``total_grad_norm(sum_over=)``);
-   the export gathers each tensor on the stage that owns it and broadcasts it over the pipeline group,
-   so every rank yields every tensor under its HF name, in the unsplit model's order.
+* every stage of a dp rank plans the same micro-batches; each is packed and padded to the step's longest
+  row ``T``, so the hidden states between stages have one static shape ``[1, T, H]`` per step;
+* 1F1B with at least ``pp`` micro-batches, else GPipe (also forward only); ``scale_grads=False``: each
+  micro-batch loss is already the global-denominator partial sum (docs/design.md §4);
+* outputs and the loss are computed on the last stage with the same ``GlobalBatchInfo``; losses, metrics and
+  (forward only) the ``[B, T]`` outputs are broadcast from it, so every rank returns the same result
+  (``is_mp_src_rank_with_outputs``: the last stage, verl's choice); ``on_before_backward`` runs there only;
+* the grad norm sums the stages' squared norms over the pipeline group; the export yields every tensor on
+  every rank under its HF name, in the unsplit model's order.
 
-The per-micro-batch hooks see the last stage only: ``on_before_backward`` runs where the loss exists.
-An engine with ``pp == 1`` never builds this part and never enters this file.
+How it runs: docs/internals.md, "Pipeline parallelism (fsdp2)".
 """
 
 from __future__ import annotations

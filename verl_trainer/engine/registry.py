@@ -7,10 +7,8 @@ whole product::
                              device=["cuda", "npu", "cpu"])
     class FSDPEngine(...): ...
 
-Aliases are entries with preset constructor arguments (``preset={"zero_stage": 3}``). Lookup
-(:meth:`EngineRegistry.get_engine_cls`) detects the device and vendor, applies the env overrides
-``VERL_ENGINE_DEVICE`` / ``VERL_ENGINE_VENDOR`` and tries (1) the exact (device, vendor), (2) the device
-alone (``vendor=None``), (3) for ``cuda`` with a vendor other than ``nvidia``, (``cuda``, ``nvidia``).
+Aliases are entries with preset constructor arguments (``preset={"zero_stage": 3}``); the lookup order is
+:meth:`EngineRegistry.get_entry`'s.
 """
 
 from __future__ import annotations
@@ -144,6 +142,10 @@ class EngineRegistry:
     @classmethod
     def get_entry(cls, model_type: str, backend: str) -> EngineEntry:
         """Look up the entry for ``(model_type, backend)`` on this machine's device and vendor.
+
+        The device and vendor are detected (``VERL_ENGINE_DEVICE`` / ``VERL_ENGINE_VENDOR`` override them);
+        tried in order: the exact (device, vendor), the device alone (``vendor=None``), and for ``cuda``
+        with a vendor other than ``nvidia``, (``cuda``, ``nvidia``).
 
         Raises:
             MissingBackendError: If the backend's package is not installed.
