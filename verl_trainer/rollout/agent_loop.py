@@ -1,31 +1,26 @@
 """Token-in, token-out multi-turn rollout: generate, run the tools / environment, append, repeat.
 
-:class:`AgentLoop` drives any backend's :meth:`~verl_trainer.rollout.base.BaseRollout.generate_token_ids`
-(the HF and the vLLM rollouts share it). Each turn every unfinished trajectory is extended by one model
-turn (cut at its eos, within the trajectory's remaining token budget); the turn's text is decoded **only to
-read tool calls** — the trajectory keeps the sampled ids. Tool calls of the whole batch run concurrently
-under ``tool_timeout_s``; their results (or error observations) become ``role: tool`` messages,
+:class:`AgentLoop` drives any backend's :meth:`~verl_trainer.rollout.base.BaseRollout.generate_token_ids`.
+Each turn extends every unfinished trajectory by one model turn (cut at its eos, within its remaining token
+budget); the turn's text is decoded only to read tool calls — the trajectory keeps the sampled ids. A
+turn's tool calls run concurrently; their results (or error observations) become ``role: tool`` messages,
 an environment's answer a ``role: user`` message, rendered through the chat template
 (:class:`~verl_trainer.agents.template.ObservationEncoder`) and appended as tokens with mask 0.
 
-**User code is bounded.** Every tool call (``create``, ``execute``, ``reward``, ``release``; an ``async``
-one's coroutine is run to its end on the worker thread) and every
-environment call (construction with ``reset``, ``step``, ``close``) runs on a daemon thread
-(:class:`~verl_trainer.utils.daemon_calls.DaemonCalls`) under ``tool_timeout_s`` /
-``environment_timeout_s``; a call past it is abandoned (never joined, so the process exits when the run
-ends; the leak is bounded there) and counted: ``tool_timeouts`` / ``env_timeouts``. A call that raises is
-counted as ``tool_errors`` / ``env_errors``. A late or failed ``execute`` is an error observation; a late or
-failed ``step`` ends the trajectory with that step's reward 0; a failed ``create`` / ``reset`` ends the
-trajectory after its first model turn; a failed ``reward`` counts 0; ``release`` / ``close`` are counted only.
-A tool-call parser that raises (a user's parser) is answered with an error observation too.
+User code is bounded: every tool call (``create``, ``execute``, ``reward``, ``release``) and environment
+call (construction with ``reset``, ``step``, ``close``) runs on a daemon thread under ``tool_timeout_s`` /
+``environment_timeout_s`` (:class:`~verl_trainer.utils.daemon_calls.DaemonCalls`). A late call is abandoned
+and counted (``tool_timeouts`` / ``env_timeouts``), one that raises is counted (``tool_errors`` /
+``env_errors``): a failed ``execute`` or parser is an error observation, a failed ``step`` ends the
+trajectory with that step's reward 0, a failed ``create`` / ``reset`` ends it after its first model turn, a
+failed ``reward`` counts 0 (docs/agents.md, "Hanging tools and environments").
 
-A trajectory ends when a turn makes no tool call and the environment (if any) says done, at
-``max_turns`` assistant turns, or when its tokens reach ``max_new_tokens`` (model and observation tokens
-together: the response budget) or, with a backend of bounded context (vLLM's ``max_model_len``), when
-prompt and trajectory fill that context; an observation is appended whole or, when it would leave no room
-for the model's answer, not at all (the trajectory ends there). Turn 0 samples from the response's own seed,
-so a trajectory whose first turn calls no tool is exactly the single-turn rollout's response; turn ``t``
-samples from a seed derived from it.
+A trajectory ends when a turn makes no tool call and the environment (if any) says done, at ``max_turns``
+assistant turns, when its tokens (model and observation) reach ``max_new_tokens``, or, with a bounded
+context (vLLM's ``max_model_len``), when prompt and trajectory fill it; an observation is appended whole or,
+when it would leave no room for the model's answer, not at all (the trajectory ends there). Turn 0 samples
+from the response's own seed, so a trajectory whose first turn calls no tool is exactly the single-turn
+rollout's response; turn ``t`` samples from a seed derived from it.
 """
 
 from __future__ import annotations

@@ -21,11 +21,8 @@ precision       param_dtype  reduce_dtype  model_dtype
 ``16-mixed``    float16      float32       float32
 ==============  ===========  ============  ===========
 
-``bf16-mixed`` runs wherever torch computes in bfloat16 (a CPU without AVX512-BF16 / AMX emulates it:
-correct but slow, so it warns); ``bf16-true`` needs native support. ``16-mixed`` computes in float16 with
-float32 master weights and a dynamic loss scale (``engine/loss_scale.py``: torch's ``GradScaler`` for fsdp2,
-``ShardedGradScaler`` for fsdp, DeepSpeed's own fp16 loss scaler); on a CPU without float16 units it is
-emulated (slow: warned), and DeepSpeed's CPU accelerator refuses it (:func:`check_precision` says so).
+Where each precision runs, and the warnings and refusals: :func:`check_precision`; the float16 loss
+scaling: ``engine/loss_scale.py``.
 """
 
 from __future__ import annotations
