@@ -3,17 +3,9 @@
 :func:`build_deepspeed_config` maps :class:`~verl_trainer.engine.config.EngineConfig` and
 :class:`~verl_trainer.engine.config.OptimConfig` onto a DeepSpeed config (a dict, no json file), then
 merges ``EngineConfig.deepspeed_config`` over it and rejects what would break the engine's contract:
-
-* ``gradient_accumulation_steps`` is always 1. The engine drives the micro-batches itself (the count may
-  change from step to step with dynamic batching) and marks the last one with
-  ``set_gradient_accumulation_boundary``; with more than one accumulation step DeepSpeed would divide
-  every micro-batch loss by that count, while a loss here is already a partial sum over global
-  denominators (``core_algos/aggregation.py``).
-* The optimizer and LR schedule come from ``OptimConfig`` (torch ``AdamW`` + ``LambdaLR``), so the raw
-  config may not add ``optimizer`` / ``scheduler`` sections.
-* ``gradient_clipping`` comes from ``OptimConfig.clip_grad``; ZeRO computes the global grad norm, clips
-  by ``clip / (norm + 1e-6)`` like ``torch.nn.utils.clip_grad_norm_``, and skips the step (zeroing the
-  gradients) when the norm is not finite.
+``gradient_accumulation_steps`` other than 1, an ``optimizer`` or ``scheduler`` section (they come from
+``OptimConfig``), a ZeRO stage other than ``zero_stage``. ``gradient_clipping`` is ``OptimConfig.clip_grad``
+(ZeRO clips by the global norm and skips a step whose norm is not finite).
 """
 
 from __future__ import annotations
@@ -106,6 +98,8 @@ def build_deepspeed_config(
     zero = {"stage": stage, **_offload_sections(config, device_type)}
     generated: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": mbs,
+        # the engine drives the micro-batches (their count varies with dynamic batching) and marks the last;
+        # more accumulation steps would divide each loss, already a partial sum over global denominators
         "gradient_accumulation_steps": 1,
         "train_batch_size": mbs * world_size,
         "gradient_clipping": float(clip or 0.0),

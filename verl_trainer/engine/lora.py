@@ -1,24 +1,14 @@
 """LoRA part: peft adapters on an engine's HF model, applied before sharding, one place for every backend.
 
 With ``EngineConfig.lora_rank > 0`` (or ``lora_adapter_path``) :func:`apply_lora` wraps the loaded model in a
-``PeftModel`` (``get_peft_model`` / ``PeftModel.from_pretrained``) before FSDP, FSDP2 or DeepSpeed shards it:
-every base weight is frozen, only the adapters (and a value model's ``score`` head, through peft's
-``modules_to_save``) are trainable, so ``build_optimizer`` (trainable parameters only) gives AdamW and
-its state the adapters alone. peft's wrapper passes the forward keywords through unchanged
-(``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``, the Ulysses group), so packed varlen attention,
-Ulysses SP and dynamic micro-batching run as without LoRA.
+``PeftModel`` before FSDP, FSDP2 or DeepSpeed shards it: every base weight is frozen, only the adapters (and
+a value model's ``score`` head, through ``modules_to_save``) are trainable, so the optimizer holds the
+adapters alone. peft passes the forward keywords through unchanged, so packed varlen attention, Ulysses SP
+and dynamic micro-batching run as without LoRA.
 
-An engine whose model carries adapters holds one :class:`LoRAAdapters` (``engine.lora``; ``None``
-without, and then nothing of this file runs during a step). ``BaseEngine`` delegates to it:
-
-* ``get_per_tensor_param(adapters_only=False)``: merged full weights under the base model's HF names
-  (``W + scale·B·A`` per tensor, nothing merged in place), or with ``adapters_only=True`` the adapter
-  tensors under peft's file names;
-* ``disable_adapters()``: a context in which the model is the base model (the reference policy of RL
-  without a second copy of the weights);
-* ``save_adapter(path)``: a peft adapter directory loadable with ``PeftModel.from_pretrained``.
-
-Only ``Linear`` LoRA layers are supported (``"all-linear"`` and the usual projection names); DoRA and
+An engine whose model carries adapters holds one :class:`LoRAAdapters` (``engine.lora``; ``None`` without,
+and then nothing of this file runs during a step), to which ``BaseEngine``'s ``get_per_tensor_param``,
+``disable_adapters`` and ``save_adapter`` delegate. Only ``Linear`` LoRA layers are supported; DoRA and
 embedding adapters are refused at build time.
 """
 

@@ -1,15 +1,13 @@
 """Dynamic loss scaling for float16 compute (``precision="16-mixed"``): which gradient scaler an engine uses.
 
-float16 has 5 exponent bits: small gradients underflow to 0. The engine multiplies each micro-batch's loss
-by the scale before its backward, divides the gradients by it (``unscale_``) before the grad norm and
-clipping (so both see true gradients), and skips the optimizer step when a gradient is inf/NaN; the scale
-is halved after such a step and doubled after ``growth_interval`` clean ones (torch's defaults: 2**16,
-x2 / x0.5, 2000). The step logic is :meth:`verl_trainer.engine.optim.OptimizerMixin.optimizer_step`.
+The engine multiplies each micro-batch's loss by the scale before its backward, unscales the gradients
+before the grad norm and clipping, and skips the optimizer step when a gradient is inf/NaN; the scale is
+halved after such a step and doubled after ``growth_interval`` clean ones (torch's defaults). The step
+logic is :meth:`verl_trainer.engine.optim.OptimizerMixin.optimizer_step`.
 
-* fsdp2 (and one process): ``torch.amp.GradScaler``. Its inf check runs on DTensor gradients through
-  DTensor's handler, which max-reduces the found-inf flag over the gradients' mesh, so every rank agrees.
-* fsdp (FSDP1): ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`` (flat-parameter shards;
-  it all-reduces the flag itself).
+* fsdp2 (and one process): ``torch.amp.GradScaler``; its inf check on DTensor gradients max-reduces the
+  flag over the gradients' mesh, so every rank agrees.
+* fsdp (FSDP1): ``ShardedGradScaler`` (it all-reduces the flag itself).
 * deepspeed: DeepSpeed's own ``fp16`` section with ``loss_scale: 0`` (dynamic), see ``deepspeed_config.py``.
 
 The scaler's state (scale, growth tracker) is plain data, saved in the engine checkpoint's extra state.

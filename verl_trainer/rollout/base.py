@@ -1,35 +1,26 @@
 """The rollout interface: prompt batch in, schema batch of sampled responses out; weights synced in.
 
-A backend implements two things: :meth:`BaseRollout.generate_token_ids` (prompt id lists -> response id
-lists and the sampler's log-prob of each id, sampled with a given config and one seed per response) and
-:meth:`BaseRollout.update_weights`. Everything else —
-repeating each prompt ``n`` times, cutting responses at the first eos, building the schema batch and
-carrying the reward data — is shared here, so every backend returns the same batch.
+A backend implements :meth:`BaseRollout.generate_token_ids` (prompt id lists -> response id lists and the
+sampler's log-prob of each id, one seed per response) and :meth:`BaseRollout.update_weights`. The rest —
+repeating each prompt ``n`` times, the eos cut, the schema batch, the reward data — is shared here, so
+every backend returns the same batch.
 
 **Output batch** (``TensorDict``, ``batch_size=[B * n]``, samples of prompt ``i`` at rows
-``i * n .. i * n + n - 1``): the keys of :func:`verl_trainer.data.packing.make_batch` —
-``input_ids`` = prompt + response right-padded ``[B*n, T]``, ``attention_mask``, ``position_ids``,
-``loss_mask`` = ``response_mask`` (1 on the response tokens, float32), ``rollout_log_probs`` ``[B*n, T]``
-float32 (the sampler's log-prob of each response token, at the token's position as ``old_log_probs``;
-0 elsewhere), ``uid`` (the prompt's group id, shared by its ``n`` samples), ``seq_len``, ``prompt_len``,
-``response_len``, ``is_padding`` — plus these
-**non-tensor** entries (``tensordict.NonTensorStack``: one Python object per sample; they follow
-indexing, ``torch.cat`` and ``repeat_interleave``):
+``i * n .. i * n + n - 1``): the keys of :func:`verl_trainer.data.packing.make_batch` — ``input_ids`` =
+prompt + response right-padded ``[B*n, T]``, ``attention_mask``, ``position_ids``, ``loss_mask`` =
+``response_mask`` (float32, 1 on the response tokens), ``rollout_log_probs`` ``[B*n, T]`` float32 (at each
+response token's position, as ``old_log_probs``; 0 elsewhere), ``uid`` (shared by a prompt's ``n``
+samples), ``seq_len``, ``prompt_len``, ``response_len``, ``is_padding`` — plus the non-tensor entries
+(``NonTensorStack``: one object per sample, following indexing, ``torch.cat`` and ``repeat_interleave``)
+``ground_truth``, ``data_source``, ``extra_info`` (copied from the prompt batch) and ``response_text`` (the
+decoded response, special tokens skipped). Drop those with :func:`verl_trainer.data.schema.tensor_only`
+before a tensor collective.
 
-* ``ground_truth``, ``data_source``, ``extra_info``: copied from the prompt batch, for the reward;
-* ``response_text``: the decoded response (special tokens skipped).
-
-A response ends at its first eos token, which is **kept** as the last response token (the model learns
-to stop; ``response_len`` counts it). A response that hit ``max_new_tokens`` has no eos.
-
-**Seeds.** Response ``j`` of prompt ``i`` is sampled from its own seed,
-:func:`derive_sample_seed` ``(seed, step, prompt index, j)``: the prompt index is the dataset index of the
-prompt (``prompt_index``, else the batch's ``uid``) and ``step`` the training step (``step``, else the
-number of earlier :meth:`BaseRollout.generate` calls), so a response does not depend on the rank that
-samples it, the dp size or the other prompts of its batch.
-
-Non-tensor entries cannot travel through tensor collectives (sample exchange, balancing): drop them
-with :func:`verl_trainer.data.schema.tensor_only` once rewards are computed.
+A response ends at its first eos token, which is kept as its last token (``response_len`` counts it); a
+response that hit ``max_new_tokens`` has no eos. Response ``j`` of prompt ``i`` is sampled from
+:func:`derive_sample_seed` ``(seed, step, prompt index, j)`` (the prompt's dataset index, else its ``uid``;
+the training step, else the number of earlier :meth:`BaseRollout.generate` calls), so it does not depend on
+the rank, the dp size or the other prompts of its batch.
 """
 
 from __future__ import annotations
