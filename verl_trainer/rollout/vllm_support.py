@@ -1,20 +1,18 @@
 """What the vLLM rollout needs before and around the engine: early checks and isolation from training.
 
-**Checks** (:func:`check_vllm_rollout`): every reason the vLLM rollout cannot run on this machine with
-this checkpoint is raised as one clear error *before any model loads* — vllm not installed, the
-architecture unknown to vLLM, a head size the platform's attention kernels refuse (vLLM's CPU backend:
-32, 64, 80, 96, 112, 128, ... but not the demo's 16), or a tensor-parallel size this rollout does not
-shard. It reads ``config.json`` only; every rank reads the same file and raises the same error.
+:func:`check_vllm_rollout` raises, before any model loads and alike on every rank (it reads ``config.json``
+only), every reason the vLLM rollout cannot run here with this checkpoint: vllm not installed, an
+architecture vLLM does not know, a head size the platform's attention kernels refuse (vLLM's CPU backend:
+32, 64, 80, 96, 112, 128, ..., not 16), a tensor-parallel size this rollout does not shard.
 
-**Isolation** (:class:`VLLMProcessState`): an in-process vLLM engine changes the process it lives in —
-it seeds the global RNGs, replaces ``torch.set_num_threads`` by a no-op and sets its own thread count,
-and writes environment variables (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, ``VLLM_*``, ...). Each call into
-vLLM runs inside :meth:`VLLMProcessState.entered`: vLLM's environment, thread count and RNG state are
-swapped in, and training's are put back afterwards, so a training step does not see the engine
-(``tests/rollout/test_vllm_isolation.py``). The default process group is shared, not isolated: inside a
-trainer vLLM joins the existing group (its tensor-parallel groups of one rank are made with
-``new_group``, once, on every rank together); outside one it creates a one-rank gloo group bound to
-``127.0.0.1`` (``VLLM_HOST_IP``), which a later ``Trainer(devices=1)`` joins.
+:class:`VLLMProcessState`: an in-process vLLM engine seeds the global RNGs, replaces ``torch.set_num_threads``
+and sets its own thread count, and writes environment variables (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``,
+``VLLM_*``, ...). Each call into vLLM runs inside :meth:`VLLMProcessState.entered`, which swaps vLLM's
+environment, thread count and RNG state in and training's back afterwards
+(``tests/rollout/test_vllm_isolation.py``). The default process group is shared: inside a trainer vLLM
+joins it (its one-rank tensor-parallel groups made with ``new_group``, once, on every rank together);
+outside one it creates a one-rank gloo group bound to ``127.0.0.1``, which a later ``Trainer(devices=1)``
+joins.
 """
 
 from __future__ import annotations

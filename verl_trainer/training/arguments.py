@@ -1,15 +1,12 @@
 """The Trainer's arguments: their defaults, their checks, and the callbacks' order — the one source of each.
 
-``Trainer.__init__`` takes its defaults from :class:`TrainerArgs`, and the recipes' ``trainer:`` section
-(:class:`verl_trainer.configs.TrainerConfig`) extends it with recipe switches, so a default is written
-once; :class:`TrainerArgs` is plain data that a YAML file can hold (callbacks and objects are passed to
-the Trainer directly). :func:`check_trainer_args` checks every argument, in the order they are listed (a
-test may depend on which error comes first), applies ``fast_dev_run``'s overrides of the run length, the
-limits, validation, logging and checkpointing as in Lightning, and returns :class:`CheckedArgs`. The
-checks are one function each, so the Trainer's constructor and the recipes' configs reject a bad value the
-same way, before any process starts. The callbacks run in a fixed order: ``MetricReduction`` first, then
-the user's callbacks in the given order (the default ``ProgressBar`` after them), and ``ModelCheckpoint``
-callbacks last, as in Lightning. Lightning's names with no meaning here are refused in
+``Trainer.__init__`` takes its defaults from :class:`TrainerArgs` (plain data a YAML file can hold), which the
+recipes' ``trainer:`` section (:class:`verl_trainer.configs.TrainerConfig`) extends.
+:func:`check_trainer_args` checks every argument in the order they are listed (a test may depend on which
+error comes first), applies ``fast_dev_run``'s overrides as in Lightning, and returns :class:`CheckedArgs`;
+the Trainer and the recipes' configs reject a bad value the same way, before any process starts. Callback
+order: ``MetricReduction`` first, the user's callbacks in the given order (the default ``ProgressBar`` after
+them), ``ModelCheckpoint`` callbacks last, as in Lightning. Lightning's names with no meaning here:
 ``training/lightning_compat.py``.
 """
 

@@ -10,8 +10,7 @@ sorts every difference:
 * **breaks the state** — a clear :class:`ResumeMismatchError` naming the setting, both values and the
   fix, on every rank together: another strategy (each backend has its own checkpoint format), another
   precision, another model architecture or LoRA layout, an engine the checkpoint lacks, another seed
-  (the data order and every random state continue the checkpoint's run: a new seed cannot apply to a
-  run half done, so a resume with one would silently not be what it says), another optimizer class
+  (the data order and every random state continue the checkpoint's run), another optimizer class
   (``optim.optimizer`` / ``optimizer_impl``: its state is another class's), another world size with
   DeepSpeed (its ZeRO partitions are saved per rank), other LoRA base weights, other training data.
 * **applies, and is logged** — another world size with ``fsdp``/``fsdp2`` (DCP reshards the state;
