@@ -85,7 +85,8 @@ class Trainer(LightningAttributes):
         accelerator: ``"auto"``, ``"cpu"``, ``"gpu"`` / ``"cuda"``.
         devices: Processes per node (an int or ``"auto"``).
         num_nodes: Number of nodes.
-        precision: ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"`` (``32`` / ``"bf16"`` accepted).
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"`` (``32``, ``"bf16"``,
+            ``16`` accepted; where each runs: :func:`~verl_trainer.training.strategy.check_precision`).
         max_steps: Trainer steps to run (``-1``: limited by ``max_epochs``).
         max_epochs: Passes over the training data (``None``: limited by ``max_steps``).
         callbacks: Callbacks (see the module docstring for their order).

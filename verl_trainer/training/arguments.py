@@ -63,7 +63,7 @@ class TrainerArgs:
         accelerator: ``auto``, ``cpu``, ``gpu``.
         devices: Processes per node (an int or ``"auto"``).
         num_nodes: Nodes.
-        precision: ``32-true``, ``bf16-mixed``, ``bf16-true``, ``16-mixed`` (CUDA only).
+        precision: ``32-true``, ``bf16-mixed``, ``bf16-true``, ``16-mixed`` (see ``check_precision``).
         max_steps: Trainer steps (``-1``: limited by ``max_epochs``).
         max_epochs: Passes over the data (``None``: limited by ``max_steps``).
         logger: ``True`` (CSV), ``False``, a logger name or a list of names (``csv``, ``wandb``).
