@@ -24,9 +24,9 @@ class RolloutConfig:
         name: Backend: a registered name — ``"hf"`` (transformers ``generate``, CPU or GPU), ``"vllm"`` (a
             colocated vLLM engine, CPU with the ``vllm`` extra or CUDA; ``docs/rollout.md``) —, or
             ``"auto"``: what measured faster where it runs (:func:`verl_trainer.rollout.resolve_rollout_name`:
-            vllm where it is installed and can run the model, on CUDA or for models of >= 25M decoder
-            parameters on CPU), or a :class:`~verl_trainer.rollout.BaseRollout` subclass by where it is
-            defined, ``"package.module:Class"`` or ``"path/to/file.py:Class"``
+            vllm where it is installed and can run the model, on CUDA or on CPU for models of at least
+            ``AUTO_CPU_VLLM_MIN_PARAMS`` decoder parameters), or a :class:`~verl_trainer.rollout.BaseRollout`
+            subclass by where it is defined, ``"package.module:Class"`` or ``"path/to/file.py:Class"``
             (:func:`verl_trainer.rollout.registry.rollout_class`).
         n: Samples per prompt (GRPO group size). The ``n`` samples of a prompt are adjacent in the
             output and share its ``uid``.
