@@ -1,19 +1,16 @@
 """One pipeline stage of an HF decoder model, with the HF parameter names kept.
 
-:func:`make_stage` keeps the model object and drops what its stage does not own: stage ``s`` of ``pp``
-keeps a contiguous run of decoder layers (:func:`stage_layers`; the first stages take one more when the
-count does not divide), the first stage keeps the input embedding, the last the final norm and the output
-head (``lm_head`` / a value model's ``score``). The kept layers stay under their original index
-(``model.layers.5.mlp...`` on stage 1 of an 8-layer model split in two), so FSDP state dicts, DCP
-checkpoints and the HF export use the HF names unchanged; the dropped norm becomes ``nn.Identity``.
+:func:`make_stage` keeps the model object and drops what its stage does not own: stage ``s`` of ``pp`` keeps a
+contiguous run of decoder layers (:func:`stage_layers`), the first stage the input embedding, the last the
+final norm and the output head (``lm_head`` / ``score``). Kept layers stay under their original index
+(``model.layers.5.mlp...``), so state dicts, DCP checkpoints and the HF export use the HF names unchanged;
+the dropped norm becomes ``nn.Identity``.
 
-The stage's ``forward`` is replaced (on the instance: FSDP2 hooks run around ``__call__`` as before) by a
-:class:`StageForward`: it takes the stage input of micro-batch ``mb`` (token ids on the first stage, the
-hidden states ``[1, T, H]`` elsewhere), runs the HF backbone with the packed row's position ids and
-segment offsets, and returns the hidden states (``[1, T, H]``) or, on the last stage, what the engine's
-``last_stage`` callable makes of them (the model outputs). Every micro-batch of a step is padded to the
-same token count ``T`` (:func:`pad_packed`: one more segment, its own positions, never attended to), so
-the tensors between stages have one static shape per step.
+The stage's ``forward`` (replaced on the instance, so FSDP2 hooks still run around ``__call__``) is a
+:class:`StageForward`: token ids (first stage) or hidden states ``[1, T, H]`` in, hidden states ``[1, T, H]``
+out, or on the last stage what the engine's ``last_stage`` makes of them (the model outputs). Every
+micro-batch of a step is padded to the same token count ``T`` (:func:`pad_packed`), so the tensors between
+stages have one static shape per step.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """Tensor parallelism: split a HF decoder's projections over the ``tp`` mesh with DTensor TP.
 
-Megatron's layout, written with ``torch.distributed.tensor.parallel``: in every decoder layer the
-attention ``q/k/v`` and MLP ``gate/up`` projections are column-parallel (each TP rank computes a slice of
-the heads / of the intermediate features; its output stays local) and ``o_proj`` / ``down_proj`` are
-row-parallel (each rank multiplies its slice; the partial outputs are summed with one all-reduce). The
-attention function therefore sees ``num_heads / tp`` query and ``num_kv_heads / tp`` key/value heads on
-each rank — the packed varlen attention needs no change (HF reshapes with ``-1`` heads, and the GQA
-ratio is unchanged). Norms and a value head stay replicated over ``tp`` (FSDP still shards them over
-``dp``); their gradients are equal on every TP rank because DTensor's backward all-reduces the gradient
-of a replicated input.
+Megatron's layout: in every decoder layer ``q/k/v`` and ``gate/up`` are column-parallel (outputs stay local,
+so attention runs on ``num_heads / tp`` query and ``num_kv_heads / tp`` key/value heads per rank) and
+``o_proj`` / ``down_proj`` row-parallel (one all-reduce). Norms and a value head stay replicated over ``tp``;
+their gradients are equal on every TP rank. With untied embeddings the input embedding is split row-wise
+over the vocabulary and a causal LM's ``lm_head`` column-wise (``torch.chunk``'s split: ``ceil(V / tp)`` ids
+per rank, every rank at least one), so each rank computes the logits of its own token ids only and the
+log-probs / entropy are reduced from the slices (``engine/vocab_parallel.py``).
 
-Vocabulary parallelism, when the embeddings are not tied (and every TP rank gets at least one token id;
-the split is ``torch.chunk``'s: ``ceil(V / tp)`` ids per rank, the last rank the rest): the input
-embedding is split row-wise over the vocabulary (each rank looks up its own token ids, one all-reduce of
-``[N, H]``), and a causal LM's ``lm_head`` column-wise, so each rank computes the logits of its
-``V / tp`` tokens only and the log-probs / entropy are reduced from the slices
-(``engine/vocab_parallel.py``) — the full ``[N, V]`` logits never exist on any rank.
-
-The plan is the model's own ``config.base_model_tp_plan`` (transformers ships one for Llama, Qwen2 and
-most decoders) when every style in it is ``"colwise"`` / ``"rowwise"``, else :data:`DEFAULT_TP_PLAN`.
+The plan is the model's own ``config.base_model_tp_plan`` when every style in it is ``"colwise"`` /
+``"rowwise"``, else :data:`DEFAULT_TP_PLAN`. How it composes with FSDP2: docs/internals.md, "Tensor
+parallelism (fsdp2)".
 """
 
 from __future__ import annotations
