@@ -1,13 +1,9 @@
 """Log-probs and entropy from vocabulary-parallel logits, without gathering the full ``[n, V]`` logits.
 
-Under tensor parallelism the LM head is split column-wise over the vocabulary: each TP rank computes the
-logits of its own slice of token ids only (``engine/tensor_parallel.py: vocab_slice_start``).
-:class:`_VocabParallelLogProbs` reduces them with three all-reduces of ``[n]`` vectors over the TP group
-(the max, the sum of exponentials, the target's logit; a fourth for the entropy) instead of an all-gather
-of ``[n, V]``. The backward needs no
-communication: with ``z = logits / T``, ``lse`` the global log-sum-exp and ``p = exp(z - lse)``,
-``d log p_y / dz = onehot(y) - p`` and ``dH / dz = -p * (log p + H)`` on each rank's own slice (the
-gradient reaching the head's replicated input is then summed over TP by DTensor's backward).
+Under tensor parallelism each TP rank holds the logits of its own slice of token ids
+(``engine/tensor_parallel.py: vocab_slice_start``). :class:`_VocabParallelLogProbs` reduces them with
+all-reduces of ``[n]`` vectors over the TP group (the max, the sum of exponentials, the target's logit; a
+fourth for the entropy); its backward needs no communication.
 """
 
 from __future__ import annotations
@@ -62,6 +58,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         grad_log_probs: torch.Tensor,
         grad_entropy: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, ...]:
+        # local to each rank's slice, with z = logits / T, lse the global log-sum-exp and p = exp(z - lse):
+        # d log p_y / dz = onehot(y) - p and dH / dz = -p * (log p + H); DTensor's backward then sums the
+        # gradient reaching the head's replicated input over TP
         logits, local, mine, lse, entropy = ctx.saved_tensors
         temperature = ctx.temperature
         z = logits.float()
