@@ -37,7 +37,6 @@ counts; more than ``algorithm.non_finite.max_consecutive_skipped_steps`` in a ro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["NON_FINITE_POLICIES", "NonFiniteConfig", "NonFiniteError"]
 
@@ -72,16 +71,3 @@ class NonFiniteConfig:
                 f"algorithm.non_finite.max_consecutive_skipped_steps={self.max_consecutive_skipped_steps!r} "
                 f"must be an int >= 0"
             )
-
-
-
-def __getattr__(name: str) -> Any:
-    """``NonFiniteGuard`` and ``check_reward_failures``, importable here too.
-
-    They live with the RL step's guard stage (:mod:`verl_trainer.algorithms.stages.guard`).
-    """
-    if name in ("NonFiniteGuard", "check_reward_failures"):
-        # lazy: the guard stage imports this module's config and error
-        from verl_trainer.algorithms.stages import guard
-        return getattr(guard, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.algorithms.config import RewardConfig, RewardModelConfig
@@ -163,7 +164,7 @@ class RewardModelScores:
         dp_group: The DP process group (the truncation count is summed over it).
     """
 
-    def __init__(self, model: RewardModel, engine: Any, dp_group: Any = None) -> None:
+    def __init__(self, model: RewardModel, engine: Any, dp_group: dist.ProcessGroup | None = None) -> None:
         self.model = model
         self.engine = engine
         self.dp_group = dp_group

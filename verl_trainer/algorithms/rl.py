@@ -7,8 +7,8 @@ One ``training_step`` on each rank's prompt batch (SPMD) is a straight line over
       → [old log-probs → on_before_update → critic and actor updates → weight sync] → guard.finish
 
 Features are parts of a stage (see :mod:`verl_trainer.algorithms.stages`); a recipe plugs its own through
-:meth:`RLModule.advantage_parts` (the estimator and the sample selection), :meth:`RLModule.update_critic`
-and :meth:`RLModule.actor_update_due`.
+:meth:`RLModule.advantage_parts` (the estimator and the sample selection), :meth:`RLModule.score_parts`,
+:meth:`RLModule.update_critic` and :meth:`RLModule.actor_update_due` (``docs/architecture.md``, "How to add").
 
 Logged (reductions declared, so the values are those of the whole step on one process): the reward,
 response-length and advantage statistics, the engines' loss metrics, ``non_finite/*``, ``timing/*`` and
@@ -41,6 +41,7 @@ from verl_trainer.algorithms.stages.rollout import RolloutStage, WeightSync
 from verl_trainer.algorithms.stages.signal import (
     Advantages,
     ComputePart,
+    ScorePart,
     Scorer,
     SelectPart,
     keep_all,
@@ -70,8 +71,8 @@ class RLModule(TrainingModule):
     """Base of :class:`~verl_trainer.algorithms.PPO` and :class:`~verl_trainer.algorithms.GRPO`.
 
     Subclasses implement :meth:`compute_advantages` (or :meth:`advantage_parts`) and may override
-    :meth:`extra_engines`, :meth:`select_samples`, :meth:`update_critic` and :meth:`actor_update_due`;
-    an override is plugged into its stage as a part.
+    :meth:`extra_engines`, :meth:`select_samples`, :meth:`score_parts`, :meth:`update_critic` and
+    :meth:`actor_update_due`; an override is plugged into its stage as a part.
 
     Args:
         config: See :class:`~verl_trainer.algorithms.config.RLConfig`.
@@ -183,6 +184,10 @@ class RLModule(TrainingModule):
         """Critic updates of the step (PPO); returns step outputs."""
         return {}
 
+    def score_parts(self) -> list[ScorePart]:
+        """Parts the scorer runs after a training batch is scored (engines exist when it is called)."""
+        return []
+
     def overridden(self, name: str, base: type) -> bool:
         """Whether this module's class overrides method ``name`` below ``base`` (a user's subclass)."""
         return getattr(type(self), name) is not getattr(base, name)
@@ -236,7 +241,7 @@ class RLModule(TrainingModule):
                  if self.reward_model is not None else None)
         trl = functools.partial(trl_run_kwargs, self.trainer) if self.reward_fn.takes_trl_kwargs else None
         scorer = Scorer(self.reward_fn, self.guard, cfg.rollout, cfg.reward.overlong_buffer, model, trl,
-                        [*logs, *baseline])
+                        [*logs, *baseline, *self.score_parts()])
         updater = Updater(self.engines, cfg.actor, self.actor_loss, self.mini_batch_samples,
                           self.uses_reference, cfg.ref_in_actor,
                           self.actor_update_due if self.overridden("actor_update_due", RLModule) else None,

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.algorithms.non_finite import NonFiniteConfig, NonFiniteError
@@ -307,7 +308,7 @@ class StepGuard:
     """
 
     def __init__(self, config: NonFiniteConfig, reward_fn: RewardFunctions, group_estimator: bool,
-                 dp_group: Any = None) -> None:
+                 dp_group: dist.ProcessGroup | None = None) -> None:
         self.non_finite = NonFiniteGuard(config, group_estimator)
         self.reward_fn = reward_fn
         self.group_estimator = group_estimator

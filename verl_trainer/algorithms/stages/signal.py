@@ -265,7 +265,7 @@ class EstimatorAdvantages:
         dp_group: The DP process group (used only by a whitening estimator).
     """
 
-    def __init__(self, estimator: Estimator, config: Any, dp_group: Any = None) -> None:
+    def __init__(self, estimator: Estimator, config: Any, dp_group: dist.ProcessGroup | None = None) -> None:
         self.estimator = estimator
         self.config = config
         self.dp_group = dp_group

@@ -204,7 +204,7 @@ class Updater:
                  mini_batch_samples: int | None, reference: bool, ref_in_actor: bool,
                  actor_due: Callable[[], bool] | None = None,
                  critic: Callable[[list[TensorDict]], dict[str, Any]] | None = None,
-                 hooks: Any = None, dp_group: Any = None) -> None:
+                 hooks: Any = None, dp_group: dist.ProcessGroup | None = None) -> None:
         self.engines = engines
         self.actor = actor
         self.actor_loss = actor_loss
