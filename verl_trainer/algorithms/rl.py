@@ -12,7 +12,7 @@ Features are parts of a stage (see :mod:`verl_trainer.algorithms.stages`); a rec
 
 Logged (reductions declared, so the values are those of the whole step on one process): the reward,
 response-length and advantage statistics, the engines' loss metrics, ``non_finite/*``, ``timing/*`` and
-the features' own; validation ``val/*``. ``docs/metrics.md`` lists them.
+the features' own, each declared where its stage or part computes it; validation ``val/*``.
 """
 
 from __future__ import annotations
