@@ -16,12 +16,11 @@ The loss-side options are settings of :class:`~verl_trainer.core_algos.losses.PP
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.data import schema
 from verl_trainer.metrics import Metric
 from verl_trainer.utils.distributed import all_reduce
@@ -121,7 +120,7 @@ class DynamicSampling:
         self.dp_size = dp_size
 
     def __call__(self, batch: TensorDict, scores: torch.Tensor,
-                 metrics: dict[str, Any]) -> tuple[TensorDict, bool]:
+                 metrics: StepMetrics) -> tuple[TensorDict, bool]:
         """``(kept, any_left)``; adds ``dapo/kept_group_frac`` and ``dapo/kept_samples`` to ``metrics``."""
         kept, any_left, dapo_metrics = dynamic_sampling_filter(batch, scores, self.dp_group, self.dp_size)
         metrics.update(dapo_metrics)

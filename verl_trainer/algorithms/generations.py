@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.data import schema
 from verl_trainer.data.schema import non_tensor_lists
 
@@ -135,6 +136,6 @@ class TrainGenerations:
         self.trainer = trainer
 
     def after_score(self, scorer: Any, batch: TensorDict, scores: torch.Tensor, step: int,
-                    metrics: dict[str, Any]) -> None:
+                    metrics: StepMetrics) -> None:
         """Record the batch's first samples with their shaped ``scores`` ``[B]``."""
         self.log.record(batch, scores, 0, self.trainer)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDict
 
+from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.core_algos.advantages import estimator_inputs
 from verl_trainer.data import schema
 from verl_trainer.metrics import Metric
@@ -122,7 +123,7 @@ def baseline_metrics(baseline: TensorDict, scores: torch.Tensor, scoring: dict[s
     real = schema.real_mask(baseline)
     count = int(real.sum())
     mean = scores[real].float().mean() if count else torch.zeros(())
-    metrics: dict[str, Any] = {"reward/baseline_mean": Metric.mean(mean, weight=count)}
+    metrics: StepMetrics = {"reward/baseline_mean": Metric.mean(mean, weight=count)}
     metrics.update({_RENAMED[k]: v for k, v in scoring.items() if k in _RENAMED})
     return metrics
 
@@ -138,7 +139,7 @@ class GreedyBaseline:
         self._responses: dict[int, TensorDict] = {}  # single dict operations: safe across the two threads
 
     def after_rollout(self, rollout: BaseRollout, prompt_batch: TensorDict, step: int,
-                      prompt_index: torch.Tensor, metrics: dict[str, Any]) -> None:
+                      prompt_index: torch.Tensor, metrics: StepMetrics) -> None:
         """Decode the step's prompts greedily with the sampling weights; ``timing/baseline_rollout_s``."""
         start = time.perf_counter()
         baseline = generate_greedy_baseline(rollout, prompt_batch, step, prompt_index)
@@ -146,7 +147,7 @@ class GreedyBaseline:
         metrics["timing/baseline_rollout_s"] = time.perf_counter() - start
 
     def after_score(self, scorer: Scorer, batch: TensorDict, scores: torch.Tensor, step: int,
-                    metrics: dict[str, Any]) -> None:
+                    metrics: StepMetrics) -> None:
         """Score the step's greedy responses as samples; write ``reward_baselines`` ``[B * n]`` in ``batch``.
 
         A collective (reward model, failure and non-finite counts). Samples whose greedy response was
@@ -160,7 +161,7 @@ class GreedyBaseline:
             self._responses.pop(old, None)
         if baseline is None:
             raise RuntimeError(f"step {step}: no greedy baseline responses (the rollout stage runs this)")
-        scoring: dict[str, Any] = {}
+        scoring: StepMetrics = {}
         dropped_before = scorer.guard.dropped
         baseline_scores = scorer.rewards(baseline, step, scoring, what="baseline_rewards")
         orphans = attach_reward_baselines(batch, baseline, baseline_scores)

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.algorithms.stages.rollout import RolloutStage
 from verl_trainer.data import schema
 from verl_trainer.data.schema import prompt_token_lists
@@ -160,7 +161,7 @@ class OneStepOffRollout:
             self._generate(gen, prompt_batch, step)
         return gen
 
-    def generate(self, prompt_batch: TensorDict, step: int, metrics: dict[str, Any]) -> TensorDict:
+    def generate(self, prompt_batch: TensorDict, step: int, metrics: StepMetrics) -> TensorDict:
         """The responses this step trains on; starts the next step's generation before returning.
 
         Args:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.algorithms.config import RewardConfig, RewardModelConfig
+from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.data.schema import non_tensor_lists
@@ -170,7 +171,7 @@ class RewardModelScores:
         self.dp_group = dp_group
 
     def __call__(self, batch: TensorDict, scores: torch.Tensor, info: dict[str, torch.Tensor],
-                 metrics: dict[str, Any], prefix: str) -> None:
+                 metrics: StepMetrics, prefix: str) -> None:
         """Add the weighted score to ``scores`` in place.
 
         Its own is ``info["model"]`` (logged as ``{prefix}/model``); ``{prefix}/model/truncated`` counts the

@@ -35,7 +35,7 @@ from verl_trainer.algorithms.reward_model import (
     RewardModelScores,
     split_reward_models,
 )
-from verl_trainer.algorithms.stages import RLStages
+from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.algorithms.stages.guard import NonFiniteGuard, StepGuard
 from verl_trainer.algorithms.stages.rollout import RolloutStage, WeightSync
 from verl_trainer.algorithms.stages.signal import (
@@ -65,6 +65,17 @@ from verl_trainer.rollout import AGENT_INFO, BaseRollout, build_rollout
 from verl_trainer.rollout.agent_loop import agent_rewards_and_metrics
 
 __all__ = ["RLModule", "response_length_metrics", "with_on_policy_old_log_probs"]
+
+
+@dataclasses.dataclass
+class RLStages:
+    """The stages of one RL module, built once its engines exist (:mod:`verl_trainer.algorithms.stages`)."""
+
+    rollout: RolloutStage | OneStepOffRollout
+    scorer: Scorer
+    advantages: Advantages
+    guard: StepGuard
+    updater: Updater
 
 
 class RLModule(TrainingModule):
@@ -167,12 +178,12 @@ class RLModule(TrainingModule):
         self._stages = None  # built again from this run's engines and trainer
 
     # -------------------------------------------------------------------------- the recipe's parts
-    def compute_advantages(self, batch: TensorDict, scores: Any, metrics: dict[str, Any]) -> None:
+    def compute_advantages(self, batch: TensorDict, scores: Any, metrics: StepMetrics) -> None:
         """Write ``advantages`` (and ``returns``, ``values``) ``[B, T]`` into ``batch``; add metrics."""
         raise NotImplementedError
 
     def select_samples(self, batch: TensorDict, scores: Any,
-                       metrics: dict[str, Any]) -> tuple[TensorDict, bool]:
+                       metrics: StepMetrics) -> tuple[TensorDict, bool]:
         """Choose the samples to train on; ``False`` skips the update (on every rank alike)."""
         return batch, True
 
@@ -232,7 +243,7 @@ class RLModule(TrainingModule):
         rank = self.topology.dp_rank if self.topology is not None else None
         baseline = [GreedyBaseline()] if self.greedy_baseline else []
         weights = WeightSync(self.engines["actor"], self.rollout, cfg.rollout, rank)
-        rollout: Any = RolloutStage(self.rollout, weights, rank or 0, baseline)
+        rollout: RolloutStage | OneStepOffRollout = RolloutStage(self.rollout, weights, rank or 0, baseline)
         if cfg.rollout.max_staleness:  # read ahead one step: generated while the step before trains
             rollout = OneStepOffRollout(rollout, self.trainer.peek_next_batch)
         self.guard.dp_group = group

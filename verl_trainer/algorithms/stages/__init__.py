@@ -5,9 +5,13 @@ A stage gets engines, configs, the rollout, the reward functions, the DP group: 
 One training step (:meth:`~verl_trainer.algorithms.rl.RLModule.training_step`) runs them in a straight
 line::
 
-    rollout (rollout.py)  →  score (scoring.py)  →  advantages (advantages.py)  →  on_rollout_end
-      →  select (advantages.py)  →  guard (guard.py)  →  update (update.py, on_before_update between its
-      two halves)  →  sync (rollout.py)  →  guard.finish
+    rollout (rollout.py)  →  score, advantages (signal.py)  →  on_rollout_end  →  select (signal.py)
+      →  guard (guard.py)  →  update (update.py, on_before_update between its two halves)
+      →  sync (rollout.py)  →  guard.finish
+
+The scorer and the advantages stage share ``signal.py`` (the batch's learning signal), and the weight sync
+shares ``rollout.py`` with the rollout stage (the rollout copy's life), so that a GRPO step enters no more
+files than the step budget allows (``scripts/step_path.py``, ``tests/test_architecture.py``).
 
 A feature is a part plugged into a stage, not a branch of the step: ReMax's greedy baseline is a rollout
 part and a scoring part (``greedy_baseline.py``), one-step-off a wrapper of the rollout stage
@@ -17,24 +21,10 @@ sampling a selection part (``dapo.py``), PPO's critic an advantage part and an u
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from verl_trainer.algorithms.stages.guard import StepGuard
-from verl_trainer.algorithms.stages.signal import Advantages, Scorer
-from verl_trainer.algorithms.stages.update import Updater
+__all__ = ["StepMetrics"]
 
-__all__ = ["RLStages"]
-
-
-@dataclass
-class RLStages:
-    """The stages of one RL module, built once its engines exist."""
-
-    rollout: Any
-    """A :class:`~verl_trainer.algorithms.stages.rollout.RolloutStage` or a wrapper of one with the same
-    ``generate`` / ``after_update`` / ``before_validation`` / ``weights``."""
-    scorer: Scorer
-    advantages: Advantages
-    guard: StepGuard
-    updater: Updater
+StepMetrics = dict[str, Any]
+"""A step's outputs as the stages gather them: name → a float, a tensor or a declared
+:class:`~verl_trainer.metrics.Metric` (``{engine}_micro_batches``: the engines' per-micro-batch metrics)."""

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.algorithms.non_finite import NonFiniteConfig, NonFiniteError
+from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.data import schema
 from verl_trainer.metrics import Metric
 from verl_trainer.rewards.compute import FAILED_KEY, RewardFunctions
@@ -75,7 +76,7 @@ class NonFiniteGuard:
         self.dropped = 0  # samples dropped over the DP group in the current step
 
     def check_samples(self, batch: TensorDict, values: torch.Tensor, what: str, step: int,
-                      group: Any, metrics: dict[str, Any]) -> torch.Tensor:
+                      group: Any, metrics: StepMetrics) -> torch.Tensor:
         """Count the real samples whose ``values`` are not finite; raise, or drop them (see module doc).
 
         A collective over ``group`` (the DP group): call it on every rank.
@@ -112,7 +113,7 @@ class NonFiniteGuard:
         return drop
 
     def check_validation(self, batch: TensorDict, scores: torch.Tensor, after_step: int, group: Any,
-                         metrics: dict[str, Any]) -> torch.Tensor:
+                         metrics: StepMetrics) -> torch.Tensor:
         """Validation's non-finite rewards: counted, then the same policy as training (a collective).
 
         ``val/non_finite/rewards`` is always logged: the samples of this batch over the DP group, declared
@@ -241,7 +242,7 @@ def drop_samples(batch: TensorDict, bad: torch.Tensor, group_estimator: bool, gr
 
 
 def check_reward_failures(reward_fn: RewardFunctions, batch: TensorDict, scores: torch.Tensor,
-                          info: dict[str, torch.Tensor], step: int, group: Any, metrics: dict[str, Any],
+                          info: dict[str, torch.Tensor], step: int, group: Any, metrics: StepMetrics,
                           group_estimator: bool = False, prefix: str = "reward") -> int:
     """Count, then raise or drop, the samples whose reward call failed (a collective over ``group``).
 
@@ -320,7 +321,7 @@ class StepGuard:
         return self.non_finite.dropped
 
     def rewards(self, batch: TensorDict, scores: torch.Tensor, info: dict[str, torch.Tensor], step: int,
-                metrics: dict[str, Any], what: str = "rewards") -> None:
+                metrics: StepMetrics, what: str = "rewards") -> None:
         """Failed reward calls (``reward.on_error``), then non-finite scores (``non_finite.policy``).
 
         Args:
@@ -342,7 +343,7 @@ class StepGuard:
         scores[dropped] = 0.0
 
     def validation_rewards(self, batch: TensorDict, scores: torch.Tensor, info: dict[str, torch.Tensor],
-                           step: int, metrics: dict[str, Any]) -> None:
+                           step: int, metrics: StepMetrics) -> None:
         """Validation's failed calls (``val/reward/errors``, ...), non-finite scores (``val/non_finite/*``).
 
         The same policies as training (see :meth:`NonFiniteGuard.check_validation`); the step's counters are
@@ -361,7 +362,7 @@ class StepGuard:
         if self.non_finite.dropped > dropped_before:
             self.non_finite.dropped += drop_samples(batch, orphans, False, self.dp_group)[1]
 
-    def check(self, data: TensorDict, trainable: bool, step: int, metrics: dict[str, Any]) -> bool:
+    def check(self, data: TensorDict, trainable: bool, step: int, metrics: StepMetrics) -> bool:
         """The guard pass on the batch chosen for the update; whether the step updates.
 
         Non-finite advantages are an error or dropped (``non_finite/advantages``); once any sample of the
@@ -392,7 +393,7 @@ class StepGuard:
     all_dropped: bool = False
     """Whether every sample of the current step was dropped (set by :meth:`check`)."""
 
-    def finish(self, outputs: Mapping[str, Any], updated: bool, step: int, metrics: dict[str, Any]) -> None:
+    def finish(self, outputs: Mapping[str, Any], updated: bool, step: int, metrics: StepMetrics) -> None:
         """End the step: skipped optimizer steps, ``actor/update_skipped``, the skipped-steps count.
 
         Args:

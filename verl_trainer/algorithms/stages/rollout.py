@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 from tensordict import TensorDict
 
+from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.data import schema
 from verl_trainer.engine.base import BaseEngine
 from verl_trainer.rollout import BaseRollout
@@ -41,7 +42,7 @@ class RolloutPart(Protocol):
     """A part run after the samples, on the same prompts and weights (e.g. ReMax's greedy responses)."""
 
     def after_rollout(self, rollout: BaseRollout, prompt_batch: TensorDict, step: int,
-                      prompt_index: torch.Tensor, metrics: dict[str, Any]) -> None:
+                      prompt_index: torch.Tensor, metrics: StepMetrics) -> None:
         """Generate what the part needs; ``metrics`` receives its timings."""
 
 
@@ -109,7 +110,7 @@ class RolloutStage:
         self.dp_rank = dp_rank
         self.parts = list(parts)
 
-    def sample(self, prompt_batch: TensorDict, step: int, metrics: dict[str, Any]) -> TensorDict:
+    def sample(self, prompt_batch: TensorDict, step: int, metrics: StepMetrics) -> TensorDict:
         """The responses to ``prompt_batch`` with the rollout's current weights (no sync: any thread).
 
         Args:
@@ -133,7 +134,7 @@ class RolloutStage:
         metrics["timing/rollout_s"] = time.perf_counter() - start
         return samples
 
-    def generate(self, prompt_batch: TensorDict, step: int, metrics: dict[str, Any]) -> TensorDict:
+    def generate(self, prompt_batch: TensorDict, step: int, metrics: StepMetrics) -> TensorDict:
         """Sync the copy when stale (a collective), then :meth:`sample`."""
         self.weights.refresh()
         return self.sample(prompt_batch, step, metrics)

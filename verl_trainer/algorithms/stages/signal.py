@@ -36,6 +36,7 @@ from tensordict import TensorDict
 
 from verl_trainer.algorithms.config import OverlongBufferConfig
 from verl_trainer.algorithms.dapo import overlong_penalty
+from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.algorithms.stages.guard import StepGuard
 from verl_trainer.core_algos.advantages import Estimator
 from verl_trainer.data import schema
@@ -69,7 +70,7 @@ class ModelScores(Protocol):
     """A scored batch's extra score (the reward model): added to ``scores`` in place, before the checks."""
 
     def __call__(self, batch: TensorDict, scores: torch.Tensor, info: dict[str, torch.Tensor],
-                 metrics: dict[str, Any], prefix: str) -> None:
+                 metrics: StepMetrics, prefix: str) -> None:
         """Add to ``scores`` ``[B]`` in place; ``info`` and ``metrics`` (under ``prefix``) get its own."""
 
 
@@ -77,7 +78,7 @@ class ScorePart(Protocol):
     """Runs after a rollout batch was scored (a training step only)."""
 
     def after_score(self, scorer: Scorer, batch: TensorDict, scores: torch.Tensor, step: int,
-                    metrics: dict[str, Any]) -> None:
+                    metrics: StepMetrics) -> None:
         """``scores``: ``[B]`` the shaped rewards; ``step``: the step being run (1-based)."""
 
 
@@ -97,7 +98,7 @@ class Scorer:
 
     def __init__(self, reward_fn: RewardFunctions, guard: StepGuard, rollout: RolloutConfig,
                  overlong: OverlongBufferConfig, model: ModelScores | None = None,
-                 trl_kwargs: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None,
+                 trl_kwargs: Callable[[StepMetrics], Mapping[str, Any]] | None = None,
                  parts: Sequence[ScorePart] = ()) -> None:
         self.reward_fn = reward_fn
         self.guard = guard
@@ -107,7 +108,7 @@ class Scorer:
         self.trl_kwargs = trl_kwargs
         self.parts = list(parts)
 
-    def score(self, batch: TensorDict, step: int, metrics: dict[str, Any]) -> torch.Tensor:
+    def score(self, batch: TensorDict, step: int, metrics: StepMetrics) -> torch.Tensor:
         """Rewards of a training batch: writes ``token_level_scores`` / ``token_level_rewards``; adds metrics.
 
         Args:
@@ -127,7 +128,7 @@ class Scorer:
             part.after_score(self, batch, scores, step, metrics)
         return scores
 
-    def rewards(self, batch: TensorDict, step: int, metrics: dict[str, Any], what: str = "rewards"
+    def rewards(self, batch: TensorDict, step: int, metrics: StepMetrics, what: str = "rewards"
                 ) -> torch.Tensor:
         """``[B]`` rewards of a rollout batch: every part of the reward, checked (a collective).
 
@@ -151,7 +152,7 @@ class Scorer:
             metrics["reward/overlong_penalty"] = Metric.mean(penalty.mean(), weight=penalty.numel())
         return scores
 
-    def validate(self, batch: TensorDict, step: int, metrics: dict[str, Any]) -> BatchScores:
+    def validate(self, batch: TensorDict, step: int, metrics: StepMetrics) -> BatchScores:
         """Scores of a validation batch under ``val/reward`` (failed calls and non-finite scores checked).
 
         Args:
@@ -168,9 +169,9 @@ class Scorer:
         return result
 
 
-ComputePart = Callable[[TensorDict, torch.Tensor, dict[str, Any]], None]
+ComputePart = Callable[[TensorDict, torch.Tensor, StepMetrics], None]
 """``compute(batch, scores, metrics)``: writes the advantages into ``batch``; adds metrics."""
-SelectPart = Callable[[TensorDict, torch.Tensor, dict[str, Any]], tuple[TensorDict, bool]]
+SelectPart = Callable[[TensorDict, torch.Tensor, StepMetrics], tuple[TensorDict, bool]]
 """``select(batch, scores, metrics) -> (batch, trainable)``; ``trainable`` the same on every rank."""
 
 
@@ -246,7 +247,7 @@ def estimator_advantages(estimator: Estimator, token_level_rewards: torch.Tensor
     return advantages, returns
 
 
-def keep_all(batch: TensorDict, scores: torch.Tensor, metrics: dict[str, Any]) -> tuple[TensorDict, bool]:
+def keep_all(batch: TensorDict, scores: torch.Tensor, metrics: StepMetrics) -> tuple[TensorDict, bool]:
     """The default selection: every sample trains."""
     return batch, True
 
@@ -270,7 +271,7 @@ class EstimatorAdvantages:
         self.config = config
         self.dp_group = dp_group
 
-    def __call__(self, batch: TensorDict, scores: torch.Tensor, metrics: dict[str, Any]) -> None:
+    def __call__(self, batch: TensorDict, scores: torch.Tensor, metrics: StepMetrics) -> None:
         """Write ``advantages`` and ``returns`` ``[B, T]`` into ``batch``; add the advantages' metrics."""
         mask = batch[schema.RESPONSE_MASK]
         group = self.dp_group if self.estimator.whitens else None  # only a whitening one is a collective
@@ -296,6 +297,6 @@ class Advantages:
         self.select_part = select
 
     def select(self, batch: TensorDict, scores: torch.Tensor,
-               metrics: dict[str, Any]) -> tuple[TensorDict, bool]:
+               metrics: StepMetrics) -> tuple[TensorDict, bool]:
         """The tensor-only batch to train on and whether any rank has samples left (the selection part's)."""
         return self.select_part(schema.tensor_only(batch), scores, metrics)

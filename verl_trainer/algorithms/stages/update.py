@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.algorithms.config import ActorConfig
+from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.data import schema
 from verl_trainer.engine.base import BaseEngine
 from verl_trainer.metrics import Metric, Reduction
@@ -216,7 +217,7 @@ class Updater:
         self.hooks = hooks
         self.dp_group = dp_group
 
-    def prepare(self, data: TensorDict, metrics: dict[str, Any]) -> UpdatePlan:
+    def prepare(self, data: TensorDict, metrics: StepMetrics) -> UpdatePlan:
         """Count the mini-batches (a collective) and add the old and reference log-probs to ``data``.
 
         The old log-probs are reused from the update itself when the step is one actor update
@@ -237,7 +238,7 @@ class Updater:
     def _actor_due(self) -> bool:
         return self.actor_due is None or self.actor_due()
 
-    def update(self, data: TensorDict, plan: UpdatePlan, metrics: dict[str, Any]) -> dict[str, Any]:
+    def update(self, data: TensorDict, plan: UpdatePlan, metrics: StepMetrics) -> dict[str, Any]:
         """The critic part's updates, then the actor's (when due), over the step's mini-batches.
 
         Returns:
