@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from verl_trainer.algorithms.dapo import dynamic_sampling_filter, overlong_penalty, uniform_groups
-from verl_trainer.algorithms.distributed import count_mini_batches, split_mini_batches
+from verl_trainer.algorithms.stages.update import count_mini_batches, split_mini_batches
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.metrics import reduce_metrics

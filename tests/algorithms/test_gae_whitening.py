@@ -3,8 +3,9 @@
 import torch
 import torch.distributed as dist
 
-from verl_trainer.algorithms.distributed import count_mini_batches, global_masked_whiten, split_mini_batches
 from verl_trainer.algorithms.ppo import compute_gae_advantages
+from verl_trainer.algorithms.stages.signal import global_masked_whiten
+from verl_trainer.algorithms.stages.update import count_mini_batches, split_mini_batches
 from verl_trainer.core_algos import compute_gae_advantage_return, masked_whiten
 from verl_trainer.data.packing import make_batch
 from verl_trainer.testing.distributed import run_distributed

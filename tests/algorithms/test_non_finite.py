@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_trainer.algorithms.non_finite import NonFiniteConfig, NonFiniteError, NonFiniteGuard
+from verl_trainer.algorithms.non_finite import NonFiniteConfig, NonFiniteError
+from verl_trainer.algorithms.stages.guard import NonFiniteGuard
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task

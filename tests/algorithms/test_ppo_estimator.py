@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from verl_trainer.algorithms.config import PPOConfig
-from verl_trainer.algorithms.distributed import estimator_advantages
+from verl_trainer.algorithms.stages.signal import estimator_advantages
 from verl_trainer.core_algos.advantages import ADV_ESTIMATOR_REGISTRY, register_adv_est, resolve_estimator
 from verl_trainer.rollout.config import RolloutConfig
 

@@ -16,7 +16,8 @@ from tests.algorithms.short_grpo import make_assets, short_grpo_config
 from tests.trainer.common import tiny_model
 from verl_trainer.algorithms import GRPO, GRPOConfig
 from verl_trainer.algorithms.config import RewardConfig
-from verl_trainer.algorithms.greedy_baseline import attach_reward_baselines
+from verl_trainer.algorithms.greedy_baseline import GreedyBaseline, attach_reward_baselines
+from verl_trainer.algorithms.stages.signal import Scorer
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.data.prompts import collate_prompts
@@ -65,24 +66,29 @@ def model(tmp_path_factory) -> str:
     return tiny_model(tmp_path_factory.mktemp("remax") / "model")
 
 
-def _module(model: str, on_error: str = "error") -> GRPO:
-    rollout = RolloutConfig(n=2, max_new_tokens=4, seed=3)
-    module = GRPO(GRPOConfig(model_path=model, adv_estimator="remax", rollout=rollout,
+def _stages(model: str, on_error: str = "error") -> tuple:
+    """A ReMax module's scorer with the greedy baseline part, and a rollout (no Trainer, no engines)."""
+    rollout_cfg = RolloutConfig(n=2, max_new_tokens=4, seed=3)
+    module = GRPO(GRPOConfig(model_path=model, adv_estimator="remax", rollout=rollout_cfg,
                              reward=RewardConfig(name=text_reward, on_error=on_error)))
-    module.rollout = HFRollout(rollout, model)
-    return module
+    part = GreedyBaseline()
+    overlong = module.config.reward.overlong_buffer
+    scorer = Scorer(module.reward_fn, module.guard, rollout_cfg, overlong, parts=[part])
+    return module, HFRollout(rollout_cfg, model), part, scorer
 
 
 def test_the_baseline_is_the_greedy_response_scored_like_a_sample_and_the_advantage_subtracts_it(model):
-    module = _module(model)
-    batch = module.rollout.generate(_prompt_batch(["1"] * 3), step=0)
-    baseline = module.generate_baseline(_prompt_batch(["1"] * 3), 0, torch.arange(3))
+    module, rollout, part, scorer = _stages(model)
+    batch = rollout.generate(_prompt_batch(["1"] * 3), step=0)
+    timings: dict = {}
+    part.after_rollout(rollout, _prompt_batch(["1"] * 3), 0, torch.arange(3), timings)
+    baseline = part._responses[0]
     greedy = HFRollout(RolloutConfig(n=1, max_new_tokens=4), model).generate(
         _prompt_batch(["1"] * 3), do_sample=False)  # a separate greedy generate, same weights
     assert list(baseline[RESPONSE_TEXT]) == list(greedy[RESPONSE_TEXT])
+    assert "timing/baseline_rollout_s" in timings
     metrics: dict = {}
-    scores = module.score(batch, metrics)
-    module.score_baseline(batch, baseline, metrics)
+    scores = scorer.score(batch, 1, metrics)  # step 1: the greedy responses generated at global_step 0
     want = torch.tensor([text_reward("", t, "1") for t in greedy[RESPONSE_TEXT]])
     torch.testing.assert_close(batch[schema.REWARD_BASELINES], want.repeat_interleave(2))
     assert float(metrics["reward/baseline_mean"].aggregate()) == pytest.approx(float(want.mean()))
@@ -97,16 +103,15 @@ def test_the_baseline_is_the_greedy_response_scored_like_a_sample_and_the_advant
 
 
 def test_a_dropped_greedy_response_drops_its_prompts_samples(model):
-    module = _module(model, on_error="drop")
-    batch = module.rollout.generate(_prompt_batch(["1"] * 3), step=0)
-    baseline = module.generate_baseline(_prompt_batch(["1", "boom", "1"]), 0, torch.arange(3))
+    module, rollout, part, scorer = _stages(model, on_error="drop")
+    batch = rollout.generate(_prompt_batch(["1"] * 3), step=0)
+    part.after_rollout(rollout, _prompt_batch(["1", "boom", "1"]), 0, torch.arange(3), {})
     metrics: dict = {}
-    module.score(batch, metrics)
-    module.score_baseline(batch, baseline, metrics)
+    scorer.score(batch, 1, metrics)
     assert schema.real_mask(batch).tolist() == [True, True, False, False, True, True]
     assert metrics["reward/baseline_errors"] == 1.0 and metrics["reward/baseline_dropped_samples"] == 1.0
     assert metrics["reward/errors"] == 0.0  # the samples' own count is kept apart
-    assert module.non_finite.dropped > 0  # the step knows samples went (all dropped: it skips the update)
+    assert module.guard.dropped > 0  # the step knows samples went (all dropped: it skips the update)
 
 
 # ------------------------------------------------------------- real steps on spawned ranks, dp 1 vs 2

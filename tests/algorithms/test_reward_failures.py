@@ -17,10 +17,10 @@ import torch
 from tensordict import NonTensorStack
 
 from verl_trainer.algorithms.config import RewardConfig
-from verl_trainer.algorithms.non_finite import check_reward_failures
+from verl_trainer.algorithms.stages.guard import check_reward_failures
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
-from verl_trainer.rewards import RewardFunctions, compute_rewards, score_batch
+from verl_trainer.rewards import RewardFunctions, compute_rewards, place_scores, score_responses
 from verl_trainer.rewards.failures import RewardError
 from verl_trainer.testing import run_distributed
 
@@ -60,10 +60,8 @@ def _scored_batch(texts: list[str], fns: RewardFunctions) -> tuple:
     batch["response_text"] = NonTensorStack.from_list(texts)
     batch["data_source"] = NonTensorStack.from_list(["gsm8k"] * len(texts))
     batch["ground_truth"] = NonTensorStack.from_list(["1"] * len(texts))
-    seen = {}
-    scores, metrics = score_batch(batch, fns, on_scores=lambda b, s, info: seen.update(b=b, s=s, info=info),
-                                  raise_on_error=False)
-    return batch, seen["s"], seen["info"], metrics
+    scores, info = score_responses(batch, fns, raise_on_error=False)
+    return batch, scores, info, place_scores(batch, scores, info).metrics
 
 
 def test_drop_takes_the_whole_group_and_counts():

@@ -15,9 +15,9 @@ import pytest
 from tensordict import NonTensorStack
 
 from verl_trainer.algorithms.config import RewardConfig
-from verl_trainer.algorithms.non_finite import check_reward_failures
+from verl_trainer.algorithms.stages.guard import check_reward_failures
 from verl_trainer.data.packing import make_batch
-from verl_trainer.rewards import RewardFunctions, compute_rewards, score_batch
+from verl_trainer.rewards import RewardFunctions, compute_rewards, score_responses
 from verl_trainer.rewards.failures import RewardError
 
 HANGING = '''
@@ -64,14 +64,13 @@ def test_a_hanging_reward_function_times_out_and_is_counted(hanging, name, timed
     fns = RewardFunctions(config.name, config.weights, config.on_error, config.timeout_s)
     made.append(fns)
     batch = _batch(["ok", "hang", "ok", "hang"])
-    seen = {}
     begin = time.monotonic()
-    score_batch(batch, fns, on_scores=lambda b, s, info: seen.update(s=s, info=info), raise_on_error=False)
+    scores, info = score_responses(batch, fns, raise_on_error=False)
     assert time.monotonic() - begin < 20  # 0.5 s per hanging call, not 3600
-    assert seen["info"]["_timed_out"].tolist() == timed_out
-    assert seen["s"].tolist() == [0.0 if t else 1.0 for t in timed_out]
+    assert info["_timed_out"].tolist() == timed_out
+    assert scores.tolist() == [0.0 if t else 1.0 for t in timed_out]
     metrics = {}
-    check_reward_failures(fns, batch, seen["s"], seen["info"], 1, None, metrics)
+    check_reward_failures(fns, batch, scores, info, 1, None, metrics)
     assert metrics == {"reward/errors": 0.0, "reward/timeouts": float(sum(timed_out))}
     assert "ran past its 0.5 s limit" in fns.failures[0].message
     assert "algorithm.reward.timeout_s=0.5" in fns.failures[0].message

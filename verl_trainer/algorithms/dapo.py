@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.data import schema
 from verl_trainer.metrics import Metric
 from verl_trainer.utils.distributed import all_reduce
 
-__all__ = ["dynamic_sampling_filter", "overlong_penalty", "uniform_groups"]
+__all__ = ["DynamicSampling", "dynamic_sampling_filter", "overlong_penalty", "uniform_groups"]
 
 
 def overlong_penalty(response_len: torch.Tensor, max_len: int, buffer_len: int,
@@ -104,3 +105,23 @@ def dynamic_sampling_filter(
         "dapo/kept_samples": Metric.sum(float(keep.sum()) * dp_size),
     }
     return kept, any_left, metrics
+
+
+class DynamicSampling:
+    """The advantages stage's selection part for ``dynamic_sampling``: :func:`dynamic_sampling_filter`.
+
+    Args:
+        dp_group: The DP process group.
+        dp_size: Its size.
+    """
+
+    def __init__(self, dp_group: dist.ProcessGroup | None = None, dp_size: int = 1) -> None:
+        self.dp_group = dp_group
+        self.dp_size = dp_size
+
+    def __call__(self, batch: TensorDict, scores: torch.Tensor,
+                 metrics: StepMetrics) -> tuple[TensorDict, bool]:
+        """``(kept, any_left)``; adds ``dapo/kept_group_frac`` and ``dapo/kept_samples`` to ``metrics``."""
+        kept, any_left, dapo_metrics = dynamic_sampling_filter(batch, scores, self.dp_group, self.dp_size)
+        metrics.update(dapo_metrics)
+        return kept, any_left

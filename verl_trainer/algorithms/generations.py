@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.data import schema
 from verl_trainer.data.schema import non_tensor_lists
 
-__all__ = ["GENERATION_COLUMNS", "GenerationLog", "generation_rows"]
+__all__ = ["GENERATION_COLUMNS", "GenerationLog", "TrainGenerations", "generation_rows"]
 
 GENERATION_COLUMNS = ("step", "data_source", "prompt", "response", "score", "ground_truth")
 """The table's columns (the JSONL rows hold these, plus ``messages`` in multi-turn runs)."""
@@ -120,3 +121,21 @@ def _log_table(loggers: Sequence[Any], rows: Sequence[dict[str, Any]], step: int
     for logger in loggers:
         if callable(getattr(logger, "log_table", None)):
             logger.log_table(key=key, columns=list(GENERATION_COLUMNS), data=data, step=step)
+
+
+class TrainGenerations:
+    """The scorer's part that records a training step's scored samples (``log_train_generations``).
+
+    Args:
+        log: A ``stage="train"`` log with ``limit > 0``.
+        trainer: The trainer whose logger and rank it writes with.
+    """
+
+    def __init__(self, log: GenerationLog, trainer: Any) -> None:
+        self.log = log
+        self.trainer = trainer
+
+    def after_score(self, scorer: Any, batch: TensorDict, scores: torch.Tensor, step: int,
+                    metrics: StepMetrics) -> None:
+        """Record the batch's first samples with their shaped ``scores`` ``[B]``."""
+        self.log.record(batch, scores, 0, self.trainer)

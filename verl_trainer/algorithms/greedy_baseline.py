@@ -11,10 +11,13 @@ say so: :func:`~verl_trainer.core_algos.advantages.resolve_estimator`; ``remax``
    agent loop, the one-step-off thread) serves it unchanged;
 2. each greedy response is scored exactly as a sample (the same reward functions, reward model,
    environment reward and overlong shaping, under the same ``reward.on_error`` and ``non_finite.policy``:
-   ``RLModule.sequence_rewards``);
+   ``Scorer.rewards``);
 3. its reward is written to every sample of its prompt as ``reward_baselines`` ``[B * n]``
    (:func:`attach_reward_baselines`). The greedy responses are then dropped: no loss, no denominator, no
    response metric sees them.
+
+:class:`GreedyBaseline` is the feature as one object plugged into two stages: a part of the rollout stage
+(step 1, on whatever thread generates the step's samples) and a part of the scorer (steps 2 and 3).
 
 A greedy response that is dropped (a failed or non-finite reward under a dropping policy) leaves its
 prompt without a baseline, so its samples are dropped too.
@@ -31,18 +34,23 @@ calls of the greedy responses), ``non_finite/baseline_rewards``, and the dropped
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
 
+from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.core_algos.advantages import estimator_inputs
 from verl_trainer.data import schema
 from verl_trainer.metrics import Metric
 from verl_trainer.rollout import BaseRollout
 
-__all__ = ["BASELINE_STREAM", "attach_reward_baselines", "baseline_metrics", "generate_greedy_baseline",
-           "reads_reward_baselines"]
+if TYPE_CHECKING:  # annotations only: the scorer stage imports nothing of this feature
+    from verl_trainer.algorithms.stages.signal import Scorer
+
+__all__ = ["BASELINE_STREAM", "GreedyBaseline", "attach_reward_baselines", "baseline_metrics",
+           "generate_greedy_baseline", "reads_reward_baselines"]
 
 BASELINE_STREAM = 2
 """Seed stream of the baseline rollout (0: training samples, 1: validation); greedy decoding draws nothing,
@@ -115,6 +123,47 @@ def baseline_metrics(baseline: TensorDict, scores: torch.Tensor, scoring: dict[s
     real = schema.real_mask(baseline)
     count = int(real.sum())
     mean = scores[real].float().mean() if count else torch.zeros(())
-    metrics: dict[str, Any] = {"reward/baseline_mean": Metric.mean(mean, weight=count)}
+    metrics: StepMetrics = {"reward/baseline_mean": Metric.mean(mean, weight=count)}
     metrics.update({_RENAMED[k]: v for k, v in scoring.items() if k in _RENAMED})
     return metrics
+
+
+class GreedyBaseline:
+    """ReMax's baseline as a rollout part and a scorer part (see the module docstring).
+
+    The greedy responses are kept per step between the two (one-step-off generates step ``t + 1``'s while
+    step ``t`` is scored).
+    """
+
+    def __init__(self) -> None:
+        self._responses: dict[int, TensorDict] = {}  # single dict operations: safe across the two threads
+
+    def after_rollout(self, rollout: BaseRollout, prompt_batch: TensorDict, step: int,
+                      prompt_index: torch.Tensor, metrics: StepMetrics) -> None:
+        """Decode the step's prompts greedily with the sampling weights; ``timing/baseline_rollout_s``."""
+        start = time.perf_counter()
+        baseline = generate_greedy_baseline(rollout, prompt_batch, step, prompt_index)
+        self._responses[step] = baseline
+        metrics["timing/baseline_rollout_s"] = time.perf_counter() - start
+
+    def after_score(self, scorer: Scorer, batch: TensorDict, scores: torch.Tensor, step: int,
+                    metrics: StepMetrics) -> None:
+        """Score the step's greedy responses as samples; write ``reward_baselines`` ``[B * n]`` in ``batch``.
+
+        A collective (reward model, failure and non-finite counts). Samples whose greedy response was
+        dropped (a dropping failure policy) are dropped too: they have no baseline.
+
+        Raises:
+            RuntimeError: No greedy responses were generated for the step.
+        """
+        baseline = self._responses.pop(step - 1, None)
+        for old in [k for k in list(self._responses) if k < step - 1]:  # an unused read-ahead
+            self._responses.pop(old, None)
+        if baseline is None:
+            raise RuntimeError(f"step {step}: no greedy baseline responses (the rollout stage runs this)")
+        scoring: StepMetrics = {}
+        dropped_before = scorer.guard.dropped
+        baseline_scores = scorer.rewards(baseline, step, scoring, what="baseline_rewards")
+        orphans = attach_reward_baselines(batch, baseline, baseline_scores)
+        scorer.guard.drop_orphans(batch, orphans, dropped_before)
+        metrics.update(baseline_metrics(baseline, baseline_scores, scoring))

@@ -23,13 +23,11 @@ import torch
 from tensordict import TensorDict
 
 from verl_trainer.algorithms.config import GRPOConfig
-from verl_trainer.algorithms.dapo import dynamic_sampling_filter
-from verl_trainer.algorithms.distributed import estimator_advantages
+from verl_trainer.algorithms.dapo import DynamicSampling
 from verl_trainer.algorithms.rl import RLModule
+from verl_trainer.algorithms.stages.signal import ComputePart, EstimatorAdvantages, SelectPart, keep_all
 from verl_trainer.core_algos.advantages import resolve_estimator
 from verl_trainer.core_algos.aggregation import SEQ_MEAN_TOKEN_SUM_NORM
-from verl_trainer.data import schema
-from verl_trainer.metrics import token_stats
 
 __all__ = ["GRPO", "DrGRPO"]
 
@@ -52,34 +50,28 @@ class GRPO(RLModule):
         super().__init__(config)
         self.estimator = resolve_estimator(config.adv_estimator)
 
-    def compute_advantages(self, batch: TensorDict, scores: torch.Tensor, metrics: dict[str, Any]) -> None:
-        """The configured estimator's advantages on every response token (groups whole on this rank).
+    def advantage_parts(self) -> tuple[ComputePart, SelectPart]:
+        """The configured estimator and, with ``dynamic_sampling``, DAPO's selection.
 
-        The estimator gets what its signature asks for (``resolve_estimator``): the group ids, the config
-        (``gamma``), ``norm_adv_by_std_in_grpo``, ReMax's ``reward_baselines`` (the greedy responses'
-        rewards, ``RLModule.score_baseline``). One whose advantages are its returns whitened over the
-        batch (REINFORCE++) has its returns whitened over the whole DP batch, so no dp size changes them.
+        :class:`EstimatorAdvantages` and :class:`~verl_trainer.algorithms.dapo.DynamicSampling`; a
+        subclass's :meth:`compute_advantages` / :meth:`select_samples` override is plugged instead.
         """
-        mask = batch[schema.RESPONSE_MASK]
-        group = self._dp_group if self.estimator.whitens else None  # only a whitening one is a collective
-        available = {key: batch[key] for key in (schema.REWARD_BASELINES,) if key in batch.keys()}
-        adv, returns = estimator_advantages(
-            self.estimator, batch[schema.TOKEN_LEVEL_REWARDS], mask, group, index=batch[schema.UID],
-            norm_adv_by_std_in_grpo=self.config.norm_adv_by_std_in_grpo, config=self.config, **available)
-        batch[schema.ADVANTAGES] = adv
-        batch[schema.RETURNS] = returns
-        metrics.update(token_stats(adv, mask, "critic/advantages"))
+        compute = (self.compute_advantages if self.overridden("compute_advantages", GRPO)
+                   else EstimatorAdvantages(self.estimator, self.config, self._dp_group))
+        dapo = self.config.dynamic_sampling
+        selection = DynamicSampling(self._dp_group, self._dp_size) if dapo else keep_all
+        return compute, self.select_samples if self.overridden("select_samples", GRPO) else selection
+
+    def compute_advantages(self, batch: TensorDict, scores: torch.Tensor, metrics: dict[str, Any]) -> None:
+        """The configured estimator's advantages on every response token (:class:`EstimatorAdvantages`)."""
+        EstimatorAdvantages(self.estimator, self.config, self._dp_group)(batch, scores, metrics)
 
     def select_samples(self, batch: TensorDict, scores: torch.Tensor,
                        metrics: dict[str, Any]) -> tuple[TensorDict, bool]:
         """DAPO dynamic sampling when enabled: drop groups with equal rewards, ranks kept in step."""
         if not self.config.dynamic_sampling:
             return batch, True
-        kept, any_left, dapo_metrics = dynamic_sampling_filter(
-            batch, scores, self._dp_group, self._dp_size
-        )
-        metrics.update(dapo_metrics)
-        return kept, any_left
+        return DynamicSampling(self._dp_group, self._dp_size)(batch, scores, metrics)
 
 
 class DrGRPO(GRPO):

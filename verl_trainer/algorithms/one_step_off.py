@@ -24,6 +24,10 @@ its kernels, so generation and training overlap.
 flight is not saved: a run resumed from a checkpoint of step ``t`` generates step ``t+1``'s responses
 again, with the restored weights (staleness 0 for that step), then continues one step off.
 
+:class:`OneStepOffRollout` wraps any rollout stage that can sample off the training thread (the plain
+:class:`~verl_trainer.algorithms.stages.rollout.RolloutStage` with its parts: ReMax's greedy responses come
+from the same weights); it holds the stage, its weight sync and the trainer's read-ahead, not the module.
+
 Logged: ``rollout/staleness`` (per sample: updates between the sampling weights and the trained ones;
 mean), ``timing/rollout_s`` (generation of the trained batch, wherever it ran), ``timing/idle_s`` (the
 training thread waiting for it; the rest of ``timing/rollout_s`` overlapped the step before),
@@ -34,20 +38,19 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tensordict import TensorDict
 
+from verl_trainer.algorithms.stages import StepMetrics
+from verl_trainer.algorithms.stages.rollout import RolloutStage
 from verl_trainer.data import schema
 from verl_trainer.data.schema import prompt_token_lists
 from verl_trainer.metrics import Metric
 from verl_trainer.rollout import BaseRollout
-from verl_trainer.rollout.divergence import DivergenceError
-
-if TYPE_CHECKING:
-    from verl_trainer.algorithms.rl import RLModule
 
 __all__ = ["OneStepOffRollout", "check_async_rollout"]
 
@@ -79,8 +82,6 @@ class _Generation:
     """``global_step`` when the sampling weights were copied (updates they contain)."""
     thread: threading.Thread | None = None
     batch: TensorDict | None = None
-    baseline: TensorDict | None = None
-    """ReMax's greedy responses to the same prompts, same weights (``RLModule.generate_baseline``)."""
     error: BaseException | None = None
     seconds: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
@@ -94,30 +95,35 @@ class OneStepOffRollout:
     """Generates step t+1's responses on a background thread while step t trains (see the module docstring).
 
     Args:
-        module: The RL module whose ``rollout`` (a private copy) and ``sync_rollout`` it drives.
+        stage: The rollout stage it wraps (its ``sample`` runs on the background thread; its
+            ``weights`` sync the copy on the training thread).
+        peek_next: The trainer's read-ahead: the next step's prompt batch, or ``None`` (unknown, or none).
     """
 
-    def __init__(self, module: RLModule) -> None:
-        self.module = module
+    def __init__(self, stage: RolloutStage, peek_next: Callable[[], TensorDict | None]) -> None:
+        check_async_rollout(stage.rollout)
+        self.stage = stage
+        self.peek_next = peek_next
         self.pending: _Generation | None = None
         self.synced_at: int | None = None
         """``global_step`` of the weights in the rollout copy (``None``: not synced yet)."""
 
     # -------------------------------------------------------------------------------------- weights
-    def sync(self) -> float:
+    def sync(self, step: int) -> float:
         """Copy the actor's weights into the rollout when they are newer (a collective; no generation runs).
 
         Every rank reaches it at the same point with the same ``synced_at``, so all sync together.
 
+        Args:
+            step: ``trainer.global_step`` (updates the actor's weights contain).
+
         Returns:
             Seconds spent copying (0 when the copy was current).
         """
-        module = self.module
-        step = module.trainer.global_step
-        if self.synced_at == step and not module._rollout_stale:
+        if self.synced_at == step and not self.stage.weights.stale:
             return 0.0
         start = time.perf_counter()
-        module.sync_rollout()
+        self.stage.weights.sync()
         self.synced_at = step
         return time.perf_counter() - start
 
@@ -126,19 +132,20 @@ class OneStepOffRollout:
         if self.pending is not None and self.pending.thread is not None:
             self.pending.thread.join()
 
-    def before_validation(self) -> None:
+    def before_validation(self, step: int) -> None:
         """Validation samples with the current weights: wait for the generation, then sync."""
         self.wait()
-        self.sync()
+        self.sync(step)
+
+    def after_update(self, outputs: Mapping[str, Any]) -> None:
+        """Nothing: the copy is synced at the next step's start."""
 
     # ----------------------------------------------------------------------------------------- step
     def _generate(self, gen: _Generation, prompt_batch: TensorDict, step: int) -> None:
         start = time.perf_counter()
         try:
             with torch.no_grad():
-                gen.batch = self.module.rollout.generate(prompt_batch, step=step,
-                                                         prompt_index=gen.prompt_index)
-                gen.baseline = self.module.generate_baseline(prompt_batch, step, gen.prompt_index)
+                gen.batch = self.stage.sample(prompt_batch, step, {})
         except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread
             gen.error = exc
         gen.seconds = time.perf_counter() - start
@@ -147,7 +154,6 @@ class OneStepOffRollout:
     def _start(self, prompt_batch: TensorDict, step: int, background: bool) -> _Generation:
         gen = _Generation(prompts=prompt_token_lists(prompt_batch),
                           prompt_index=prompt_batch[schema.UID].clone(), version=self.synced_at or 0)
-        prompt_batch = self.module._unique_uids(prompt_batch)
         if background:
             gen.thread = threading.Thread(target=self._generate, args=(gen, prompt_batch, step),
                                           name=f"one-step-off-rollout-{step}", daemon=True)
@@ -156,33 +162,30 @@ class OneStepOffRollout:
             self._generate(gen, prompt_batch, step)
         return gen
 
-    def rollout_batch(self, batch: TensorDict, prompt_index: torch.Tensor,
-                      metrics: dict[str, Any]) -> tuple[TensorDict, TensorDict | None]:
+    def generate(self, prompt_batch: TensorDict, step: int, metrics: StepMetrics) -> TensorDict:
         """The responses this step trains on; starts the next step's generation before returning.
 
         Args:
-            batch: This rank's prompt batch of the step (its ``uid`` already made unique over the ranks).
-            prompt_index: ``[B]`` the prompts' dataset indices.
+            prompt_batch: This rank's prompt batch of the step (``uid``: the prompts' dataset indices).
+            step: ``trainer.global_step``.
             metrics: Receives ``rollout/staleness`` and the ``timing/*`` entries.
 
         Returns:
-            The rollout batch (as :meth:`BaseRollout.generate` returns it), and ReMax's greedy responses
-            (``None`` unless the estimator reads ``reward_baselines``).
+            The rollout batch (as :meth:`RolloutStage.sample` returns it).
+
+        Raises:
+            DivergenceError: The weights that sampled it are non-finite (as the stage raises it).
         """
-        trainer = self.module.trainer
-        step = trainer.global_step
         start = time.perf_counter()
         self.wait()
         gen, self.pending = self.pending, None
-        sync_s = self.sync()  # every rank, every step: the copy is a collective
-        if gen is None or not gen.matches(prompt_token_lists(batch), prompt_index):
-            gen = self._start(batch, step, background=False)  # no usable read-ahead: generate now
+        sync_s = self.sync(step)  # every rank, every step: the copy is a collective
+        if gen is None or not gen.matches(prompt_token_lists(prompt_batch), prompt_batch[schema.UID]):
+            gen = self._start(prompt_batch, step, background=False)  # no usable read-ahead: generate now
         idle = time.perf_counter() - start - sync_s
         if gen.error is not None:
-            if isinstance(gen.error, DivergenceError):
-                raise DivergenceError(f"step {step + 1} (its rollout): {gen.error}") from None
             raise gen.error
-        upcoming = trainer.peek_next_batch()
+        upcoming = self.peek_next()
         if upcoming is not None:
             self.pending = self._start(upcoming, step + 1, background=True)
         rollout_batch = gen.batch
@@ -191,4 +194,9 @@ class OneStepOffRollout:
         metrics["timing/rollout_s"] = gen.seconds
         metrics["timing/idle_s"] = idle
         metrics["timing/weight_sync_s"] = sync_s
-        return rollout_batch, gen.baseline
+        return rollout_batch
+
+    @property
+    def weights(self) -> Any:
+        """The wrapped stage's weight sync."""
+        return self.stage.weights

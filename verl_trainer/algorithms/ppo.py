@@ -1,13 +1,14 @@
 """PPO with a critic: actor + critic (+ reference), GAE, critic warm-up, clipped value loss.
 
-Per step, after the rollout and rewards (:class:`~verl_trainer.algorithms.rl.RLModule`):
+Per step, after the rollout and rewards (:class:`~verl_trainer.algorithms.rl.RLModule`), as the advantage
+and update stages' parts:
 
 1. optionally (``use_kl_in_reward``) the rewards get ``- kl_coef * KL(pi_old || pi_ref)`` per token;
    the critic engine computes ``values`` ``[B, T]`` (``values[:, t]``: the state before token ``t``);
 2. ``adv_estimator`` (``gae``, or any registered estimator that reads the critic's ``values``) over the
    response tokens: GAE gives ``returns = A + V`` and raw advantages, which are **whitened with the mean
    and variance of the whole step batch over all DP ranks** (:func:`compute_gae_advantages`,
-   :func:`~verl_trainer.algorithms.distributed.estimator_advantages`), so they do not depend on the dp
+   :func:`~verl_trainer.algorithms.stages.signal.estimator_advantages`), so they do not depend on the dp
    size (verl whitens on its driver, which holds the whole batch);
 3. per mini-batch (``ppo_epochs`` passes): the critic is updated with the clipped value loss
    (``critic.loss.cliprange_value``), then the actor with the PPO loss — except during the first
@@ -23,8 +24,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.algorithms.config import PPOConfig
-from verl_trainer.algorithms.distributed import estimator_advantages
 from verl_trainer.algorithms.rl import RLModule
+from verl_trainer.algorithms.stages.signal import estimator_advantages
 from verl_trainer.core_algos import kl_penalty
 from verl_trainer.core_algos.advantages import AdvantageEstimator, resolve_estimator
 from verl_trainer.core_algos.losses import value_loss

@@ -26,16 +26,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.algorithms.config import RewardConfig, RewardModelConfig
+from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
+from verl_trainer.data.schema import non_tensor_lists
 from verl_trainer.models.loading import load_reward_model, load_tokenizer
 from verl_trainer.models.source import resolve_model_path
 from verl_trainer.module import EngineSpec
+from verl_trainer.rollout import RESPONSE_TEXT
+from verl_trainer.utils.distributed import all_reduce
 
-__all__ = ["REWARD_MODEL_ENGINE", "RewardModel", "is_reward_model_dir", "split_reward_models"]
+__all__ = ["REWARD_MODEL_ENGINE", "RewardModel", "RewardModelScores", "is_reward_model_dir",
+           "split_reward_models"]
 
 REWARD_MODEL_ENGINE = "reward_model"
 """The engine's name in ``module.engines``."""
@@ -148,3 +154,33 @@ class RewardModel:
         last = batch[schema.SEQ_LEN].to(values.device) - 1  # the extra token: the head at the last real one
         scores = values[torch.arange(values.shape[0], device=values.device), last]
         return scores.float().cpu(), truncated
+
+
+class RewardModelScores:
+    """The scorer's reward-model part: adds ``weight × score`` to each sample's reward (a collective).
+
+    Args:
+        model: The reward model.
+        engine: Its engine (``module.engines["reward_model"]``).
+        dp_group: The DP process group (the truncation count is summed over it).
+    """
+
+    def __init__(self, model: RewardModel, engine: Any, dp_group: dist.ProcessGroup | None = None) -> None:
+        self.model = model
+        self.engine = engine
+        self.dp_group = dp_group
+
+    def __call__(self, batch: TensorDict, scores: torch.Tensor, info: dict[str, torch.Tensor],
+                 metrics: StepMetrics, prefix: str) -> None:
+        """Add the weighted score to ``scores`` in place.
+
+        Its own is ``info["model"]`` (logged as ``{prefix}/model``); ``{prefix}/model/truncated`` counts the
+        inputs cut to ``max_length``.
+        """
+        data = non_tensor_lists(batch, ("columns", RESPONSE_TEXT))
+        prompts = [c.get("prompt") for c in data["columns"]]
+        model_scores, truncated = self.model.score(self.engine, prompts, data[RESPONSE_TEXT])
+        scores += self.model.config.weight * model_scores
+        info["model"] = model_scores
+        count = all_reduce(torch.tensor(float(truncated)), self.dp_group)
+        metrics[f"{prefix}/model/truncated"] = float(count)

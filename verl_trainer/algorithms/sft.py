@@ -22,7 +22,8 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from verl_trainer.algorithms.non_finite import NonFiniteConfig, NonFiniteGuard
+from verl_trainer.algorithms.non_finite import NonFiniteConfig
+from verl_trainer.algorithms.stages.guard import NonFiniteGuard
 from verl_trainer.core_algos.losses import SFTLossConfig, sft_loss
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.module import EngineSpec, StepOutput, TrainingModule

@@ -4,8 +4,9 @@
 arithmetic task; :mod:`verl_trainer.rewards.verifiable`). ``get_reward_fn("math")`` (or ``"math_exact"``,
 ``"format"``, ``"default_compute_score"``, ``"my_pkg.rewards:fn"``,
 ``"path/to/file.py:fn"``) returns a function with verl's ``compute_score`` signature;
-``score_batch(batch, reward_fn)`` scores a rollout batch, writes ``token_level_scores`` and returns the
-reward metrics.
+``score_batch(batch, reward_fn)`` scores a rollout batch, writes ``token_level_scores`` and returns its
+``BatchScores`` (scores, reward metrics, per-sample info; ``scores, metrics = score_batch(...)`` unpacks it);
+``score_responses`` and ``place_scores`` are its two halves, for a caller that checks the scores between.
 """
 
 from typing import Any
@@ -37,8 +38,8 @@ from verl_trainer.rewards.verifiable import (
     default_compute_score,
 )
 
-_COMPUTE = ("ACCURACY_KEY", "RewardFunctions", "compute_rewards", "reward_metrics", "score_batch",
-            "token_level_scores")
+_COMPUTE = ("ACCURACY_KEY", "BatchScores", "RewardFunctions", "compute_rewards", "place_scores",
+            "reward_metrics", "score_batch", "score_responses", "token_level_scores")
 """Names of :mod:`verl_trainer.rewards.compute` (torch), imported on first use: the reward functions
 themselves stay light, so a scoring worker process (:mod:`verl_trainer.rewards.verifiable`) starts fast."""
 
@@ -58,6 +59,7 @@ __all__ = [
     "ACCURACY_KEY",
     "DEFAULT_REWARD",
     "FORMAT_SCORE",
+    "BatchScores",
     "KNOWN_DATA_SOURCES",
     "REWARD_REGISTRY",
     "RewardFn",
@@ -77,10 +79,12 @@ __all__ = [
     "math_exact",
     "math_reward",
     "parse_number",
+    "place_scores",
     "register_reward",
     "reward_metrics",
     "rule_based",
     "score_batch",
+    "score_responses",
     "token_level_scores",
     "verifiable",
 ]

@@ -8,7 +8,8 @@ token** of the sample (the eos when the response stopped), the position verl use
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -413,36 +414,44 @@ def _completion_ids(batch: TensorDict) -> list[list[int]]:
     return [ids[i, s: s + n].tolist() for i, (s, n) in enumerate(zip(start.tolist(), length.tolist()))]
 
 
-def score_batch(batch: TensorDict, reward_fn: str | RewardFn | RewardFunctions, tokenizer: Any = None,
-                prefix: str = "reward",
-                on_scores: Callable[[TensorDict, torch.Tensor, dict[str, torch.Tensor]], None] | None = None,
-                return_info: bool = False, raise_on_error: bool = True,
-                trl_kwargs: Mapping[str, Any] | None = None,
-                ) -> tuple[torch.Tensor, dict[str, Metric]] | tuple[torch.Tensor, dict[str, Metric], dict]:
-    """Score a rollout batch in place: sets ``token_level_scores`` ``[B, T]`` and returns the metrics.
+@dataclass
+class BatchScores:
+    """The scores of a rollout batch (:func:`score_batch`, :func:`place_scores`).
+
+    Unpacks as ``scores, metrics = score_batch(...)``.
+    """
+
+    scores: torch.Tensor
+    """``[B]`` float32, a dropped sample's 0."""
+    metrics: dict[str, Metric]
+    """:func:`reward_metrics` of the real samples."""
+    info: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The reward's other per-sample values, ``[B]`` each (``acc``; the failure marks)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        yield self.scores
+        yield self.metrics
+
+
+def score_responses(batch: TensorDict, reward_fn: str | RewardFn | RewardFunctions, tokenizer: Any = None,
+                    raise_on_error: bool = True, trl_kwargs: Mapping[str, Any] | None = None
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The reward functions' ``(scores [B], info)`` of a rollout batch; the batch is not changed.
 
     Reads the non-tensor entries a rollout writes (``response_text``, ``ground_truth``, ``data_source``,
-    ``extra_info``; the text is decoded with ``tokenizer`` when absent), ``response_mask``, ``uid`` and
-    ``is_padding``.
+    ``extra_info``, ``columns``; the text is decoded with ``tokenizer`` when absent).
 
     Args:
         batch: A rollout batch (see :mod:`verl_trainer.rollout.base`).
-        reward_fn: Function, name or ``"module:function"``.
+        reward_fn: Function, name or ``"module:function"``, or :class:`RewardFunctions`.
         tokenizer: Only needed when the batch has no ``response_text``.
-        prefix: Metric-name prefix (e.g. ``"val/reward"`` for validation).
-        on_scores: Called as ``on_scores(batch, scores, info)`` before the scores are placed on tokens and
-            the metrics computed; it may edit both in place (the failure and non-finite checks turn samples
-            into padding).
-        return_info: Also return the reward's other per-sample values (``info[key]`` ``[B]``, e.g. ``acc``).
         raise_on_error: See :func:`compute_rewards`.
         trl_kwargs: See :func:`compute_rewards`. TRL-style functions also get ``completion_ids`` (TRL's
             name): each response's token ids, a list of ints per sample. In a multi-turn batch their
             ``completions[i]`` is the trajectory's message list (see :data:`COMPLETION_MESSAGES`).
 
     Returns:
-        ``(scores [B], metrics)`` — see :func:`reward_metrics`; with ``return_info``,
-        ``(scores, metrics, info)``.
-
+        ``(scores, info)`` as :func:`compute_rewards` with ``return_info=True``.
     """
     data = non_tensor_lists(batch, (*schema.NON_TENSOR_KEYS, "response_text"))  # one read of them all
     texts = _response_texts(batch, data, tokenizer)
@@ -454,12 +463,39 @@ def score_batch(batch: TensorDict, reward_fn: str | RewardFn | RewardFunctions, 
     if "agent_info" in batch.keys():  # multi-turn (rollout.base.AGENT_INFO): the conversation, turn by turn
         infos = batch["agent_info"]
         columns = [{**c, COMPLETION_MESSAGES: info["messages"]} for c, info in zip(columns, infos)]
-    scores, info = compute_rewards(texts, truths, sources, reward_fn, extras, return_info=True,
-                                   columns=columns, raise_on_error=raise_on_error, trl_kwargs=trl_kwargs)
-    if on_scores is not None:
-        on_scores(batch, scores, info)
+    return compute_rewards(texts, truths, sources, reward_fn, extras, return_info=True, columns=columns,
+                           raise_on_error=raise_on_error, trl_kwargs=trl_kwargs)
+
+
+def place_scores(batch: TensorDict, scores: torch.Tensor, info: dict[str, torch.Tensor],
+                 prefix: str = "reward") -> BatchScores:
+    """Set ``token_level_scores`` ``[B, T]`` in ``batch`` and take the reward metrics of its real samples.
+
+    Call it after any check that turns samples into padding (their scores 0): padding is left out of the
+    metrics. Reads ``response_mask`` (else ``loss_mask``), ``uid`` and ``is_padding``.
+    """
     mask = batch[schema.RESPONSE_MASK] if schema.RESPONSE_MASK in batch.keys() else batch[schema.LOSS_MASK]
     batch[schema.TOKEN_LEVEL_SCORES] = token_level_scores(scores, mask)
     uids = batch[schema.UID] if schema.UID in batch.keys() else None
-    metrics = reward_metrics(scores, info, uids, ~schema.real_mask(batch), prefix)
-    return (scores, metrics, info) if return_info else (scores, metrics)
+    return BatchScores(scores, reward_metrics(scores, info, uids, ~schema.real_mask(batch), prefix), info)
+
+
+def score_batch(batch: TensorDict, reward_fn: str | RewardFn | RewardFunctions, tokenizer: Any = None,
+                prefix: str = "reward", raise_on_error: bool = True,
+                trl_kwargs: Mapping[str, Any] | None = None) -> BatchScores:
+    """Score a rollout batch in place: :func:`score_responses`, then :func:`place_scores`.
+
+    Args:
+        batch: A rollout batch (see :mod:`verl_trainer.rollout.base`); ``token_level_scores`` is set.
+        reward_fn: Function, name or ``"module:function"``, or :class:`RewardFunctions`.
+        tokenizer: Only needed when the batch has no ``response_text``.
+        prefix: Metric-name prefix (e.g. ``"val/reward"`` for validation).
+        raise_on_error: See :func:`compute_rewards`.
+        trl_kwargs: See :func:`score_responses`.
+
+    Returns:
+        :class:`BatchScores` (``scores, metrics = score_batch(...)`` unpacks it); the metrics are
+        :func:`reward_metrics`'.
+    """
+    scores, info = score_responses(batch, reward_fn, tokenizer, raise_on_error, trl_kwargs)
+    return place_scores(batch, scores, info, prefix)
