@@ -21,13 +21,9 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from verl_trainer.rewards.sandbox import SandboxLimits
-
-__all__ = ["ISOLATION_CHOICES", "Isolation", "SandboxUnavailableError", "candidates", "cpu_seconds",
-           "requested_isolation", "unavailable"]
+__all__ = ["ISOLATION_CHOICES", "Isolation", "SandboxLimits", "SandboxUnavailableError", "candidates",
+           "cpu_seconds", "requested_isolation", "unavailable"]
 
 ISOLATION_CHOICES = ("auto", "nsjail", "bwrap", "none")
 """The values of ``VERL_SANDBOX``."""
@@ -41,6 +37,38 @@ _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp"
         "PYTHONIOENCODING": "utf-8"}
 PROGRAM_DIR = "/sandbox"
 """Where the program's directory (read-only) appears inside the sandbox."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Limits of one sandboxed run.
+
+    Attributes:
+        timeout_s: Wall-clock seconds before the program and all its processes are killed.
+        memory_mb: Memory in MiB: address space per process (``RLIMIT_AS``), and for all the program's
+            processes together where the tool runs it in a cgroup (``SandboxResult.isolation`` ends in
+            ``+cgroup``).
+        cpu_s: CPU seconds per process (``RLIMIT_CPU``); ``None``: ``ceil(timeout_s) + 1``.
+        max_output_bytes: stdout / stderr kept (each); the rest is cut.
+        max_file_mb: Largest file the program may write (``RLIMIT_FSIZE``), its output included.
+        max_processes: Processes (and threads) the program may have at once (nsjail; bubblewrap: the time
+            limit bounds a fork loop instead).
+        disk_mb: Size of its private ``/tmp`` (all its files together).
+    """
+
+    timeout_s: float = 10.0
+    memory_mb: int = 1024
+    cpu_s: int | None = None
+    max_output_bytes: int = 1 << 20
+    max_file_mb: int = 16
+    max_processes: int = 32
+    disk_mb: int = 64
+
+    def __post_init__(self) -> None:
+        if (not self.timeout_s > 0 or self.memory_mb < 16 or (self.cpu_s is not None and self.cpu_s < 1)
+                or self.max_processes < 1 or self.disk_mb < 1 or self.max_file_mb < 1):
+            raise ValueError(f"sandbox limits {self}: timeout_s must be > 0, memory_mb >= 16, cpu_s >= 1, "
+                             "max_processes >= 1, disk_mb >= 1, max_file_mb >= 1")
 
 
 class SandboxUnavailableError(RuntimeError):

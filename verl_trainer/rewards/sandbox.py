@@ -35,6 +35,7 @@ from pathlib import Path
 from verl_trainer.rewards.jail import (
     PROGRAM_DIR,
     Isolation,
+    SandboxLimits,
     SandboxUnavailableError,
     candidates,
     cpu_seconds,
@@ -54,38 +55,6 @@ _PR_SET_PDEATHSIG = 1
 _PRCTL = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
 """Looked up here, not in the forked child (no dynamic loading between ``fork`` and ``exec``); Linux only."""
 _NSJAIL_GRACE_S = 2.0
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    """Limits of one sandboxed run.
-
-    Attributes:
-        timeout_s: Wall-clock seconds before the program and all its processes are killed.
-        memory_mb: Memory in MiB: address space per process (``RLIMIT_AS``), and for all the program's
-            processes together where the tool runs it in a cgroup (``SandboxResult.isolation`` ends in
-            ``+cgroup``).
-        cpu_s: CPU seconds per process (``RLIMIT_CPU``); ``None``: ``ceil(timeout_s) + 1``.
-        max_output_bytes: stdout / stderr kept (each); the rest is cut.
-        max_file_mb: Largest file the program may write (``RLIMIT_FSIZE``), its output included.
-        max_processes: Processes (and threads) the program may have at once (nsjail; bubblewrap: the time
-            limit bounds a fork loop instead).
-        disk_mb: Size of its private ``/tmp`` (all its files together).
-    """
-
-    timeout_s: float = 10.0
-    memory_mb: int = 1024
-    cpu_s: int | None = None
-    max_output_bytes: int = 1 << 20
-    max_file_mb: int = 16
-    max_processes: int = 32
-    disk_mb: int = 64
-
-    def __post_init__(self) -> None:
-        if (not self.timeout_s > 0 or self.memory_mb < 16 or (self.cpu_s is not None and self.cpu_s < 1)
-                or self.max_processes < 1 or self.disk_mb < 1 or self.max_file_mb < 1):
-            raise ValueError(f"sandbox limits {self}: timeout_s must be > 0, memory_mb >= 16, cpu_s >= 1, "
-                             "max_processes >= 1, disk_mb >= 1, max_file_mb >= 1")
 
 
 @dataclass
