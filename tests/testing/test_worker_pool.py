@@ -35,6 +35,13 @@ def _state():
             len(dist.distributed_c10d._world.pg_map), os.environ["RANK"], os.environ["WORLD_SIZE"])
 
 
+def _register_a_new_optimizer():
+    from verl_trainer.engine.optimizers import OPTIMIZERS
+
+    OPTIMIZERS.add("pool_test_optimizer", type("Fresh", (torch.optim.SGD,), {}))
+    return "pool_test_optimizer" in OPTIMIZERS
+
+
 def _fake_deepspeed_import():
     sys.modules["deepspeed"] = types.ModuleType("deepspeed")
     return os.getpid()
@@ -83,6 +90,11 @@ def test_a_call_sees_the_state_of_a_fresh_process():
     assert run_distributed(_dirty_state, 2) == [True, True]
     assert run_distributed(_state, 2) == fresh
     assert fresh[0][:3] == (None, torch.float32, False) and fresh[0][5] == 1
+
+
+def test_a_name_registered_by_a_call_is_free_again_for_the_next():
+    assert run_distributed(_register_a_new_optimizer, 2) == [True, True]
+    assert run_distributed(_register_a_new_optimizer, 2) == [True, True]
 
 
 def test_a_call_that_changes_the_process_for_good_gets_new_processes_after_it():

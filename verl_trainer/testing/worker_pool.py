@@ -6,12 +6,12 @@ process group when the pool starts and then run each task ``fn(*args, **kwargs)`
 
 Between tasks every rank puts back what a task may change and a later task would see: the environment
 variables, the working directory, torch's default dtype, grad mode, deterministic-algorithms flags,
-intra-op threads and the default generator's seed (as a fresh process has them), and destroys the process
-groups the task created. A rank whose process can no longer stand for a fresh one reports why and the pool
-is closed after the task (the next call starts a new one): the default group was destroyed, DeepSpeed was
-imported (its process-wide set-up would reach later tasks), or a Trainer's failure channel saw a failure.
-A task that raises, a rank that dies and a task past its timeout close the pool too: a rank left inside a
-collective cannot be reused.
+intra-op threads, the default generator's seed (as a fresh process has them) and the entries of the
+project's registries, and destroys the process groups the task created. A rank whose process can no
+longer stand for a fresh one reports why and the pool is closed after the task (the next call starts a new
+one): the default group was destroyed, DeepSpeed was imported (its process-wide set-up would reach later
+tasks), or a Trainer's failure channel saw a failure. A task that raises, a rank that dies and a task past
+its timeout close the pool too: a rank left inside a collective cannot be reused.
 
 Invariants: a pool runs one task at a time, on all of its ranks; a task's result or error reaches the
 caller with the rank's traceback; no process outlives :func:`close_worker_pools` (also run at exit).
@@ -60,6 +60,50 @@ def _environment(rank: int, world_size: int, port: int, env: dict[str, str]) -> 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
+def _registries() -> dict[int, tuple[Any, dict]]:
+    """Every project registry held by a module or a class of one, with a copy of its entries.
+
+    A task may register a name (a closure, a class defined in the task); a later task registering that
+    name again would find it taken, which a fresh process never does.
+    """
+    registry = sys.modules.get("verl_trainer.utils.registry")
+    if registry is None:
+        return {}
+    found: dict[int, tuple[Any, dict]] = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("verl_trainer") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            held = list(vars(value).values()) if isinstance(value, type) else [value]
+            for item in held:
+                if isinstance(item, registry.Registry) and id(item) not in found:
+                    found[id(item)] = (item, dict(item._entries))
+    return found
+
+
+def _track_registrations(added: list[tuple[Any, Any]]) -> None:
+    """Make every project registry append ``(registry, key)`` to ``added`` for a key a task registers.
+
+    Registrations made while a module is imported (a ``<module>`` frame registers) are the module's and
+    stay: the module stays imported. Only the registry module is imported here (the standard library).
+    """
+    from verl_trainer.utils import registry
+
+    add = registry.Registry.add
+
+    def tracked_add(self: Any, key: Any, obj: Any) -> Any:
+        new = key not in self._entries
+        result = add(self, key, obj)
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename == registry.__file__:
+            frame = frame.f_back
+        if new and frame is not None and frame.f_code.co_name != "<module>":
+            added.append((self, key))
+        return result
+
+    registry.Registry.add = tracked_add
+
+
 class _FreshState:
     """What a fresh rank process has and a task may change; :meth:`restore` puts it back.
 
@@ -79,10 +123,28 @@ class _FreshState:
         self.seed = torch.initial_seed()
         self.groups = set(dist.distributed_c10d._world.pg_map)
         self.had_deepspeed = "deepspeed" in sys.modules
+        self.added: list[tuple[Any, Any]] = []
+        _track_registrations(self.added)
+
+    def before_task(self) -> None:
+        """Remember the registries imported so far and their entries (a task may add, replace, remove).
+
+        A registry first imported during the task loses only the keys the task itself registered.
+        """
+        self.registries = _registries()
+        self.added.clear()
 
     def restore(self) -> str | None:
         import torch
         import torch.distributed as dist
+
+        while self.added:
+            registry, key = self.added.pop()
+            registry._entries.pop(key, None)
+        for registry, entries in self.registries.values():
+            if registry._entries != entries:
+                registry._entries.clear()
+                registry._entries.update(entries)
 
         if set(os.environ.items()) != set(self.environ.items()):
             os.environ.clear()
@@ -134,6 +196,7 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection, env: dict[st
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
         fresh = _FreshState()
+        fresh.before_task()
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         conn.send_bytes(_dumps(("error", traceback.format_exc(), time.time(), "start failed")))
         return
@@ -148,6 +211,7 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection, env: dict[st
             if task is None:
                 return
             fn, args, kwargs = task
+            fresh.before_task()
             payload: tuple = ("ok", fn(*args, **kwargs), time.time())
         except BaseException:  # noqa: BLE001
             # The time of the failure (not of the clean-up) tells the first failing rank.
