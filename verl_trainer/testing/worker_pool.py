@@ -268,7 +268,7 @@ class WorkerPool:
             PoolTaskError: A rank failed to start (its traceback), died, or the deadline passed; the pool
                 is closed.
         """
-        self._gather(deadline, "ready", "never joined the process group")
+        self._gather(deadline, "never joined the process group")
         self._started = True
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float) -> list[Any]:
@@ -282,15 +282,27 @@ class WorkerPool:
         if not self._started:
             self.start(deadline)
         message = pickle.dumps((fn, args, kwargs))
-        for conn in self._conns:
-            conn.send_bytes(message)
-        results, reasons = self._gather(deadline, "ok", "never finished", timeout)
+        try:
+            for conn in self._conns:
+                conn.send_bytes(message)
+        except BaseException as err:
+            self.close()
+            if isinstance(err, OSError):  # a rank is gone (its end of the pipe closed)
+                raise PoolTaskError(f"a rank exited before the task reached it: {err!r}") from None
+            raise
+        results, reasons = self._gather(deadline, "never finished", timeout)
         if any(reasons):
             self.close()
         return results
 
-    def _gather(self, deadline: float, expect: str, late: str,
+    def _gather(self, deadline: float, late: str,
                 timeout: float | None = None) -> tuple[list[Any], list[str | None]]:
+        """Every rank's next message by ``deadline``: ``(values, not-reusable reasons)`` in rank order.
+
+        Raises:
+            PoolTaskError: As :meth:`run` (``late`` says what the ranks missing at the deadline did not do);
+                the pool is closed.
+        """
         results: dict[int, Any] = {}
         reasons: dict[int, str | None] = {}
         errors: list[tuple[float, int, str]] = []
