@@ -87,7 +87,7 @@ def _track_registrations(added: list[tuple[Any, Any]]) -> None:
     Registrations made while a module is imported (a ``<module>`` frame registers) are the module's and
     stay: the module stays imported. Only the registry module is imported here (the standard library).
     """
-    from verl_trainer.utils import registry
+    from verl_trainer.utils import registry  # lazy: only a pooled rank patches it
 
     add = registry.Registry.add
 
