@@ -2,6 +2,7 @@
 a failing, hanging or dying rank (real processes)."""
 
 import os
+import signal
 import sys
 import time
 import types
@@ -25,6 +26,7 @@ def _dirty_state():
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(123)
     os.chdir("/")
+    signal.signal(signal.SIGUSR1, lambda *_: None)
     group = dist.new_group([0, 1])
     return len(dist.distributed_c10d._world.pg_map) > 1 and group is not None
 
@@ -32,7 +34,8 @@ def _dirty_state():
 def _state():
     return (os.environ.get("VERL_POOL_TEST_LEFTOVER"), torch.get_default_dtype(),
             torch.are_deterministic_algorithms_enabled(), torch.rand(1).item(), os.getcwd(),
-            len(dist.distributed_c10d._world.pg_map), os.environ["RANK"], os.environ["WORLD_SIZE"])
+            len(dist.distributed_c10d._world.pg_map), os.environ["RANK"], os.environ["WORLD_SIZE"],
+            signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL)
 
 
 def _register_a_new_optimizer():
@@ -78,6 +81,8 @@ def test_calls_of_one_world_size_reuse_the_same_processes():
     assert len(set(first)) == 2 and os.getpid() not in first
     assert set(run_distributed(_pid, 4)).isdisjoint(first)  # another world size: another pool
     assert run_distributed(_pid, 2) == first  # 2 + 4 ranks fit: both pools stay
+    assert run_distributed(_pid, 1)[0] not in first
+    assert run_distributed(_pid, 2) == first  # and a 1-rank pool beside them
 
 
 def test_another_env_gets_its_own_processes():
@@ -89,7 +94,7 @@ def test_a_call_sees_the_state_of_a_fresh_process():
     fresh = run_distributed(_state, 2)
     assert run_distributed(_dirty_state, 2) == [True, True]
     assert run_distributed(_state, 2) == fresh
-    assert fresh[0][:3] == (None, torch.float32, False) and fresh[0][5] == 1
+    assert fresh[0][:3] == (None, torch.float32, False) and fresh[0][5] == 1 and fresh[0][8]
 
 
 def test_a_name_registered_by_a_call_is_free_again_for_the_next():

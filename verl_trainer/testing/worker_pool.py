@@ -5,9 +5,9 @@ distributed tests run for less than that. A :class:`WorkerPool` pays it once: it
 process group when the pool starts and then run each task ``fn(*args, **kwargs)`` on every rank.
 
 Between tasks every rank puts back what a task may change and a later task would see: the environment
-variables, the working directory, torch's default dtype, grad mode, deterministic-algorithms flags,
-intra-op threads, the default generator's seed (as a fresh process has them) and the entries of the
-project's registries, and destroys the process groups the task created. A rank whose process can no
+variables, the working directory, signal handlers, torch's default dtype, grad mode, deterministic
+algorithms, intra-op threads, the default generator's seed (as a fresh process has them) and the entries of
+the project's registries, and destroys the process groups the task created. A rank whose process can no
 longer stand for a fresh one reports why and the pool is closed after the task (the next call starts a new
 one): the default group was destroyed, DeepSpeed was imported (its process-wide set-up would reach later
 tasks), or a Trainer's failure channel saw a failure. A task that raises, a rank that dies and a task past
@@ -24,21 +24,26 @@ import gc
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any
 
-MAX_POOLED_RANKS = 6
-"""Live pooled processes at most (over all pools): a 2-rank and a 4-rank pool, or any mix that fits. Each
+from verl_trainer.utils import registry
+from verl_trainer.utils.registry import Registry
+
+MAX_POOLED_RANKS = 8
+"""Live pooled processes at most (over all pools): a 1-, a 2- and a 4-rank pool, or any mix that fits. Each
 holds torch, transformers and the test modules it imported (a few hundred MB)."""
 PROCESS_GROUP_TIMEOUT_S = 1800.0
 """The pooled process group's collective timeout. The caller's own deadline (``timeout`` of a task) ends a
 hung task first; this only bounds a rank left waiting after its caller is gone."""
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+"""Signals whose handlers a task may install (a Trainer's preemption handling) and a rank puts back."""
 ERROR_GRACE_S = 2.0
 """After a rank's error, how long to wait for the others' (usually its consequences), earliest first."""
 
@@ -60,38 +65,33 @@ def _environment(rank: int, world_size: int, port: int, env: dict[str, str]) -> 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
-def _registries() -> dict[int, tuple[Any, dict]]:
+def _registries() -> dict[int, tuple[Registry, dict]]:
     """Every project registry held by a module or a class of one, with a copy of its entries.
 
     A task may register a name (a closure, a class defined in the task); a later task registering that
     name again would find it taken, which a fresh process never does.
     """
-    registry = sys.modules.get("verl_trainer.utils.registry")
-    if registry is None:
-        return {}
-    found: dict[int, tuple[Any, dict]] = {}
+    found: dict[int, tuple[Registry, dict]] = {}
     for name, module in list(sys.modules.items()):
         if not name.startswith("verl_trainer") or module is None:
             continue
         for value in list(vars(module).values()):
             held = list(vars(value).values()) if isinstance(value, type) else [value]
             for item in held:
-                if isinstance(item, registry.Registry) and id(item) not in found:
+                if isinstance(item, Registry) and id(item) not in found:
                     found[id(item)] = (item, dict(item._entries))
     return found
 
 
-def _track_registrations(added: list[tuple[Any, Any]]) -> None:
+def _track_registrations(added: list[tuple[Registry, Hashable]]) -> None:
     """Make every project registry append ``(registry, key)`` to ``added`` for a key a task registers.
 
     Registrations made while a module is imported (a ``<module>`` frame registers) are the module's and
-    stay: the module stays imported. Only the registry module is imported here (the standard library).
+    stay: the module stays imported.
     """
-    from verl_trainer.utils import registry  # lazy: only a pooled rank patches it
-
     add = registry.Registry.add
 
-    def tracked_add(self: Any, key: Any, obj: Any) -> Any:
+    def tracked_add(self: Registry, key: Hashable, obj: object) -> object:
         new = key not in self._entries
         result = add(self, key, obj)
         frame = sys._getframe(1)
@@ -123,7 +123,8 @@ class _FreshState:
         self.seed = torch.initial_seed()
         self.groups = set(dist.distributed_c10d._world.pg_map)
         self.had_deepspeed = "deepspeed" in sys.modules
-        self.added: list[tuple[Any, Any]] = []
+        self.handlers = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS}
+        self.added: list[tuple[Registry, Hashable]] = []
         _track_registrations(self.added)
 
     def before_task(self) -> None:
@@ -151,6 +152,9 @@ class _FreshState:
             os.environ.update(self.environ)
         if os.getcwd() != self.cwd:
             os.chdir(self.cwd)
+        for sig, handler in self.handlers.items():
+            if signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
         torch.set_default_dtype(self.dtype)
         torch.use_deterministic_algorithms(self.deterministic, warn_only=self.deterministic_warn_only)
         torch.set_grad_enabled(True)
@@ -271,7 +275,7 @@ class WorkerPool:
         self._gather(deadline, "never joined the process group")
         self._started = True
 
-    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+    def run(self, fn: Callable[..., object], args: tuple, kwargs: dict, timeout: float) -> list[object]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results.
 
         Raises:
@@ -296,14 +300,14 @@ class WorkerPool:
         return results
 
     def _gather(self, deadline: float, late: str,
-                timeout: float | None = None) -> tuple[list[Any], list[str | None]]:
+                timeout: float | None = None) -> tuple[list[object], list[str | None]]:
         """Every rank's next message by ``deadline``: ``(values, not-reusable reasons)`` in rank order.
 
         Raises:
             PoolTaskError: As :meth:`run` (``late`` says what the ranks missing at the deadline did not do);
                 the pool is closed.
         """
-        results: dict[int, Any] = {}
+        results: dict[int, object] = {}
         reasons: dict[int, str | None] = {}
         errors: list[tuple[float, int, str]] = []
         failure: str | None = None
@@ -380,8 +384,8 @@ class WorkerPool:
 _POOLS: OrderedDict[tuple, WorkerPool] = OrderedDict()
 
 
-def pooled_run(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *, timeout: float,
-               backend: str, env: dict[str, str], port: Callable[[], int]) -> list[Any]:
+def pooled_run(fn: Callable[..., object], world_size: int, args: tuple, kwargs: dict, *, timeout: float,
+               backend: str, env: dict[str, str], port: Callable[[], int]) -> list[object]:
     """Run ``fn`` on the pool of ``(world_size, backend, env)``; return the per-rank results.
 
     A pool is started (its rendezvous port from ``port()``) when there is none; the least recently used
