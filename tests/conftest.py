@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from verl_trainer.testing import use_worker_pool
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One CPU attention path per layout in every test process and every rank it spawns: runs that a test
@@ -52,3 +54,13 @@ def _no_process_group_left_behind(request):
     if left:
         pytest.fail(f"this test left {' and '.join(left)} in the pytest process (undone now); run Trainers "
                     "and engines on spawned ranks with verl_trainer.testing.run_distributed", pytrace=False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Distributed tests run on gloo ranks kept alive between tests (verl_trainer.testing.worker_pool):
+    # starting fresh ranks for every test cost more than most of those tests ran.
+    use_worker_pool(True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    use_worker_pool(False)

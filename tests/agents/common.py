@@ -51,12 +51,30 @@ def trace(tokenizer, question: str) -> tuple[list[int], list[int], list[int]]:
     return tokenizer.encode(prompt, add_special_tokens=False), response, mask
 
 
+_TRAINED: dict[tuple, dict[str, bytes]] = {}
+"""The files of each trained :func:`tool_policy`, by its arguments: a process trains each shape once."""
+
+
 def tool_policy(path: str | Path, steps: int = 150, **shape: int) -> str:
     """A 1-layer qwen2 (hidden 32) trained to call the calculator on :data:`QUESTIONS`, saved to ``path``.
 
     ``shape`` overrides :func:`~verl_trainer.models.tiny.make_tiny_model` fields (the vLLM tests need a
-    head size of at least 32: ``hidden_size=64, num_attention_heads=2``).
+    head size of at least 32: ``hidden_size=64, num_attention_heads=2``). The training is deterministic,
+    so a second call with the same arguments writes the first one's files (training takes seconds).
     """
+    key = (steps, tuple(sorted(shape.items())))
+    if key not in _TRAINED:
+        _train_tool_policy(path, steps, **shape)
+        root = Path(path)
+        _TRAINED[key] = {str(f.relative_to(root)): f.read_bytes() for f in root.rglob("*") if f.is_file()}
+    else:
+        for name, data in _TRAINED[key].items():
+            (Path(path) / name).parent.mkdir(parents=True, exist_ok=True)
+            (Path(path) / name).write_bytes(data)
+    return str(path)
+
+
+def _train_tool_policy(path: str | Path, steps: int, **shape: int) -> None:
     make_tiny_model(path, **{"arch": "qwen2", "hidden_size": 32, "num_hidden_layers": 1, "seed": 3, **shape})
     tokenizer = load_tokenizer(path)
     model = load_causal_lm(path)
@@ -78,7 +96,6 @@ def tool_policy(path: str | Path, steps: int = 150, **shape: int) -> str:
         loss.backward()
         optim.step()
     model.save_pretrained(path)
-    return str(path)
 
 
 def prompts(model: str, questions: tuple[str, ...] = QUESTIONS) -> PromptDataset:

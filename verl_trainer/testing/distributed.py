@@ -9,6 +9,11 @@ so none is left behind.
 
 ``fn`` and its arguments must be picklable (a module-level function). Each rank uses one intra-op
 thread, so a 4-rank test does not oversubscribe a 2-core machine.
+
+With :func:`use_worker_pool` on (the test suite turns it on; ``VERL_TRAINER_TEST_WORKER_POOL=0`` turns it
+off again), the ranks are the processes of a :class:`~verl_trainer.testing.worker_pool.WorkerPool` kept
+alive between calls of the same ``(world_size, backend, env)``: the same contract, without paying for the
+process start-up on every call (see that module for what is reset between calls).
 """
 
 from __future__ import annotations
@@ -25,9 +30,31 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from verl_trainer.testing.worker_pool import PoolTaskError, close_worker_pools, pooled_run
+
 
 class DistributedTestError(RuntimeError):
     """A rank raised, died, or the run timed out."""
+
+
+POOL_ENV = "VERL_TRAINER_TEST_WORKER_POOL"
+"""``0`` keeps every call on fresh processes even where :func:`use_worker_pool` turned the pool on."""
+_USE_POOL = False
+
+
+def use_worker_pool(on: bool = True) -> None:
+    """Run later ``run_distributed`` calls on pooled ranks (``on``) or on fresh processes per call.
+
+    Turning it off closes the pools.
+    """
+    global _USE_POOL
+    _USE_POOL = on
+    if not on:
+        close_worker_pools()
+
+
+def _pool_on() -> bool:
+    return _USE_POOL and os.environ.get(POOL_ENV, "1") != "0"
 
 
 def find_free_port() -> int:
@@ -136,6 +163,12 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if _pool_on():
+        try:
+            return pooled_run(fn, world_size, args, kwargs, timeout=timeout, backend=backend,
+                              env=dict(env or {}), port=find_free_port)
+        except PoolTaskError as err:
+            raise DistributedTestError(str(err)) from None
     ctx = mp.get_context("spawn")
     port = find_free_port()
     with tempfile.TemporaryDirectory(prefix="verl_dist_") as out_dir:
