@@ -8,7 +8,7 @@ from verl_trainer.algorithms.stages.update import count_mini_batches, split_mini
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.metrics import reduce_metrics
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 
 def test_overlong_penalty_is_dapos_linear_buffer():

@@ -8,7 +8,7 @@ from verl_trainer.algorithms.stages.signal import global_masked_whiten
 from verl_trainer.algorithms.stages.update import count_mini_batches, split_mini_batches
 from verl_trainer.core_algos import compute_gae_advantage_return, masked_whiten
 from verl_trainer.data.packing import make_batch
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 
 def _step_batch(seed: int = 0, b: int = 8, t: int = 12) -> tuple[torch.Tensor, ...]:

@@ -107,7 +107,7 @@ def _rpp_rank() -> torch.Tensor:
 def test_reinforce_plus_plus_through_grpo_does_not_depend_on_dp():
     """REINFORCE++ from the GRPO recipe: whitened over the whole DP batch, the same on 1 and 2 ranks."""
     from verl_trainer.core_algos import get_adv_estimator_fn
-    from verl_trainer.testing.distributed import run_distributed
+    from verl_trainer.testing.ranks import run_distributed
 
     batch = _rpp_batch()
     module = GRPO(GRPOConfig(adv_estimator="reinforce_plus_plus", gamma=0.9))

@@ -12,7 +12,7 @@ from tests.trainer.common import SFTData, sft_module, tiny_model
 from verl_trainer import Trainer
 from verl_trainer.algorithms.sft import SFT
 from verl_trainer.callbacks import ModelCheckpoint
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 SCORES = [5.0, 9.0, 1.0, 7.0]  # the validation metric at the end of epochs 0..3
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.trainer.common import SFTData, sft_module, tiny_model
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 pytestmark = pytest.mark.ray
 

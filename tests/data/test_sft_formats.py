@@ -13,7 +13,7 @@ from verl_trainer.data.schema import BatchSchemaError, concat_batches
 from verl_trainer.data.sft import IterableSFTDataset, SFTDataset, TokenMask, encode_chat_example
 from verl_trainer.data.sharded_stream import IterableShardedLoader
 from verl_trainer.models.tiny import build_tokenizer
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "yo"}, {"role": "user", "content": "2+2"},

@@ -11,7 +11,7 @@ from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.models.tiny import build_tokenizer, make_tiny_model
 from verl_trainer.rewards.compute import compute_rewards
 from verl_trainer.rewards.failures import RewardError
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 datasets = pytest.importorskip("datasets")
 

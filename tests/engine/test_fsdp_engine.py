@@ -11,7 +11,7 @@ import torch.distributed as dist
 from verl_trainer.engine import OptimConfig
 from verl_trainer.engine.topology import build_topology
 from verl_trainer.models.loading import load_causal_lm, load_value_model
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 from .common import (
     OPTIM,

@@ -20,7 +20,7 @@ from verl_trainer.engine import EngineConfig, EngineRegistry
 from verl_trainer.engine.lora import apply_lora
 from verl_trainer.engine.lora_export import lora_targets, merged_hf_tensors
 from verl_trainer.models.loading import load_causal_lm
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 from .common import (
     OPTIM,

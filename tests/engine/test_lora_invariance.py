@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from verl_trainer.engine import EngineConfig, EngineRegistry
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 from .common import (
     OPTIM,

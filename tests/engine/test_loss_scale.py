@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from verl_trainer.engine import OptimConfig
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 from .common import build_engine, collect_params, nll_loss, random_batch, rank_shard, tiny_model
 

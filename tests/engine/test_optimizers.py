@@ -15,7 +15,7 @@ from verl_trainer.configs.recipes import GRPORecipeConfig
 from verl_trainer.configs.verl_keys import translate_overrides
 from verl_trainer.engine import OptimConfig
 from verl_trainer.engine.optimizers import build_optimizer, resolve_optimizer
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 from .common import (
     assert_close_params,

@@ -19,7 +19,7 @@ from verl_trainer.engine import EngineConfig, EngineRegistry
 from verl_trainer.engine.pipeline_stage import check_pipeline_compatible, make_stage, pad_packed, stage_layers
 from verl_trainer.models.attention import VARLEN_ATTENTION, packed_forward
 from verl_trainer.models.loading import load_causal_lm
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 from .common import (
     OPTIM,

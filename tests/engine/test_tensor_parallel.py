@@ -21,7 +21,7 @@ from verl_trainer.engine.tensor_parallel import (
     vocab_slice_start,
 )
 from verl_trainer.models.loading import load_causal_lm
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 from .common import (
     OPTIM,

@@ -20,7 +20,7 @@ from tests.engine.common import (
 )
 from verl_trainer.engine import OptimConfig
 from verl_trainer.models.loading import load_causal_lm, load_value_model
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 # lr 1e-3: the first AdamW step is ~lr*sign(g), so elements whose true gradient is ~0 turn round-off
 # into ~lr updates; the norm-wise parameter error scales with lr (1.2e-5 at lr 1e-2, seen here).

@@ -142,7 +142,7 @@ def test_a_checkpoint_evaluates_as_its_hf_export(setup, tmp_path, monkeypatch):
 
     from tests.trainer.common import tiny_model
     from verl_trainer.export.convert import convert_checkpoint
-    from verl_trainer.testing.distributed import run_distributed
+    from verl_trainer.testing.ranks import run_distributed
 
     model = tiny_model(tmp_path / "model")
     run_distributed(_fit_and_checkpoint, 1, model, str(tmp_path / "run"), timeout=300)

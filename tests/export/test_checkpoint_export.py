@@ -16,7 +16,7 @@ import torch
 from tests.trainer.common import SFTData, sft_module, tiny_model
 from verl_trainer import Trainer
 from verl_trainer.callbacks import ModelCheckpoint
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 
 def _fit(model_path: str, root: str) -> list[str]:

@@ -35,7 +35,7 @@ from verl_trainer.core_algos.losses import (
 )
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
 from verl_trainer.metrics import reduce_metrics
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 HIDDEN_SIZE = 32
 DYNAMIC_BUDGET = 64

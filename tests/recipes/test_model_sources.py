@@ -22,7 +22,7 @@ from verl_trainer.models.source import ModelNotFoundError
 from verl_trainer.models.tiny import make_tiny_model
 from verl_trainer.recipes import common
 from verl_trainer.testing import run_distributed
-from verl_trainer.testing.distributed import find_free_port
+from verl_trainer.testing.ranks import find_free_port
 from verl_trainer.utils.cached_dir import is_current, recorded_settings
 from verl_trainer.utils.fs import NotOwnedError, mark_owned, read_marker
 

@@ -24,7 +24,7 @@ import pytest
 
 from tests.recipes.test_recipes import RL_OVERRIDES, ROOT, assets  # noqa: F401  (fixture)
 from tests.trainer.common import read_csv_metrics
-from verl_trainer.testing.distributed import find_free_port
+from verl_trainer.testing.ranks import find_free_port
 from verl_trainer.testing.sockets import LoopbackWatch
 
 COMPARED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean")

@@ -32,7 +32,7 @@ import pytest
 
 from tests.recipes.test_multinode import assert_same_run, clean_env, grpo_args, one_node  # noqa: F401
 from tests.recipes.test_recipes import ROOT, assets  # noqa: F401  (fixture)
-from verl_trainer.testing.distributed import find_free_port
+from verl_trainer.testing.ranks import find_free_port
 from verl_trainer.testing.sockets import LoopbackWatch
 
 # Each run takes 35-45 s on a quiet machine; on 2 cores under other load Ray took 5 min to start a worker

@@ -14,7 +14,7 @@ from verl_trainer.data import schema
 from verl_trainer.engine import OptimConfig
 from verl_trainer.metrics import reduce_metrics
 from verl_trainer.rollout import HFRollout, RolloutConfig
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 TEMPERATURE = 0.7
 PROMPTS = [{"input_ids": [5, 6, 7], "index": 0}, {"input_ids": [9, 8], "index": 1},

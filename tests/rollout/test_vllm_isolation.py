@@ -13,7 +13,7 @@ from tests.engine.common import OPTIM, nll_loss, random_batch
 from verl_trainer.engine import EngineConfig, EngineRegistry
 from verl_trainer.models import load_tokenizer, make_tiny_model
 from verl_trainer.rollout import RolloutConfig, build_rollout
-from verl_trainer.testing.distributed import find_free_port
+from verl_trainer.testing.ranks import find_free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.own_process_group]
 pytest.importorskip("vllm")

@@ -8,7 +8,7 @@ from verl_trainer.data import schema
 from verl_trainer.engine import OptimConfig
 from verl_trainer.models import load_causal_lm
 from verl_trainer.rollout import HFRollout, RolloutConfig
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 
 def test_share_weights_aliases_and_reports(rollout_model_path, other_model_path, prompt_items):

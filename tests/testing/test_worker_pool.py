@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from verl_trainer.testing import DistributedTestError, find_free_port, run_distributed
-from verl_trainer.testing.distributed import POOL_ENV
+from verl_trainer.testing.ranks import POOL_ENV
 from verl_trainer.testing.worker_pool import WorkerPool, close_worker_pools
 
 

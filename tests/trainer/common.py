@@ -99,7 +99,7 @@ def run_script(*args: str, timeout: float = 300, torchrun: bool = False) -> tupl
     import sys
     import time
 
-    from verl_trainer.testing.distributed import find_free_port
+    from verl_trainer.testing.ranks import find_free_port
 
     env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",

@@ -11,7 +11,7 @@ import pytest
 
 from tests.trainer.common import SFTData, read_csv_metrics, sft_module, tiny_model
 from verl_trainer import Trainer
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 
 def _fit(model_path: str, root: str) -> dict:

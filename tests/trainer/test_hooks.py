@@ -12,7 +12,7 @@ import yaml
 from tests.trainer.common import HookRecorder, SFTData, read_csv_metrics, sft_module, tiny_model
 from verl_trainer import Trainer
 from verl_trainer.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 STEP = [
     "on_train_batch_start",

@@ -15,7 +15,7 @@ from verl_trainer import Trainer
 from verl_trainer.algorithms.sft import SFT
 from verl_trainer.callbacks import EarlyStopping
 from verl_trainer.data.sft import SFTDataset
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 
 def _quiet(root: Path, **kwargs) -> Trainer:

@@ -14,7 +14,7 @@ from tests.trainer.common import HookRecorder, SFTData, read_csv_metrics, sft_mo
 from verl_trainer import Trainer
 from verl_trainer.algorithms.sft import SFT
 from verl_trainer.callbacks import EarlyStopping, LearningRateMonitor
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 from verl_trainer.training.lightning_compat import Loaders, fit_data, stage_data
 
 

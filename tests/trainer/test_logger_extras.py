@@ -19,7 +19,7 @@ import pytest
 
 from tests.trainer.common import SFTData, read_csv_metrics, sft_module, tiny_model
 from verl_trainer import Trainer
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 

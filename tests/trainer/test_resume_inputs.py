@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.common import tiny_model
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 
 def _write(path: Path, n: int, offset: int = 0) -> str:

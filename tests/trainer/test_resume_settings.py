@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.common import SFTData, sft_module, tiny_model
-from verl_trainer.testing.distributed import run_distributed
+from verl_trainer.testing.ranks import run_distributed
 
 
 def _trainer(root: Path, strategy: str = "fsdp2", max_steps: int = 2, seed: int = 3, devices: int = 1):

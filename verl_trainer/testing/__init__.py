@@ -1,6 +1,6 @@
 """Helpers for testing verl-trainer code, shipped with the package so downstream users can use them."""
 
-from verl_trainer.testing.distributed import (
+from verl_trainer.testing.ranks import (
     DistributedTestError,
     find_free_port,
     run_distributed,
