@@ -84,6 +84,9 @@ from verl_trainer.utils.device import get_torch_device
 from verl_trainer.utils.distributed import all_reduce
 
 if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedTokenizerBase
+
     from verl_trainer.engine.pipeline import PipelineParallel
 
 LossFunction = Callable[..., "tuple[torch.Tensor, dict[str, Any]]"]
@@ -492,7 +495,7 @@ class BaseEngine(ABC):
 
     # ------------------------------------------------------------------------------ LoRA (engine.lora)
     @property
-    def peft_model(self) -> Any:
+    def peft_model(self) -> PeftModel | None:
         """The engine's ``PeftModel`` (``None`` without adapters)."""
         return None if self.lora is None else self.lora.peft_model
 
@@ -547,7 +550,7 @@ class BaseEngine(ABC):
     def save_hf(
         self,
         path: str | os.PathLike,
-        tokenizer: Any = "model_path",
+        tokenizer: PreTrainedTokenizerBase | str | os.PathLike | None = "model_path",
         max_shard_size: int | str = "5GB",
         dtype: torch.dtype | None = None,
     ) -> str:

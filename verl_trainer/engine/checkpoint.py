@@ -29,7 +29,7 @@ import random
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ from verl_trainer.utils.fs import (
 )
 from verl_trainer.utils.manifest import MANIFEST_FILE, verify_manifest, write_manifest
 from verl_trainer.utils.safe_load import safe_torch_load
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 EXTRA_STATE = "extra_state_rank{rank}.pt"
 META_FILE = "meta.json"
@@ -229,8 +232,8 @@ def load_extra_state(
     return payload
 
 
-def write_meta(directory: Path, meta: dict[str, Any], hf_config: Any = None, source: str | None = None
-               ) -> None:
+def write_meta(directory: Path, meta: dict[str, Any], hf_config: PretrainedConfig | None = None,
+               source: str | None = None) -> None:
     """Rank 0 writes ``meta.json`` and ``huggingface/``: the HF config, tokenizer and generation config.
 
     ``huggingface/`` is what ``python -m verl_trainer.export`` needs to write a complete HF directory.

@@ -29,7 +29,7 @@ import copy
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,9 @@ from verl_trainer.engine.lora_export import (
 )
 from verl_trainer.engine.lora_files import check_adapter_dir
 from verl_trainer.utils.distributed import barrier, get_rank
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 VALUE_HEADS = ("score", "classifier")
 """Head names of token-classification (value) models; kept fully trainable via ``modules_to_save``."""
@@ -82,7 +85,7 @@ def build_lora_config(config: EngineConfig, model_type: str, model: torch.nn.Mod
     )
 
 
-def find_peft_model(module: torch.nn.Module | None) -> Any:
+def find_peft_model(module: torch.nn.Module | None) -> PeftModel | None:
     """The ``PeftModel`` inside ``module`` (looking through wrappers with ``.module``), or ``None``."""
     from peft import PeftModel
 
@@ -91,7 +94,7 @@ def find_peft_model(module: torch.nn.Module | None) -> Any:
     return module if isinstance(module, PeftModel) else None
 
 
-def check_supported(peft_model: Any) -> None:
+def check_supported(peft_model: PeftModel) -> None:
     """Refuse adapters the per-tensor export cannot merge (DoRA, embedding or convolution LoRA).
 
     Raises:
@@ -187,7 +190,7 @@ class LoRAAdapters:
         peft_model: The engine's ``PeftModel`` (the same object before and after sharding wraps it).
     """
 
-    def __init__(self, peft_model: Any) -> None:
+    def __init__(self, peft_model: PeftModel) -> None:
         self.peft_model = peft_model
 
     @contextlib.contextmanager

@@ -21,13 +21,16 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from verl_trainer.models.source import resolve_model_path
 from verl_trainer.models.weight_files import check_safetensors
 from verl_trainer.utils.listing import first_of
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterFilesError", "check_adapter_dir", "check_adapters",
            "read_adapter_config"]
@@ -77,7 +80,7 @@ def read_adapter_config(path: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def _expected_names(directory: Path, model_config: Any, model_type: str) -> set[str]:
+def _expected_names(directory: Path, model_config: PretrainedConfig, model_type: str) -> set[str]:
     """The tensor names peft saves for this adapter config on this model (built on ``meta``)."""
     from peft import LoraConfig, get_peft_model
     from peft.utils import get_peft_model_state_dict
@@ -99,7 +102,7 @@ def _listed(names: set[str]) -> str:
     return first_of(sorted(names), _SHOWN)
 
 
-def check_adapter_dir(path: str | os.PathLike, model_config: Any = None,
+def check_adapter_dir(path: str | os.PathLike, model_config: PretrainedConfig | None = None,
                       model_type: str = "language_model") -> dict[str, Any]:
     """Check a peft adapter directory (see the module) and return its adapter config.
 

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from verl_trainer.data.packing import PackedBatch
 from verl_trainer.models.attention import varlen_model_kwargs
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
@@ -45,7 +48,7 @@ def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
-def check_pipeline_compatible(model_config: Any, pp: int, causal_lm: bool = True) -> None:
+def check_pipeline_compatible(model_config: PretrainedConfig, pp: int, causal_lm: bool = True) -> None:
     """Refuse a model this stage split cannot run exactly (the same on every rank, before sharding).
 
     Args:

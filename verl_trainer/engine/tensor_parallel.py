@@ -23,10 +23,13 @@ most decoders) when every style in it is ``"colwise"`` / ``"rowwise"``, else :da
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 DEFAULT_TP_PLAN: dict[str, str] = {
     "layers.*.self_attn.q_proj": "colwise",
@@ -42,7 +45,7 @@ DEFAULT_TP_PLAN: dict[str, str] = {
 TP_STYLES = ("colwise", "rowwise")
 
 
-def tp_plan(model_config: Any) -> dict[str, str]:
+def tp_plan(model_config: PretrainedConfig) -> dict[str, str]:
     """The TP plan for a model: its ``base_model_tp_plan`` when usable, else :data:`DEFAULT_TP_PLAN`.
 
     Args:
@@ -58,7 +61,7 @@ def tp_plan(model_config: Any) -> dict[str, str]:
     return dict(DEFAULT_TP_PLAN)
 
 
-def check_tp_compatible(model_config: Any, tp: int) -> None:
+def check_tp_compatible(model_config: PretrainedConfig, tp: int) -> None:
     """Refuse a model whose heads or MLP width cannot be split over ``tp`` ranks (before sharding).
 
     Raises:

@@ -12,10 +12,13 @@ gradient reaching the head's replicated input is then summed over TP by DTensor'
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
@@ -23,7 +26,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: FunctionCtx,
         logits: torch.Tensor,
         targets: torch.Tensor,
         vocab_start: int,
@@ -58,7 +61,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: Any,
+        ctx: FunctionCtx,
         grad_log_probs: torch.Tensor,
         grad_entropy: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, ...]:

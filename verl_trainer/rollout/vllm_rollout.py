@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -46,6 +46,9 @@ from verl_trainer.rollout.vllm_support import (
     model_config,
     process_state,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def import_vllm() -> tuple[ModuleType, Any]:
@@ -102,7 +105,8 @@ class VLLMRollout(BaseRollout):
             raise ValueError("the vllm rollout loads from a checkpoint directory; pass a path")
         check_vllm_rollout(model, config.tensor_parallel_size)
 
-    def __init__(self, config: RolloutConfig, model: str | Path, tokenizer: Any = None) -> None:
+    def __init__(self, config: RolloutConfig, model: str | Path,
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         self.check(config, model)
         vllm, current_platform = import_vllm()
         self.vllm = vllm
