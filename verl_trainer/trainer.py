@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -63,6 +63,9 @@ from verl_trainer.training.preflight import preflight_check
 from verl_trainer.training.progress import Progress
 from verl_trainer.training.strategy import Strategy
 from verl_trainer.utils.distributed import barrier
+
+if TYPE_CHECKING:
+    from lightning.fabric.loggers import Logger
 
 __all__ = ["Trainer"]
 
@@ -300,12 +303,12 @@ class Trainer(LightningAttributes):
 
     # -------------------------------------------------------------------------------------- logging
     @property
-    def loggers(self) -> list[Any]:
+    def loggers(self) -> list[Logger]:
         """The loggers (built on rank 0 at fit; empty on the other ranks)."""
         return self.logging.loggers
 
     @property
-    def logger(self) -> Any:
+    def logger(self) -> Logger | None:
         """The first logger, or ``None``."""
         return self.loggers[0] if self.loggers else None
 

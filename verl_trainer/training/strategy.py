@@ -162,7 +162,8 @@ class Strategy:
     timeout: timedelta = field(default_factory=lambda: timedelta(seconds=DEFAULT_TIMEOUT_S))
     topology: Topology | None = field(default=None, init=False, repr=False, compare=False)
 
-    def data_parallel(self, global_rank: int, world_size: int) -> tuple[Any, int, int]:
+    def data_parallel(self, global_rank: int,
+                      world_size: int) -> tuple[torch.distributed.ProcessGroup | None, int, int]:
         """``(dp_group, dp_rank, dp_size)`` of the topology.
 
         Before the topology exists: ``(None, global_rank, world_size)``; a ``None`` group is the whole world.
