@@ -30,7 +30,7 @@ import os
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,10 @@ from verl_trainer.engine.checkpoint import (
 )
 from verl_trainer.engine.config import EngineConfig
 from verl_trainer.utils.safe_load import refusal, safe_torch_load
+
+if TYPE_CHECKING:
+    import deepspeed
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
 CHECKPOINT_TAG = "state"
 _FORCE_SAFE, _FORCE_UNSAFE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
@@ -83,7 +87,7 @@ def weights_only_load(path: str, map_location: Any = None) -> Any:
 class _SafeCheckpointEngine:
     """DeepSpeed's checkpoint engine with ``load`` replaced by :func:`weights_only_load` (file named)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: CheckpointEngine) -> None:
         self._inner = inner
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -95,7 +99,7 @@ class _SafeCheckpointEngine:
 
 
 @contextlib.contextmanager
-def safe_checkpoint_engine(ds_engine: Any) -> Iterator[None]:
+def safe_checkpoint_engine(ds_engine: deepspeed.DeepSpeedEngine) -> Iterator[None]:
     """Within the block, ``ds_engine`` reads its checkpoint files through :func:`weights_only_load`.
 
     DeepSpeed reads model and optimizer files through ``ds_engine.checkpoint_engine.load``; swapping it
@@ -140,7 +144,7 @@ class DeepSpeedCheckpointMixin:
     """
 
     has_adapters: bool
-    ds_engine: Any
+    ds_engine: deepspeed.DeepSpeedEngine | None
     module: torch.nn.Module | None
     optimizer: torch.optim.Optimizer | None
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None

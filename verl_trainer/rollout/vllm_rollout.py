@@ -49,6 +49,7 @@ from verl_trainer.rollout.vllm_support import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+    from vllm import SamplingParams
 
 
 def import_vllm() -> tuple[ModuleType, Any]:
@@ -172,7 +173,7 @@ class VLLMRollout(BaseRollout):
             self.in_rollout = False
             self.sleep()
 
-    def sampling_params(self, config: RolloutConfig, seed: int) -> Any:
+    def sampling_params(self, config: RolloutConfig, seed: int) -> SamplingParams:
         """The ``SamplingParams`` of one request (``n=1``: prompts arrive repeated ``n`` times).
 
         Each request has its own seed and asks for its sampled token's log-prob (``logprobs=0``).
