@@ -86,6 +86,7 @@ from verl_trainer.utils.distributed import all_reduce
 if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedTokenizerBase
+    from transformers.utils import ModelOutput
 
     from verl_trainer.engine.pipeline import PipelineParallel
 
@@ -340,7 +341,7 @@ class BaseEngine(ABC):
             outputs = model_type.outputs(hf_output, packed, calculate_entropy, temperature)
         return {k: packed.unpack(v) for k, v in outputs.items()}
 
-    def _forward_packed(self, packed: PackedBatch) -> Any:
+    def _forward_packed(self, packed: PackedBatch) -> ModelOutput:
         """The HF output of :attr:`forward_model` on one packed row (``logits [1, N, ...]``)."""
         return self.model_type.forward_packed(self.forward_model, packed)
 

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from types import ModuleType
 
     import deepspeed
+    from transformers.utils import ModelOutput
 
 if importlib.util.find_spec("deepspeed") is None:
     raise ImportError("the deepspeed engine needs deepspeed: pip install 'verl-trainer[deepspeed]'")
@@ -98,7 +99,7 @@ class DeepSpeedForward:
         self.ds_engine = ds_engine
         self.config = ds_engine.module.config
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> ModelOutput:
         """``DeepSpeedEngine.forward(*args, **kwargs)`` (the HF output)."""
         return self.ds_engine(*args, **kwargs)
 

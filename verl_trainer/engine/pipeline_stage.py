@@ -30,6 +30,7 @@ from verl_trainer.models.attention import varlen_model_kwargs
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+    from transformers.utils import ModelOutput
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
@@ -117,7 +118,7 @@ class StageForward:
     batches: list[PackedBatch] = field(default_factory=list)
     last_stage: Callable[[Callable[..., Any], int], tuple[torch.Tensor, ...]] | None = None
 
-    def __call__(self, x: torch.Tensor, mb: torch.Tensor) -> Any:
+    def __call__(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run micro-batch ``mb`` (a ``[1]`` index) on stage input ``x`` (``[1, T]`` ids or ``[1, T, H]``)."""
         index = int(mb.reshape(-1)[0])
         packed = self.batches[index]
@@ -145,7 +146,7 @@ class _LastStageRun:
     def __init__(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> None:
         self.model, self.inputs, self.config = model, inputs, model.config
 
-    def __call__(self, **extra: Any) -> Any:
+    def __call__(self, **extra: Any) -> ModelOutput:
         extra.pop("input_ids", None)
         return type(self.model).forward(self.model, **self.inputs, **extra)
 

@@ -60,7 +60,7 @@ class HFLayout:
         aliases: ``{alias: name}`` of tied parameters (``lm_head.weight -> model.embed_tokens.weight``).
     """
 
-    def __init__(self, config: Any, model_type: str) -> None:
+    def __init__(self, config: PretrainedConfig, model_type: str) -> None:
         cls = auto_model_class(model_type)
         with torch.device("meta"):
             model = cls.from_config(copy.deepcopy(config))
@@ -100,7 +100,7 @@ class HFLayout:
                 f"{unexpected[:8]}; export the model type the engine trains (language_model / value_model)"
             )
 
-    def hf_config(self, config: Any, dtype: torch.dtype) -> Any:
+    def hf_config(self, config: PretrainedConfig, dtype: torch.dtype) -> PretrainedConfig:
         """A copy of ``config`` as ``save_pretrained`` would write it for this class in ``dtype``."""
         out = copy.deepcopy(config)
         out.architectures = [self.class_name]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed import ProcessGroup
@@ -41,6 +41,9 @@ from verl_trainer.models.ulysses import (
     ulysses_pad,
 )
 from verl_trainer.models.ulysses_attention import SP_GROUP_KWARG, ULYSSES_ATTENTION
+
+if TYPE_CHECKING:
+    from transformers.utils import ModelOutput
 
 OutputFn = Callable[[Any, "UlyssesSlice"], dict[str, torch.Tensor]]
 """``output_fn(hf_output, local_slice) -> {name: [N_pad/sp, ...]}`` per local position."""
@@ -135,7 +138,7 @@ def ulysses_slice_packed(packed: PackedBatch, sp_group: ProcessGroup | None = No
     )
 
 
-def ulysses_model_forward(model: torch.nn.Module, local: UlyssesSlice, **kwargs: Any) -> Any:
+def ulysses_model_forward(model: torch.nn.Module, local: UlyssesSlice, **kwargs: Any) -> ModelOutput:
     """Run the model on this rank's tokens (HF output with ``logits [1, n, ...]``).
 
     Args:
@@ -203,7 +206,7 @@ def next_token_output_fn(temperature: float = 1.0, calculate_entropy: bool = Fal
     :func:`shift_to_targets` for the schema's convention.
     """
 
-    def fn(hf_output: Any, local: UlyssesSlice) -> dict[str, torch.Tensor]:
+    def fn(hf_output: ModelOutput, local: UlyssesSlice) -> dict[str, torch.Tensor]:
         log_probs, entropy = token_log_probs_and_entropy(
             hf_output.logits, local.targets, temperature, calculate_entropy
         )
@@ -212,7 +215,7 @@ def next_token_output_fn(temperature: float = 1.0, calculate_entropy: bool = Fal
     return fn
 
 
-def value_output_fn(hf_output: Any, local: UlyssesSlice) -> dict[str, torch.Tensor]:
+def value_output_fn(hf_output: ModelOutput, local: UlyssesSlice) -> dict[str, torch.Tensor]:
     """Per-position scalar of a value model (``logits [1, n, 1]``), float32."""
     return {"values": hf_output.logits.reshape(-1).float()}
 
@@ -250,7 +253,7 @@ def ulysses_packed_values(
 
 def ulysses_packed_forward(
     model: torch.nn.Module, packed: PackedBatch, sp_group: ProcessGroup | None = None, **kwargs: Any
-) -> Any:
+) -> ModelOutput:
     """Drop-in for ``packed_forward`` under SP: the HF output with the GATHERED ``logits [1, N, ...]``.
 
     Gathers the full ``[N, V]`` logits — simple but ``sp`` times the memory of gathering log-probs; prefer
