@@ -50,6 +50,7 @@ from verl_trainer.utils.safe_load import refusal, safe_torch_load
 if TYPE_CHECKING:
     import deepspeed
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+    from torch.serialization import MAP_LOCATION
 
 CHECKPOINT_TAG = "state"
 _FORCE_SAFE, _FORCE_UNSAFE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
@@ -75,7 +76,7 @@ def _safe_globals() -> list[Any]:
     return found
 
 
-def weights_only_load(path: str, map_location: Any = None) -> Any:
+def weights_only_load(path: str, map_location: MAP_LOCATION = None) -> Any:
     """``torch.load(path, weights_only=True)`` with DeepSpeed's plain-data classes allowed.
 
     Raises:
@@ -90,7 +91,7 @@ class _SafeCheckpointEngine:
     def __init__(self, inner: CheckpointEngine) -> None:
         self._inner = inner
 
-    def load(self, path: str, map_location: Any = None) -> Any:
+    def load(self, path: str, map_location: MAP_LOCATION = None) -> Any:
         """Load one of DeepSpeed's files safely."""
         return weights_only_load(path, map_location)
 
