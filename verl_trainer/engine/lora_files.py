@@ -30,7 +30,12 @@ from verl_trainer.models.weight_files import check_safetensors
 from verl_trainer.utils.listing import first_of
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from transformers import PretrainedConfig
+
+    from verl_trainer.engine.base import BaseEngine
+    from verl_trainer.engine.config import EngineSpec
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterFilesError", "check_adapter_dir", "check_adapters",
            "read_adapter_config"]
@@ -140,7 +145,7 @@ def check_adapter_dir(path: str | os.PathLike, model_config: PretrainedConfig | 
     return config
 
 
-def check_adapters(specs: dict[str, Any]) -> None:
+def check_adapters(specs: Mapping[str, EngineSpec | BaseEngine]) -> None:
     """:func:`check_adapter_dir` for every engine spec with a ``lora_adapter_path`` (no model is loaded).
 
     Specs with a model factory are checked without a base config (their model is only known once built).
