@@ -89,6 +89,7 @@ if TYPE_CHECKING:
     from transformers.utils import ModelOutput
 
     from verl_trainer.engine.pipeline import PipelineParallel
+    from verl_trainer.engine.results import BatchResult, StepResult
 
 LossFunction = Callable[..., "tuple[torch.Tensor, dict[str, Any]]"]
 """``loss_fn(model_output, micro_batch, info) -> (loss, metrics)`` (see ``core_algos/aggregation.py``)."""
@@ -235,7 +236,7 @@ class BaseEngine(ABC):
         calculate_entropy: bool = False,
         temperature: float | None = None,
         hooks: StepHooks | None = None,
-    ) -> dict[str, Any]:
+    ) -> BatchResult:
         """Run all micro-batches of ``data`` (this rank's share of one optimizer step): the one loop.
 
         Global denominators (one all-reduce) → micro-batches (``hooks.on_micro_batches``) → the engine's
@@ -270,7 +271,7 @@ class BaseEngine(ABC):
         step = MicroBatchStep(data, micro_batches, batch_idx, info, loss_function, forward_only,
                               calculate_entropy, temperature, hooks)
         local_loss, metrics, model_output = self.schedule.run(self, step)
-        result: dict[str, Any] = {
+        result: BatchResult = {
             "local_loss": float(local_loss),
             "loss": self._global_loss(local_loss),
             "metrics": metrics,
@@ -369,7 +370,7 @@ class BaseEngine(ABC):
 
     def train_batch(
         self, data: TensorDict, loss_function: LossFunction, hooks: StepHooks | None = None, **kwargs: Any
-    ) -> dict[str, Any]:
+    ) -> StepResult:
         """One optimizer step — the only implementation of one in the project.
 
         ``hooks.on_before_zero_grad`` → zero grads → ``hooks.on_micro_batches`` → per micro-batch forward,
@@ -426,7 +427,7 @@ class BaseEngine(ABC):
 
     def infer_batch(
         self, data: TensorDict, loss_function: LossFunction | None = None, **kwargs: Any
-    ) -> dict[str, Any]:
+    ) -> BatchResult:
         """Forward only; ``model_output`` holds ``[B, T]`` tensors in the original sample order."""
         with torch.no_grad():
             return self.forward_backward_batch(data, loss_function, forward_only=True, **kwargs)
