@@ -67,6 +67,8 @@ from verl_trainer.utils.distributed import barrier
 if TYPE_CHECKING:
     from lightning.fabric.loggers import Logger
 
+    from verl_trainer.training.loggers import LoggerSpec
+
 __all__ = ["Trainer"]
 
 _DEFAULTS = TrainerArgs()  # the one source of the defaults (the recipes' TrainerConfig extends it)
@@ -119,7 +121,7 @@ class Trainer(LightningAttributes):
         max_steps: int = _DEFAULTS.max_steps,
         max_epochs: int | None = _DEFAULTS.max_epochs,
         callbacks: Sequence[Callback] | Callback | None = None,
-        logger: Any = _DEFAULTS.logger,
+        logger: LoggerSpec = _DEFAULTS.logger,
         log_every_n_steps: int = _DEFAULTS.log_every_n_steps,
         default_root_dir: str | os.PathLike | None = _DEFAULTS.default_root_dir,
         val_check_interval: int | None = _DEFAULTS.val_check_interval,

@@ -31,19 +31,22 @@ import netrc
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
     from lightning.fabric.loggers import Logger
     from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 __all__ = [
-    "LOGGER_NAMES", "MLFlowLogger", "TensorBoardLogger", "build_loggers", "validate_logger_spec",
-    "wandb_api_key_available",
+    "LOGGER_NAMES", "LoggerSpec", "MLFlowLogger", "TensorBoardLogger", "build_loggers",
+    "validate_logger_spec", "wandb_api_key_available",
 ]
 
 LOGGER_NAMES = ("csv", "wandb", "tensorboard", "mlflow")
 WANDB_PROJECT = "verl-trainer"
+
+LoggerSpec: TypeAlias = "bool | str | Logger | Sequence[str | Logger] | None"
+"""What ``Trainer(logger=...)`` accepts (see the module docstring)."""
 
 
 def _is_logger(obj: Any) -> bool:
@@ -212,7 +215,7 @@ def make_csv_logger(root_dir: str) -> CSVLogger:
     return CSVLogger(save_dir=root_dir, name="lightning_logs")
 
 
-def build_loggers(spec: Any, root_dir: str) -> list[Logger]:
+def build_loggers(spec: LoggerSpec, root_dir: str) -> list[Logger]:
     """Build the loggers of ``spec`` (call on global rank 0 only)."""
     loggers = []
     for item in _as_list(spec):

@@ -24,6 +24,8 @@ from verl_trainer.training.loggers import build_loggers, plain_hparams
 if TYPE_CHECKING:
     from lightning.fabric.loggers import Logger
 
+    from verl_trainer.training.loggers import LoggerSpec
+
 __all__ = ["MetricLogging", "accumulate_outputs"]
 
 
@@ -85,7 +87,7 @@ class MetricLogging:
         logged_metrics: The values handed to the loggers last.
     """
 
-    def __init__(self, spec: Any, root_dir: str, log_every_n_steps: int) -> None:
+    def __init__(self, spec: LoggerSpec, root_dir: str, log_every_n_steps: int) -> None:
         self.spec = spec
         self.root_dir = root_dir
         self.log_every_n_steps = log_every_n_steps
