@@ -46,6 +46,8 @@ from verl_trainer.data.jsonl import read_json_rows
 from verl_trainer.data.schema import COLUMNS, DATA_SOURCE, EXTRA_INFO, GROUND_TRUTH
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from transformers import PreTrainedTokenizerBase
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
@@ -53,7 +55,7 @@ TRUNCATION_MODES = ("error", "left", "right", "middle")
 (``left``: the start is cut), first (``right``) or first and last halves (``middle``) tokens."""
 
 
-def _pyarrow_parquet(path: Path, action: str) -> Any:
+def _pyarrow_parquet(path: Path, action: str) -> ModuleType:
     """``pyarrow.parquet``, or an ``ImportError`` naming the file, the ``data`` extra and jsonl instead."""
     try:
         import pyarrow.parquet as pq

@@ -29,7 +29,7 @@ import copy
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,7 +44,7 @@ from verl_trainer.engine.lora_files import check_adapter_dir
 from verl_trainer.utils.distributed import barrier, get_rank
 
 if TYPE_CHECKING:
-    from peft import PeftModel
+    from peft import LoraConfig, PeftModel, TaskType
 
 VALUE_HEADS = ("score", "classifier")
 """Head names of token-classification (value) models; kept fully trainable via ``modules_to_save``."""
@@ -53,7 +53,7 @@ NamedFullTensors = Callable[[Callable[[str], bool] | None], Iterator[tuple[str, 
 """A backend's ``named_full_tensors(keep)``: ``(name, full tensor)`` for the names ``keep`` accepts."""
 
 
-def _task_type(model_type: str) -> Any:
+def _task_type(model_type: str) -> TaskType:
     from peft import TaskType
 
     return {"language_model": TaskType.CAUSAL_LM, "value_model": TaskType.TOKEN_CLS}[model_type]
@@ -64,7 +64,7 @@ def value_heads(model: torch.nn.Module) -> list[str]:
     return [name for name in VALUE_HEADS if isinstance(getattr(model, name, None), torch.nn.Module)]
 
 
-def build_lora_config(config: EngineConfig, model_type: str, model: torch.nn.Module) -> Any:
+def build_lora_config(config: EngineConfig, model_type: str, model: torch.nn.Module) -> LoraConfig:
     """The peft ``LoraConfig`` of ``config`` for ``model``.
 
     A value model's head is excluded from the adapters and trained in full (``modules_to_save``).

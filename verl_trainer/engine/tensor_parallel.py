@@ -23,12 +23,13 @@ most decoders) when every style in it is ``"colwise"`` / ``"rowwise"``, else :da
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
     from transformers import PretrainedConfig
 
 DEFAULT_TP_PLAN: dict[str, str] = {
@@ -85,7 +86,7 @@ def check_tp_compatible(model_config: PretrainedConfig, tp: int) -> None:
             )
 
 
-def _style(name: str) -> Any:
+def _style(name: str) -> ParallelStyle:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     return ColwiseParallel() if name == "colwise" else RowwiseParallel()

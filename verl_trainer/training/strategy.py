@@ -56,7 +56,7 @@ PRECISIONS: dict[str, dict[str, str]] = {
     "bf16-true": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "model_dtype": "bfloat16"},
     "16-mixed": {"param_dtype": "float16", "reduce_dtype": "float32", "model_dtype": "float32"},
 }
-_PRECISION_ALIASES: dict[Any, str] = {
+_PRECISION_ALIASES: dict[str | int, str] = {
     32: "32-true", "32": "32-true", "bf16": "bf16-mixed",
     16: "16-mixed", "16": "16-mixed", "fp16": "16-mixed",
 }
