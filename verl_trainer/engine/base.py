@@ -90,6 +90,7 @@ if TYPE_CHECKING:
 
     from verl_trainer.engine.pipeline import PipelineParallel
     from verl_trainer.engine.results import BatchResult, StepResult
+    from verl_trainer.models.attention import ForwardModel
 
 LossFunction = Callable[..., "tuple[torch.Tensor, dict[str, Any]]"]
 """``loss_fn(model_output, micro_batch, info) -> (loss, metrics)`` (see ``core_algos/aggregation.py``)."""
@@ -356,7 +357,7 @@ class BaseEngine(ABC):
 
     # ------------------------------------------------------------------------------ backend hooks
     @property
-    def forward_model(self) -> Any:
+    def forward_model(self) -> ForwardModel:
         """What the packed and Ulysses forwards call: the module, or a backend's forward wrapper."""
         return self.module
 

@@ -23,7 +23,7 @@ log-probs / entropy are reduced from the slices (``engine/vocab_parallel.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,8 @@ from verl_trainer.utils.distributed import get_world_size, is_initialized
 
 if TYPE_CHECKING:
     from transformers.utils import ModelOutput
+
+    from verl_trainer.models.attention import ForwardModel
 
 __all__ = [
     "MODEL_TYPE_PARTS",
@@ -140,7 +142,7 @@ class ModelType:
         """Load the HF model of ``config.model_path`` with padding-free attention."""
         raise NotImplementedError
 
-    def forward_packed(self, model: Any, packed: PackedBatch) -> ModelOutput:
+    def forward_packed(self, model: ForwardModel, packed: PackedBatch) -> ModelOutput:
         """Run ``model`` on one packed row (the HF output, ``logits [1, N, ...]``)."""
         return packed_forward(model, packed)
 
@@ -153,7 +155,7 @@ class ModelType:
 
     def sp_outputs(
         self,
-        model: Any,
+        model: ForwardModel,
         packed: PackedBatch,
         sp_group: dist.ProcessGroup | None,
         calculate_entropy: bool = False,
@@ -178,7 +180,7 @@ class LanguageModel(ModelType):
                                torch_dtype=to_dtype(config.model_dtype))
         return _checked(model, config)
 
-    def forward_packed(self, model: Any, packed: PackedBatch) -> ModelOutput:
+    def forward_packed(self, model: ForwardModel, packed: PackedBatch) -> ModelOutput:
         """Run ``model`` on one packed row; the LM head only at :func:`head_positions` (``None``: all)."""
         positions = head_positions(packed)
         if positions is None:
@@ -244,7 +246,7 @@ class LanguageModel(ModelType):
 
     def sp_outputs(
         self,
-        model: Any,
+        model: ForwardModel,
         packed: PackedBatch,
         sp_group: dist.ProcessGroup | None,
         calculate_entropy: bool = False,
@@ -283,7 +285,7 @@ class ValueModel(ModelType):
 
     def sp_outputs(
         self,
-        model: Any,
+        model: ForwardModel,
         packed: PackedBatch,
         sp_group: dist.ProcessGroup | None,
         calculate_entropy: bool = False,

@@ -46,6 +46,8 @@ from verl_trainer.utils.distributed import all_gather_object, broadcast_object
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
 
+    from verl_trainer.models.attention import ForwardModel
+
 __all__ = ["PipelineParallel", "check_pipeline_model"]
 
 
@@ -156,7 +158,7 @@ class _PipelineRun:
         return self.stage == self.num_stages - 1
 
     # --------------------------------------------------------------------------- the last stage
-    def last_stage(self, run: Callable[..., Any], index: int) -> tuple[torch.Tensor, ...]:
+    def last_stage(self, run: ForwardModel, index: int) -> tuple[torch.Tensor, ...]:
         """Model outputs ``[1, T]`` of micro-batch ``index`` from the received hidden states."""
         model_type, padded, step = self.engine.model_type, self.padded[index], self.step
         hf_output = model_type.forward_packed(run, padded)

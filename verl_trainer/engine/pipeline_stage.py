@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
     from transformers.utils import ModelOutput
 
+    from verl_trainer.models.attention import ForwardModel
+
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
     """The decoder layers of ``stage``: contiguous, sizes differing by at most one (earlier stages larger).
@@ -116,7 +118,7 @@ class StageForward:
     is_first: bool
     is_last: bool
     batches: list[PackedBatch] = field(default_factory=list)
-    last_stage: Callable[[Callable[..., Any], int], tuple[torch.Tensor, ...]] | None = None
+    last_stage: Callable[[ForwardModel, int], tuple[torch.Tensor, ...]] | None = None
 
     def __call__(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run micro-batch ``mb`` (a ``[1]`` index) on stage input ``x`` (``[1, T]`` ids or ``[1, T, H]``)."""

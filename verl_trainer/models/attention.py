@@ -24,7 +24,7 @@ Ulysses SP wraps :func:`varlen_attention` and registers its wrapper with :func:`
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import AttentionInterface
@@ -43,6 +43,16 @@ VARLEN_ATTENTION = "verl_varlen"
 """Name of the padding-free attention implementation (``config._attn_implementation``)."""
 
 _VARLEN_NAMES: set[str] = set()
+
+
+class ForwardModel(Protocol):
+    """What the packed and Ulysses forwards call: an HF model, or a wrapper that calls one.
+
+    The HF config is read from its ``config``, looking through wrappers that keep the model in ``module``.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ModelOutput:
+        """Run the model; the HF output (``logits`` among its fields)."""
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -245,7 +255,7 @@ def register_varlen_attention(name: str, fn: Callable[..., tuple[torch.Tensor, N
 register_varlen_attention(VARLEN_ATTENTION, varlen_attention_forward)
 
 
-def _config_of(model: torch.nn.Module) -> PretrainedConfig | None:
+def _config_of(model: ForwardModel) -> PretrainedConfig | None:
     """Return the HF config of a model, looking through wrappers that keep the model in ``.module``."""
     while not hasattr(model, "config") and hasattr(model, "module"):
         model = model.module
@@ -287,7 +297,7 @@ def varlen_model_kwargs(cu_seqlens: torch.Tensor, max_seqlen: int | None = None)
     }
 
 
-def packed_forward(model: torch.nn.Module, packed: PackedBatch, **kwargs: Any) -> ModelOutput:
+def packed_forward(model: ForwardModel, packed: PackedBatch, **kwargs: Any) -> ModelOutput:
     """Run an HF model on a packed row with padding-free attention.
 
     Args:

@@ -45,7 +45,9 @@ from verl_trainer.models.ulysses_attention import SP_GROUP_KWARG, ULYSSES_ATTENT
 if TYPE_CHECKING:
     from transformers.utils import ModelOutput
 
-OutputFn = Callable[[Any, "UlyssesSlice"], dict[str, torch.Tensor]]
+    from verl_trainer.models.attention import ForwardModel
+
+OutputFn = Callable[["ModelOutput", "UlyssesSlice"], dict[str, torch.Tensor]]
 """``output_fn(hf_output, local_slice) -> {name: [N_pad/sp, ...]}`` per local position."""
 
 
@@ -138,7 +140,7 @@ def ulysses_slice_packed(packed: PackedBatch, sp_group: ProcessGroup | None = No
     )
 
 
-def ulysses_model_forward(model: torch.nn.Module, local: UlyssesSlice, **kwargs: Any) -> ModelOutput:
+def ulysses_model_forward(model: ForwardModel, local: UlyssesSlice, **kwargs: Any) -> ModelOutput:
     """Run the model on this rank's tokens (HF output with ``logits [1, n, ...]``).
 
     Args:
@@ -172,7 +174,7 @@ def ulysses_model_forward(model: torch.nn.Module, local: UlyssesSlice, **kwargs:
 
 
 def ulysses_packed_outputs(
-    model: torch.nn.Module,
+    model: ForwardModel,
     packed: PackedBatch,
     output_fn: OutputFn,
     sp_group: ProcessGroup | None = None,
@@ -221,7 +223,7 @@ def value_output_fn(hf_output: ModelOutput, local: UlyssesSlice) -> dict[str, to
 
 
 def ulysses_packed_log_probs(
-    model: torch.nn.Module,
+    model: ForwardModel,
     packed: PackedBatch,
     sp_group: ProcessGroup | None = None,
     temperature: float = 1.0,
@@ -241,7 +243,7 @@ def ulysses_packed_log_probs(
 
 
 def ulysses_packed_values(
-    model: torch.nn.Module,
+    model: ForwardModel,
     packed: PackedBatch,
     sp_group: ProcessGroup | None = None,
     grad_scaler: bool = True,
@@ -252,7 +254,7 @@ def ulysses_packed_values(
 
 
 def ulysses_packed_forward(
-    model: torch.nn.Module, packed: PackedBatch, sp_group: ProcessGroup | None = None, **kwargs: Any
+    model: ForwardModel, packed: PackedBatch, sp_group: ProcessGroup | None = None, **kwargs: Any
 ) -> ModelOutput:
     """Drop-in for ``packed_forward`` under SP: the HF output with the GATHERED ``logits [1, N, ...]``.
 
