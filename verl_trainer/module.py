@@ -43,7 +43,7 @@ docs/lightning.md, "Modules".
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -64,8 +64,9 @@ __all__ = ["EngineSpec", "ModuleTrainer", "StepOutput", "TrainingModule"]
 LOG_REDUCTIONS = ("mean", "sum", "min", "max")
 """What :meth:`TrainingModule.log` may reduce with (``Metric``'s reductions)."""
 
-_REDUCE_FX: dict[Any, str] = {**{r: r for r in LOG_REDUCTIONS}, torch.mean: "mean", torch.sum: "sum",
-                               torch.min: "min", torch.max: "max"}
+_REDUCE_FX: dict[str | Callable[..., object], str] = {
+    **{r: r for r in LOG_REDUCTIONS}, torch.mean: "mean", torch.sum: "sum", torch.min: "min",
+    torch.max: "max"}
 """Lightning's ``reduce_fx`` values → ``reduce``."""
 
 StepOutput = Mapping[str, Any]
@@ -195,7 +196,7 @@ class TrainingModule:
     def log(self, name: str, value: torch.Tensor | float, reduce: str = "mean",
             weight: torch.Tensor | float | None = None, *, prog_bar: bool = False,
             on_step: bool | None = None, on_epoch: bool | None = None, sync_dist: bool | None = None,
-            reduce_fx: Any = None,
+            reduce_fx: str | Callable[..., object] | None = None,
             batch_size: int | None = None, logger: bool | None = None) -> None:
         """Log ``value`` under ``name`` (this step or evaluation), reduced over micro-batches and ranks.
 
@@ -238,9 +239,10 @@ class TrainingModule:
         if prog_bar and bar is not None and name not in bar.metrics:
             bar.metrics = (*bar.metrics, name)
 
-    def _lightning_log_options(self, name: str, reduce: str, weight: Any, on_step: bool | None,
-                               on_epoch: bool | None, reduce_fx: Any, batch_size: int | None,
-                               logger: bool | None) -> tuple[str, Any]:
+    def _lightning_log_options(self, name: str, reduce: str, weight: torch.Tensor | float | None,
+                               on_step: bool | None, on_epoch: bool | None,
+                               reduce_fx: str | Callable[..., object] | None, batch_size: int | None,
+                               logger: bool | None) -> tuple[str, torch.Tensor | float | None]:
         """``reduce`` and ``weight`` with Lightning's ``self.log`` options applied (or refused)."""
         if reduce_fx is not None:
             fx = _REDUCE_FX.get(reduce_fx) if isinstance(reduce_fx, str) or callable(reduce_fx) else None

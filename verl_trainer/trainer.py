@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -61,6 +61,11 @@ from verl_trainer.training.preflight import preflight_check
 from verl_trainer.training.progress import Progress
 from verl_trainer.training.strategy import Strategy
 from verl_trainer.utils.distributed import barrier
+
+if TYPE_CHECKING:
+    from lightning.fabric.loggers import Logger
+
+    from verl_trainer.training.loggers import LoggerSpec
 
 __all__ = ["Trainer"]
 
@@ -115,7 +120,7 @@ class Trainer(LightningAttributes):
         max_steps: int = _DEFAULTS.max_steps,
         max_epochs: int | None = _DEFAULTS.max_epochs,
         callbacks: Sequence[Callback] | Callback | None = None,
-        logger: Any = _DEFAULTS.logger,
+        logger: LoggerSpec = _DEFAULTS.logger,
         log_every_n_steps: int = _DEFAULTS.log_every_n_steps,
         default_root_dir: str | os.PathLike | None = _DEFAULTS.default_root_dir,
         val_check_interval: int | None = _DEFAULTS.val_check_interval,
@@ -299,12 +304,12 @@ class Trainer(LightningAttributes):
 
     # -------------------------------------------------------------------------------------- logging
     @property
-    def loggers(self) -> list[Any]:
+    def loggers(self) -> list[Logger]:
         """The loggers (built on rank 0 at fit; empty on the other ranks)."""
         return self.logging.loggers
 
     @property
-    def logger(self) -> Any:
+    def logger(self) -> Logger | None:
         """The first logger, or ``None``."""
         return self.loggers[0] if self.loggers else None
 

@@ -12,9 +12,14 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from verl_trainer.agents.tools import Tool
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from verl_trainer.agents.parsers import ToolCallParser
 
 __all__ = ["shortest_call_tokens", "warn_if_no_call_fits"]
 
@@ -30,13 +35,13 @@ def _shortest_call_text(tool: Tool) -> str:
     return "<tool_call>" + json.dumps({"name": tool.name, "arguments": arguments}) + "</tool_call>"
 
 
-def shortest_call_tokens(tool: Tool, tokenizer: Any) -> int:
+def shortest_call_tokens(tool: Tool, tokenizer: PreTrainedTokenizerBase) -> int:
     """Tokens of ``tool``'s shortest Hermes call and the turn's end token (the model must write both)."""
     return len(tokenizer.encode(_shortest_call_text(tool), add_special_tokens=False)) + 1
 
 
-def warn_if_no_call_fits(tools: Iterable[Tool], tokenizer: Any, max_new_tokens: int,
-                         tool_call_format: Any) -> None:
+def warn_if_no_call_fits(tools: Iterable[Tool], tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
+                         tool_call_format: str | ToolCallParser) -> None:
     """Warn (``UserWarning``) naming each tool whose shortest call is longer than ``max_new_tokens``.
 
     Only the ``hermes`` format is measured (another parser's call text is unknown here).

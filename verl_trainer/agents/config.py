@@ -124,7 +124,7 @@ def prompt_tool_schemas(config: MultiTurnConfig) -> list[dict[str, Any]] | None:
     return [tool.schema() for tool in resolve_tools(config.tools, config.tool_config_path)]
 
 
-def resolve_environment(spec: Any) -> Callable[[], Environment] | None:
+def resolve_environment(spec: str | Callable[[], Environment] | None) -> Callable[[], Environment] | None:
     """The environment class (or zero-argument factory) ``spec`` names; ``None`` for none.
 
     Raises:

@@ -8,7 +8,10 @@ template puts between the end of the last assistant message and the next assista
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["ObservationEncoder"]
 
@@ -28,7 +31,7 @@ class ObservationEncoder:
         ValueError: The tokenizer has no chat template.
     """
 
-    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Sequence[int]) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("multi-turn rollouts render tool results through the tokenizer's chat template, "
                              "and this tokenizer has none; set tokenizer.chat_template (one that renders "

@@ -90,7 +90,7 @@ def check_callback_specs(specs: Sequence[Any], key: str = "trainer.callbacks") -
         _checked(spec, f"{key}[{i}]")
 
 
-def build_callbacks(specs: Sequence[Any], key: str = "trainer.callbacks") -> list[Any]:
+def build_callbacks(specs: Sequence[Any], key: str = "trainer.callbacks") -> list[Callback]:
     """The callbacks the entries name, in order.
 
     Raises:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verl_trainer.algorithms.config import GRPOConfig, PPOConfig
 from verl_trainer.algorithms.data import DataConfig
@@ -31,6 +31,12 @@ from verl_trainer.engine.checkpoint_dirs import STATE_FILE
 from verl_trainer.engine.config import DTYPES, EngineConfig, OptimConfig, to_dtype
 from verl_trainer.training.arguments import TrainerArgs
 from verl_trainer.training.loggers import WANDB_PROJECT, MLFlowLogger, make_wandb_logger
+
+if TYPE_CHECKING:
+    import torch
+
+    from verl_trainer.callbacks import Callback
+    from verl_trainer.trainer import Trainer
 
 NAMED_LOGGERS = frozenset({"wandb", "mlflow"})
 """Loggers that ``trainer.project_name`` / ``experiment_name`` name (verl: wandb and mlflow)."""
@@ -114,7 +120,7 @@ class TrainerConfig(TrainerArgs):
     experiment_name: str | None = None
     callbacks: list[Any] = field(default_factory=list)
 
-    def build(self, callbacks: Sequence[Any] = (), **overrides: Any) -> Any:
+    def build(self, callbacks: Sequence[Callback] = (), **overrides: Any) -> Trainer:
         """The :class:`~verl_trainer.Trainer` these settings describe (``overrides`` win).
 
         A recipe's ``ProgressBar`` is left out when ``enable_progress_bar`` is false; with checkpointing on,
@@ -167,7 +173,7 @@ class TrainerConfig(TrainerArgs):
                     f"{self.logger!r} has neither (add wandb or mlflow to trainer.logger to log there)"]
         return []
 
-    def export_torch_dtype(self) -> Any:
+    def export_torch_dtype(self) -> torch.dtype | None:
         """``export_dtype`` as a ``torch.dtype`` for ``engine.save_hf(dtype=)`` (``None``: as stored)."""
         if self.export_dtype == "auto":
             return to_dtype("bfloat16") if str(self.precision).startswith("bf16") else None

@@ -30,13 +30,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from verl_trainer.data import schema
 from verl_trainer.utils.distributed import all_reduce
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 TOKEN_MEAN = "token-mean"
 TOKEN_SUM = "token-sum"
@@ -74,7 +77,7 @@ class GlobalBatchInfo:
     dp_rank: int = 0
 
     @classmethod
-    def from_batch(cls, data: Mapping[str, Any] | Any) -> GlobalBatchInfo:
+    def from_batch(cls, data: TensorDict | Mapping[str, torch.Tensor]) -> GlobalBatchInfo:
         """The denominators of ``data`` alone: one process, one micro-batch (``dp_size = 1``).
 
         The same definitions the engine all-reduces (:func:`local_counts`), so a loss function called
@@ -85,7 +88,7 @@ class GlobalBatchInfo:
                    global_batch_size=int(round(float(counts[1]))))
 
 
-def loss_mask_of(data: Mapping[str, Any] | Any) -> torch.Tensor:
+def loss_mask_of(data: TensorDict | Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Return the ``[B, T]`` mask whose sum is ``batch_num_tokens``.
 
     ``loss_mask``, else ``response_mask``, else ``attention_mask``.
@@ -97,7 +100,7 @@ def loss_mask_of(data: Mapping[str, Any] | Any) -> torch.Tensor:
                    f"{schema.ATTENTION_MASK!r}; cannot count its loss tokens")
 
 
-def local_counts(data: Mapping[str, Any] | Any) -> torch.Tensor:
+def local_counts(data: TensorDict | Mapping[str, torch.Tensor]) -> torch.Tensor:
     """``[2]`` float64 CPU: (loss-mask tokens, real samples) of this rank's batch.
 
     Real samples are those with ``is_padding == False`` — every row when the tag is absent. A real
@@ -111,7 +114,8 @@ def local_counts(data: Mapping[str, Any] | Any) -> torch.Tensor:
 
 
 def compute_global_batch_info(
-    data: Mapping[str, Any] | Any, dp_group: dist.ProcessGroup | None, dp_size: int, dp_rank: int
+    data: TensorDict | Mapping[str, torch.Tensor], dp_group: dist.ProcessGroup | None, dp_size: int,
+    dp_rank: int,
 ) -> GlobalBatchInfo:
     """Global denominators of one optimizer step (one all-reduce of two numbers over the DP group).
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -57,6 +57,9 @@ from verl_trainer.data.schema import (
 )
 from verl_trainer.metrics import Metric
 from verl_trainer.utils.registry import is_object_path
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 __all__ = [
     "PPOLoss",
@@ -193,7 +196,8 @@ class SFTLossConfig:
         _check_agg("SFTLossConfig", self.loss_agg_mode, self.loss_scale_factor)
 
 
-def _get(source: Mapping[str, Any] | Any, key: str, who: str, shape: torch.Size | None = None) -> Any:
+def _get(source: TensorDict | Mapping[str, torch.Tensor], key: str, who: str,
+         shape: torch.Size | None = None) -> torch.Tensor:
     """``source[key]`` with an error naming the loss, the key and what is present."""
     if key not in source:
         present = sorted(str(k) for k in source.keys())
@@ -232,7 +236,7 @@ class PPOLoss:
         self.corrects = self.rollout_correction.enabled  # a frozen config: read once, not per micro-batch
         self.policy_loss_fn = get_policy_loss_fn(config.policy_loss)
 
-    def _rollout_terms(self, data: Any, old_log_prob: torch.Tensor,
+    def _rollout_terms(self, data: TensorDict | Mapping[str, torch.Tensor], old_log_prob: torch.Tensor,
                        mask: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, Metric]]:
         """``(rollout_is_weights or None, mismatch + weight metrics)`` of one micro-batch."""
         weights = data.get("rollout_is_weights", None)
@@ -257,7 +261,8 @@ class PPOLoss:
         return weights.to(old_log_prob.dtype), metrics
 
     def __call__(
-        self, model_output: Mapping[str, torch.Tensor], data: Any, info: GlobalBatchInfo | None = None
+        self, model_output: Mapping[str, torch.Tensor], data: TensorDict | Mapping[str, torch.Tensor],
+        info: GlobalBatchInfo | None = None
     ) -> LossOutput:
         """Partial loss and metrics of one micro-batch (see the module docstring)."""
         cfg = self.config
@@ -314,7 +319,8 @@ class ValueLoss:
         self.config = config
 
     def __call__(
-        self, model_output: Mapping[str, torch.Tensor], data: Any, info: GlobalBatchInfo | None = None
+        self, model_output: Mapping[str, torch.Tensor], data: TensorDict | Mapping[str, torch.Tensor],
+        info: GlobalBatchInfo | None = None
     ) -> LossOutput:
         """Partial loss and metrics of one micro-batch (see the module docstring)."""
         cfg = self.config
@@ -348,7 +354,8 @@ class SFTLoss:
         self.config = config
 
     def __call__(
-        self, model_output: Mapping[str, torch.Tensor], data: Any, info: GlobalBatchInfo | None = None
+        self, model_output: Mapping[str, torch.Tensor], data: TensorDict | Mapping[str, torch.Tensor],
+        info: GlobalBatchInfo | None = None
     ) -> LossOutput:
         """Partial loss and metrics of one micro-batch (see the module docstring)."""
         cfg = self.config

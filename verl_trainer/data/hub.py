@@ -23,9 +23,12 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verl_trainer.utils.hub_cache import hub_cache_dir, looks_like_hub_id
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 __all__ = ["HubDataset", "HubDatasetNotFoundError", "data_fingerprint", "hub_snapshot", "parse_hub_dataset",
            "read_hub_rows", "resolve_hub_split", "with_default_split"]
@@ -132,7 +135,7 @@ def _choose(choices: list[str], given: str | None, kind: str, where: str, exampl
     raise ValueError(f"{where} {said}; its {kind}s: {', '.join(choices)}. Choose one: {example(choices[0])}")
 
 
-def _datasets(where: str) -> Any:
+def _datasets(where: str) -> ModuleType:
     try:
         import datasets
     except ImportError:

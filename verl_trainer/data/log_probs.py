@@ -13,9 +13,12 @@ Gradients, per token, with ``z = logits / T``, ``p = softmax(z)``, ``H = -sum p 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
 
 CHUNK_ELEMENTS = 1 << 20
 """float32 elements of one chunk (4 MiB): ``chunk = max(1, CHUNK_ELEMENTS // V)`` tokens.
@@ -49,7 +52,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: FunctionCtx,
         logits: torch.Tensor,
         targets: torch.Tensor,
         temperature: float,
@@ -74,7 +77,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: Any,
+        ctx: FunctionCtx,
         grad_log_probs: torch.Tensor,
         grad_entropy: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, ...]:

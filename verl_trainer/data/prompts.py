@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import NonTensorStack, TensorDict
@@ -45,12 +45,17 @@ from verl_trainer.data.hub import parse_hub_dataset, read_hub_rows
 from verl_trainer.data.jsonl import read_json_rows
 from verl_trainer.data.schema import COLUMNS, DATA_SOURCE, EXTRA_INFO, GROUND_TRUTH
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from transformers import PreTrainedTokenizerBase
+
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 """What a prompt longer than ``max_prompt_length`` becomes (verl's ``data.truncation``): an error, its last
 (``left``: the start is cut), first (``right``) or first and last halves (``middle``) tokens."""
 
 
-def _pyarrow_parquet(path: Path, action: str) -> Any:
+def _pyarrow_parquet(path: Path, action: str) -> ModuleType:
     """``pyarrow.parquet``, or an ``ImportError`` naming the file, the ``data`` extra and jsonl instead."""
     try:
         import pyarrow.parquet as pq
@@ -214,7 +219,7 @@ def save_rows(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     return path
 
 
-def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]],
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]],
                   chat_template: bool | None = None,
                   tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
     """Tokenise a prompt to ids (no special tokens added beyond what the chat template writes).
@@ -252,7 +257,8 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]],
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def check_template_renders_tools(tokenizer: Any, tools: Sequence[Mapping[str, Any]]) -> None:
+def check_template_renders_tools(tokenizer: PreTrainedTokenizerBase,
+                                 tools: Sequence[Mapping[str, Any]]) -> None:
     """Fail early when the tokenizer's chat template ignores ``tools`` (the model would never see them).
 
     Raises:
@@ -329,7 +335,8 @@ class PromptDataset(Dataset):
             (the tools are the run's: ``algorithm.rollout.multi_turn.tools``).
     """
 
-    def __init__(self, source: str | Path | Sequence[Mapping[str, Any]], tokenizer: Any,
+    def __init__(self, source: str | Path | Sequence[Mapping[str, Any]],
+                 tokenizer: PreTrainedTokenizerBase,
                  max_prompt_length: int = 512, truncation: str = "error",
                  chat_template: bool | None = None, filter_overlong_prompts: bool = False,
                  name: str | None = None, prompt_key: str = "prompt",

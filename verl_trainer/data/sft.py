@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from tensordict import TensorDict
@@ -39,6 +39,9 @@ from torch.utils.data import Dataset, IterableDataset
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.data.prompts import encode_prompt, read_rows
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "IterableSFTDataset", "SFTDataset", "TokenMask", "TokenPair", "collate_sft", "encode_chat_completion",
@@ -60,7 +63,7 @@ SFTExample = TokenPair | TokenMask
 """What an SFT dataset item is."""
 
 
-def encode_sft_example(tokenizer: Any, prompt: str | list[dict[str, str]], response: str,
+def encode_sft_example(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]], response: str,
                        chat_template: bool | None = None) -> TokenPair:
     """Token ids of one SFT example: prompt as the RL prompt dataset encodes it, response + eos.
 
@@ -72,7 +75,8 @@ def encode_sft_example(tokenizer: Any, prompt: str | list[dict[str, str]], respo
     return prompt_ids, response_ids
 
 
-def encode_chat_example(tokenizer: Any, messages: Sequence[Mapping[str, str]], where: str = "") -> TokenMask:
+def encode_chat_example(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]],
+                        where: str = "") -> TokenMask:
     """Token ids of a multi-turn chat with the loss on the assistant turns only.
 
     Each assistant turn's tokens are what the chat template adds for that message after the conversation
@@ -108,7 +112,7 @@ def encode_chat_example(tokenizer: Any, messages: Sequence[Mapping[str, str]], w
     return TokenMask(ids, mask)
 
 
-def _check_messages(tokenizer: Any, messages: Any, where: str) -> None:
+def _check_messages(tokenizer: PreTrainedTokenizerBase, messages: Any, where: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{where}a conversational row needs a tokenizer with a chat_template; set one "
                          "(tokenizer.chat_template = ...) or give text columns")
@@ -117,7 +121,8 @@ def _check_messages(tokenizer: Any, messages: Any, where: str) -> None:
             raise ValueError(f"{where}message {j} must be a mapping with 'role' and 'content', got {m!r}")
 
 
-def _render(tokenizer: Any, messages: Sequence[Mapping[str, str]], generation_prompt: bool) -> list[int]:
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]],
+            generation_prompt: bool) -> list[int]:
     """Token ids of ``messages`` through the chat template (no messages: none)."""
     if not messages:
         return []
@@ -126,7 +131,7 @@ def _render(tokenizer: Any, messages: Sequence[Mapping[str, str]], generation_pr
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def encode_chat_completion(tokenizer: Any, prompt: Sequence[Mapping[str, str]],
+def encode_chat_completion(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[Mapping[str, str]],
                            completion: Sequence[Mapping[str, str]], where: str = "") -> TokenMask:
     """Token ids of TRL's conversational prompt-completion, with the loss on the completion only.
 
@@ -156,7 +161,8 @@ def _is_messages(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(m, Mapping) for m in value)
 
 
-def _encode_text_row(item: Mapping[str, Any], keys: tuple[str, str, str], tokenizer: Any,
+def _encode_text_row(item: Mapping[str, Any], keys: tuple[str, str, str],
+                     tokenizer: PreTrainedTokenizerBase,
                      chat_template: bool | None, where: str) -> SFTExample:
     """One text row in one of the formats of the module docstring (not yet length-checked)."""
     prompt_key, response_key, messages_key = keys
@@ -191,7 +197,8 @@ def _is_token_pair(item: Any) -> bool:
     return isinstance(item, (tuple, list)) and len(item) == 2 and not isinstance(item, Mapping)
 
 
-def encode_sft_row(item: Any, i: int, tokenizer: Any, max_length: int, chat_template: bool | None = None,
+def encode_sft_row(item: Any, i: int, tokenizer: PreTrainedTokenizerBase | None, max_length: int,
+                   chat_template: bool | None = None,
                    keys: tuple[str, str, str] = ("prompt", "response", "messages"),
                    where: str = "") -> SFTExample:
     """One SFT example from a row (pair or chat), a ``TokenMask`` or an id pair (see the module docstring).
@@ -245,8 +252,8 @@ class SFTDataset(Dataset):
         ValueError: A row without the columns, longer than ``max_length``, or text rows without a tokenizer.
     """
 
-    def __init__(self, source: str | Path | Sequence[Any], tokenizer: Any = None, max_length: int = 512,
-                 chat_template: bool | None = None, pad_token_id: int | None = None,
+    def __init__(self, source: str | Path | Sequence[Any], tokenizer: PreTrainedTokenizerBase | None = None,
+                 max_length: int = 512, chat_template: bool | None = None, pad_token_id: int | None = None,
                  prompt_key: str = "prompt", response_key: str = "response",
                  messages_key: str = "messages") -> None:
         items = read_rows(Path(source)) if isinstance(source, (str, Path)) else list(source)
@@ -269,7 +276,7 @@ class SFTDataset(Dataset):
         return collate_sft(items, self.pad_token_id)
 
 
-def _pad_id(tokenizer: Any, pad_token_id: int | None) -> int:
+def _pad_id(tokenizer: PreTrainedTokenizerBase | None, pad_token_id: int | None) -> int:
     if pad_token_id is None:
         pad_token_id = getattr(tokenizer, "pad_token_id", None)
     return int(pad_token_id or 0)
@@ -288,8 +295,8 @@ class IterableSFTDataset(IterableDataset):
             :class:`SFTDataset`.
     """
 
-    def __init__(self, rows: Iterable[Any], tokenizer: Any = None, max_length: int = 512,
-                 chat_template: bool | None = None, pad_token_id: int | None = None,
+    def __init__(self, rows: Iterable[Any], tokenizer: PreTrainedTokenizerBase | None = None,
+                 max_length: int = 512, chat_template: bool | None = None, pad_token_id: int | None = None,
                  prompt_key: str = "prompt", response_key: str = "response",
                  messages_key: str = "messages") -> None:
         self.rows = rows

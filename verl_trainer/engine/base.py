@@ -43,7 +43,13 @@ from verl_trainer.utils.device import get_torch_device
 from verl_trainer.utils.distributed import all_reduce
 
 if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedTokenizerBase
+    from transformers.utils import ModelOutput
+
     from verl_trainer.engine.pipeline import PipelineParallel
+    from verl_trainer.engine.results import BatchResult, StepResult
+    from verl_trainer.models.attention import ForwardModel
 
 LossFunction = Callable[..., "tuple[torch.Tensor, dict[str, Any]]"]
 """``loss_fn(model_output, micro_batch, info) -> (loss, metrics)`` (see ``core_algos/aggregation.py``)."""
@@ -190,7 +196,7 @@ class BaseEngine(ABC):
         calculate_entropy: bool = False,
         temperature: float | None = None,
         hooks: StepHooks | None = None,
-    ) -> dict[str, Any]:
+    ) -> BatchResult:
         """Run all micro-batches of ``data`` (this rank's share of one optimizer step): the one loop.
 
         Global denominators (one all-reduce) → micro-batches (``hooks.on_micro_batches``) → the engine's
@@ -225,7 +231,7 @@ class BaseEngine(ABC):
         step = MicroBatchStep(data, micro_batches, batch_idx, info, loss_function, forward_only,
                               calculate_entropy, temperature, hooks)
         local_loss, metrics, model_output = self.schedule.run(self, step)
-        result: dict[str, Any] = {
+        result: BatchResult = {
             "local_loss": float(local_loss),
             "loss": self._global_loss(local_loss),
             "metrics": metrics,
@@ -296,7 +302,7 @@ class BaseEngine(ABC):
             outputs = model_type.outputs(hf_output, packed, calculate_entropy, temperature)
         return {k: packed.unpack(v) for k, v in outputs.items()}
 
-    def _forward_packed(self, packed: PackedBatch) -> Any:
+    def _forward_packed(self, packed: PackedBatch) -> ModelOutput:
         """The HF output of :attr:`forward_model` on one packed row (``logits [1, N, ...]``)."""
         return self.model_type.forward_packed(self.forward_model, packed)
 
@@ -310,7 +316,7 @@ class BaseEngine(ABC):
 
     # ------------------------------------------------------------------------------ backend hooks
     @property
-    def forward_model(self) -> Any:
+    def forward_model(self) -> ForwardModel:
         """What the packed and Ulysses forwards call: the module, or a backend's forward wrapper."""
         return self.module
 
@@ -324,7 +330,7 @@ class BaseEngine(ABC):
 
     def train_batch(
         self, data: TensorDict, loss_function: LossFunction, hooks: StepHooks | None = None, **kwargs: Any
-    ) -> dict[str, Any]:
+    ) -> StepResult:
         """One optimizer step — the only implementation of one in the project.
 
         ``hooks.on_before_zero_grad`` → zero grads → ``hooks.on_micro_batches`` → per micro-batch forward,
@@ -381,7 +387,7 @@ class BaseEngine(ABC):
 
     def infer_batch(
         self, data: TensorDict, loss_function: LossFunction | None = None, **kwargs: Any
-    ) -> dict[str, Any]:
+    ) -> BatchResult:
         """Forward only; ``model_output`` holds ``[B, T]`` tensors in the original sample order."""
         with torch.no_grad():
             return self.forward_backward_batch(data, loss_function, forward_only=True, **kwargs)
@@ -451,7 +457,7 @@ class BaseEngine(ABC):
 
     # ------------------------------------------------------------------------------ LoRA (engine.lora)
     @property
-    def peft_model(self) -> Any:
+    def peft_model(self) -> PeftModel | None:
         """The engine's ``PeftModel`` (``None`` without adapters)."""
         return None if self.lora is None else self.lora.peft_model
 
@@ -506,7 +512,7 @@ class BaseEngine(ABC):
     def save_hf(
         self,
         path: str | os.PathLike,
-        tokenizer: Any = "model_path",
+        tokenizer: PreTrainedTokenizerBase | str | os.PathLike | None = "model_path",
         max_shard_size: int | str = "5GB",
         dtype: torch.dtype | None = None,
     ) -> str:

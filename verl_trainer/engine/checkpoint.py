@@ -29,7 +29,7 @@ import random
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -46,6 +46,12 @@ from verl_trainer.utils.fs import (
 )
 from verl_trainer.utils.manifest import MANIFEST_FILE, verify_manifest, write_manifest
 from verl_trainer.utils.safe_load import safe_torch_load
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from transformers import PretrainedConfig
+
+    from verl_trainer.engine.config import EngineConfig
 
 EXTRA_STATE = "extra_state_rank{rank}.pt"
 META_FILE = "meta.json"
@@ -229,8 +235,8 @@ def load_extra_state(
     return payload
 
 
-def write_meta(directory: Path, meta: dict[str, Any], hf_config: Any = None, source: str | None = None
-               ) -> None:
+def write_meta(directory: Path, meta: dict[str, Any], hf_config: PretrainedConfig | None = None,
+               source: str | None = None) -> None:
     """Rank 0 writes ``meta.json`` and ``huggingface/``: the HF config, tokenizer and generation config.
 
     ``huggingface/`` is what ``python -m verl_trainer.export`` needs to write a complete HF directory.
@@ -256,7 +262,7 @@ class DCPCheckpointMixin:
     """DCP saves the state with its global layout: a checkpoint loads at any world size and layout."""
 
     has_adapters: bool
-    config: Any
+    config: EngineConfig
     module: torch.nn.Module | None
     optimizer: torch.optim.Optimizer | None
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
@@ -267,7 +273,7 @@ class DCPCheckpointMixin:
     def _pipeline_size(self) -> int:
         return getattr(getattr(self, "topology", None), "pp_size", 1)
 
-    def _state_dict_options(self, flat_optimizer: bool = False) -> Any:
+    def _state_dict_options(self, flat_optimizer: bool = False) -> StateDictOptions:
         """DCP state-dict options; ``flat_optimizer``: optimizer state keyed per parameter name.
 
         Pipeline stages hold different parameters, so their optimizers' ``param_groups`` differ: saved

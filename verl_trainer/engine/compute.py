@@ -32,6 +32,8 @@ from verl_trainer.engine.micro_batch import restore_dynamic_batch
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from verl_trainer.engine.base import LossFunction
+
 __all__ = [
     "SEQUENTIAL", "MicroBatchStep", "Schedule", "ScheduleResult", "ScheduledEngine", "SequentialSchedule",
 ]
@@ -67,7 +69,7 @@ class MicroBatchStep:
     micro_batches: list[TensorDict]
     batch_idx: list[int] | None
     info: GlobalBatchInfo
-    loss_function: Any
+    loss_function: LossFunction | None
     forward_only: bool
     calculate_entropy: bool
     temperature: float

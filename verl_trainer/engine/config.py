@@ -11,13 +11,16 @@ import dataclasses
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from verl_trainer.engine.optimizers import DEFAULT_IMPL, optimizer_kwargs, resolve_optimizer
 from verl_trainer.models.hf_files import DTYPES as DTYPES  # re-exported: the recipes' configs read it here
 from verl_trainer.models.hf_files import MODEL_TYPES, to_dtype
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 LR_SCHEDULERS = ("constant", "cosine", "linear")
 DECAYING_SCHEDULERS = ("cosine", "linear")
@@ -26,7 +29,7 @@ DECAYING_SCHEDULERS = ("cosine", "linear")
 class _Validated:
     """Mixin: ``replace`` with a clear error for unknown keys."""
 
-    def replace(self, **overrides: Any) -> Any:
+    def replace(self, **overrides: Any) -> Self:
         """Return a validated copy with ``overrides`` applied.
 
         Raises:
@@ -401,7 +404,7 @@ class EngineSpec:
     model_type: str
     config: EngineConfig
     optim: OptimConfig | None = None
-    model: Callable[[], Any] | None = None
+    model: Callable[[], torch.nn.Module] | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:

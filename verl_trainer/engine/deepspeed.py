@@ -28,7 +28,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,12 @@ from verl_trainer.engine.topology import engine_topology
 from verl_trainer.models.hf_files import MODEL_TYPES
 from verl_trainer.utils.distributed import is_initialized
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import deepspeed
+    from transformers.utils import ModelOutput
+
 if importlib.util.find_spec("deepspeed") is None:
     raise ImportError("the deepspeed engine needs deepspeed: pip install 'verl-trainer[deepspeed]'")
 
@@ -51,7 +57,7 @@ DEEPSPEED_BACKENDS = ("deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "de
 DEVICES = ["cpu", "cuda"]
 
 
-def _import_deepspeed(device_type: str) -> Any:
+def _import_deepspeed(device_type: str) -> ModuleType:
     """Import deepspeed, pinning its accelerator to our device on first import (``DS_ACCELERATOR``).
 
     Raises:
@@ -80,11 +86,11 @@ class DeepSpeedForward:
         ds_engine: The ``deepspeed.DeepSpeedEngine``.
     """
 
-    def __init__(self, ds_engine: Any) -> None:
+    def __init__(self, ds_engine: deepspeed.DeepSpeedEngine) -> None:
         self.ds_engine = ds_engine
         self.config = ds_engine.module.config
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> ModelOutput:
         """``DeepSpeedEngine.forward(*args, **kwargs)`` (the HF output)."""
         return self.ds_engine(*args, **kwargs)
 
@@ -121,7 +127,7 @@ class DeepSpeedEngine(OptimizerMixin, DeepSpeedCheckpointMixin, BaseEngine):
         super().__init__(config, optim_config, backend=backend, **kwargs)
         if backend not in DEEPSPEED_BACKENDS:
             raise ValueError(f"DeepSpeedEngine backend must be one of {DEEPSPEED_BACKENDS}, got {backend!r}")
-        self.ds_engine: Any = None
+        self.ds_engine: deepspeed.DeepSpeedEngine | None = None
         self._warned_to = False
         self._coalesce = False
         self._coalescing: contextlib.AbstractContextManager | None = None

@@ -30,7 +30,7 @@ import os
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,11 @@ from verl_trainer.engine.checkpoint import (
 )
 from verl_trainer.engine.config import EngineConfig
 from verl_trainer.utils.safe_load import refusal, safe_torch_load
+
+if TYPE_CHECKING:
+    import deepspeed
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+    from torch.serialization import MAP_LOCATION
 
 CHECKPOINT_TAG = "state"
 _FORCE_SAFE, _FORCE_UNSAFE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
@@ -71,7 +76,7 @@ def _safe_globals() -> list[Any]:
     return found
 
 
-def weights_only_load(path: str, map_location: Any = None) -> Any:
+def weights_only_load(path: str, map_location: MAP_LOCATION = None) -> Any:
     """``torch.load(path, weights_only=True)`` with DeepSpeed's plain-data classes allowed.
 
     Raises:
@@ -83,10 +88,10 @@ def weights_only_load(path: str, map_location: Any = None) -> Any:
 class _SafeCheckpointEngine:
     """DeepSpeed's checkpoint engine with ``load`` replaced by :func:`weights_only_load` (file named)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: CheckpointEngine) -> None:
         self._inner = inner
 
-    def load(self, path: str, map_location: Any = None) -> Any:
+    def load(self, path: str, map_location: MAP_LOCATION = None) -> Any:
         """Load one of DeepSpeed's files safely."""
         return weights_only_load(path, map_location)
 
@@ -95,7 +100,7 @@ class _SafeCheckpointEngine:
 
 
 @contextlib.contextmanager
-def safe_checkpoint_engine(ds_engine: Any) -> Iterator[None]:
+def safe_checkpoint_engine(ds_engine: deepspeed.DeepSpeedEngine) -> Iterator[None]:
     """Within the block, ``ds_engine`` reads its checkpoint files through :func:`weights_only_load`.
 
     DeepSpeed reads model and optimizer files through ``ds_engine.checkpoint_engine.load``; swapping it
@@ -140,7 +145,7 @@ class DeepSpeedCheckpointMixin:
     """
 
     has_adapters: bool
-    ds_engine: Any
+    ds_engine: deepspeed.DeepSpeedEngine | None
     module: torch.nn.Module | None
     optimizer: torch.optim.Optimizer | None
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None

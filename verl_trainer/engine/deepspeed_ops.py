@@ -33,11 +33,15 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from verl_trainer.utils.distributed import all_gather_object, get_rank
+
+if TYPE_CHECKING:
+    from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
+    from deepspeed.ops.op_builder.builder import OpBuilder
 
 __all__ = [
     "BUILD_FLOCK",
@@ -256,7 +260,7 @@ def _unproven_message(found: BuildLockState) -> str:
             f"{_fix(found.path)}")
 
 
-def _jit_builders(accelerator: Any) -> list[Any]:
+def _jit_builders(accelerator: DeepSpeedAccelerator) -> list[OpBuilder]:
     """The op builders of :data:`JIT_OPS` that this process would JIT-build or load from a build directory."""
     import deepspeed.ops
     from deepspeed.git_version_info import accelerator_name, installed_ops
@@ -274,7 +278,7 @@ def _jit_builders(accelerator: Any) -> list[Any]:
     return out
 
 
-def _load(builder: Any, op_dir: Path, rank: int) -> None:
+def _load(builder: OpBuilder, op_dir: Path, rank: int) -> None:
     """Load one op while holding the build lock; a stale ``lock`` found here is cleared or raised."""
     def announce() -> None:
         if rank == 0:
@@ -288,7 +292,7 @@ def _load(builder: Any, op_dir: Path, rank: int) -> None:
         builder.load(verbose=False)
 
 
-def prepare_deepspeed_ops(accelerator: Any) -> list[str]:
+def prepare_deepspeed_ops(accelerator: DeepSpeedAccelerator) -> list[str]:
     """Check, announce and load the ops ``deepspeed.initialize`` JIT-builds; a collective over all ranks.
 
     See the module docstring for the steps and the stale-lock criterion.

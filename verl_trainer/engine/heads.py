@@ -23,7 +23,7 @@ log-probs / entropy are reduced from the slices (``engine/vocab_parallel.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,11 @@ from verl_trainer.models.loading import load_causal_lm, load_value_model
 from verl_trainer.models.ulysses_attention import ULYSSES_ATTENTION, check_ulysses_compatible
 from verl_trainer.models.ulysses_forward import ulysses_packed_log_probs, ulysses_packed_values
 from verl_trainer.utils.distributed import get_world_size, is_initialized
+
+if TYPE_CHECKING:
+    from transformers.utils import ModelOutput
+
+    from verl_trainer.models.attention import ForwardModel
 
 __all__ = [
     "MODEL_TYPE_PARTS",
@@ -137,19 +142,20 @@ class ModelType:
         """Load the HF model of ``config.model_path`` with padding-free attention."""
         raise NotImplementedError
 
-    def forward_packed(self, model: Any, packed: PackedBatch) -> Any:
+    def forward_packed(self, model: ForwardModel, packed: PackedBatch) -> ModelOutput:
         """Run ``model`` on one packed row (the HF output, ``logits [1, N, ...]``)."""
         return packed_forward(model, packed)
 
     def outputs(
-        self, hf_output: Any, packed: PackedBatch, calculate_entropy: bool = False, temperature: float = 1.0
+        self, hf_output: ModelOutput, packed: PackedBatch, calculate_entropy: bool = False,
+        temperature: float = 1.0,
     ) -> dict[str, torch.Tensor]:
         """The model outputs ``{key: [N]}`` of one packed row from :meth:`forward_packed`'s output."""
         raise NotImplementedError
 
     def sp_outputs(
         self,
-        model: Any,
+        model: ForwardModel,
         packed: PackedBatch,
         sp_group: dist.ProcessGroup | None,
         calculate_entropy: bool = False,
@@ -174,7 +180,7 @@ class LanguageModel(ModelType):
                                torch_dtype=to_dtype(config.model_dtype))
         return _checked(model, config)
 
-    def forward_packed(self, model: Any, packed: PackedBatch) -> Any:
+    def forward_packed(self, model: ForwardModel, packed: PackedBatch) -> ModelOutput:
         """Run ``model`` on one packed row; the LM head only at :func:`head_positions` (``None``: all)."""
         positions = head_positions(packed)
         if positions is None:
@@ -182,7 +188,8 @@ class LanguageModel(ModelType):
         return packed_forward(model, packed, logits_to_keep=positions)
 
     def outputs(
-        self, hf_output: Any, packed: PackedBatch, calculate_entropy: bool = False, temperature: float = 1.0
+        self, hf_output: ModelOutput, packed: PackedBatch, calculate_entropy: bool = False,
+        temperature: float = 1.0,
     ) -> dict[str, torch.Tensor]:
         """``{"log_probs": [N], "entropy": [N]}`` (entropy only when asked) for one packed row.
 
@@ -239,7 +246,7 @@ class LanguageModel(ModelType):
 
     def sp_outputs(
         self,
-        model: Any,
+        model: ForwardModel,
         packed: PackedBatch,
         sp_group: dist.ProcessGroup | None,
         calculate_entropy: bool = False,
@@ -269,7 +276,8 @@ class ValueModel(ModelType):
         return _checked(model, config)
 
     def outputs(
-        self, hf_output: Any, packed: PackedBatch, calculate_entropy: bool = False, temperature: float = 1.0
+        self, hf_output: ModelOutput, packed: PackedBatch, calculate_entropy: bool = False,
+        temperature: float = 1.0,
     ) -> dict[str, torch.Tensor]:
         """``{"values": [N]}`` float32 for one packed row (``calculate_entropy``/``temperature`` unused)."""
         values = hf_output.logits.reshape(-1).float()  # [1, N, 1] -> [N]
@@ -277,7 +285,7 @@ class ValueModel(ModelType):
 
     def sp_outputs(
         self,
-        model: Any,
+        model: ForwardModel,
         packed: PackedBatch,
         sp_group: dist.ProcessGroup | None,
         calculate_entropy: bool = False,

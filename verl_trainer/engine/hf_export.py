@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,7 +19,7 @@ from verl_trainer.models.hf_dir import save_hf_model
 from verl_trainer.models.hf_sources import generation_config_of, tokenizer_dir
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 __all__ = ["HFExport"]
 
@@ -43,7 +43,7 @@ class HFExport:
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         path: str | os.PathLike,
-        tokenizer: Any = "model_path",
+        tokenizer: PreTrainedTokenizerBase | str | os.PathLike | None = "model_path",
         max_shard_size: int | str = "5GB",
         dtype: torch.dtype | None = None,
     ) -> str:

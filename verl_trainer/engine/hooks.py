@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -39,11 +38,11 @@ class StepHooks:
         on_before_optimizer_step: ``f(optimizer)``, before the gradients are clipped and the step.
     """
 
-    on_before_zero_grad: Callable[[Any], None] | None = None
+    on_before_zero_grad: Callable[[torch.optim.Optimizer], None] | None = None
     on_micro_batches: Callable[[list[TensorDict]], None] | None = None
     on_before_backward: Callable[[torch.Tensor], None] | None = None
     on_after_backward: Callable[[], None] | None = None
-    on_before_optimizer_step: Callable[[Any], None] | None = None
+    on_before_optimizer_step: Callable[[torch.optim.Optimizer], None] | None = None
 
 
 STEP_HOOK_NAMES: tuple[str, ...] = tuple(f.name for f in fields(StepHooks))

@@ -19,7 +19,7 @@ import copy
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +33,9 @@ from verl_trainer.engine.lora_export import (
 from verl_trainer.engine.lora_files import check_adapter_dir
 from verl_trainer.utils.distributed import barrier, get_rank
 
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel, TaskType
+
 VALUE_HEADS = ("score", "classifier")
 """Head names of token-classification (value) models; kept fully trainable via ``modules_to_save``."""
 
@@ -40,7 +43,7 @@ NamedFullTensors = Callable[[Callable[[str], bool] | None], Iterator[tuple[str, 
 """A backend's ``named_full_tensors(keep)``: ``(name, full tensor)`` for the names ``keep`` accepts."""
 
 
-def _task_type(model_type: str) -> Any:
+def _task_type(model_type: str) -> TaskType:
     from peft import TaskType
 
     return {"language_model": TaskType.CAUSAL_LM, "value_model": TaskType.TOKEN_CLS}[model_type]
@@ -51,7 +54,7 @@ def value_heads(model: torch.nn.Module) -> list[str]:
     return [name for name in VALUE_HEADS if isinstance(getattr(model, name, None), torch.nn.Module)]
 
 
-def build_lora_config(config: EngineConfig, model_type: str, model: torch.nn.Module) -> Any:
+def build_lora_config(config: EngineConfig, model_type: str, model: torch.nn.Module) -> LoraConfig:
     """The peft ``LoraConfig`` of ``config`` for ``model``.
 
     A value model's head is excluded from the adapters and trained in full (``modules_to_save``).
@@ -72,7 +75,7 @@ def build_lora_config(config: EngineConfig, model_type: str, model: torch.nn.Mod
     )
 
 
-def find_peft_model(module: torch.nn.Module | None) -> Any:
+def find_peft_model(module: torch.nn.Module | None) -> PeftModel | None:
     """The ``PeftModel`` inside ``module`` (looking through wrappers with ``.module``), or ``None``."""
     from peft import PeftModel
 
@@ -81,7 +84,7 @@ def find_peft_model(module: torch.nn.Module | None) -> Any:
     return module if isinstance(module, PeftModel) else None
 
 
-def check_supported(peft_model: Any) -> None:
+def check_supported(peft_model: PeftModel) -> None:
     """Refuse adapters the per-tensor export cannot merge (DoRA, embedding or convolution LoRA).
 
     Raises:
@@ -177,7 +180,7 @@ class LoRAAdapters:
         peft_model: The engine's ``PeftModel`` (the same object before and after sharding wraps it).
     """
 
-    def __init__(self, peft_model: Any) -> None:
+    def __init__(self, peft_model: PeftModel) -> None:
         self.peft_model = peft_model
 
     @contextlib.contextmanager

@@ -14,9 +14,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 PEFT_PREFIX = "base_model.model."
 WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -133,7 +136,7 @@ def merged_hf_tensors(named: Iterable[tuple[str, torch.Tensor]], targets: dict[s
         raise RuntimeError(f"LoRA layers whose weight, lora_A or lora_B never arrived: {incomplete}")
 
 
-def adapter_state_dict(named: Iterable[tuple[str, torch.Tensor]], peft_model: Any,
+def adapter_state_dict(named: Iterable[tuple[str, torch.Tensor]], peft_model: PeftModel,
                        adapter: str) -> dict[str, torch.Tensor]:
     """The adapters under peft's file names (``...q_proj.lora_A.weight``, ``score.weight``), as peft saves.
 

@@ -21,13 +21,21 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from verl_trainer.models.source import resolve_model_path
 from verl_trainer.models.weight_files import check_safetensors
 from verl_trainer.utils.listing import first_of
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from transformers import PretrainedConfig
+
+    from verl_trainer.engine.base import BaseEngine
+    from verl_trainer.engine.config import EngineSpec
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterFilesError", "check_adapter_dir", "check_adapters",
            "read_adapter_config"]
@@ -77,7 +85,7 @@ def read_adapter_config(path: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def _expected_names(directory: Path, model_config: Any, model_type: str) -> set[str]:
+def _expected_names(directory: Path, model_config: PretrainedConfig, model_type: str) -> set[str]:
     """The tensor names peft saves for this adapter config on this model (built on ``meta``)."""
     from peft import LoraConfig, get_peft_model
     from peft.utils import get_peft_model_state_dict
@@ -99,7 +107,7 @@ def _listed(names: set[str]) -> str:
     return first_of(sorted(names), _SHOWN)
 
 
-def check_adapter_dir(path: str | os.PathLike, model_config: Any = None,
+def check_adapter_dir(path: str | os.PathLike, model_config: PretrainedConfig | None = None,
                       model_type: str = "language_model") -> dict[str, Any]:
     """Check a peft adapter directory (see the module) and return its adapter config.
 
@@ -137,7 +145,7 @@ def check_adapter_dir(path: str | os.PathLike, model_config: Any = None,
     return config
 
 
-def check_adapters(specs: dict[str, Any]) -> None:
+def check_adapters(specs: Mapping[str, EngineSpec | BaseEngine]) -> None:
     """:func:`check_adapter_dir` for every engine spec with a ``lora_adapter_path`` (no model is loaded).
 
     Specs with a model factory are checked without a base config (their model is only known once built).

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from itertools import chain
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -44,8 +44,12 @@ __all__ = [
     "restore_dynamic_batch",
 ]
 
+RowsT = TypeVar("RowsT", torch.Tensor, TensorDict)
+BatchIndices = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor
+"""Original row indices: flat, one list per micro-batch, or a tensor."""
 
-def _all_reduce_max(values: list[int], group: Any) -> list[int]:
+
+def _all_reduce_max(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
     """Element-wise MAX of ``values`` over ``group`` (identity when not distributed)."""
     return all_reduce(torch.tensor(values, dtype=torch.int64), group, dist.ReduceOp.MAX).tolist()
 
@@ -192,7 +196,7 @@ def plan_micro_batches(
 def rearrange_micro_batches(
     batch: TensorDict,
     max_token_len: int,
-    dp_group: Any = None,
+    dp_group: dist.ProcessGroup | None = None,
     num_batches_divided_by: int | None = None,
     same_micro_num_in_dp: bool = True,
     min_num_micro_batch: int | None = None,
@@ -251,7 +255,8 @@ def rearrange_micro_batches(
 
 
 def _fixed_micro_batches(
-    data: TensorDict, size: int, dp_group: Any, same_micro_num_in_dp: bool, min_num: int | None
+    data: TensorDict, size: int, dp_group: dist.ProcessGroup | None, same_micro_num_in_dp: bool,
+    min_num: int | None,
 ) -> tuple[list[TensorDict], list[int] | None]:
     """Contiguous slices of ``size``; more (smaller, or padding) ones if the group needs more."""
     n = data.batch_size[0]
@@ -271,7 +276,7 @@ def _fixed_micro_batches(
 
 def prepare_micro_batches(
     data: TensorDict,
-    dp_group: Any = None,
+    dp_group: dist.ProcessGroup | None = None,
     same_micro_num_in_dp: bool = True,
     micro_batch_size_per_gpu: int | None = None,
     use_dynamic_bsz: bool = False,
@@ -327,7 +332,7 @@ def prepare_micro_batches(
     )
 
 
-def get_reverse_idx(idx_map: Sequence[int] | torch.Tensor) -> Any:
+def get_reverse_idx(idx_map: Sequence[int] | torch.Tensor) -> list[int] | torch.Tensor:
     """Inverse permutation: ``reverse[idx_map[i]] = i`` (a list for a list, a tensor for a tensor)."""
     if isinstance(idx_map, torch.Tensor):
         rev = torch.empty_like(idx_map)
@@ -339,7 +344,7 @@ def get_reverse_idx(idx_map: Sequence[int] | torch.Tensor) -> Any:
     return rev.tolist()
 
 
-def _flat_indices(batch_idx_list: Any) -> np.ndarray:
+def _flat_indices(batch_idx_list: BatchIndices) -> np.ndarray:
     if isinstance(batch_idx_list, torch.Tensor):
         return batch_idx_list.detach().cpu().long().reshape(-1).numpy()
     items = list(batch_idx_list)
@@ -362,7 +367,7 @@ def _restore_tensor(data: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.nested.nested_tensor_from_jagged(data.values()[gather], new_offsets)
 
 
-def restore_dynamic_batch(data: torch.Tensor | TensorDict, batch_idx_list: Any) -> Any:
+def restore_dynamic_batch(data: RowsT, batch_idx_list: BatchIndices) -> RowsT:
     """Put rows concatenated in micro-batch order back in the original sample order.
 
     Args:

@@ -21,7 +21,7 @@ How it runs: docs/internals.md, "Pipeline parallelism (fsdp2)".
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,11 @@ from verl_trainer.engine.pipeline_stage import StageForward, check_pipeline_comp
 from verl_trainer.engine.topology import Topology
 from verl_trainer.models.source import resolve_model_path
 from verl_trainer.utils.distributed import all_gather_object, broadcast_object
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
+    from verl_trainer.models.attention import ForwardModel
 
 __all__ = ["PipelineParallel", "check_pipeline_model"]
 
@@ -145,7 +150,7 @@ class _PipelineRun:
         return self.stage == self.num_stages - 1
 
     # --------------------------------------------------------------------------- the last stage
-    def last_stage(self, run: Callable[..., Any], index: int) -> tuple[torch.Tensor, ...]:
+    def last_stage(self, run: ForwardModel, index: int) -> tuple[torch.Tensor, ...]:
         """Model outputs ``[1, T]`` of micro-batch ``index`` from the received hidden states."""
         model_type, padded, step = self.engine.model_type, self.padded[index], self.step
         hf_output = model_type.forward_packed(run, padded)
@@ -159,14 +164,14 @@ class _PipelineRun:
         n = packed.num_tokens
         return {key: packed.unpack(value.reshape(-1)[:n]) for key, value in zip(self.keys, values)}
 
-    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+    def loss(self, output: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
         """The torch schedule's loss: the step's ``loss_fn(model_output, micro_batch, info)`` (last stage)."""
         index = int(target.reshape(-1)[0])
         values = output if isinstance(output, tuple) else (output,)
         return self.step.loss(self._unpack(index, values), self.micro_batches[index])
 
     # ------------------------------------------------------------------------------ the schedule
-    def _build_stage(self) -> Any:
+    def _build_stage(self) -> PipelineStage:
         from torch.distributed.pipelining import PipelineStage
 
         engine, total = self.engine, self.total
@@ -174,7 +179,8 @@ class _PipelineRun:
         hidden_dtype, grads = to_dtype(engine.config.param_dtype), not self.step.forward_only
         inputs = _meta((1, total), torch.long) if self.is_first else _meta(hidden, hidden_dtype, grads)
         if self.is_last:
-            outputs: Any = tuple(_meta((1, total), torch.float32) for _ in self.keys)
+            outputs: torch.Tensor | tuple[torch.Tensor, ...] = tuple(
+                _meta((1, total), torch.float32) for _ in self.keys)
         else:
             outputs = _meta(hidden, hidden_dtype, grads)
         return PipelineStage(engine.module, self.stage, self.num_stages, engine.device, input_args=inputs,

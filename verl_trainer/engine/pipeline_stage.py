@@ -17,13 +17,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from verl_trainer.data.packing import PackedBatch
 from verl_trainer.models.attention import varlen_model_kwargs
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from transformers.utils import ModelOutput
+
+    from verl_trainer.models.attention import ForwardModel
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
@@ -42,7 +48,7 @@ def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
-def check_pipeline_compatible(model_config: Any, pp: int, causal_lm: bool = True) -> None:
+def check_pipeline_compatible(model_config: PretrainedConfig, pp: int, causal_lm: bool = True) -> None:
     """Refuse a model this stage split cannot run exactly (the same on every rank, before sharding).
 
     Args:
@@ -109,9 +115,9 @@ class StageForward:
     is_first: bool
     is_last: bool
     batches: list[PackedBatch] = field(default_factory=list)
-    last_stage: Callable[[Callable[..., Any], int], tuple[torch.Tensor, ...]] | None = None
+    last_stage: Callable[[ForwardModel, int], tuple[torch.Tensor, ...]] | None = None
 
-    def __call__(self, x: torch.Tensor, mb: torch.Tensor) -> Any:
+    def __call__(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run micro-batch ``mb`` (a ``[1]`` index) on stage input ``x`` (``[1, T]`` ids or ``[1, T, H]``)."""
         index = int(mb.reshape(-1)[0])
         packed = self.batches[index]
@@ -139,7 +145,7 @@ class _LastStageRun:
     def __init__(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> None:
         self.model, self.inputs, self.config = model, inputs, model.config
 
-    def __call__(self, **extra: Any) -> Any:
+    def __call__(self, **extra: Any) -> ModelOutput:
         extra.pop("input_ids", None)
         return type(self.model).forward(self.model, **self.inputs, **extra)
 

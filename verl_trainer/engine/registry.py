@@ -16,10 +16,13 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from verl_trainer.utils.device import detect_device_and_vendor
 from verl_trainer.utils.registry import Registry, as_list
+
+if TYPE_CHECKING:
+    from verl_trainer.engine.base import BaseEngine
 
 T = TypeVar("T", bound=type)
 
@@ -184,7 +187,7 @@ class EngineRegistry:
         return cls.get_entry(model_type, backend).cls
 
     @classmethod
-    def new(cls, model_type: str, backend: str, *args: Any, **kwargs: Any) -> Any:
+    def new(cls, model_type: str, backend: str, *args: Any, **kwargs: Any) -> BaseEngine:
         """Build: ``engine_cls(*args, backend=backend, model_type=model_type, **preset, **kwargs)``.
 
         One backend class serves every model type it is registered for: the name it is built for is

@@ -15,10 +15,14 @@ parallelism (fsdp2)".
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+    from transformers import PretrainedConfig
 
 DEFAULT_TP_PLAN: dict[str, str] = {
     "layers.*.self_attn.q_proj": "colwise",
@@ -34,7 +38,7 @@ DEFAULT_TP_PLAN: dict[str, str] = {
 TP_STYLES = ("colwise", "rowwise")
 
 
-def tp_plan(model_config: Any) -> dict[str, str]:
+def tp_plan(model_config: PretrainedConfig) -> dict[str, str]:
     """The TP plan for a model: its ``base_model_tp_plan`` when usable, else :data:`DEFAULT_TP_PLAN`.
 
     Args:
@@ -50,7 +54,7 @@ def tp_plan(model_config: Any) -> dict[str, str]:
     return dict(DEFAULT_TP_PLAN)
 
 
-def check_tp_compatible(model_config: Any, tp: int) -> None:
+def check_tp_compatible(model_config: PretrainedConfig, tp: int) -> None:
     """Refuse a model whose heads or MLP width cannot be split over ``tp`` ranks (before sharding).
 
     Raises:
@@ -74,7 +78,7 @@ def check_tp_compatible(model_config: Any, tp: int) -> None:
             )
 
 
-def _style(name: str) -> Any:
+def _style(name: str) -> ParallelStyle:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     return ColwiseParallel() if name == "colwise" else RowwiseParallel()

@@ -8,10 +8,13 @@ fourth for the entropy); its backward needs no communication.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
@@ -19,7 +22,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: FunctionCtx,
         logits: torch.Tensor,
         targets: torch.Tensor,
         vocab_start: int,
@@ -54,7 +57,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: Any,
+        ctx: FunctionCtx,
         grad_log_probs: torch.Tensor,
         grad_entropy: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, ...]:

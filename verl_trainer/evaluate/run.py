@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verl_trainer.data.hub import parse_hub_dataset, resolve_hub_split, with_default_split
 from verl_trainer.data.prompts import PromptDataset
@@ -37,6 +37,9 @@ from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
 from verl_trainer.rewards import RewardFunctions, compute_rewards
 from verl_trainer.rollout import RESPONSE_TEXT, build_rollout
 from verl_trainer.training.loggers import WANDB_PROJECT, build_loggers, make_wandb_logger, plain_hparams
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 __all__ = ["REPORT_KIND", "evaluate", "format_table", "hf_model_dir", "log_report", "write_report"]
 
@@ -189,7 +192,7 @@ def log_report(report: dict[str, Any], cfg: EvaluateConfig) -> None:
         lg.finalize("success")
 
 
-def format_table(report: dict[str, Any]) -> Any:
+def format_table(report: dict[str, Any]) -> Table:
     """A ``rich`` table: one row per metric, one column for all prompts and one per ``data_source``."""
     from rich.table import Table
 

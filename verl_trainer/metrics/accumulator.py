@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -125,7 +124,7 @@ class MetricAccumulator:
         self._states.clear()
         self._reductions.clear()
 
-    def _agree_on_names(self, group: Any) -> None:
+    def _agree_on_names(self, group: dist.ProcessGroup | None) -> None:
         """Make every rank hold the same metric names (union), so the per-metric collectives match."""
         local = {name: r.value for name, r in self._reductions.items()}
         gathered = all_gather_object(local, group)
@@ -141,7 +140,8 @@ class MetricAccumulator:
             reduction = Reduction(union[name])
             _identity_update(self._state(name, reduction), reduction, self._device)
 
-    def compute(self, process_group: Any = None, sync_dist: bool = True) -> dict[str, float]:
+    def compute(self, process_group: dist.ProcessGroup | None = None,
+                sync_dist: bool = True) -> dict[str, float]:
         """Reduce over the accumulated micro-batches and, if distributed, over the ranks of a group.
 
         Collective when it syncs: call it on every rank of ``process_group``.

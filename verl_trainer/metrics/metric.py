@@ -89,10 +89,11 @@ class Metric:
 
     __slots__ = ("reduction", "values", "_weights")
 
-    def __init__(self, first: Any = _UNSET, /, reduction: Any = _UNSET, weight: Any = None, *,
-                 value: Any = _UNSET, aggregation: Any = None) -> None:
-        self.values: list[Any] = []
-        self._weights: list[Any] = []
+    def __init__(self, first: Any = _UNSET, /, reduction: Any = _UNSET,
+                 weight: torch.Tensor | float | None = None, *, value: Any = _UNSET,
+                 aggregation: Reduction | str | None = None) -> None:
+        self.values: list[torch.Tensor | float] = []
+        self._weights: list[torch.Tensor | float | None] = []
         if aggregation is not None or isinstance(first, (str, Enum)):
             self._init_verl(first, reduction, weight, value, aggregation)
             return
@@ -107,7 +108,8 @@ class Metric:
         self.reduction = _reduction(Reduction.MEAN if reduction is _UNSET else reduction)
         self._add(value, weight)
 
-    def _init_verl(self, first: Any, second: Any, weight: Any, value: Any, aggregation: Any) -> None:
+    def _init_verl(self, first: Any, second: Any, weight: torch.Tensor | float | None, value: Any,
+                   aggregation: Reduction | str | None) -> None:
         """The form of verl: ``Metric(aggregation, value=None)``."""
         if aggregation is None:
             aggregation, first = first, _UNSET
@@ -126,7 +128,7 @@ class Metric:
             else:
                 self.append(initial)
 
-    def _add(self, value: Any, weight: Any) -> None:
+    def _add(self, value: torch.Tensor | float, weight: torch.Tensor | float | None) -> None:
         """Add one value of ours (checked against the reduction) with its weight."""
         value = _detached(value)
         if self.reduction in (Reduction.SUM, Reduction.MEAN) and isinstance(value, torch.Tensor) \
@@ -178,17 +180,17 @@ class Metric:
         return cls(total / count.clamp_min(1).to(total.dtype), Reduction.MEAN, count)
 
     @property
-    def value(self) -> Any:
+    def value(self) -> torch.Tensor | float:
         """The one value of a single-valued metric (ours); see :attr:`values` for several."""
         return self._only(self.values, "value")
 
     @property
-    def weight(self) -> Any:
+    def weight(self) -> torch.Tensor | float | None:
         """The weight of a single-valued ``MEAN`` metric (``None`` = 1)."""
         return self._only(self.weights, "weight")
 
     @property
-    def weights(self) -> list[Any]:
+    def weights(self) -> list[torch.Tensor | float | None]:
         """One weight per value (``None`` = 1), aligned with :attr:`values`."""
         missing = len(self.values) - len(self._weights)
         return self._weights[: len(self.values)] + [None] * max(missing, 0)
@@ -215,7 +217,7 @@ class Metric:
         """The name verl uses for :attr:`reduction`."""
         return self.reduction
 
-    def append(self, value: Any) -> None:
+    def append(self, value: torch.Tensor | float | Metric) -> None:
         """Add one value, by verl's rules.
 
         A number, a one-element tensor (stored as its Python number) or a Metric (its values are added,
@@ -240,7 +242,7 @@ class Metric:
         self.values.append(value)
         self._weights.append(None)
 
-    def extend(self, values: Metric | Iterable[Any]) -> None:
+    def extend(self, values: Metric | Iterable[torch.Tensor | float]) -> None:
         """Add several values: a Metric's values (and weights) or an iterable of numbers.
 
         Raises:

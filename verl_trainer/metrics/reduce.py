@@ -34,7 +34,7 @@ def _by_key_name(key: str, values: Any) -> float:
 
 def reduce_metrics(
     metrics: Iterable[Mapping[str, Metric]] | MutableMapping[str, Metric | list[Any]],
-    process_group: Any = None,
+    process_group: torch.distributed.ProcessGroup | None = None,
     sync_dist: bool = True,
 ) -> dict[str, float] | MutableMapping[str, Any]:
     """Reduce metrics: ours over micro-batches and ranks, or verl's dict of lists in place.

@@ -24,7 +24,7 @@ Ulysses SP wraps :func:`varlen_attention` and registers its wrapper with :func:`
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import AttentionInterface
@@ -35,10 +35,24 @@ from verl_trainer.data.packing import PackedBatch
 from verl_trainer.models.bucketed_attention import bucketed_varlen_attention
 from verl_trainer.models.varlen_kernels import fused_varlen_attention
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from transformers.utils import ModelOutput
+
 VARLEN_ATTENTION = "verl_varlen"
 """Name of the padding-free attention implementation (``config._attn_implementation``)."""
 
 _VARLEN_NAMES: set[str] = set()
+
+
+class ForwardModel(Protocol):
+    """What the packed and Ulysses forwards call: an HF model, or a wrapper that calls one.
+
+    The HF config is read from its ``config``, looking through wrappers that keep the model in ``module``.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ModelOutput:
+        """Run the model; the HF output (``logits`` among its fields)."""
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -241,7 +255,7 @@ def register_varlen_attention(name: str, fn: Callable[..., tuple[torch.Tensor, N
 register_varlen_attention(VARLEN_ATTENTION, varlen_attention_forward)
 
 
-def _config_of(model: torch.nn.Module) -> Any:
+def _config_of(model: ForwardModel) -> PretrainedConfig | None:
     """Return the HF config of a model, looking through wrappers that keep the model in ``.module``."""
     while not hasattr(model, "config") and hasattr(model, "module"):
         model = model.module
@@ -283,7 +297,7 @@ def varlen_model_kwargs(cu_seqlens: torch.Tensor, max_seqlen: int | None = None)
     }
 
 
-def packed_forward(model: torch.nn.Module, packed: PackedBatch, **kwargs: Any) -> Any:
+def packed_forward(model: ForwardModel, packed: PackedBatch, **kwargs: Any) -> ModelOutput:
     """Run an HF model on a packed row with padding-free attention.
 
     Args:
@@ -333,7 +347,7 @@ def block_diagonal_causal_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype = to
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
 
-def reference_packed_forward(model: torch.nn.Module, packed: PackedBatch, **kwargs: Any) -> Any:
+def reference_packed_forward(model: torch.nn.Module, packed: PackedBatch, **kwargs: Any) -> ModelOutput:
     """Run the O(N^2) reference: the packed row with a 4-D block-diagonal causal mask (any attn impl)."""
     dtype = next(model.parameters()).dtype
     return model(

@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +43,9 @@ from verl_trainer.models.bucketed_attention import (
     bucketed_varlen_attention,
 )
 from verl_trainer.utils.distributed import all_reduce, get_rank, is_distributed
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = [
     "AUTOTUNE_ENV",
@@ -286,7 +289,7 @@ def tune(key: ShapeKey, probe: Probe = measure_probe) -> int:
     return stored
 
 
-def _heads_of(model_config: Any, split: int) -> tuple[int, int, int] | None:
+def _heads_of(model_config: PretrainedConfig, split: int) -> tuple[int, int, int] | None:
     """``(H, H_kv, D)`` per rank of an HF config split over ``split`` ranks (``None``: not evenly)."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     heads = getattr(text, "num_attention_heads", None)
@@ -300,7 +303,7 @@ def _heads_of(model_config: Any, split: int) -> tuple[int, int, int] | None:
 
 
 def agree_on_model_attention(
-    model_config: Any, device: torch.device | str, split: int = 1,
+    model_config: PretrainedConfig, device: torch.device | str, split: int = 1,
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
 ) -> dict[str, int] | None:
     """Tune a model's layout once per dtype, the same on every rank; call it on every rank of the run.

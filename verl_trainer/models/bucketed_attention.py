@@ -20,12 +20,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 
 from verl_trainer.models.varlen_kernels import sliding_window_mask
+
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
 
 _SOFTMAX_FAST_WIDTH = 16
 """Below this row width torch's CPU softmax is slower than max / exp / sum written out (measured)."""
@@ -320,7 +323,7 @@ class _Buckets(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: FunctionCtx,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -355,7 +358,7 @@ class _Buckets(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: Any, grad_out: torch.Tensor, *grad_parts: torch.Tensor
+        ctx: FunctionCtx, grad_out: torch.Tensor, *grad_parts: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan
         n = grad_out.shape[0]
@@ -388,7 +391,7 @@ class _PutRows(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, plan: BucketPlan, out: torch.Tensor, *parts: torch.Tensor
+        ctx: FunctionCtx, plan: BucketPlan, out: torch.Tensor, *parts: torch.Tensor
     ) -> torch.Tensor:
         ctx.plan = plan
         ctx.heads = parts[0].shape[1]
@@ -400,7 +403,7 @@ class _PutRows(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: Any, grad: torch.Tensor
+        ctx: FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan
         units = _units(grad.contiguous(), plan.heads_kv)

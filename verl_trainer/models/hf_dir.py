@@ -19,7 +19,7 @@ import copy
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from verl_trainer.models.hf_files import MODEL_TYPES
 from verl_trainer.models.safetensors_shards import SafetensorsShardWriter, parse_size
 from verl_trainer.utils.distributed import all_gather_object, get_rank
 from verl_trainer.utils.fs import ensure_replaceable, replace_dir_atomically
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 __all__ = ["HF_MODEL_KINDS", "HFLayout", "auto_model_class", "save_hf_model"]
 
@@ -57,7 +60,7 @@ class HFLayout:
         aliases: ``{alias: name}`` of tied parameters (``lm_head.weight -> model.embed_tokens.weight``).
     """
 
-    def __init__(self, config: Any, model_type: str) -> None:
+    def __init__(self, config: PretrainedConfig, model_type: str) -> None:
         cls = auto_model_class(model_type)
         with torch.device("meta"):
             model = cls.from_config(copy.deepcopy(config))
@@ -97,7 +100,7 @@ class HFLayout:
                 f"{unexpected[:8]}; export the model type the engine trains (language_model / value_model)"
             )
 
-    def hf_config(self, config: Any, dtype: torch.dtype) -> Any:
+    def hf_config(self, config: PretrainedConfig, dtype: torch.dtype) -> PretrainedConfig:
         """A copy of ``config`` as ``save_pretrained`` would write it for this class in ``dtype``."""
         out = copy.deepcopy(config)
         out.architectures = [self.class_name]
@@ -108,9 +111,10 @@ class HFLayout:
         return out
 
 
-def _write(tmp: Path, layout: HFLayout, named: Iterator[tuple[str, torch.Tensor]], config: Any,
-           max_shard_size: int, dtype: torch.dtype | None, tokenizer: Any, generation_config: Any,
-           model_type: str) -> None:
+def _write(tmp: Path, layout: HFLayout, named: Iterator[tuple[str, torch.Tensor]], config: PretrainedConfig,
+           max_shard_size: int, dtype: torch.dtype | None,
+           tokenizer: PreTrainedTokenizerBase | str | os.PathLike | None,
+           generation_config: GenerationConfig | None, model_type: str) -> None:
     writer = SafetensorsShardWriter(tmp, max_shard_size, dtype)
     saved_dtype = dtype
     for name, tensor in named:
@@ -135,10 +139,10 @@ def _write(tmp: Path, layout: HFLayout, named: Iterator[tuple[str, torch.Tensor]
 def save_hf_model(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     path: str | os.PathLike,
-    config: Any,
+    config: PretrainedConfig,
     model_type: str = "language_model",
-    tokenizer: Any = None,
-    generation_config: Any = None,
+    tokenizer: PreTrainedTokenizerBase | str | os.PathLike | None = None,
+    generation_config: GenerationConfig | None = None,
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
     what: str = "path",

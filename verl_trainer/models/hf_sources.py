@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from verl_trainer.models.hf_files import GENERATION_CONFIG_NAME, TOKENIZER_FILES
 from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
 
 __all__ = ["generation_config_of", "save_model_files", "tokenizer_dir"]
 
@@ -36,7 +39,7 @@ def tokenizer_dir(path: str | os.PathLike | None) -> str | None:
     return str(local)
 
 
-def generation_config_of(path: str | os.PathLike | None) -> Any:
+def generation_config_of(path: str | os.PathLike | None) -> GenerationConfig | None:
     """The ``GenerationConfig`` saved in ``path`` (``generation_config.json``), or ``None``."""
     local = _local(path)
     if local is None or not (local / GENERATION_CONFIG_NAME).is_file():

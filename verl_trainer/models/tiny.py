@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -23,6 +23,9 @@ from transformers import (
     GenerationConfig,
     PreTrainedTokenizerFast,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
@@ -80,7 +83,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _model_config(arch: str, tokenizer: PreTrainedTokenizerFast, **overrides: Any) -> Any:
+def _model_config(arch: str, tokenizer: PreTrainedTokenizerFast, **overrides: Any) -> PretrainedConfig:
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny-model arch {arch!r}; choose one of {ARCHITECTURES}")
     return AutoConfig.for_model(

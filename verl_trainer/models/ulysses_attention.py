@@ -26,7 +26,7 @@ size of 1, this is exactly ``"verl_varlen"``.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,9 @@ from verl_trainer.models.ulysses import (
     get_ulysses_sequence_parallel_world_size,
 )
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 ULYSSES_ATTENTION = "verl_ulysses"
 """Name of the Ulysses attention implementation (``config._attn_implementation``)."""
 
@@ -51,7 +54,7 @@ SP_GROUP_KWARG = "ulysses_sp_group"
 """Forward keyword that carries the SP process group down to the attention function."""
 
 
-def check_ulysses_compatible(config: Any, sp_size: int, world_size: int | None = None) -> None:
+def check_ulysses_compatible(config: PretrainedConfig, sp_size: int, world_size: int | None = None) -> None:
     """Raise a clear ``ValueError`` when a model cannot run with Ulysses SP of size ``sp_size``.
 
     Args:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed import ProcessGroup
@@ -42,7 +42,12 @@ from verl_trainer.models.ulysses import (
 )
 from verl_trainer.models.ulysses_attention import SP_GROUP_KWARG, ULYSSES_ATTENTION
 
-OutputFn = Callable[[Any, "UlyssesSlice"], dict[str, torch.Tensor]]
+if TYPE_CHECKING:
+    from transformers.utils import ModelOutput
+
+    from verl_trainer.models.attention import ForwardModel
+
+OutputFn = Callable[["ModelOutput", "UlyssesSlice"], dict[str, torch.Tensor]]
 """``output_fn(hf_output, local_slice) -> {name: [N_pad/sp, ...]}`` per local position."""
 
 
@@ -135,7 +140,7 @@ def ulysses_slice_packed(packed: PackedBatch, sp_group: ProcessGroup | None = No
     )
 
 
-def ulysses_model_forward(model: torch.nn.Module, local: UlyssesSlice, **kwargs: Any) -> Any:
+def ulysses_model_forward(model: ForwardModel, local: UlyssesSlice, **kwargs: Any) -> ModelOutput:
     """Run the model on this rank's tokens (HF output with ``logits [1, n, ...]``).
 
     Args:
@@ -169,7 +174,7 @@ def ulysses_model_forward(model: torch.nn.Module, local: UlyssesSlice, **kwargs:
 
 
 def ulysses_packed_outputs(
-    model: torch.nn.Module,
+    model: ForwardModel,
     packed: PackedBatch,
     output_fn: OutputFn,
     sp_group: ProcessGroup | None = None,
@@ -203,7 +208,7 @@ def next_token_output_fn(temperature: float = 1.0, calculate_entropy: bool = Fal
     :func:`shift_to_targets` for the schema's convention.
     """
 
-    def fn(hf_output: Any, local: UlyssesSlice) -> dict[str, torch.Tensor]:
+    def fn(hf_output: ModelOutput, local: UlyssesSlice) -> dict[str, torch.Tensor]:
         log_probs, entropy = token_log_probs_and_entropy(
             hf_output.logits, local.targets, temperature, calculate_entropy
         )
@@ -212,13 +217,13 @@ def next_token_output_fn(temperature: float = 1.0, calculate_entropy: bool = Fal
     return fn
 
 
-def value_output_fn(hf_output: Any, local: UlyssesSlice) -> dict[str, torch.Tensor]:
+def value_output_fn(hf_output: ModelOutput, local: UlyssesSlice) -> dict[str, torch.Tensor]:
     """Per-position scalar of a value model (``logits [1, n, 1]``), float32."""
     return {"values": hf_output.logits.reshape(-1).float()}
 
 
 def ulysses_packed_log_probs(
-    model: torch.nn.Module,
+    model: ForwardModel,
     packed: PackedBatch,
     sp_group: ProcessGroup | None = None,
     temperature: float = 1.0,
@@ -238,7 +243,7 @@ def ulysses_packed_log_probs(
 
 
 def ulysses_packed_values(
-    model: torch.nn.Module,
+    model: ForwardModel,
     packed: PackedBatch,
     sp_group: ProcessGroup | None = None,
     grad_scaler: bool = True,
@@ -249,8 +254,8 @@ def ulysses_packed_values(
 
 
 def ulysses_packed_forward(
-    model: torch.nn.Module, packed: PackedBatch, sp_group: ProcessGroup | None = None, **kwargs: Any
-) -> Any:
+    model: ForwardModel, packed: PackedBatch, sp_group: ProcessGroup | None = None, **kwargs: Any
+) -> ModelOutput:
     """Drop-in for ``packed_forward`` under SP: the HF output with the GATHERED ``logits [1, N, ...]``.
 
     Gathers the full ``[N, V]`` logits — simple but ``sp`` times the memory of gathering log-probs; prefer

@@ -31,7 +31,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
@@ -45,6 +45,11 @@ from verl_trainer.data import schema
 from verl_trainer.metrics import Metric
 from verl_trainer.rollout.base import AGENT_INFO
 from verl_trainer.utils.daemon_calls import AbandonedCallError, DaemonCalls
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from verl_trainer.rollout.config import RolloutConfig
 
 __all__ = ["AgentLoop", "Trajectory", "agent_rewards_and_metrics"]
 
@@ -114,7 +119,8 @@ class AgentLoop:
         eos_token_ids: Ids that end a model turn.
     """
 
-    def __init__(self, config: MultiTurnConfig, tokenizer: Any, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, config: MultiTurnConfig, tokenizer: PreTrainedTokenizerBase,
+                 eos_token_ids: Sequence[int]) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.eos = set(int(e) for e in eos_token_ids)
@@ -185,8 +191,8 @@ class AgentLoop:
         return text.encode("utf-8", "replace").decode("utf-8")  # tokenizers refuse lone surrogates
 
     # ------------------------------------------------------------------------------------------ loop
-    def run(self, generate: GenerateFn, prompts: list[list[int]], rows: list[Mapping[str, Any]], config: Any,
-            seeds: list[int], derive_seed: Callable[[int, int], int],
+    def run(self, generate: GenerateFn, prompts: list[list[int]], rows: list[Mapping[str, Any]],
+            config: RolloutConfig, seeds: list[int], derive_seed: Callable[[int, int], int],
             context_limit: int | None = None) -> list[Trajectory]:
         """Roll out one trajectory per prompt.
 
@@ -258,7 +264,7 @@ class AgentLoop:
             self._count(trajs[i], status, env=True)
 
     def _model_turn(self, generate: GenerateFn, prompts: list[list[int]], trajs: list[Trajectory],
-                    active: list[int], config: Any, budgets: list[int], seeds: list[int]) -> None:
+                    active: list[int], config: RolloutConfig, budgets: list[int], seeds: list[int]) -> None:
         left = [budgets[i] - len(trajs[i].ids) for i in active]
         turn_config = dataclasses.replace(config, max_new_tokens=max(left))
         out, lps = generate([prompts[i] + trajs[i].ids for i in active], turn_config, seeds)

@@ -41,6 +41,9 @@ from verl_trainer.data.schema import NON_TENSOR_KEYS, non_tensor_lists, prompt_t
 from verl_trainer.utils.listing import first_of
 
 if TYPE_CHECKING:  # the config reads the backend registry, which holds BaseRollout classes
+    from transformers import PreTrainedTokenizerBase
+
+    from verl_trainer.rollout.agent_loop import AgentLoop
     from verl_trainer.rollout.config import RolloutConfig
 
 RESPONSE_TEXT = "response_text"
@@ -151,13 +154,13 @@ class BaseRollout(ABC):
         """
         return None
 
-    def __init__(self, config: RolloutConfig, tokenizer: Any) -> None:
+    def __init__(self, config: RolloutConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.eos_token_ids = self._eos_ids(tokenizer)
         self._calls = 0
-        self.agent_loop: Any = None
+        self.agent_loop: AgentLoop | None = None
         """An :class:`~verl_trainer.rollout.agent_loop.AgentLoop` for multi-turn rollouts (set by
         :func:`verl_trainer.rollout.build_rollout` when ``multi_turn.enable``); ``None``: single-turn."""
         self.context_limit: int | None = None
@@ -169,7 +172,7 @@ class BaseRollout(ABC):
         informational: sampling is seeded per response, not per rank (see the module docstring)."""
 
     @staticmethod
-    def _eos_ids(tokenizer: Any, extra: int | Sequence[int] | None = None) -> list[int]:
+    def _eos_ids(tokenizer: PreTrainedTokenizerBase, extra: int | Sequence[int] | None = None) -> list[int]:
         ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
         if extra is not None:
             ids += [int(e) for e in ([extra] if isinstance(extra, int) else extra)]

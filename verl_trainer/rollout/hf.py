@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import CompileConfig, GenerationConfig, PreTrainedModel
+from transformers import CompileConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from verl_trainer.models.hf_files import to_dtype
 from verl_trainer.models.loading import load_causal_lm, load_tokenizer
@@ -67,7 +67,7 @@ class HFRollout(BaseRollout):
     one_step_off = True  # its model is a private copy, written only between generations
 
     def __init__(self, config: RolloutConfig, model: str | Path | PreTrainedModel,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         if tokenizer is None:
             if not isinstance(model, (str, Path)):
                 raise ValueError("HFRollout needs a tokenizer when it is given a model object, not a path")

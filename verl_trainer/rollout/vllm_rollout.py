@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -38,6 +38,10 @@ from verl_trainer.rollout.vllm_support import (
     model_config,
     process_state,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from vllm import SamplingParams
 
 
 def import_vllm() -> tuple[ModuleType, Any]:
@@ -94,7 +98,8 @@ class VLLMRollout(BaseRollout):
             raise ValueError("the vllm rollout loads from a checkpoint directory; pass a path")
         check_vllm_rollout(model, config.tensor_parallel_size)
 
-    def __init__(self, config: RolloutConfig, model: str | Path, tokenizer: Any = None) -> None:
+    def __init__(self, config: RolloutConfig, model: str | Path,
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         self.check(config, model)
         vllm, current_platform = import_vllm()
         self.vllm = vllm
@@ -160,7 +165,7 @@ class VLLMRollout(BaseRollout):
             self.in_rollout = False
             self.sleep()
 
-    def sampling_params(self, config: RolloutConfig, seed: int) -> Any:
+    def sampling_params(self, config: RolloutConfig, seed: int) -> SamplingParams:
         """The ``SamplingParams`` of one request (``n=1``: prompts arrive repeated ``n`` times).
 
         Each request has its own seed and asks for its sampled token's log-prob (``logprobs=0``).

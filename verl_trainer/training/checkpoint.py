@@ -19,7 +19,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,9 @@ from verl_trainer.utils.distributed import barrier, broadcast_object, get_rank
 from verl_trainer.utils.manifest import verify_manifest
 from verl_trainer.utils.safe_load import safe_torch_load
 
+if TYPE_CHECKING:
+    from verl_trainer.engine.base import BaseEngine
+
 __all__ = [
     "check_resume", "load_engines", "load_rng", "load_state", "restore_run", "save_run", "write_checkpoint",
 ]
@@ -50,7 +53,7 @@ STATE_VERSION = 1
 
 def write_checkpoint(
     path: Path,
-    engines: dict[str, Any],
+    engines: dict[str, BaseEngine],
     make_state: Callable[[], dict[str, Any]],
     meta: dict[str, Any],
     global_step: int,
@@ -88,7 +91,7 @@ def load_state(path: Path) -> dict[str, Any]:
     return safe_torch_load(file)
 
 
-def load_engines(path: Path, engines: dict[str, Any]) -> None:
+def load_engines(path: Path, engines: dict[str, BaseEngine]) -> None:
     """Verify ``path``'s manifest, then restore every engine from ``path/engines/<name>``; a collective.
 
     Raises:

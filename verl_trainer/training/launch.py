@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,8 @@ from verl_trainer.training import failure
 from verl_trainer.utils.distributed import is_initialized, set_collective_timeout
 
 __all__ = ["ScriptLauncher", "World", "connect", "select_cluster_environment"]
+
+_R = TypeVar("_R")
 
 REAP_AFTER_FAILURE_S = 2.0
 """After a failed run, how long rank 0 waits for its children to end before it exits."""
@@ -126,7 +128,7 @@ class ScriptLauncher(_SubprocessScriptLauncher):
     interpreter exit rank 0 waits for its children (they finish the same script), unless a run failed.
     """
 
-    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def launch(self, function: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
         """Start the children (once per script), then call ``function(*args, **kwargs)`` here."""
         env = self.cluster_environment
         env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)

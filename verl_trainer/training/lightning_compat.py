@@ -21,10 +21,13 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verl_trainer.callbacks.base import HOOK_NAMES
 from verl_trainer.data.sharded_loader import ShardedLoader, as_dataloader, make_sharded_loader
+
+if TYPE_CHECKING:
+    from verl_trainer.module import TrainingModule
 
 __all__ = [
     "HARMLESS_VALUES",
@@ -113,7 +116,7 @@ MODULE_METHODS = ("setup",)
 """Hook names that :class:`~verl_trainer.module.TrainingModule` itself defines and the Trainer calls."""
 
 
-def check_lightning_habits(module: Any) -> None:
+def check_lightning_habits(module: object) -> None:
     """Refuse a module's ``configure_optimizers`` and Lightning hooks, which nothing here would call.
 
     Raises:
@@ -240,8 +243,8 @@ def stage_data(stage: str, dataloaders: Any, datamodule: Any) -> Any:
     return datamodule if dataloaders is None else dataloaders
 
 
-def stage_loader(kind: str, datamodule: Any, module: Any, direct: bool, dp_rank: int, dp_size: int, seed: int,
-                 limit: int | float | None) -> ShardedLoader | None:
+def stage_loader(kind: str, datamodule: Any, module: TrainingModule, direct: bool, dp_rank: int,
+                 dp_size: int, seed: int, limit: int | float | None) -> ShardedLoader | None:
     """This rank's shard of the ``kind`` data (``train`` / ``val`` / ``test`` / ``predict``), or ``None``.
 
     The data is ``datamodule.{kind}_dataloader()``, else (``direct``) the datamodule itself when it is a

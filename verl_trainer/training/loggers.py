@@ -16,15 +16,22 @@ import netrc
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    from lightning.fabric.loggers import Logger
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 __all__ = [
-    "LOGGER_NAMES", "MLFlowLogger", "TensorBoardLogger", "build_loggers", "validate_logger_spec",
-    "wandb_api_key_available",
+    "LOGGER_NAMES", "LoggerSpec", "MLFlowLogger", "TensorBoardLogger", "build_loggers",
+    "validate_logger_spec", "wandb_api_key_available",
 ]
 
 LOGGER_NAMES = ("csv", "wandb", "tensorboard", "mlflow")
 WANDB_PROJECT = "verl-trainer"
+
+LoggerSpec: TypeAlias = "bool | str | Logger | Sequence[str | Logger] | None"
+"""What ``Trainer(logger=...)`` accepts (see the module docstring)."""
 
 
 def _is_logger(obj: Any) -> bool:
@@ -80,7 +87,7 @@ def wandb_api_key_available() -> bool:
         return False
 
 
-def make_wandb_logger(root_dir: str, **kwargs: Any) -> Any:
+def make_wandb_logger(root_dir: str, **kwargs: Any) -> WandbLogger:
     """``WandbLogger`` writing under ``root_dir``; offline when no API key is configured."""
     from lightning.pytorch.loggers import WandbLogger
 
@@ -102,7 +109,7 @@ def _require_tensorboard() -> None:
 
 
 def TensorBoardLogger(save_dir: str, name: str | None = "lightning_logs", version: int | str | None = None,  # noqa: N802
-                      **kwargs: Any) -> Any:
+                      **kwargs: Any) -> Logger:
     """Lightning's ``TensorBoardLogger`` with its arguments, after checking that tensorboard is installed.
 
     Raises:
@@ -149,7 +156,7 @@ def _require_mlflow(tracking_uri: str | None = None) -> None:
 
 
 def MLFlowLogger(experiment_name: str = WANDB_PROJECT, run_name: str | None = None,  # noqa: N802
-                 tracking_uri: str | None = None, save_dir: str = ".", **kwargs: Any) -> Any:
+                 tracking_uri: str | None = None, save_dir: str = ".", **kwargs: Any) -> Logger:
     """Lightning's ``MLFlowLogger`` writing to a local SQLite store unless ``tracking_uri`` names another.
 
     Args:
@@ -186,14 +193,14 @@ _REQUIRES = {"tensorboard": _require_tensorboard, "mlflow": _require_mlflow}
 """Logger names whose package is optional: the check that names what to install."""
 
 
-def make_csv_logger(root_dir: str) -> Any:
+def make_csv_logger(root_dir: str) -> CSVLogger:
     """``CSVLogger`` under ``root_dir/lightning_logs/version_N``."""
     from lightning.pytorch.loggers import CSVLogger
 
     return CSVLogger(save_dir=root_dir, name="lightning_logs")
 
 
-def build_loggers(spec: Any, root_dir: str) -> list[Any]:
+def build_loggers(spec: LoggerSpec, root_dir: str) -> list[Logger]:
     """Build the loggers of ``spec`` (call on global rank 0 only)."""
     loggers = []
     for item in _as_list(spec):

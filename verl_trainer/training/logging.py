@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from verl_trainer.metrics import Metric, MetricAccumulator
 from verl_trainer.training.loggers import build_loggers, plain_hparams
+
+if TYPE_CHECKING:
+    from lightning.fabric.loggers import Logger
+
+    from verl_trainer.training.loggers import LoggerSpec
 
 __all__ = ["MetricLogging", "accumulate_outputs"]
 
@@ -82,11 +87,11 @@ class MetricLogging:
         logged_metrics: The values handed to the loggers last.
     """
 
-    def __init__(self, spec: Any, root_dir: str, log_every_n_steps: int) -> None:
+    def __init__(self, spec: LoggerSpec, root_dir: str, log_every_n_steps: int) -> None:
         self.spec = spec
         self.root_dir = root_dir
         self.log_every_n_steps = log_every_n_steps
-        self.loggers: list[Any] = []
+        self.loggers: list[Logger] = []
         self.callback_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, float] = {}
         self._built = False

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verl_trainer.engine.config import EngineSpec
 from verl_trainer.engine.lora_files import check_adapters
 
+if TYPE_CHECKING:
+    from verl_trainer.module import TrainingModule
+    from verl_trainer.trainer import Trainer
+
 __all__ = ["preflight_check"]
 
 
-def preflight_check(trainer: Any, module: Any, datamodule: Any = None) -> int:
+def preflight_check(trainer: Trainer, module: TrainingModule, datamodule: Any = None) -> int:
     """Resolve every engine spec with the trainer's strategy, check adapters and data; returns the DP size.
 
     Raises:

@@ -32,6 +32,7 @@ from verl_trainer.engine.registry import EngineRegistry
 from verl_trainer.training import run_inputs
 
 if TYPE_CHECKING:
+    from verl_trainer.engine.base import BaseEngine
     from verl_trainer.module import TrainingModule
     from verl_trainer.training.strategy import Strategy
 
@@ -72,7 +73,7 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: json.loads(json.dumps(value, default=str))}
 
 
-def model_fingerprint(engine: Any) -> dict[str, Any]:
+def model_fingerprint(engine: BaseEngine) -> dict[str, Any]:
     """The architecture of an engine's model: its type and the HF config entries in :data:`MODEL_KEYS`."""
     config = getattr(engine, "model_config", None)
     shape = {key: getattr(config, key, None) for key in MODEL_KEYS} if config is not None else {}
@@ -204,7 +205,7 @@ def check_run_settings(trainer: ResumingRun, path: Path, meta: dict[str, Any]) -
     return changes
 
 
-def check_models(path: Path, meta: dict[str, Any], engines: dict[str, Any]) -> None:
+def check_models(path: Path, meta: dict[str, Any], engines: dict[str, BaseEngine]) -> None:
     """Compare the built engines with the checkpoint's: the same engines, the same architectures.
 
     Raises:

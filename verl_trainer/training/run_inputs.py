@@ -19,10 +19,13 @@ the original, or start a new run).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
 from verl_trainer.utils.cached_dir import fingerprint
+
+if TYPE_CHECKING:
+    from verl_trainer.engine.base import BaseEngine
 
 __all__ = ["WEIGHT_PATTERNS", "base_weights_fingerprint", "check_base_weights", "check_data",
            "data_fingerprint"]
@@ -31,7 +34,7 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 """The files of a model directory that hold its weights."""
 
 
-def base_weights_fingerprint(engine: Any) -> dict[str, Any] | None:
+def base_weights_fingerprint(engine: BaseEngine) -> dict[str, Any] | None:
     """``{"model_path", "files": {name: key}}`` of a LoRA engine's base model; ``None`` without LoRA."""
     path = getattr(getattr(engine, "config", None), "model_path", None)
     if not getattr(engine, "has_adapters", False) or not path:
@@ -66,7 +69,7 @@ def _file_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return changes
 
 
-def check_base_weights(path: Path, saved: dict[str, Any], engines: dict[str, Any]) -> str | None:
+def check_base_weights(path: Path, saved: dict[str, Any], engines: dict[str, BaseEngine]) -> str | None:
     """Why a resume cannot continue on these LoRA engines' base weights (``None``: the checkpoint's).
 
     Args:

@@ -53,7 +53,7 @@ PRECISIONS: dict[str, dict[str, str]] = {
     "bf16-true": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "model_dtype": "bfloat16"},
     "16-mixed": {"param_dtype": "float16", "reduce_dtype": "float32", "model_dtype": "float32"},
 }
-_PRECISION_ALIASES: dict[Any, str] = {
+_PRECISION_ALIASES: dict[str | int, str] = {
     32: "32-true", "32": "32-true", "bf16": "bf16-mixed",
     16: "16-mixed", "16": "16-mixed", "fp16": "16-mixed",
 }
@@ -159,7 +159,8 @@ class Strategy:
     timeout: timedelta = field(default_factory=lambda: timedelta(seconds=DEFAULT_TIMEOUT_S))
     topology: Topology | None = field(default=None, init=False, repr=False, compare=False)
 
-    def data_parallel(self, global_rank: int, world_size: int) -> tuple[Any, int, int]:
+    def data_parallel(self, global_rank: int,
+                      world_size: int) -> tuple[torch.distributed.ProcessGroup | None, int, int]:
         """``(dp_group, dp_rank, dp_size)`` of the topology.
 
         Before the topology exists: ``(None, global_rank, world_size)``; a ``None`` group is the whole world.

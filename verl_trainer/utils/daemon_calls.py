@@ -25,9 +25,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["MAX_ABANDONED", "AbandonedCallError", "DaemonCalls", "abandoned_calls"]
+
+_R = TypeVar("_R")
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +152,7 @@ class DaemonCalls:
         worker.start()
         return worker
 
-    def map(self, calls: Sequence[Callable[[], Any]], timeout_s: float) -> list[Any]:
+    def map(self, calls: Sequence[Callable[[], _R]], timeout_s: float) -> list[_R | BaseException]:
         """Run every zero-argument call concurrently; together they may take ``timeout_s`` seconds.
 
         Returns:
@@ -197,7 +199,7 @@ class DaemonCalls:
                 results.append((job.value, job.error))
         return results
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float, **kwargs: Any) -> Any:
+    def run(self, fn: Callable[..., _R], *args: Any, timeout_s: float, **kwargs: Any) -> _R:
         """``fn(*args, **kwargs)`` on a worker thread, waited for at most ``timeout_s`` seconds.
 
         Raises:

@@ -126,7 +126,7 @@ class Registry(MutableMapping[Hashable, T], Generic[T]):
             return load_object(str(key), self.kind)
         return self[key]
 
-    def remove(self, key: Hashable) -> Any:
+    def remove(self, key: Hashable) -> T:
         """Unregister ``key`` (for tests and plugins); returns the removed object."""
         return self._entries.pop(key)
 

@@ -13,9 +13,12 @@ import os
 import pickle
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.serialization import MAP_LOCATION
 
 __all__ = ["RestrictedUnpickler", "UnsafeCheckpointError", "refusal", "safe_torch_load"]
 
@@ -45,7 +48,7 @@ def safe_torch_load(
     path: str | os.PathLike | IO[bytes],
     safe_globals: Iterable[Any] = (),
     name: str | None = None,
-    map_location: Any = "cpu",
+    map_location: MAP_LOCATION = "cpu",
 ) -> Any:
     """``torch.load(path, weights_only=True)`` with errors that name the file.
 

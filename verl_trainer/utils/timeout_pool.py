@@ -26,9 +26,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["CallFailedError", "CallTimeoutError", "TimeoutPool"]
+
+_R = TypeVar("_R")
 
 
 class CallTimeoutError(TimeoutError):
@@ -157,7 +159,8 @@ class TimeoutPool:
         for worker in [*self._workers, *self._starting]:
             self._kill(worker)
 
-    def map(self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> list[Any]:
+    def map(self, fn: Callable[..., _R], calls: Sequence[tuple[Any, ...]]
+            ) -> list[_R | CallTimeoutError | CallFailedError]:
         """``[fn(*args) for args in calls]``, in parallel; a failed call's entry is the exception.
 
         Thread-safe: concurrent maps run one after the other (each waits at most its calls' limits).
@@ -169,7 +172,8 @@ class TimeoutPool:
         with self._lock:
             return self._map(fn, calls)
 
-    def _map(self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> list[Any]:
+    def _map(self, fn: Callable[..., _R], calls: Sequence[tuple[Any, ...]]
+             ) -> list[_R | CallTimeoutError | CallFailedError]:
         results: list[Any] = [None] * len(calls)
         pending = deque(enumerate(calls))
         missing = min(self.num_workers, len(calls)) - len(self._workers) - len(self._starting)
@@ -210,7 +214,7 @@ class TimeoutPool:
                         idle.append(replacement)
         return results
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def run(self, fn: Callable[..., _R], *args: Any) -> _R:
         """``fn(*args)`` in a worker.
 
         Raises:
