@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 def main(argv: list[str] | None = None) -> None:
     """Check the recipe's config, connect to Ray, run the TorchTrainer."""
     args, recipe_argv = parse_args(argv)
-    from verl_trainer.configs import GRPORecipeConfig, parse_recipe_args
+    from verl_trainer.recipe_config import GRPORecipeConfig, parse_recipe_args
     from verl_trainer.recipes.grpo import CONFIG
 
     # every config error, before Ray starts anything

@@ -23,18 +23,6 @@ from verl_trainer.algorithms.config import GRPOConfig, PPOConfig
 from verl_trainer.algorithms.data import DataConfig, PromptDataModule, SFTDataModule
 from verl_trainer.algorithms.sft import SFT, SFTConfig
 from verl_trainer.callbacks import ProgressBar
-from verl_trainer.configs import (
-    DEMO_MODEL_PATH,
-    GRPORecipeConfig,
-    ModelConfig,
-    PPORecipeConfig,
-    SFTRecipeConfig,
-    TaskConfig,
-    TrainerConfig,
-    WarmStartConfig,
-)
-from verl_trainer.configs.demo_scope import apply_demo_scope
-from verl_trainer.configs.run_length import run_length, with_schedule_length
 from verl_trainer.data.hub import data_fingerprint
 from verl_trainer.data.tasks import write_arithmetic_task
 from verl_trainer.engine import BaseEngine
@@ -44,6 +32,18 @@ from verl_trainer.models.source import ModelNotFoundError, resolve_model_path
 from verl_trainer.models.tiny import make_tiny_model
 from verl_trainer.models.weight_files import check_weight_dir
 from verl_trainer.module import TrainingModule
+from verl_trainer.recipe_config import (
+    DEMO_MODEL_PATH,
+    GRPORecipeConfig,
+    ModelConfig,
+    PPORecipeConfig,
+    SFTRecipeConfig,
+    TaskConfig,
+    TrainerConfig,
+    WarmStartConfig,
+)
+from verl_trainer.recipe_config.demo_scope import apply_demo_scope
+from verl_trainer.recipe_config.run_length import run_length, with_schedule_length
 from verl_trainer.recipes.plotting import plot_training_curves
 from verl_trainer.rollout import resolve_rollout_name, rollout_class
 from verl_trainer.trainer import Trainer
@@ -187,8 +187,9 @@ def prepare(cfg: RecipeConfig, trainer: Trainer, module_cls: Callable[[Algorithm
     world size, the data read, tokenised and checked for the run's DP size), the data's sources against
     the reward functions (``RewardFunctions.check_data_sources``), and the warm start's data when one will
     be made. A bad setting fails in seconds, once. The demo's task, validation set and warm start apply
-    only to the demo's model and data (:func:`~verl_trainer.configs.demo_scope.apply_demo_scope`, already
-    applied by ``parse_recipe_args``; applying it again changes nothing).
+    only to the demo's model and data
+    (:func:`~verl_trainer.recipe_config.demo_scope.apply_demo_scope`, already applied by
+    ``parse_recipe_args``; applying it again changes nothing).
     """
     for note in apply_demo_scope(cfg):
         if launch_rank() == 0:
@@ -233,7 +234,7 @@ def prepare(cfg: RecipeConfig, trainer: Trainer, module_cls: Callable[[Algorithm
 
 def _set_run_length(cfg: RecipeConfig, trainer: Trainer, algorithm: AlgorithmConfig,
                     batches_per_epoch: int) -> AlgorithmConfig:
-    """Set ``trainer.max_steps`` from the epochs (:mod:`verl_trainer.configs.run_length`); returns
+    """Set ``trainer.max_steps`` from the epochs (:mod:`verl_trainer.recipe_config.run_length`); returns
     ``algorithm`` with the schedules that followed the run's length spanning it. Printed once."""
     t = cfg.trainer
     steps, how = run_length(t.max_steps, t.max_epochs, batches_per_epoch, t.accumulate_grad_batches,

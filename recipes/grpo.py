@@ -18,7 +18,7 @@ from pathlib import Path
 
 from verl_trainer.algorithms import GRPO, PromptDataModule
 from verl_trainer.callbacks import Callback, ProgressBar
-from verl_trainer.configs import GRPORecipeConfig, parse_recipe_args
+from verl_trainer.recipe_config import GRPORecipeConfig, parse_recipe_args
 from verl_trainer.recipes import common
 from verl_trainer.recipes.configs import config_path
 from verl_trainer.user_errors import run_command, user_setup

@@ -9,7 +9,7 @@ import time
 
 from verl_trainer.algorithms import PPO, PromptDataModule
 from verl_trainer.callbacks import ProgressBar
-from verl_trainer.configs import PPORecipeConfig, parse_recipe_args
+from verl_trainer.recipe_config import PPORecipeConfig, parse_recipe_args
 from verl_trainer.recipes import common
 from verl_trainer.recipes.configs import config_path
 from verl_trainer.user_errors import run_command, user_setup

@@ -12,7 +12,7 @@ import time
 
 from verl_trainer.algorithms import SFT, SFTDataModule
 from verl_trainer.callbacks import ProgressBar
-from verl_trainer.configs import SFTRecipeConfig, parse_recipe_args
+from verl_trainer.recipe_config import SFTRecipeConfig, parse_recipe_args
 from verl_trainer.recipes import common
 from verl_trainer.recipes.configs import config_path
 from verl_trainer.user_errors import run_command, user_setup

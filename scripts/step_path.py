@@ -144,10 +144,10 @@ def trace_one_grpo_step(balancing: bool = True) -> list:
     os.environ.setdefault("WANDB_MODE", "offline")
     from verl_trainer.algorithms import GRPO, PromptDataModule
     from verl_trainer.callbacks import Callback, SequenceBalancing
-    from verl_trainer.configs import GRPORecipeConfig, load_config
     from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
     from verl_trainer.models.loading import load_tokenizer
     from verl_trainer.models.tiny import make_tiny_model
+    from verl_trainer.recipe_config import GRPORecipeConfig, load_config
 
     tracer = StepTracer()
 

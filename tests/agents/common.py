@@ -210,9 +210,9 @@ def fit_grpo_tools(base: str, root: str, dynamic: bool, steps: int, extra: tuple
     from verl_trainer import Trainer
     from verl_trainer.algorithms import GRPO, PromptDataModule
     from verl_trainer.callbacks import Callback
-    from verl_trainer.configs import GRPORecipeConfig, load_config
     from verl_trainer.data import schema
     from verl_trainer.models.loading import load_tokenizer
+    from verl_trainer.recipe_config import GRPORecipeConfig, load_config
     from verl_trainer.rollout import AGENT_INFO
 
     class Record(Callback):

@@ -19,7 +19,7 @@ from verl_trainer.agents import (
     resolve_environment,
     resolve_tools,
 )
-from verl_trainer.configs import GRPORecipeConfig, load_config
+from verl_trainer.recipe_config import GRPORecipeConfig, load_config
 
 
 def word_count(text: str, minimum: int = 1) -> int:

@@ -22,7 +22,7 @@ def make_assets(base: Path, num_train: int = 24) -> Path:
 
 def short_grpo_config(model: str, data: str, *overrides: str) -> Any:
     """``configs/grpo.yaml`` with the small batch above and ``overrides`` (a ``GRPORecipeConfig``)."""
-    from verl_trainer.configs import GRPORecipeConfig, load_config
+    from verl_trainer.recipe_config import GRPORecipeConfig, load_config
 
     return load_config(GRPORecipeConfig, ROOT / "configs" / "grpo.yaml", [
         f"algorithm.model_path={model}", f"data.train_files={data}/train.jsonl",

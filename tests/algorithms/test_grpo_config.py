@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from verl_trainer.algorithms import GRPO, PPO, DrGRPO, GRPOConfig, PPOConfig
-from verl_trainer.configs import GRPORecipeConfig, load_config
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
+from verl_trainer.recipe_config import GRPORecipeConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -114,8 +114,8 @@ def always_nan(data_source, solution_str, ground_truth, extra_info=None) -> floa
 def _grpo(model: str, data: str, root: str, reward: str, policy: str, max_steps: int) -> dict:
     from verl_trainer import Trainer
     from verl_trainer.algorithms import GRPO, PromptDataModule
-    from verl_trainer.configs import GRPORecipeConfig, load_config
     from verl_trainer.models.loading import load_tokenizer
+    from verl_trainer.recipe_config import GRPORecipeConfig, load_config
     from verl_trainer.training.failure import RankFailedError, last_line
 
     cfg = load_config(GRPORecipeConfig, ROOT / "configs" / "grpo.yaml", [

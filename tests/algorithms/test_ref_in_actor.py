@@ -43,7 +43,7 @@ def test_ref_in_actor_without_lora_is_an_error():
 def test_grpo_lora_yaml_loads_with_the_reference_in_the_actor():
     from pathlib import Path
 
-    from verl_trainer.configs import GRPORecipeConfig, load_config
+    from verl_trainer.recipe_config import GRPORecipeConfig, load_config
 
     path = Path(__file__).resolve().parents[2] / "configs" / "grpo_lora.yaml"
     cfg = load_config(GRPORecipeConfig, path, ["algorithm.actor.engine.target_modules=[q_proj,v_proj]"])

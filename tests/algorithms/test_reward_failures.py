@@ -117,8 +117,8 @@ CALLS = [0]
 def _grpo(model: str, data: str, root: str, policy: str) -> dict:
     from verl_trainer import Trainer
     from verl_trainer.algorithms import GRPO, PromptDataModule
-    from verl_trainer.configs import GRPORecipeConfig, load_config
     from verl_trainer.models.loading import load_tokenizer
+    from verl_trainer.recipe_config import GRPORecipeConfig, load_config
     from verl_trainer.training.failure import RankFailedError, last_line
 
     CALLS[0] = 0

@@ -95,7 +95,7 @@ def test_trl_style_model_path_among_reward_functions(models):
 def _validate(policy: str, rm: str, data: str, root: str, strategy: str = "fsdp2", *overrides: str) -> dict:
     from verl_trainer import Trainer
     from verl_trainer.algorithms import GRPO, PromptDataModule
-    from verl_trainer.configs import GRPORecipeConfig, load_config
+    from verl_trainer.recipe_config import GRPORecipeConfig, load_config
 
     cfg = load_config(GRPORecipeConfig, ROOT / "configs" / "grpo.yaml", [
         f"algorithm.model_path={policy}", f"data.train_files={data}/train.jsonl",

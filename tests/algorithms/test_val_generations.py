@@ -13,11 +13,11 @@ import pytest
 
 from verl_trainer import Trainer
 from verl_trainer.algorithms import GRPO, PromptDataModule
-from verl_trainer.configs import GRPORecipeConfig, load_config
-from verl_trainer.configs.verl_keys import translate_overrides
 from verl_trainer.data.prompts import save_rows, to_verl_row
 from verl_trainer.models import make_tiny_model
 from verl_trainer.models.loading import load_tokenizer
+from verl_trainer.recipe_config import GRPORecipeConfig, load_config
+from verl_trainer.recipe_config.verl_keys import translate_overrides
 from verl_trainer.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]

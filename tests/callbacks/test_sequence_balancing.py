@@ -122,8 +122,8 @@ class _AfterBalancing(Callback):
 def _grpo_step_with_balancing(model_dir: str, data_dir: str, root: str):
     from verl_trainer import Trainer
     from verl_trainer.algorithms import GRPO, PromptDataModule
-    from verl_trainer.configs import GRPORecipeConfig, load_config
     from verl_trainer.models.loading import load_tokenizer
+    from verl_trainer.recipe_config import GRPORecipeConfig, load_config
 
     cfg = load_config(GRPORecipeConfig, ROOT / "configs" / "grpo.yaml", [
         f"algorithm.model_path={model_dir}", f"data.train_files={data_dir}/train.jsonl",

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verl_trainer.configs.loading import load_config
-from verl_trainer.configs.recipes import GRPORecipeConfig
-from verl_trainer.configs.verl_keys import translate_overrides
 from verl_trainer.engine import OptimConfig
 from verl_trainer.engine.optimizers import build_optimizer, resolve_optimizer
+from verl_trainer.recipe_config.loading import load_config
+from verl_trainer.recipe_config.recipes import GRPORecipeConfig
+from verl_trainer.recipe_config.verl_keys import translate_overrides
 from verl_trainer.testing.ranks import run_distributed
 
 from .common import (

@@ -72,8 +72,8 @@ def truth_score(data_source: str, solution_str: str, ground_truth: str,
 def _validate(model: str, data: str, root: str) -> dict[str, float]:
     from verl_trainer import Trainer
     from verl_trainer.algorithms import GRPO, PromptDataModule
-    from verl_trainer.configs import GRPORecipeConfig, load_config
     from verl_trainer.models.loading import load_tokenizer
+    from verl_trainer.recipe_config import GRPORecipeConfig, load_config
 
     cfg = load_config(GRPORecipeConfig, ROOT / "configs" / "grpo.yaml", [
         f"algorithm.model_path={model}", f"data.train_files={data}", f"data.val_files={data}",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from verl_trainer.configs import ModelConfig
 from verl_trainer.models import load_causal_lm, make_tiny_model
 from verl_trainer.models.weight_files import DamagedWeightsError, check_safetensors
+from verl_trainer.recipe_config import ModelConfig
 from verl_trainer.recipes.common import prepare_model
 
 

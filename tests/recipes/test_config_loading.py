@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from verl_trainer.algorithms import GRPOConfig, PPOConfig, SFTConfig
-from verl_trainer.configs import (
+from verl_trainer.recipe_config import (
     GRPORecipeConfig,
     PPORecipeConfig,
     SFTRecipeConfig,
@@ -98,7 +98,7 @@ def test_a_cosine_schedule_too_short_for_its_warmup_names_trainer_max_steps():
 def test_export_dtype_follows_the_precision_or_is_named():
     import torch
 
-    from verl_trainer.configs import TrainerConfig
+    from verl_trainer.recipe_config import TrainerConfig
 
     assert TrainerConfig(precision="bf16-mixed").export_torch_dtype() is torch.bfloat16  # not fp32 masters
     assert TrainerConfig().export_torch_dtype() is None  # 32-true: as stored

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from verl_trainer.configs import GRPORecipeConfig, PPORecipeConfig, parse_recipe_args
-from verl_trainer.configs.demo_scope import apply_demo_scope
 from verl_trainer.models.tiny import make_tiny_model
+from verl_trainer.recipe_config import GRPORecipeConfig, PPORecipeConfig, parse_recipe_args
+from verl_trainer.recipe_config.demo_scope import apply_demo_scope
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIGS = [("grpo", GRPORecipeConfig), ("dapo", GRPORecipeConfig), ("dr_grpo", GRPORecipeConfig),

@@ -17,9 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from verl_trainer.configs import DEMO_MODEL_PATH, ModelConfig, TinyModelConfig, TrainerConfig, WarmStartConfig
 from verl_trainer.models.source import ModelNotFoundError
 from verl_trainer.models.tiny import make_tiny_model
+from verl_trainer.recipe_config import (
+    DEMO_MODEL_PATH,
+    ModelConfig,
+    TinyModelConfig,
+    TrainerConfig,
+    WarmStartConfig,
+)
 from verl_trainer.recipes import common
 from verl_trainer.testing import run_distributed
 from verl_trainer.testing.ranks import find_free_port

@@ -5,10 +5,10 @@ import textwrap
 import pytest
 import torch
 
-from verl_trainer.configs import GRPORecipeConfig, load_config
 from verl_trainer.core_algos import get_policy_loss_fn
 from verl_trainer.core_algos.advantages import resolve_estimator
 from verl_trainer.core_algos.losses import PPOLossConfig
+from verl_trainer.recipe_config import GRPORecipeConfig, load_config
 from verl_trainer.rewards import get_reward_fn
 from verl_trainer.utils.registry import load_object
 

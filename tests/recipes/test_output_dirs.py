@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_trainer.configs import TaskConfig, TrainerConfig, WarmStartConfig
 from verl_trainer.data.tasks import ArithmeticTaskConfig
+from verl_trainer.recipe_config import TaskConfig, TrainerConfig, WarmStartConfig
 from verl_trainer.recipes import common
 from verl_trainer.utils.fs import NotOwnedError, is_owned
 

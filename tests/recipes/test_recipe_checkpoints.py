@@ -23,7 +23,7 @@ from tests.recipes.test_config_loading import CONFIGS, RECIPES
 from tests.recipes.test_recipes import RL_OVERRIDES, ROOT, assets  # noqa: F401  (fixture)
 from tests.trainer.common import read_csv_metrics
 from verl_trainer.callbacks import ModelCheckpoint
-from verl_trainer.configs import GRPORecipeConfig, load_config
+from verl_trainer.recipe_config import GRPORecipeConfig, load_config
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

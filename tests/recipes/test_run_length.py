@@ -12,11 +12,11 @@ import pytest
 
 from tests.trainer.common import read_csv_metrics
 from verl_trainer.algorithms.config import PPOConfig
-from verl_trainer.configs import GRPORecipeConfig, PPORecipeConfig, parse_recipe_args
-from verl_trainer.configs.run_length import run_length, with_schedule_length
 from verl_trainer.engine.config import OptimConfig
 from verl_trainer.engine.optim import WarmupSchedule
 from verl_trainer.models.tiny import make_tiny_model
+from verl_trainer.recipe_config import GRPORecipeConfig, PPORecipeConfig, parse_recipe_args
+from verl_trainer.recipe_config.run_length import run_length, with_schedule_length
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_trainer.configs import GRPORecipeConfig, PPORecipeConfig, SFTRecipeConfig, load_config
-from verl_trainer.configs.verl_keys import UNSUPPORTED, VERL_KEYS, _has_key, translate_overrides
+from verl_trainer.recipe_config import GRPORecipeConfig, PPORecipeConfig, SFTRecipeConfig, load_config
+from verl_trainer.recipe_config.verl_keys import UNSUPPORTED, VERL_KEYS, _has_key, translate_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 GRPO_YAML = ROOT / "configs" / "grpo.yaml"
@@ -126,7 +126,7 @@ def test_docs_table_is_current_and_print_config_shows_the_translation():
 
 def test_verl_grpo_script_no_op_keys_are_accepted_with_a_note(capsys):
     """The keys verl's GRPO example scripts write with nothing to set here (issue 29 item 5)."""
-    from verl_trainer.configs import parse_recipe_args
+    from verl_trainer.recipe_config import parse_recipe_args
 
     cfg = parse_recipe_args(GRPORecipeConfig, GRPO_YAML, [
         "trainer.critic_warmup=0", "algorithm.use_kl_in_reward=False", "reward_model.enable=False",
@@ -144,7 +144,7 @@ def test_verl_grpo_script_no_op_keys_are_accepted_with_a_note(capsys):
 
 
 def test_every_problem_of_a_command_line_is_in_one_message(capsys):
-    from verl_trainer.configs import parse_recipe_args
+    from verl_trainer.recipe_config import parse_recipe_args
 
     with pytest.raises(SystemExit):
         parse_recipe_args(GRPORecipeConfig, GRPO_YAML, [
@@ -177,7 +177,7 @@ def test_dapo_aliases_and_keys_verl_sets_along_with_one_key():
 def test_verl_balance_batch_switches_on_sequence_balancing(capsys):
     """verl's ``trainer.balance_batch`` is our ``SequenceBalancing`` callback (issue 47 item 3)."""
     from verl_trainer.callbacks.sequence_balancing import SequenceBalancing
-    from verl_trainer.configs import parse_recipe_args
+    from verl_trainer.recipe_config import parse_recipe_args
 
     cfg = parse_recipe_args(GRPORecipeConfig, GRPO_YAML, ["trainer.balance_batch=True"])
     out = capsys.readouterr().out

@@ -37,8 +37,8 @@ def _grpo_poisoned_after_step_1(model: str, data: str) -> str:
     from verl_trainer import Trainer
     from verl_trainer.algorithms import GRPO, PromptDataModule
     from verl_trainer.callbacks import Callback
-    from verl_trainer.configs import GRPORecipeConfig, load_config
     from verl_trainer.models.loading import load_tokenizer
+    from verl_trainer.recipe_config import GRPORecipeConfig, load_config
 
     class Poison(Callback):  # what a diverging update does to the weights
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pickle
 
-from verl_trainer.configs.loading import ConfigProblemsError
+from verl_trainer.recipe_config.loading import ConfigProblemsError
 from verl_trainer.training.failure import RankFailedError
 
 

@@ -120,9 +120,9 @@ def test_the_sqlite_store_without_its_database_packages_names_the_extra(monkeypa
 def test_verl_logger_list_with_mlflow_names_the_experiment_and_run(tmp_path, monkeypatch):
     from lightning.pytorch.loggers import MLFlowLogger
 
-    from verl_trainer.configs.loading import load_config
-    from verl_trainer.configs.recipes import GRPORecipeConfig
-    from verl_trainer.configs.verl_keys import translate_overrides
+    from verl_trainer.recipe_config.loading import load_config
+    from verl_trainer.recipe_config.recipes import GRPORecipeConfig
+    from verl_trainer.recipe_config.verl_keys import translate_overrides
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     verl = ["trainer.logger=['console','mlflow']", "trainer.project_name=my_project",

@@ -19,8 +19,10 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, evaluate, print the table; returns the exit status."""
-    from verl_trainer.configs.loading import parse_recipe_args  # lazy: loads transformers only when used
     from verl_trainer.evaluate.config import EvaluateConfig  # lazy: loads transformers only when used
+    from verl_trainer.recipe_config.loading import (
+        parse_recipe_args,  # lazy: loads transformers only when used
+    )
 
     args = list(sys.argv[1:] if argv is None else argv)
     positional = [a for a in args if "=" not in a and not a.startswith("-")]

@@ -1,7 +1,7 @@
 """The Trainer's arguments: their defaults, their checks, and the callbacks' order — the one source of each.
 
 ``Trainer.__init__`` takes its defaults from :class:`TrainerArgs` (plain data a YAML file can hold), which the
-recipes' ``trainer:`` section (:class:`verl_trainer.configs.TrainerConfig`) extends.
+recipes' ``trainer:`` section (:class:`verl_trainer.recipe_config.TrainerConfig`) extends.
 :func:`check_trainer_args` checks every argument in the order they are listed (a test may depend on which
 error comes first), applies ``fast_dev_run``'s overrides as in Lightning, and returns :class:`CheckedArgs`;
 the Trainer and the recipes' configs reject a bad value the same way, before any process starts. Callback

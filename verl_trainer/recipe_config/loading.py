@@ -25,10 +25,10 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from verl_trainer.configs.demo_scope import apply_demo_scope
-from verl_trainer.configs.run_length import epochs_set_the_length
-from verl_trainer.configs.schema_keys import default_at
-from verl_trainer.configs.verl_keys import listed, translate_overrides
+from verl_trainer.recipe_config.demo_scope import apply_demo_scope
+from verl_trainer.recipe_config.run_length import epochs_set_the_length
+from verl_trainer.recipe_config.schema_keys import default_at
+from verl_trainer.recipe_config.verl_keys import listed, translate_overrides
 from verl_trainer.recipes.configs import config_names, config_path
 
 __all__ = ["ConfigProblemsError", "config_to_yaml", "load_config", "parse_recipe_args",
@@ -185,9 +185,9 @@ def parse_recipe_args(schema: type[T], default_config: str | os.PathLike | None,
                       argv: Sequence[str] | None = None, description: str = "") -> T:
     """Parse a recipe's command line: ``[--config PATH] [--print-config] key=value ...``.
 
-    verl's override keys are accepted as aliases of ours (:mod:`verl_trainer.configs.verl_keys`); each
+    verl's override keys are accepted as aliases of ours (:mod:`verl_trainer.recipe_config.verl_keys`); each
     translation is printed once. The demo's task, validation set and warm start are turned off for a
-    user's model or data (:func:`~verl_trainer.configs.demo_scope.apply_demo_scope`), also printed.
+    user's model or data (:func:`~verl_trainer.recipe_config.demo_scope.apply_demo_scope`), also printed.
 
     Args:
         schema: The recipe's config dataclass.

@@ -9,7 +9,7 @@ Top-level sections, the same in every recipe::
     warm_start:  WarmStartConfig  RL recipes: a short SFT before RL (optional)
     algorithm:   the module's own config (SFTConfig, GRPOConfig, PPOConfig)
 
-Load one with :func:`verl_trainer.configs.load_config` (YAML + ``key=value`` overrides; unknown keys are
+Load one with :func:`verl_trainer.recipe_config.load_config` (YAML + ``key=value`` overrides; unknown keys are
 errors).
 """
 
@@ -25,10 +25,10 @@ from verl_trainer.algorithms.data import DataConfig
 from verl_trainer.algorithms.sft import SFTConfig
 from verl_trainer.callbacks import ModelCheckpoint, ProgressBar
 from verl_trainer.callbacks.sequence_balancing import SequenceBalancing
-from verl_trainer.configs.callbacks import build_callbacks, check_callback_specs
 from verl_trainer.data.tasks import ArithmeticTaskConfig
 from verl_trainer.engine.checkpoint_dirs import STATE_FILE
 from verl_trainer.engine.config import DTYPES, EngineConfig, OptimConfig, to_dtype
+from verl_trainer.recipe_config.callbacks import build_callbacks, check_callback_specs
 from verl_trainer.training.arguments import TrainerArgs
 from verl_trainer.training.loggers import WANDB_PROJECT, MLFlowLogger, make_wandb_logger
 
@@ -106,7 +106,7 @@ class TrainerConfig(TrainerArgs):
         experiment_name: The wandb / MLflow run name (verl's ``trainer.experiment_name``); the same.
         callbacks: More callbacks, by name: a built-in's class name, ``"package.module:Name"`` or
             ``"path/to/file.py:Name"``, alone or as ``{name: ..., init_args: {...}}``
-            (:mod:`verl_trainer.configs.callbacks`); checked when the config is built, added after the
+            (:mod:`verl_trainer.recipe_config.callbacks`); checked when the config is built, added after the
             recipe's own.
     """
 
@@ -258,7 +258,7 @@ class WarmStartConfig:
         enable: ``auto`` (the demo configs): only with the demo's own model and data, otherwise off with a
             printed note; ``true``: run it (refused where it would not do what it says: with
             ``algorithm.model_path``, or before RL on your own data with the demo's ``train_files``);
-            ``false``: off. See :mod:`verl_trainer.configs.demo_scope`. Reused when ``output`` already
+            ``false``: off. See :mod:`verl_trainer.recipe_config.demo_scope`. Reused when ``output`` already
             holds a warm start made with the same settings.
         output: Where the warm-started checkpoint is written; the RL policy starts from it.
         train_files: SFT file (``prompt``, ``response``).

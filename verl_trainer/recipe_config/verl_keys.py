@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from verl_trainer.configs.schema_keys import MISSING, default_at
+from verl_trainer.recipe_config.schema_keys import MISSING, default_at
 
 __all__ = ["NO_OPS", "UNSUPPORTED", "VERL_KEYS", "Alias", "NoOp", "translate_overrides"]
 

@@ -4,7 +4,7 @@
 keeps their command line gets RL on their model and data, not an SFT on ``"a+b="`` first:
 
 * ``warm_start.enable: auto`` runs the warm start only with the demo's own model (``model.path`` at
-  :data:`~verl_trainer.configs.recipes.DEMO_MODEL_PATH`, no ``algorithm.model_path``) and the demo's own
+  :data:`~verl_trainer.recipe_config.recipes.DEMO_MODEL_PATH`, no ``algorithm.model_path``) and the demo's own
   data (``data.train_files`` inside ``task.dir``); otherwise it is off, with a printed note.
 * ``warm_start.enable: true`` runs, except where it cannot do what was asked (with
   ``algorithm.model_path``, or with the user's own RL data while ``warm_start.train_files`` is still the
@@ -31,7 +31,7 @@ def _inside(path: str | None, directory: str) -> bool:
 
 def uses_demo_model(config: Any) -> bool:
     """Whether the run starts from the demo's model (``model.path`` its, no ``algorithm.model_path``)."""
-    from verl_trainer.configs.recipes import DEMO_MODEL_PATH  # lazy: cycle with configs.recipes
+    from verl_trainer.recipe_config.recipes import DEMO_MODEL_PATH  # lazy: cycle with recipe_config.recipes
 
     explicit = getattr(config.algorithm, "model_path", "")
     return not explicit and os.path.normpath(config.model.path) == os.path.normpath(DEMO_MODEL_PATH)
