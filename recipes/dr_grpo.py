@@ -7,10 +7,14 @@ summed over tokens and divided by a constant (configs/dr_grpo.yaml).
 
 import sys
 
-from verl_trainer.algorithms import DrGRPO
-from verl_trainer.recipes import grpo
-from verl_trainer.recipes.configs import config_path
-from verl_trainer.user_errors import run_command
+from verl_trainer.utils.threads import apply_thread_env_defaults
+
+apply_thread_env_defaults()  # before torch loads: OpenMP threads sleep when idle (utils/threads.py)
+
+from verl_trainer.algorithms import DrGRPO  # noqa: E402
+from verl_trainer.recipes import grpo  # noqa: E402
+from verl_trainer.recipes.configs import config_path  # noqa: E402
+from verl_trainer.user_errors import run_command  # noqa: E402
 
 CONFIG = config_path("dr_grpo")
 

@@ -16,12 +16,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from verl_trainer.algorithms import GRPO, PromptDataModule
-from verl_trainer.callbacks import Callback, ProgressBar
-from verl_trainer.recipe_config import GRPORecipeConfig, parse_recipe_args
-from verl_trainer.recipes import common
-from verl_trainer.recipes.configs import config_path
-from verl_trainer.user_errors import run_command, user_setup
+from verl_trainer.utils.threads import apply_thread_env_defaults
+
+apply_thread_env_defaults()  # before torch loads: OpenMP threads sleep when idle (utils/threads.py)
+
+from verl_trainer.algorithms import GRPO, PromptDataModule  # noqa: E402
+from verl_trainer.callbacks import Callback, ProgressBar  # noqa: E402
+from verl_trainer.recipe_config import GRPORecipeConfig, parse_recipe_args  # noqa: E402
+from verl_trainer.recipes import common  # noqa: E402
+from verl_trainer.recipes.configs import config_path  # noqa: E402
+from verl_trainer.user_errors import run_command, user_setup  # noqa: E402
 
 CONFIG = config_path("grpo")
 

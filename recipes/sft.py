@@ -10,12 +10,16 @@ The fine-tuned model is written as an HF directory to ``export_dir`` (default ``
 import sys
 import time
 
-from verl_trainer.algorithms import SFT, SFTDataModule
-from verl_trainer.callbacks import ProgressBar
-from verl_trainer.recipe_config import SFTRecipeConfig, parse_recipe_args
-from verl_trainer.recipes import common
-from verl_trainer.recipes.configs import config_path
-from verl_trainer.user_errors import run_command, user_setup
+from verl_trainer.utils.threads import apply_thread_env_defaults
+
+apply_thread_env_defaults()  # before torch loads: OpenMP threads sleep when idle (utils/threads.py)
+
+from verl_trainer.algorithms import SFT, SFTDataModule  # noqa: E402
+from verl_trainer.callbacks import ProgressBar  # noqa: E402
+from verl_trainer.recipe_config import SFTRecipeConfig, parse_recipe_args  # noqa: E402
+from verl_trainer.recipes import common  # noqa: E402
+from verl_trainer.recipes.configs import config_path  # noqa: E402
+from verl_trainer.user_errors import run_command, user_setup  # noqa: E402
 
 CONFIG = config_path("sft")
 

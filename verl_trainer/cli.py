@@ -6,9 +6,11 @@
     verl-trainer evaluate MODEL data.val_files=...   = python -m verl_trainer.evaluate
     verl-trainer export CKPT_DIR OUT_DIR         = python -m verl_trainer.export
 
-Also ``python -m verl_trainer <command> ...`` and ``python -m verl_trainer.recipes.<recipe> ...``. The
-recipes read the YAML configs shipped in the package (:mod:`verl_trainer.recipes.configs`); relative
-paths in them (``outputs/...``) are relative to the directory the command runs in.
+Also ``python -m verl_trainer <command> ...`` and ``python -m verl_trainer.recipes.<recipe> ...``. Every
+command sets ``OMP_WAIT_POLICY=PASSIVE`` unless the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``
+(:mod:`verl_trainer.utils.threads`). The recipes read the YAML configs shipped in the package
+(:mod:`verl_trainer.recipes.configs`); relative paths in them (``outputs/...``) are relative to the
+directory the command runs in.
 
 ``sys.argv`` is left as it is: ``Trainer(devices=N)`` re-runs this same command line for ranks 1..N-1
 (Lightning's script launcher), so the children run the same command.
@@ -22,6 +24,7 @@ import sys
 
 from verl_trainer.recipes import RECIPES
 from verl_trainer.user_errors import run_command
+from verl_trainer.utils.threads import apply_thread_env_defaults
 
 TOOLS = {"evaluate": "verl_trainer.evaluate.__main__", "export": "verl_trainer.export.__main__"}
 COMMANDS = {**{name: f"verl_trainer.recipes.{name}" for name in RECIPES}, **TOOLS}
@@ -45,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe's user error (a bad setting, file or package: the message alone on stderr; the traceback with
         ``VERL_TRAINER_DEBUG=1``, see :mod:`verl_trainer.user_errors`).
     """
+    apply_thread_env_defaults()  # before a command imports torch: OpenMP threads sleep when idle
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(usage(), file=sys.stdout if args else sys.stderr, end="")

@@ -41,10 +41,10 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
     _ChildProcessObserver,
     _SubprocessScriptLauncher,
 )
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 
 from verl_trainer.training import failure
 from verl_trainer.utils.distributed import is_initialized, set_collective_timeout
+from verl_trainer.utils.threads import set_intra_op_threads
 
 __all__ = ["ScriptLauncher", "World", "connect", "select_cluster_environment"]
 
@@ -137,7 +137,7 @@ class ScriptLauncher(_SubprocessScriptLauncher):
             self._call_children_scripts()
             _Observer(self).start()
             atexit.register(self._reap_children)
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        set_intra_op_threads(self.num_processes)  # the node's CPUs shared by its ranks; OMP_NUM_THREADS wins
         return function(*args, **kwargs)
 
     def kill(self, signum: int) -> None:
