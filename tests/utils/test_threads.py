@@ -61,20 +61,23 @@ def test_env_default_is_set_only_when_unset():
         assert apply_thread_env_defaults(env) == {} and env == user
 
 
-@pytest.mark.parametrize(("cpus", "local", "user", "expected"),
-                         [({0}, 1, None, 1), ({0, 1}, 1, None, 2), ({0, 1}, 2, None, 1), ({0, 1}, 4, None, 1),
-                          ({0}, 1, "3", 3)])
-def test_intra_op_threads_in_a_process_are_its_cpus_over_the_local_ranks(cpus, local, user, expected):
-    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < len(cpus):
-        pytest.skip("needs CPU affinity and that many CPUs")
-    allowed = sorted(os.sched_getaffinity(0))[:len(cpus)]
-    code = (f"import os; os.sched_setaffinity(0, {set(allowed)!r}); "
-            "from verl_trainer.utils.threads import set_intra_op_threads; "
-            f"n = set_intra_op_threads({local}); import torch; "
-            "print(n, torch.get_num_threads(), os.environ['OMP_NUM_THREADS'])")
-    proc = _run([sys.executable, "-c", code], **({"OMP_NUM_THREADS": user} if user else {}))
+def test_intra_op_threads_in_a_process_are_its_cpus_over_the_local_ranks():
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs CPU affinity and 2 CPUs")
+    two = set(sorted(os.sched_getaffinity(0))[:2])
+    one = {min(two)}
+    cases = [(one, 1, None, 1), (two, 1, None, 2), (two, 2, None, 1), (two, 4, None, 1), (one, 1, "3", 3)]
+    code = ("import os, sys, torch\n"
+            "from verl_trainer.utils.threads import set_intra_op_threads\n"
+            f"for cpus, local, user, _ in {cases!r}:\n"
+            "    os.environ.pop('OMP_NUM_THREADS', None)\n"
+            "    if user: os.environ['OMP_NUM_THREADS'] = user\n"
+            "    os.sched_setaffinity(0, cpus)\n"
+            "    n = set_intra_op_threads(local)\n"
+            "    print(n, torch.get_num_threads(), os.environ['OMP_NUM_THREADS'])\n")
+    proc = _run([sys.executable, "-c", code])
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == [str(expected)] * 3
+    assert proc.stdout.splitlines() == [f"{e} {e} {e}" for *_, e in cases]
 
 
 def test_intra_op_threads_rules():
