@@ -1,9 +1,15 @@
 import os
 
-import pytest
-import torch
+from verl_trainer.utils.threads import apply_thread_env_defaults
 
-from verl_trainer.testing import use_worker_pool
+# Before torch loads libgomp: idle OpenMP threads sleep instead of spinning, in this process and every rank
+# it spawns (the commands' default; the suite runs several processes per core).
+apply_thread_env_defaults()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from verl_trainer.testing import use_worker_pool  # noqa: E402
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
