@@ -7,10 +7,12 @@ Built-ins: :class:`MetricReduction` (on by default, always first), :class:`Progr
 :class:`ThroughputMonitor`, :class:`EarlyStopping`, :class:`Timer` (Lightning's arguments),
 :class:`SequenceBalancing` (``on_before_update``; it exchanges samples over
 ``trainer.dp_group``), :class:`RayTrainReport` (each checkpoint to Ray Train, from every rank; resume from
-``ray.train.get_checkpoint()``; needs the ``ray`` extra).
+``ray.train.get_checkpoint()``; needs the ``ray`` extra). Hooks receive the trainer and the module typed
+as :class:`CallbackTrainer` and :class:`CallbackModule`: what a callback may use of them.
 """
 
 from verl_trainer.callbacks.base import HOOK_NAMES, Callback
+from verl_trainer.callbacks.contract import CallbackModule, CallbackTrainer
 from verl_trainer.callbacks.early_stopping import EarlyStopping
 from verl_trainer.callbacks.lr_monitor import LearningRateMonitor
 from verl_trainer.callbacks.metric_reduction import MetricReduction
@@ -24,6 +26,8 @@ from verl_trainer.callbacks.timer import Timer
 __all__ = [
     "HOOK_NAMES",
     "Callback",
+    "CallbackModule",
+    "CallbackTrainer",
     "EarlyStopping",
     "LearningRateMonitor",
     "MetricReduction",

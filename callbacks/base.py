@@ -8,22 +8,24 @@ fit start. :func:`check_callback` rejects Lightning's own callback instances, na
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+from verl_trainer.callbacks.contract import CallbackModule, CallbackTrainer
 
 if TYPE_CHECKING:
     import torch
     from tensordict import TensorDict
-
-    from verl_trainer.module import StepOutput, TrainingModule
-    from verl_trainer.trainer import Trainer
 
 
 class Callback:
     """Base class for trainer callbacks; override the hooks you need.
 
     Every hook receives the :class:`~verl_trainer.Trainer` and the
-    :class:`~verl_trainer.module.TrainingModule` (whose declared contract — ``actor``, ``hidden_size``,
-    ``required_batch_multiple`` — is what a callback may ask of it). Hook names follow Lightning
+    :class:`~verl_trainer.module.TrainingModule`, typed as what a callback may use of them
+    (:class:`~verl_trainer.callbacks.contract.CallbackTrainer`,
+    :class:`~verl_trainer.callbacks.contract.CallbackModule`: of the module its declared contract —
+    ``actor``, ``hidden_size``, ``required_batch_multiple``). Hook names follow Lightning
     (``on_fit_start``, ``on_train_batch_start``, ...). RL additions: ``on_rollout_end`` (after
     generation and rewards), ``on_before_update`` (may return a new batch, e.g. re-partitioned across
     data-parallel ranks) and ``on_micro_batches`` (sees the planned micro-batches of one engine step).
@@ -34,148 +36,157 @@ class Callback:
         """Key under which this callback's state is stored in a checkpoint."""
         return type(self).__qualname__
 
-    def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
+    def setup(self, trainer: CallbackTrainer, module: CallbackModule, stage: str) -> None:
         """Called when fit or validate begins, before anything runs."""
 
-    def teardown(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
+    def teardown(self, trainer: CallbackTrainer, module: CallbackModule, stage: str) -> None:
         """Called when fit or validate ends."""
 
-    def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_fit_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called at the very beginning of fit."""
 
-    def on_fit_end(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_fit_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called at the very end of fit."""
 
-    def on_train_start(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_train_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called when the training loop begins."""
 
-    def on_train_end(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_train_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called when the training loop ends."""
 
-    def on_sanity_check_start(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_sanity_check_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called before the sanity validation (``num_sanity_val_steps``) at the start of fit."""
 
-    def on_sanity_check_end(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_sanity_check_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called after the sanity validation (its metrics are discarded)."""
 
-    def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_train_epoch_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called when a training epoch begins (also when a resumed run enters one mid-way)."""
 
-    def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_train_epoch_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called when a training epoch ends (its data is exhausted, limited, or fit stops)."""
 
     def on_train_batch_start(
-        self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int
+        self, trainer: CallbackTrainer, module: CallbackModule, batch: Any, batch_idx: int
     ) -> None:
         """Called before a training step (with ``accumulate_grad_batches`` > 1: the joined batch)."""
 
-    def on_rollout_end(self, trainer: Trainer, module: TrainingModule, batch: TensorDict) -> None:
+    def on_rollout_end(self, trainer: CallbackTrainer, module: CallbackModule, batch: TensorDict) -> None:
         """Called after rollout, rewards and advantages are computed for a batch."""
 
     def on_before_update(
-        self, trainer: Trainer, module: TrainingModule, batch: TensorDict
+        self, trainer: CallbackTrainer, module: CallbackModule, batch: TensorDict
     ) -> TensorDict | None:
         """Called before the engine update; return a new batch to replace it, or ``None``."""
 
     def on_micro_batches(
-        self, trainer: Trainer, module: TrainingModule, micro_batches: list[TensorDict]
+        self, trainer: CallbackTrainer, module: CallbackModule, micro_batches: list[TensorDict]
     ) -> None:
         """Called with the micro-batches planned for one engine step."""
 
-    def on_before_zero_grad(self, trainer: Trainer, module: TrainingModule, optimizer: Any) -> None:
+    def on_before_zero_grad(self, trainer: CallbackTrainer, module: CallbackModule, optimizer: Any) -> None:
         """Called before an engine's optimizer clears the gradients (the start of each optimizer step)."""
 
-    def on_before_backward(self, trainer: Trainer, module: TrainingModule, loss: torch.Tensor) -> None:
+    def on_before_backward(
+        self, trainer: CallbackTrainer, module: CallbackModule, loss: torch.Tensor
+    ) -> None:
         """Called before ``loss.backward()``."""
 
-    def on_after_backward(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_after_backward(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called after ``loss.backward()`` and before the optimizer step."""
 
-    def on_before_optimizer_step(self, trainer: Trainer, module: TrainingModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: CallbackTrainer, module: CallbackModule, optimizer: Any
+    ) -> None:
         """Called before ``optimizer.step()``."""
 
     def on_train_batch_end(
-        self, trainer: Trainer, module: TrainingModule, outputs: StepOutput | None, batch: Any, batch_idx: int
+        self, trainer: CallbackTrainer, module: CallbackModule, outputs: Mapping[str, Any] | None, batch: Any,
+        batch_idx: int,
     ) -> None:
         """Called after a training step with its outputs (metrics)."""
 
-    def on_validation_start(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_validation_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called when validation begins."""
 
-    def on_validation_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_validation_epoch_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called after ``on_validation_start``, before the first validation batch."""
 
-    def on_validation_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_validation_epoch_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called after the last validation batch, once its metrics are reduced (``callback_metrics``)."""
 
     def on_validation_batch_start(
-        self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int
+        self, trainer: CallbackTrainer, module: CallbackModule, batch: Any, batch_idx: int
     ) -> None:
         """Called before a validation batch."""
 
     def on_validation_batch_end(
-        self, trainer: Trainer, module: TrainingModule, outputs: StepOutput | None, batch: Any, batch_idx: int
+        self, trainer: CallbackTrainer, module: CallbackModule, outputs: Mapping[str, Any] | None, batch: Any,
+        batch_idx: int,
     ) -> None:
         """Called after a validation batch."""
 
-    def on_validation_end(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_validation_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called when validation ends."""
 
-    def on_test_start(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_test_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called when ``test`` begins."""
 
-    def on_test_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_test_epoch_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called before the first test batch."""
 
     def on_test_batch_start(
-        self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int
+        self, trainer: CallbackTrainer, module: CallbackModule, batch: Any, batch_idx: int
     ) -> None:
         """Called before a test batch."""
 
     def on_test_batch_end(
-        self, trainer: Trainer, module: TrainingModule, outputs: StepOutput | None, batch: Any, batch_idx: int
+        self, trainer: CallbackTrainer, module: CallbackModule, outputs: Mapping[str, Any] | None, batch: Any,
+        batch_idx: int,
     ) -> None:
         """Called after a test batch."""
 
-    def on_test_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_test_epoch_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called after the last test batch, once its metrics are reduced."""
 
-    def on_test_end(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_test_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called when ``test`` ends."""
 
-    def on_predict_start(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_predict_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called when ``predict`` begins."""
 
-    def on_predict_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_predict_epoch_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called before the first predict batch."""
 
     def on_predict_batch_start(
-        self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int
+        self, trainer: CallbackTrainer, module: CallbackModule, batch: Any, batch_idx: int
     ) -> None:
         """Called before a predict batch."""
 
     def on_predict_batch_end(
-        self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: CallbackTrainer, module: CallbackModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Called after a predict batch with ``predict_step``'s output."""
 
-    def on_predict_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_predict_epoch_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called after the last predict batch."""
 
-    def on_predict_end(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_predict_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Called when ``predict`` ends."""
 
     def on_save_checkpoint(
-        self, trainer: Trainer, module: TrainingModule, checkpoint: dict[str, Any]
+        self, trainer: CallbackTrainer, module: CallbackModule, checkpoint: dict[str, Any]
     ) -> None:
         """Called when a checkpoint is assembled; may add entries to ``checkpoint``."""
 
     def on_load_checkpoint(
-        self, trainer: Trainer, module: TrainingModule, checkpoint: dict[str, Any]
+        self, trainer: CallbackTrainer, module: CallbackModule, checkpoint: dict[str, Any]
     ) -> None:
         """Called when a checkpoint is restored."""
 
-    def on_exception(self, trainer: Trainer, module: TrainingModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: CallbackTrainer, module: CallbackModule, exception: BaseException
+    ) -> None:
         """Called when fit / validate / test / predict raises."""
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import math
 from typing import Any, Literal
 
 from verl_trainer.callbacks.base import Callback
+from verl_trainer.callbacks.contract import CallbackModule, CallbackTrainer
 
 __all__ = ["EarlyStopping"]
 
@@ -63,22 +64,22 @@ class EarlyStopping(Callback):
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.mode == "min" else a > b
 
-    def _on_train_epoch(self, trainer: Any) -> bool:
+    def _on_train_epoch(self, trainer: CallbackTrainer) -> bool:
         if self.check_on_train_epoch_end is None:
             return trainer.val_loader is None
         return self.check_on_train_epoch_end
 
-    def on_validation_end(self, trainer: Any, module: Any) -> None:
+    def on_validation_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Check after a validation run during fit (not the sanity check)."""
         if trainer.state == "fit" and not trainer.sanity_checking and not self._on_train_epoch(trainer):
             self._check(trainer)
 
-    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+    def on_train_epoch_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Check at the end of a training epoch (``check_on_train_epoch_end``)."""
         if self._on_train_epoch(trainer):
             self._check(trainer)
 
-    def _check(self, trainer: Any) -> None:
+    def _check(self, trainer: CallbackTrainer) -> None:
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             if self.strict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from verl_trainer.callbacks.base import Callback
+from verl_trainer.callbacks.contract import CallbackModule, CallbackTrainer
 from verl_trainer.metrics import Metric
 
 INTERVALS = (None, "step", "epoch")
@@ -36,7 +37,7 @@ class LearningRateMonitor(Callback):
         self.logging_interval = logging_interval
         self.log_momentum, self.log_weight_decay = log_momentum, log_weight_decay
 
-    def _record(self, trainer: Any, module: Any) -> None:
+    def _record(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         values: dict[str, float] = {}
         for name, engine in module.engines.items():
             optimizer = getattr(engine, "optimizer", None)
@@ -53,12 +54,14 @@ class LearningRateMonitor(Callback):
                     values[f"{key}/weight_decay"] = float(group.get("weight_decay", 0.0))
         trainer.log_metrics({k: Metric.mean(v) for k, v in values.items()})  # the same on every rank
 
-    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: CallbackTrainer, module: CallbackModule, batch: Any, batch_idx: int
+    ) -> None:
         """Record the current learning rates (per step)."""
         if self.logging_interval != "epoch":
             self._record(trainer, module)
 
-    def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+    def on_train_epoch_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Record the learning rates at the start of an epoch (``logging_interval="epoch"``)."""
         if self.logging_interval == "epoch":
             self._record(trainer, module)

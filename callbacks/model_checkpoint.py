@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_trainer.callbacks.base import Callback
+from verl_trainer.callbacks.contract import CallbackModule, CallbackTrainer
 from verl_trainer.engine.checkpoint_dirs import checkpoint_dir_name, claim_checkpoint_dir, prune_checkpoints
 from verl_trainer.models.safetensors_shards import parse_size
 from verl_trainer.utils.dir_lock import DirectoryLock, DirectoryLockedError
@@ -142,7 +143,7 @@ class ModelCheckpoint(Callback):
         """Called as ``listener(trainer, path)`` on every rank after each complete save (e.g.
         :class:`~verl_trainer.callbacks.RayTrainReport`), in the order they were added."""
 
-    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+    def setup(self, trainer: CallbackTrainer, module: CallbackModule, stage: str) -> None:
         """Resolve the default directory; for ``fit``, lock it (a collective, before any resume is read).
 
         Raises:
@@ -166,13 +167,13 @@ class ModelCheckpoint(Callback):
         if stale is not None:
             print(stale, flush=True)
 
-    def teardown(self, trainer: Any, module: Any, stage: str) -> None:
+    def teardown(self, trainer: CallbackTrainer, module: CallbackModule, stage: str) -> None:
         """Release the directory's lock (rank 0)."""
         if self._lock is not None:
             self._lock.release()
             self._lock = None
 
-    def on_fit_start(self, trainer: Any, module: Any) -> None:
+    def on_fit_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Tie the run to its checkpoints (a collective; after a resume has restored :attr:`run_id`).
 
         Rank 0 removes the half-written / half-deleted folders an interrupted save or pruning left
@@ -214,7 +215,7 @@ class ModelCheckpoint(Callback):
         sign = 1.0 if self.mode == "min" else -1.0
         return sorted(self.scores, key=lambda step: (sign * self.scores[step], step))
 
-    def _record_score(self, trainer: Any) -> None:
+    def _record_score(self, trainer: CallbackTrainer) -> None:
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             raise RuntimeError(
@@ -225,11 +226,11 @@ class ModelCheckpoint(Callback):
             )
         self.scores[trainer.global_step] = float(metrics[self.monitor])
 
-    def _due(self, trainer: Any) -> bool:
+    def _due(self, trainer: CallbackTrainer) -> bool:
         n = self.every_n_train_steps
         return n is not None and trainer.global_step % n == 0 and trainer.global_step != self.last_saved_step
 
-    def save(self, trainer: Any) -> Path:
+    def save(self, trainer: CallbackTrainer) -> Path:
         """Save now (a collective: every rank calls it); returns the checkpoint directory."""
         assert self.dirpath is not None
         path = self.dirpath / checkpoint_dir_name(trainer.global_step)
@@ -249,24 +250,26 @@ class ModelCheckpoint(Callback):
             listener(trainer, path)
         return path
 
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: CallbackTrainer, module: CallbackModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """Save when due and no validation follows this step."""
         if self._due(trainer) and not trainer.validation_due():
             self.save(trainer)
 
-    def on_validation_end(self, trainer: Any, module: Any) -> None:
+    def on_validation_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Save when due, after the step's validation."""
         if trainer.state == "fit" and not trainer.sanity_checking and self._due(trainer):
             self.save(trainer)
 
-    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+    def on_train_epoch_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Save at the end of every ``every_n_epochs``-th epoch (unless this step is saved already)."""
         n = self.every_n_epochs
         epoch_done = n is not None and (trainer.current_epoch + 1) % n == 0
         if epoch_done and trainer.global_step != self.last_saved_step:
             self.save(trainer)
 
-    def on_train_end(self, trainer: Any, module: Any) -> None:
+    def on_train_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Save the final state (unless this step is saved already)."""
         if self.save_on_train_end and trainer.global_step > 0 and trainer.global_step != self.last_saved_step:
             self.save(trainer)

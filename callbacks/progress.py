@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from verl_trainer.callbacks.base import Callback
+from verl_trainer.callbacks.contract import CallbackModule, CallbackTrainer
 
 DEFAULT_METRICS = ("reward", "loss", "tokens_per_sec")
 
@@ -59,7 +60,7 @@ class ProgressBar(Callback):
         self._task: Any = None
         self._start: tuple[float, int] | None = None
 
-    def _summary(self, trainer: Any) -> str:
+    def _summary(self, trainer: CallbackTrainer) -> str:
         parts = []
         for key in self.metrics:
             found = _pick(trainer.callback_metrics, key)
@@ -67,7 +68,7 @@ class ProgressBar(Callback):
                 parts.append(f"{key}={_fmt(found[1])}")
         return " ".join(parts)
 
-    def on_train_start(self, trainer: Any, module: Any) -> None:
+    def on_train_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Create the bar (rank 0), starting at the resumed step."""
         if not trainer.is_global_zero:
             return
@@ -82,7 +83,7 @@ class ProgressBar(Callback):
         if console.is_terminal:  # a live display; elsewhere plain lines only
             self._progress.start()
 
-    def _line(self, trainer: Any, summary: str) -> str:
+    def _line(self, trainer: CallbackTrainer, summary: str) -> str:
         total = trainer.max_steps if trainer.max_steps > 0 else None
         line = f"step {trainer.global_step}" + (f"/{total}" if total else "")
         line += f" {summary}" if summary else ""
@@ -92,7 +93,9 @@ class ProgressBar(Callback):
             line += f" eta {_fmt_eta(rate * (total - trainer.global_step))}"
         return line
 
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: CallbackTrainer, module: CallbackModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """Advance the bar and show the step's metrics."""
         progress = self._progress
         if progress is None or trainer.global_step % self.refresh_rate:
@@ -107,7 +110,7 @@ class ProgressBar(Callback):
             self._progress.stop()
             self._progress = None
 
-    def on_train_end(self, trainer: Any, module: Any) -> None:
+    def on_train_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Close the bar; without a terminal, print the last line (the final step and its time)."""
         progress = self._progress
         if progress is not None and not progress.console.is_terminal and self._start is not None:
@@ -118,10 +121,12 @@ class ProgressBar(Callback):
             progress.console.print(line, highlight=False, soft_wrap=True)
         self._stop()
 
-    def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: CallbackTrainer, module: CallbackModule, exception: BaseException
+    ) -> None:
         """Close the bar so the traceback is readable."""
         self._stop()
 
-    def teardown(self, trainer: Any, module: Any, stage: str) -> None:
+    def teardown(self, trainer: CallbackTrainer, module: CallbackModule, stage: str) -> None:
         """Close the bar if still open."""
         self._stop()

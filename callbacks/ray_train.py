@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_trainer.callbacks.base import Callback
+from verl_trainer.callbacks.contract import CallbackModule, CallbackTrainer
 from verl_trainer.callbacks.model_checkpoint import ModelCheckpoint
 from verl_trainer.engine.checkpoint_dirs import checkpoint_run_id, list_checkpoints
 
@@ -84,7 +85,7 @@ class RayTrainReport(Callback):
         self.reported: list[Path] = []
         self._listening: ModelCheckpoint | None = None
 
-    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+    def setup(self, trainer: CallbackTrainer, module: CallbackModule, stage: str) -> None:
         """Subscribe to the ``ModelCheckpoint``'s saves (fit only)."""
         if stage != "fit" or self._listening is not None:
             return
@@ -106,13 +107,13 @@ class RayTrainReport(Callback):
         self._listening.new_run_id = ray_run_id()
         self._listening.save_listeners.append(self._report)
 
-    def teardown(self, trainer: Any, module: Any, stage: str) -> None:
+    def teardown(self, trainer: CallbackTrainer, module: CallbackModule, stage: str) -> None:
         """Unsubscribe (a later ``fit`` subscribes again)."""
         if self._listening is not None:
             self._listening.save_listeners.remove(self._report)
             self._listening = None
 
-    def _report(self, trainer: Any, path: Path) -> None:
+    def _report(self, trainer: CallbackTrainer, path: Path) -> None:
         """Every rank: ``ray.train.report``; rank 0 attaches the checkpoint directory ``path``."""
         train = _ray_train()
         metrics: dict[str, Any] = {"step": trainer.global_step}

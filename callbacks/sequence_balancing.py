@@ -19,20 +19,17 @@ GRPO groups may be split across ranks here: advantages are computed before ``on_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tensordict import TensorDict
 
 from verl_trainer.callbacks.base import Callback
+from verl_trainer.callbacks.contract import CallbackModule, CallbackTrainer
 from verl_trainer.core_algos.balancing import balance_batch
 from verl_trainer.metrics import Metric
 from verl_trainer.utils.distributed import is_initialized
 
 __all__ = ["SequenceBalancing", "balance_batch"]
-
-if TYPE_CHECKING:
-    from verl_trainer.module import TrainingModule
-    from verl_trainer.trainer import Trainer
 
 
 class SequenceBalancing(Callback):
@@ -62,17 +59,17 @@ class SequenceBalancing(Callback):
         self.last_metrics: dict[str, float] = {}
         self._run: tuple[Any, int, int] | None = None  # (dp group, hidden size, multiple) of the fit
 
-    def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_fit_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Read the run's DP group and the module's declared sizes once: they hold for the whole fit."""
         self._run = self._resolve(trainer, module) if is_initialized() else None
 
-    def _resolve(self, trainer: Trainer, module: TrainingModule) -> tuple[Any, int, int]:
+    def _resolve(self, trainer: CallbackTrainer, module: CallbackModule) -> tuple[Any, int, int]:
         hidden = self.hidden_size if self.hidden_size is not None else module.hidden_size
         multiple = self.batch_multiple if self.batch_multiple is not None else module.required_batch_multiple
         return trainer.dp_group, hidden, multiple
 
     def on_before_update(
-        self, trainer: Trainer, module: TrainingModule, batch: TensorDict
+        self, trainer: CallbackTrainer, module: CallbackModule, batch: TensorDict
     ) -> TensorDict | None:
         """Return this rank's balanced part of the step's global batch; log the balance metrics."""
         if not is_initialized():

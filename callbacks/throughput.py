@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from verl_trainer.callbacks.base import Callback
+from verl_trainer.callbacks.contract import CallbackModule, CallbackTrainer
 from verl_trainer.metrics import Metric
 from verl_trainer.utils.distributed import all_reduce
 
@@ -72,7 +73,7 @@ class ThroughputMonitor(Callback):
         self._t0: float | None = None
         self._model: tuple[int, int, int] | None = None  # (params, layers, hidden)
 
-    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+    def setup(self, trainer: CallbackTrainer, module: CallbackModule, stage: str) -> None:
         """Resolve the device's peak FLOP/s when not given."""
         if self.peak_flops_per_device is None and trainer.accelerator == "cuda":
             from lightning.fabric.utilities.throughput import get_available_flops
@@ -81,11 +82,13 @@ class ThroughputMonitor(Callback):
             device = torch.device("cuda", torch.cuda.current_device())
             self.peak_flops_per_device = get_available_flops(device, dtype)
 
-    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: CallbackTrainer, module: CallbackModule, batch: Any, batch_idx: int
+    ) -> None:
         """Start the step clock."""
         self._t0 = time.perf_counter()
 
-    def _step_flops(self, trainer: Any, tokens: float, sq: float) -> float | None:
+    def _step_flops(self, trainer: CallbackTrainer, tokens: float, sq: float) -> float | None:
         if self.flops_per_token is not None:
             return self.flops_per_token * tokens
         if self._model is None:
@@ -96,7 +99,9 @@ class ThroughputMonitor(Callback):
         params, layers, hidden = self._model
         return 6.0 * params * tokens + 12.0 * layers * hidden * sq
 
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: CallbackTrainer, module: CallbackModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """Sum the counts over the DP group and log the rates."""
         if self._t0 is None:
             return

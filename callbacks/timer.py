@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from verl_trainer.callbacks.base import Callback
+from verl_trainer.callbacks.contract import CallbackModule, CallbackTrainer
 from verl_trainer.utils.distributed import broadcast_object
 from verl_trainer.utils.durations import parse_max_time
 
@@ -66,49 +67,51 @@ class Timer(Callback):
     def _mark(self, stage: str, which: dict[str, float | None]) -> None:
         which[stage] = time.monotonic()
 
-    def on_train_start(self, trainer: Any, module: Any) -> None:
+    def on_train_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Record when train starts."""
         self._mark("train", self._start)
 
-    def on_train_end(self, trainer: Any, module: Any) -> None:
+    def on_train_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Record when train ends."""
         self._mark("train", self._end)
 
-    def on_validation_start(self, trainer: Any, module: Any) -> None:
+    def on_validation_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Record when validation starts."""
         self._mark("validate", self._start)
 
-    def on_validation_end(self, trainer: Any, module: Any) -> None:
+    def on_validation_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Record when validation ends."""
         self._mark("validate", self._end)
 
-    def on_test_start(self, trainer: Any, module: Any) -> None:
+    def on_test_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Record when test starts."""
         self._mark("test", self._start)
 
-    def on_test_end(self, trainer: Any, module: Any) -> None:
+    def on_test_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Record when test ends."""
         self._mark("test", self._end)
 
-    def on_predict_start(self, trainer: Any, module: Any) -> None:
+    def on_predict_start(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Record when predict starts."""
         self._mark("predict", self._start)
 
-    def on_predict_end(self, trainer: Any, module: Any) -> None:
+    def on_predict_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Record when predict ends."""
         self._mark("predict", self._end)
 
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: CallbackTrainer, module: CallbackModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """Check after each step (``interval="step"``)."""
         if self.interval == "step":
             self._check(trainer)
 
-    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+    def on_train_epoch_end(self, trainer: CallbackTrainer, module: CallbackModule) -> None:
         """Check after each epoch (``interval="epoch"``)."""
         if self.interval == "epoch":
             self._check(trainer)
 
-    def _check(self, trainer: Any) -> None:
+    def _check(self, trainer: CallbackTrainer) -> None:
         if self.duration is None:
             return
         up = bool(broadcast_object(self.time_elapsed("train") >= self.duration.total_seconds()))

@@ -202,3 +202,12 @@ def test_configs_map_from_yaml_through_omegaconf():
         OmegaConf.merge(OmegaConf.structured(EngineConfig), {"micro_bsz": 2})
     with pytest.raises(ValidationError):
         OmegaConf.merge(OmegaConf.structured(OptimConfig), {"lr_scheduler": "step"})
+
+
+def test_the_modes_part_holds_only_the_backend_move():
+    """``engine.modes`` moves state through the backend's ``to`` and records the phase."""
+    engine = _FakeEngine(param_offload=True)
+    assert vars(engine.modes).keys() == {"move", "mode"}
+    with engine.modes.phase("eval", engine.config, None, torch.device("cpu")):
+        assert engine.mode == "eval"
+    assert engine.calls == [("cpu", True, False, True), ("cpu", True, False, True)] and engine.mode is None

@@ -1,7 +1,7 @@
 """PPO with a critic: actor + critic (+ reference), GAE, critic warm-up, clipped value loss.
 
 Per step, after the rollout and rewards (:class:`~verl_trainer.algorithms.rl.RLModule`), as the advantage
-and update stages' parts:
+and update stages' parts (:mod:`verl_trainer.algorithms.critic`):
 
 1. optionally (``use_kl_in_reward``) the rewards get ``- kl_coef * KL(pi_old || pi_ref)`` per token;
    the critic engine computes ``values`` ``[B, T]`` (``values[:, t]``: the state before token ``t``);
@@ -24,13 +24,12 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.algorithms.config import PPOConfig
-from verl_trainer.algorithms.rl import RLModule
-from verl_trainer.algorithms.stages.signal import estimator_advantages
-from verl_trainer.core_algos import kl_penalty
+from verl_trainer.algorithms.critic import CriticAdvantages, CriticUpdates, CriticWarmup, KLInReward
+from verl_trainer.algorithms.rl import ActorDueOverride, RLModule
+from verl_trainer.algorithms.stages.signal import ComputePart, SelectPart, estimator_advantages, keep_all
+from verl_trainer.algorithms.stages.update import ActorDuePart, CriticPart
 from verl_trainer.core_algos.advantages import AdvantageEstimator, resolve_estimator
 from verl_trainer.core_algos.losses import value_loss
-from verl_trainer.data import schema
-from verl_trainer.metrics import Metric, token_stats
 from verl_trainer.module import EngineSpec
 
 __all__ = ["PPO", "compute_gae_advantages"]
@@ -95,47 +94,53 @@ class PPO(RLModule):
         engine = critic.engine.replace(model_path=critic.engine.model_path or self.config.model_path)
         return {"critic": EngineSpec("value_model", engine, critic.optim)}
 
+    def advantage_parts(self) -> tuple[ComputePart, SelectPart]:
+        """The critic's values, then ``adv_estimator``: :class:`.critic.CriticAdvantages`.
+
+        A subclass's :meth:`compute_advantages` / :meth:`select_samples` override is plugged instead.
+        """
+        compute = (self.compute_advantages if self.overridden("compute_advantages", PPO)
+                   else self._critic_advantages())
+        return compute, self.select_samples if self.overridden("select_samples", RLModule) else keep_all
+
+    def update_parts(self) -> tuple[ActorDuePart | None, CriticPart | None]:
+        """The critic warm-up and the critic's updates (:mod:`verl_trainer.algorithms.critic`).
+
+        A subclass's :meth:`actor_update_due` / :meth:`update_critic` override is plugged instead.
+        """
+        due = (ActorDueOverride(self.actor_update_due) if self.overridden("actor_update_due", PPO)
+               else CriticWarmup(self.config.critic.warmup_steps))
+        critic = self.update_critic if self.overridden("update_critic", PPO) else self._critic_updates()
+        return due, critic
+
+    def _critic_advantages(self) -> CriticAdvantages:
+        cfg = self.config
+        kl = KLInReward(self.engines, cfg, self.uses_reference) if cfg.use_kl_in_reward else None
+        return CriticAdvantages(self.engines["critic"], self.estimator, cfg, self._dp_group, kl)
+
+    def _critic_updates(self) -> CriticUpdates:
+        hooks = self.trainer.step_hooks if self.trainer is not None else None
+        return CriticUpdates(self.engines["critic"], self.critic_loss, self.config.actor.ppo_epochs, hooks)
+
     def compute_advantages(self, batch: TensorDict, scores: torch.Tensor, metrics: dict[str, Any]) -> None:
         """Critic values, then ``adv_estimator`` (GAE: whitened over the global batch).
 
-        Sets ``values``, ``advantages``, ``returns``.
+        Sets ``values``, ``advantages``, ``returns``: :class:`.critic.CriticAdvantages`.
         """
-        critic = self.engines["critic"]
-        mask = batch[schema.RESPONSE_MASK]
-        if self.config.use_kl_in_reward:
-            self.apply_kl_in_reward(batch, metrics)
-        with critic.eval_mode():
-            values = critic.infer_batch(schema.tensor_only(batch))["model_output"]["values"]
-        values = values * mask.to(values.dtype)
-        advantages, returns = estimator_advantages(
-            self.estimator, batch[schema.TOKEN_LEVEL_REWARDS], mask, self._dp_group, values=values,
-            index=batch[schema.UID], gamma=self.config.gamma, lam=self.config.lam, config=self.config)
-        batch[schema.VALUES] = values
-        batch[schema.ADVANTAGES] = advantages
-        batch[schema.RETURNS] = returns
-        metrics.update(token_stats(advantages, mask, "critic/advantages"))
-        metrics.update(token_stats(returns, mask, "critic/returns"))
-        metrics.update(token_stats(values, mask, "critic/values"))
+        self._critic_advantages()(batch, scores, metrics)
 
     def apply_kl_in_reward(self, batch: TensorDict, metrics: dict[str, Any]) -> None:
         """``token_level_rewards = token_level_scores - kl_coef * KL(old || ref)`` on the response tokens.
 
-        Computes ``old_log_probs`` and ``ref_log_prob`` here (the step then reuses them).
+        Computes ``old_log_probs`` and ``ref_log_prob`` here (the step then reuses them):
+        :class:`~verl_trainer.algorithms.critic.KLInReward`.
         """
-        data = schema.tensor_only(batch)
-        self.compute_log_probs(data)
-        batch[schema.OLD_LOG_PROBS] = data[schema.OLD_LOG_PROBS]
-        batch[schema.REF_LOG_PROB] = data[schema.REF_LOG_PROB]
-        mask = batch[schema.RESPONSE_MASK]
-        kld = kl_penalty(data[schema.OLD_LOG_PROBS], data[schema.REF_LOG_PROB], self.config.kl_penalty) * mask
-        batch[schema.TOKEN_LEVEL_REWARDS] = batch[schema.TOKEN_LEVEL_SCORES] - self.config.kl_coef * kld
-        metrics["actor/reward_kl_penalty"] = Metric.token_mean(kld, mask)
-        metrics["actor/reward_kl_penalty_coeff"] = Metric.mean(self.config.kl_coef)
+        KLInReward(self.engines, self.config, self.uses_reference)(batch, metrics)
 
     def actor_update_due(self) -> bool:
         """Not during the first ``critic.warmup_steps`` trainer steps."""
-        return self.trainer.global_step >= self.config.critic.warmup_steps
+        return CriticWarmup(self.config.critic.warmup_steps)(self.trainer.global_step)
 
     def update_critic(self, mini_batches: list[TensorDict]) -> dict[str, Any]:
         """``actor.ppo_epochs`` passes of clipped value-loss updates over the mini-batches."""
-        return self.run_updates("critic", self.critic_loss, mini_batches, self.config.actor.ppo_epochs)
+        return self._critic_updates()(mini_batches)

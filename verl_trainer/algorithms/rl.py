@@ -7,8 +7,10 @@ One ``training_step`` on each rank's prompt batch (SPMD) is a straight line over
       → [old log-probs → on_before_update → critic and actor updates → weight sync] → guard.finish
 
 Features are parts of a stage (see :mod:`verl_trainer.algorithms.stages`); a recipe plugs its own through
-:meth:`RLModule.advantage_parts` (the estimator and the sample selection), :meth:`RLModule.score_parts`,
-:meth:`RLModule.update_critic` and :meth:`RLModule.actor_update_due` (``docs/architecture.md``, "How to add").
+:meth:`RLModule.advantage_parts` (the estimator and the sample selection), :meth:`RLModule.score_parts` and
+:meth:`RLModule.update_parts` (the critic and when the actor trains) (``docs/architecture.md``, "How to add").
+A subclass's override of :meth:`RLModule.compute_advantages`, :meth:`RLModule.select_samples`,
+:meth:`RLModule.update_critic` or :meth:`RLModule.actor_update_due` is plugged in as that part.
 
 Logged (reductions declared, so the values are those of the whole step on one process): the reward,
 response-length and advantage statistics, the engines' loss metrics, ``non_finite/*``, ``timing/*`` and
@@ -48,6 +50,8 @@ from verl_trainer.algorithms.stages.signal import (
     response_length_metrics,
 )
 from verl_trainer.algorithms.stages.update import (
+    ActorDuePart,
+    CriticPart,
     Updater,
     compute_log_probs,
     run_updates,
@@ -64,7 +68,22 @@ from verl_trainer.rewards.trl_kwargs import trl_run_kwargs
 from verl_trainer.rollout import AGENT_INFO, BaseRollout, build_rollout
 from verl_trainer.rollout.agent_loop import agent_rewards_and_metrics
 
-__all__ = ["RLModule", "response_length_metrics", "with_on_policy_old_log_probs"]
+__all__ = ["ActorDueOverride", "RLModule", "response_length_metrics", "with_on_policy_old_log_probs"]
+
+
+class ActorDueOverride:
+    """The updater's actor-due part from a subclass's ``actor_update_due()`` override (which takes no step).
+
+    Args:
+        due: The bound override.
+    """
+
+    def __init__(self, due: Callable[[], bool]) -> None:
+        self.due = due
+
+    def __call__(self, step: int) -> bool:
+        """The override's verdict (it reads the step itself)."""
+        return self.due()
 
 
 @dataclasses.dataclass
@@ -83,7 +102,7 @@ class RLModule(TrainingModule):
 
     Subclasses implement :meth:`compute_advantages` (or :meth:`advantage_parts`) and may override
     :meth:`extra_engines`, :meth:`select_samples`, :meth:`score_parts`, :meth:`update_critic` and
-    :meth:`actor_update_due`; an override is plugged into its stage as a part.
+    :meth:`actor_update_due` (or :meth:`update_parts`); an override is plugged into its stage as a part.
 
     Args:
         config: See :class:`~verl_trainer.algorithms.config.RLConfig`.
@@ -208,6 +227,12 @@ class RLModule(TrainingModule):
         select = self.select_samples if self.overridden("select_samples", RLModule) else keep_all
         return self.compute_advantages, select
 
+    def update_parts(self) -> tuple[ActorDuePart | None, CriticPart | None]:
+        """The updater's actor-due and critic parts (default: this module's overrides; ``None``: none)."""
+        due = self.overridden("actor_update_due", RLModule)
+        critic = self.update_critic if self.overridden("update_critic", RLModule) else None
+        return ActorDueOverride(self.actor_update_due) if due else None, critic
+
     def run_updates(self, name: str, loss_fn: Callable[..., Any], mini_batches: list[TensorDict],
                     epochs: int, **kwargs: Any) -> dict[str, Any]:
         """Engine ``name``'s updates over the mini-batches (:func:`.stages.update.run_updates`)."""
@@ -254,9 +279,7 @@ class RLModule(TrainingModule):
         scorer = Scorer(self.reward_fn, self.guard, cfg.rollout, cfg.reward.overlong_buffer, model, trl,
                         [*logs, *baseline, *self.score_parts()])
         updater = Updater(self.engines, cfg.actor, self.actor_loss, self.mini_batch_samples,
-                          self.uses_reference, cfg.ref_in_actor,
-                          self.actor_update_due if self.overridden("actor_update_due", RLModule) else None,
-                          self.update_critic if self.overridden("update_critic", RLModule) else None,
+                          self.uses_reference, cfg.ref_in_actor, *self.update_parts(),
                           self.trainer.step_hooks if self.trainer is not None else None, group)
         return RLStages(rollout, scorer, Advantages(*self.advantage_parts()), self.guard, updater)
 
@@ -273,7 +296,7 @@ class RLModule(TrainingModule):
         trainable = stages.guard.check(data, trainable, step + 1, metrics)
         update_start = time.perf_counter()
         if trainable:  # every rank alike (the guard's and the selection's verdicts are collective)
-            plan = stages.updater.prepare(data, metrics)  # old log-probs, mini-batch count
+            plan = stages.updater.prepare(data, step, metrics)  # old log-probs, mini-batch count
             data = self.trainer.call_hook("on_before_update", data)  # a callback may return a new batch
             outputs = stages.updater.update(data, plan, metrics)
             stages.rollout.after_update(outputs)  # the weight sync (one step off: at the next step's start)

@@ -1,10 +1,11 @@
-"""The engine interface: :class:`BaseEngine` (with its mode contexts ``train_mode`` / ``eval_mode``).
+"""The engine interface: :class:`BaseEngine`.
 
 An engine owns one model (and, when trained, its optimizer and LR scheduler) sharded over the
 data-parallel ranks; its public surface keeps verl's names (docs/design.md §4). A backend is one class plus
 its registration; the rest are parts the engine holds: the model type (``engine/heads.py``), the schedule
 (``compute.SEQUENTIAL`` or, with ``pp > 1``, ``engine.pipeline``), LoRA (``engine.lora``), float16 loss
-scaling (``engine.grad_scaler``), offload, the weight stream (``weights.py``) and the HF export
+scaling (``engine.grad_scaler``), the mode contexts with their offload moves (``engine.modes``:
+:class:`Modes`), the weight stream (``weights.py``) and the HF export
 (``hf_export.py``). verl's method names delegate to them. A backend's capabilities are class attributes
 (``SUPPORTS_*_PARALLEL``, ``RESHARDABLE_CHECKPOINTS``, ``CPU_FLOAT16_REFUSAL``), read through the registry.
 
@@ -21,7 +22,7 @@ import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,72 @@ if TYPE_CHECKING:
 
 LossFunction = Callable[..., "tuple[torch.Tensor, dict[str, Any]]"]
 """``loss_fn(model_output, micro_batch, info) -> (loss, metrics)`` (see ``core_algos/aggregation.py``)."""
+
+
+Mode = Literal["train", "eval"]
+"""An engine's phase."""
+
+
+class Move(Protocol):
+    """A backend's ``to``: move parameters / optimizer state / gradients to ``device``."""
+
+    def __call__(self, device: str | torch.device, model: bool = True, optimizer: bool = True,
+                 grad: bool = True) -> None:
+        """Move what the flags select to ``device``."""
+
+
+# The modes part lives in this file, not in one of its own: every step enters the mode contexts, and one
+# file more on a GRPO step's path would exceed the step budget (tests/test_architecture.py).
+class Modes:
+    """The mode contexts' part: the phase an engine is in, and what enters and leaves the device around one.
+
+    Args:
+        move: The backend's ``to`` (built from ``engine/offload.py``'s helpers).
+
+    Attributes:
+        mode: ``"train"`` / ``"eval"`` inside a phase, ``None`` outside (read by backends that move state
+            only outside a phase).
+    """
+
+    def __init__(self, move: Move) -> None:
+        self.move = move
+        self.mode: Mode | None = None
+
+    @contextlib.contextmanager
+    def phase(self, mode: Mode, config: EngineConfig, module: torch.nn.Module | None,
+              device: torch.device) -> Iterator[None]:
+        """One phase: load, set the module's flag, run the block, offload again.
+
+        On entering it loads offloaded parameters and gradients onto ``device`` (only with
+        ``config.param_offload``) and, in train mode only, the optimizer state (only with
+        ``config.optimizer_offload``); it sets ``module.train()`` / ``module.eval()``. On leaving, also when
+        the block raised, it moves them back to CPU and clears :attr:`mode`. Eval never moves the optimizer.
+
+        Args:
+            mode: ``"train"`` or ``"eval"``.
+            config: The engine's config (its offload flags, read on entering).
+            module: The engine's model (``None`` before ``initialize``: only the moves and the mode).
+            device: The engine's compute device.
+        """
+        moves_params = bool(config.param_offload)
+        moves_optimizer = mode == "train" and bool(config.optimizer_offload)
+        if moves_params:
+            self.move(device, model=True, optimizer=False, grad=True)
+        if moves_optimizer:
+            self.move(device, model=False, optimizer=True, grad=False)
+        self.mode = mode
+        if module is not None:
+            module.train(mode == "train")
+        try:
+            yield
+        finally:
+            try:
+                if moves_params:
+                    self.move("cpu", model=True, optimizer=False, grad=True)
+                if moves_optimizer:
+                    self.move("cpu", model=False, optimizer=True, grad=False)
+            finally:
+                self.mode = None
 
 
 class BaseEngine(ABC):
@@ -126,7 +193,7 @@ class BaseEngine(ABC):
         self.module: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-        self.mode: Literal["train", "eval"] | None = None
+        self.modes = Modes(self.to)
         self.initialized = False
         self.pipeline: PipelineParallel | None = None  # set by a backend that splits the model (pp > 1)
         self.lora: LoRAAdapters | None = None  # set by build_model for a model with adapters
@@ -151,41 +218,20 @@ class BaseEngine(ABC):
 
     @contextlib.contextmanager
     def train_mode(self) -> Iterator[BaseEngine]:
-        """Context for a training phase: ``module.train()``, offloaded state loaded (see :meth:`_phase`)."""
-        yield from self._phase("train")
+        """Context for a training phase: ``module.train()``, offloaded state loaded (``modes.phase``)."""
+        with self.modes.phase("train", self.config, self.module, self.device):
+            yield self
 
     @contextlib.contextmanager
     def eval_mode(self) -> Iterator[BaseEngine]:
-        """Context for an inference phase: ``module.eval()``, never the optimizer moved (:meth:`_phase`)."""
-        yield from self._phase("eval")
-
-    def _phase(self, mode: Literal["train", "eval"]) -> Iterator[BaseEngine]:
-        """The body of :meth:`train_mode` / :meth:`eval_mode` (a generator: one ``yield`` of the engine).
-
-        On entering it loads offloaded parameters onto the device (only with ``param_offload``) and, in
-        train mode only, the optimizer state (only with ``optimizer_offload``); it sets ``module.train()``
-        / ``module.eval()``. On leaving, also when the block raised, it offloads them again and clears
-        :attr:`mode`. Eval never moves the optimizer.
-        """
-        moves_params = bool(self.config.param_offload)
-        moves_optimizer = mode == "train" and bool(self.config.optimizer_offload)
-        if moves_params:
-            self.to(self.device, model=True, optimizer=False, grad=True)
-        if moves_optimizer:
-            self.to(self.device, model=False, optimizer=True, grad=False)
-        self.mode = mode
-        if self.module is not None:
-            self.module.train(mode == "train")
-        try:
+        """Context for an inference phase: ``module.eval()``, the optimizer never moved (``modes.phase``)."""
+        with self.modes.phase("eval", self.config, self.module, self.device):
             yield self
-        finally:
-            try:
-                if moves_params:
-                    self.to("cpu", model=True, optimizer=False, grad=True)
-                if moves_optimizer:
-                    self.to("cpu", model=False, optimizer=True, grad=False)
-            finally:
-                self.mode = None
+
+    @property
+    def mode(self) -> Mode | None:
+        """``"train"`` / ``"eval"`` inside :meth:`train_mode` / :meth:`eval_mode`, ``None`` outside."""
+        return self.modes.mode
 
     # ------------------------------------------------------------------------------------- compute
     def forward_backward_batch(

@@ -32,7 +32,7 @@ from verl_trainer.engine.base import BaseEngine
 from verl_trainer.metrics import Metric, Reduction
 from verl_trainer.utils.distributed import all_reduce
 
-__all__ = ["Updater", "count_mini_batches", "run_updates", "split_mini_batches",
+__all__ = ["ActorDuePart", "CriticPart", "Updater", "count_mini_batches", "run_updates", "split_mini_batches",
            "with_on_policy_old_log_probs"]
 
 
@@ -172,6 +172,12 @@ def compute_log_probs(engines: Mapping[str, BaseEngine], batch: TensorDict, acto
             batch[schema.REF_LOG_PROB] = ref.infer_batch(batch)["model_output"]["log_probs"]
 
 
+ActorDuePart = Callable[[int], bool]
+"""``due(step) -> bool``: whether the actor trains at trainer step ``step`` (0-based ``global_step``)."""
+CriticPart = Callable[[list[TensorDict]], dict[str, Any]]
+"""``critic(mini_batches) -> outputs``: the critic's updates over the step's mini-batches; step outputs."""
+
+
 @dataclass
 class UpdatePlan:
     """What :meth:`Updater.prepare` decided for the step: mini-batches and the actor's loss."""
@@ -180,6 +186,8 @@ class UpdatePlan:
     """Mini-batches of the step over the DP group (the same on every rank)."""
     actor_loss: Callable[..., Any]
     """The actor's loss (wrapped to read its own log-probs as the old ones when they are reused)."""
+    actor_due: bool
+    """Whether the actor trains this step (the actor-due part's verdict)."""
 
 
 class Updater:
@@ -193,18 +201,15 @@ class Updater:
         mini_batch_samples: Samples per mini-batch over all DP ranks (``None``: one mini-batch).
         reference: Whether reference log-probs are computed (the KL loss); ``ref_in_actor``: from the actor
             with its LoRA adapters disabled.
-        actor_due: Whether the actor trains this step (PPO: not during the critic warm-up); ``None``:
-            every step.
-        critic: The critic part: ``critic(mini_batches) -> outputs``, run before the actor's updates
-            (``None``: no critic).
+        actor_due: The actor-due part (PPO: not during the critic warm-up); ``None``: every step.
+        critic: The critic part, run before the actor's updates (``None``: no critic).
         hooks: The trainer's step hooks, passed to ``engine.train_batch`` (``None``: none).
         dp_group: The DP process group.
     """
 
     def __init__(self, engines: Mapping[str, BaseEngine], actor: ActorConfig, actor_loss: Callable[..., Any],
                  mini_batch_samples: int | None, reference: bool, ref_in_actor: bool,
-                 actor_due: Callable[[], bool] | None = None,
-                 critic: Callable[[list[TensorDict]], dict[str, Any]] | None = None,
+                 actor_due: ActorDuePart | None = None, critic: CriticPart | None = None,
                  hooks: Any = None, dp_group: dist.ProcessGroup | None = None) -> None:
         self.engines = engines
         self.actor = actor
@@ -217,26 +222,29 @@ class Updater:
         self.hooks = hooks
         self.dp_group = dp_group
 
-    def prepare(self, data: TensorDict, metrics: StepMetrics) -> UpdatePlan:
-        """Count the mini-batches (a collective) and add the old and reference log-probs to ``data``.
+    def prepare(self, data: TensorDict, step: int, metrics: StepMetrics) -> UpdatePlan:
+        """Count the mini-batches (a collective), ask the actor-due part, add the old and reference log-probs.
 
         The old log-probs are reused from the update itself when the step is one actor update
         (``actor.reuse_log_probs_on_policy``, ``ppo_epochs == 1``, one mini-batch, the actor due);
         ``actor/old_log_probs_reused`` says which.
+
+        Args:
+            data: The tensor-only batch the guard let through (log-probs are added in place).
+            step: The trainer's ``global_step`` before this step (0-based), for the actor-due part.
+            metrics: The step's outputs.
         """
         num_mini = count_mini_batches(data, self.mini_batch_samples, self.dp_group)  # once per step
+        actor_due = self.actor_due is None or self.actor_due(step)
         loss = self.actor_loss
         if schema.OLD_LOG_PROBS not in data.keys():  # PPO with KL in the reward computed them already
             cfg = self.actor
             one_update = cfg.ppo_epochs == 1 and num_mini == 1
-            reuse = cfg.reuse_log_probs_on_policy and one_update and self._actor_due()
+            reuse = cfg.reuse_log_probs_on_policy and one_update and actor_due
             compute_log_probs(self.engines, data, not reuse, self.reference, self.ref_in_actor)
             metrics["actor/old_log_probs_reused"] = float(reuse)
             loss = with_on_policy_old_log_probs(loss) if reuse else loss
-        return UpdatePlan(num_mini, loss)
-
-    def _actor_due(self) -> bool:
-        return self.actor_due is None or self.actor_due()
+        return UpdatePlan(num_mini, loss, actor_due)
 
     def update(self, data: TensorDict, plan: UpdatePlan, metrics: StepMetrics) -> dict[str, Any]:
         """The critic part's updates, then the actor's (when due), over the step's mini-batches.
@@ -246,7 +254,7 @@ class Updater:
         """
         mini_batches = split_mini_batches(data, plan.num_mini_batches)
         outputs = dict(self.critic(mini_batches)) if self.critic is not None else {}
-        if self._actor_due():
+        if plan.actor_due:
             outputs.update(run_updates(self.engines["actor"], "actor", plan.actor_loss, mini_batches,
                                        self.actor.ppo_epochs, self.hooks,
                                        calculate_entropy=self.actor.calculate_entropy))
