@@ -184,3 +184,24 @@ def test_a_cached_hub_dataset_id_is_evaluated_on_its_test_split(setup, tmp_path,
     err = capsys.readouterr().err
     assert "data.val_files='tiny-org/missing' is not a local file" in err and "Loading weights" not in err
     assert "hf download --repo-type dataset tiny-org/missing" in err
+
+
+def test_multi_turn_evaluation_renders_the_tool_schemas_into_the_prompts(tmp_path):
+    """As training does: with ``eval.rollout.multi_turn`` on, the prompts carry the tools' schemas."""
+    from tests.agents.test_prompt_tools import CALCULATOR, TOOLS_TEMPLATE, _tokenizer
+    from verl_trainer.evaluate.config import EvaluateConfig
+    from verl_trainer.evaluate.run import prompt_dataset
+    from verl_trainer.recipe_config.loading import parse_recipe_args
+
+    rows = [to_verl_row([{"role": "user", "content": "12*34="}], "408", "arithmetic")]
+    save_rows(rows, tmp_path / "v.jsonl")
+    tokenizer = _tokenizer(TOOLS_TEMPLATE)
+    base = ["model=m", f"data.val_files={tmp_path / 'v.jsonl'}", "data.max_prompt_length=512"]
+
+    def prompt_text(*extra: str) -> str:
+        cfg = parse_recipe_args(EvaluateConfig, None, [*base, *extra])
+        return tokenizer.decode(list(prompt_dataset(cfg, tokenizer)[0]["input_ids"]))
+
+    text = prompt_text("eval.rollout.multi_turn.enable=true", f"eval.rollout.multi_turn.tools=[{CALCULATOR}]")
+    assert '"calculator"' in text and '"expression"' in text and text.endswith("user: 12*34=\nassistant: ")
+    assert prompt_text() == "user: 12*34=\nassistant: "

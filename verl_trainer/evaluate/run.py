@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from verl_trainer.agents import prompt_tool_schemas
 from verl_trainer.data.hub import parse_hub_dataset, resolve_hub_split, with_default_split
 from verl_trainer.data.prompts import PromptDataset
 from verl_trainer.data.schema import NON_TENSOR_KEYS, UID, non_tensor_lists
@@ -40,8 +41,10 @@ from verl_trainer.training.loggers import WANDB_PROJECT, build_loggers, make_wan
 
 if TYPE_CHECKING:
     from rich.table import Table
+    from transformers import PreTrainedTokenizerBase
 
-__all__ = ["REPORT_KIND", "evaluate", "format_table", "hf_model_dir", "log_report", "write_report"]
+__all__ = ["REPORT_KIND", "evaluate", "format_table", "hf_model_dir", "log_report", "prompt_dataset",
+           "write_report"]
 
 REPORT_KIND = "verl_trainer.evaluate"
 """The ``report`` entry of every JSON report (an existing ``eval.output`` is replaced only with it)."""
@@ -81,8 +84,16 @@ def hf_model_dir(model: str) -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)  # made by mkdtemp above: ours
 
 
-def _sample_and_score(cfg: EvaluateConfig, model_dir: str) -> list[PromptSamples]:
-    rewards = RewardFunctions(cfg.reward.name, cfg.reward.weights, cfg.reward.on_error, cfg.reward.timeout_s)
+def prompt_dataset(cfg: EvaluateConfig, tokenizer: PreTrainedTokenizerBase) -> PromptDataset:
+    """The prompts of ``data.val_files``, encoded as training encodes them.
+
+    With ``eval.rollout.multi_turn`` on (and ``tools_in_prompt``), the chat template renders the tools'
+    schemas into every prompt, as in the run that trained the model.
+
+    Raises:
+        FileNotFoundError: ``data.val_files`` is neither a file nor a cached hub dataset.
+        ValueError: No prompt to evaluate, or tools the chat template does not render (``PromptDataset``).
+    """
     data = cfg.data
     prompts = str(data.val_files)
     if parse_hub_dataset(prompts) is not None:
@@ -91,15 +102,22 @@ def _sample_and_score(cfg: EvaluateConfig, model_dir: str) -> list[PromptSamples
     elif not Path(prompts).is_file():
         raise FileNotFoundError(f"data.val_files={data.val_files!r} does not exist (relative paths start at "
                                 f"{os.getcwd()})")
-    tokenizer = load_tokenizer(model_dir)
     dataset = PromptDataset(prompts, tokenizer, data.max_prompt_length, truncation=data.truncation,
                             chat_template=data.chat_template, prompt_key=data.prompt_key,
-                            filter_overlong_prompts=data.filter_overlong_prompts)
+                            filter_overlong_prompts=data.filter_overlong_prompts,
+                            tools=prompt_tool_schemas(cfg.eval.rollout.multi_turn))
     if len(dataset) == 0:
         raise ValueError(f"data.val_files={data.val_files!r} has no prompts to evaluate")
+    return dataset
+
+
+def _sample_and_score(cfg: EvaluateConfig, model_dir: str) -> list[PromptSamples]:
+    rewards = RewardFunctions(cfg.reward.name, cfg.reward.weights, cfg.reward.on_error, cfg.reward.timeout_s)
+    tokenizer = load_tokenizer(model_dir)
+    dataset = prompt_dataset(cfg, tokenizer)
     rewards.check_data_sources(dataset.data_sources())  # before the model loads
     rollout = build_rollout(dataclasses.replace(cfg.eval.rollout, n=cfg.eval.n), model_dir, tokenizer)
-    size = data.val_batch_size or len(dataset)
+    size = cfg.data.val_batch_size or len(dataset)
     prompts: list[PromptSamples] = []
     for start in range(0, len(dataset), size):
         items = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
