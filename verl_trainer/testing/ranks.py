@@ -30,7 +30,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from verl_trainer.testing.worker_pool import PoolTaskError, close_worker_pools, pooled_run
+from verl_trainer.testing.worker_pool import (
+    PoolTaskError,
+    close_worker_pools,
+    pooled_run,
+    set_rank_environment,
+)
 
 
 class DistributedTestError(RuntimeError):
@@ -76,16 +81,7 @@ def _worker(
     backend: str,
     collective_timeout_s: float,
 ) -> None:
-    os.environ.update(env)
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    set_rank_environment(rank, world_size, port, env)
     out = Path(out_dir) / f"rank{rank}.pkl"
     try:
         import torch

@@ -52,7 +52,8 @@ class PoolTaskError(RuntimeError):
     """A task raised on a rank, a rank died, or the task (or the pool's start) ran past its deadline."""
 
 
-def _environment(rank: int, world_size: int, port: int, env: dict[str, str]) -> None:
+def set_rank_environment(rank: int, world_size: int, port: int, env: dict[str, str]) -> None:
+    """Set ``env`` and the rendezvous variables of ``rank`` of ``world_size`` (127.0.0.1:``port``)."""
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -191,7 +192,7 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection, env: dict[st
     Every message back is ``(status, value, time, not_reusable_reason)`` with status ``ready``, ``ok``
     (value: the result) or ``error`` (value: the traceback).
     """
-    _environment(rank, world_size, port, env)
+    set_rank_environment(rank, world_size, port, env)
     try:
         import torch
         import torch.distributed as dist
