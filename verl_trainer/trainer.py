@@ -425,7 +425,7 @@ class Trainer(LightningAttributes):
             ValueError: The first problem found, naming the setting, its value and the fix.
         """
         self._check_module(module)
-        return preflight_check(self, module, datamodule)
+        return preflight_check(self.strategy, self.precision, self.seed, self.world_size, module, datamodule)
 
     @staticmethod
     def _check_module(module: object) -> None:

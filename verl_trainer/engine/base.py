@@ -31,7 +31,7 @@ from tensordict import TensorDict
 from verl_trainer.core_algos.aggregation import GlobalBatchInfo, compute_global_batch_info
 from verl_trainer.data.packing import PackedBatch, pack_batch
 from verl_trainer.engine.build import build_model
-from verl_trainer.engine.compute import SEQUENTIAL, MicroBatchStep, Schedule
+from verl_trainer.engine.compute import SEQUENTIAL, LossFunction, MicroBatchStep, Schedule
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.heads import model_type_part
 from verl_trainer.engine.hf_export import HFExport
@@ -52,8 +52,6 @@ if TYPE_CHECKING:
     from verl_trainer.engine.results import BatchResult, StepResult
     from verl_trainer.models.attention import ForwardModel
 
-LossFunction = Callable[..., "tuple[torch.Tensor, dict[str, Any]]"]
-"""``loss_fn(model_output, micro_batch, info) -> (loss, metrics)`` (see ``core_algos/aggregation.py``)."""
 
 
 Mode = Literal["train", "eval"]

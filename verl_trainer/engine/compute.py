@@ -16,6 +16,7 @@ the last) for every engine without pipeline stages; ``engine/pipeline.py: Pipeli
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,10 +33,13 @@ from verl_trainer.engine.micro_batch import restore_dynamic_batch
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from verl_trainer.engine.base import LossFunction
+
+LossFunction = Callable[..., "tuple[torch.Tensor, dict[str, Any]]"]
+"""``loss_fn(model_output, micro_batch, info) -> (loss, metrics)`` (see ``core_algos/aggregation.py``)."""
 
 __all__ = [
-    "SEQUENTIAL", "MicroBatchStep", "Schedule", "ScheduleResult", "ScheduledEngine", "SequentialSchedule",
+    "SEQUENTIAL", "LossFunction", "MicroBatchStep", "Schedule", "ScheduleResult", "ScheduledEngine",
+    "SequentialSchedule",
 ]
 
 

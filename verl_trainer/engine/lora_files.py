@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 
     from transformers import PretrainedConfig
 
-    from verl_trainer.engine.base import BaseEngine
-    from verl_trainer.engine.config import EngineSpec
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterFilesError", "check_adapter_dir", "check_adapters",
            "read_adapter_config"]
@@ -145,8 +143,10 @@ def check_adapter_dir(path: str | os.PathLike, model_config: PretrainedConfig | 
     return config
 
 
-def check_adapters(specs: Mapping[str, EngineSpec | BaseEngine]) -> None:
+def check_adapters(specs: Mapping[str, object]) -> None:
     """:func:`check_adapter_dir` for every engine spec with a ``lora_adapter_path`` (no model is loaded).
+
+    Values that are not an ``EngineSpec`` (built engines) are skipped.
 
     Specs with a model factory are checked without a base config (their model is only known once built).
     """
