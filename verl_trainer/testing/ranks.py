@@ -26,7 +26,6 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from verl_trainer.testing.worker_pool import (
     PoolTaskError,
     close_worker_pools,
     pooled_run,
-    set_rank_environment,
+    start_rank,
 )
 
 
@@ -81,19 +80,11 @@ def _worker(
     backend: str,
     collective_timeout_s: float,
 ) -> None:
-    set_rank_environment(rank, world_size, port, env)
     out = Path(out_dir) / f"rank{rank}.pkl"
     try:
-        import torch
+        start_rank(rank, world_size, port, env, backend, collective_timeout_s)
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=collective_timeout_s),
-        )
         try:
             payload = ("ok", fn(*args, **kwargs), time.time())
         except BaseException:  # noqa: BLE001 - everything goes back to the parent

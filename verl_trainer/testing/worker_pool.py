@@ -52,8 +52,15 @@ class PoolTaskError(RuntimeError):
     """A task raised on a rank, a rank died, or the task (or the pool's start) ran past its deadline."""
 
 
-def set_rank_environment(rank: int, world_size: int, port: int, env: dict[str, str]) -> None:
-    """Set ``env`` and the rendezvous variables of ``rank`` of ``world_size`` (127.0.0.1:``port``)."""
+def start_rank(rank: int, world_size: int, port: int, env: dict[str, str], backend: str,
+               timeout_s: float) -> None:
+    """Join ``rank`` of ``world_size`` to a process group at 127.0.0.1:``port``.
+
+    Sets ``env`` and the rendezvous variables first, and one intra-op thread (ranks share the cores).
+
+    Raises:
+        Whatever ``torch.distributed.init_process_group`` raises (the caller reports it to the parent).
+    """
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -64,6 +71,11 @@ def set_rank_environment(rank: int, world_size: int, port: int, env: dict[str, s
         MASTER_PORT=str(port),
     )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
 def _registries() -> dict[int, tuple[Registry, dict]]:
@@ -192,14 +204,8 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection, env: dict[st
     Every message back is ``(status, value, time, not_reusable_reason)`` with status ``ready``, ``ok``
     (value: the result) or ``error`` (value: the traceback).
     """
-    set_rank_environment(rank, world_size, port, env)
     try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
+        start_rank(rank, world_size, port, env, backend, PROCESS_GROUP_TIMEOUT_S)
         fresh = _FreshState()
         fresh.before_task()
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
