@@ -22,6 +22,10 @@ The matrix is the union of these blocks (a full cross product would be ~1000 eng
   the batch's ``old_log_probs`` to its ``rollout_log_probs``, with the mismatch metrics), fsdp2: token-mean
   and seq-mean-token-mean on dp in {1, 2} x every micro-batching x balancing off/on, plus dp=1 with
   sp=2, tp=2 and pp=2 (dynamic micro-batches).
+* **library backends** (``torchtitan``, ``megatron``: engines whose model, parallelism and gradient sync
+  are their own library's; each runs in its own venv and CI stage, ``scripts/ci_backend.sh``): the GRPO
+  (``ppo``) and SFT losses in token-mean and seq-mean-token-mean at dp=1, dp=2 and tp=2, one micro-batch
+  and dynamic micro-batching, balancing off/on at dp=2 — against the same fsdp2 reference.
 * **multi-turn** (``ppo_mt``: the PPO loss on the batch as a multi-turn rollout makes it, tool-observation
   spans inside the responses with loss and response mask 0, ``batch.multi_turn_batch``), fsdp2: token-mean
   and seq-mean-token-mean on dp in {1, 2} x every micro-batching x balancing off/on.
@@ -57,6 +61,13 @@ CORRECTION_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
 MULTI_TURN_LOSS = "ppo_mt"
 MULTI_TURN_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+
+LIBRARY_BACKENDS = ("torchtitan", "megatron")
+"""Backends on their own libraries; their cases carry the backend's pytest marker (its own CI stage)."""
+LIBRARY_LOSSES = ("ppo", "sft")
+LIBRARY_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+LIBRARY_LAYOUTS = ((1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False))
+"""(dp, tp, balance) of the library-backend block."""
 
 PPO_LOSSES = ("ppo", CORRECTION_LOSS, MULTI_TURN_LOSS)
 """The PPO-loss kinds (entropy bonus and KL loss on); they run in the same spawns."""
@@ -201,6 +212,13 @@ def multi_turn_cases() -> list[Case]:
             for agg, dp, micro, bal in product(MULTI_TURN_AGG_MODES, (1, 2), MICRO, (False, True))]
 
 
+def library_backend_cases(strategy: str) -> list[Case]:
+    """The block of one library backend: GRPO and SFT losses at dp=1, dp=2 (balancing off/on) and tp=2."""
+    return [Case(loss, agg, dp, micro, bal, strategy, tp=tp)
+            for loss, agg, (dp, tp, bal), micro
+            in product(LIBRARY_LOSSES, LIBRARY_AGG_MODES, LIBRARY_LAYOUTS, ("one", "dynamic"))]
+
+
 def all_cases() -> list[Case]:
     """The whole matrix (references excluded), in a stable order."""
     cases: set[Case] = set()
@@ -215,6 +233,8 @@ def all_cases() -> list[Case]:
     cases.update(pp_cases())
     cases.update(correction_cases())
     cases.update(multi_turn_cases())
+    for strategy in LIBRARY_BACKENDS:
+        cases.update(library_backend_cases(strategy))
     return sorted(c for c in cases if not c.is_reference)
 
 

@@ -16,7 +16,7 @@ from tensordict import TensorDict
 
 from tests.invariance.cases import Case
 from tests.invariance.compare import compare
-from tests.invariance.runner import chunk_key, deepspeed_available, initial_params, run_chunk
+from tests.invariance.runner import backend_available, chunk_key, initial_params, run_chunk
 
 
 class MatrixResults:
@@ -43,8 +43,8 @@ class MatrixResults:
 
     @staticmethod
     def available(case: Case) -> bool:
-        """False for a deepspeed case when deepspeed is not installed or its engine does not import."""
-        return case.strategy != "deepspeed" or deepspeed_available()
+        """False for a case whose backend (deepspeed, torchtitan, megatron) is not installed or registered."""
+        return case.strategy in ("fsdp", "fsdp2") or backend_available(case.strategy)
 
     def result(self, case: Case) -> dict[str, Any]:
         """The merged result of ``case`` (runs its chunk first if needed; a chunk failure re-raises)."""

@@ -12,7 +12,6 @@ its outputs per sample; rank 0 also returns the updated parameters.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from tests.invariance.batch import BATCH_MULTIPLE, batch_for, shard_for
-from tests.invariance.cases import CORRECTION_LOSS, PPO_LOSSES, XFAIL, Case
+from tests.invariance.cases import CORRECTION_LOSS, LIBRARY_BACKENDS, PPO_LOSSES, XFAIL, Case
 from verl_trainer.callbacks.sequence_balancing import balance_batch
 from verl_trainer.core_algos import RolloutCorrectionConfig
 from verl_trainer.core_algos.losses import (
@@ -34,6 +33,7 @@ from verl_trainer.core_algos.losses import (
     value_loss,
 )
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
+from verl_trainer.engine.registry import missing_package
 from verl_trainer.metrics import reduce_metrics
 from verl_trainer.testing.ranks import run_distributed
 
@@ -62,12 +62,12 @@ about ``-1e4 g``, so the updated parameters are a scaled copy of the gradient.
 ENV = {"DS_ACCELERATOR": "cpu"}
 
 
-def deepspeed_available() -> bool:
-    """True when the deepspeed backend is installed and registered."""
-    if importlib.util.find_spec("deepspeed") is None:
+def backend_available(strategy: str) -> bool:
+    """True when the backend ``strategy`` is installed and registered (deepspeed, torchtitan, megatron)."""
+    if missing_package(strategy) is not None:
         return False
     try:
-        EngineRegistry.get_engine_cls("language_model", "deepspeed")
+        EngineRegistry.get_engine_cls("language_model", strategy)
     except Exception:  # noqa: BLE001 - not registered, or its module failed to import
         return False
     return True
@@ -220,11 +220,14 @@ def chunk_key(case: Case) -> tuple:
 
     Small enough chunks keep every spawn well inside pytest's per-test timeout; the default slice needs
     three spawns (the 1-rank references, the 2-rank cases and one 4-rank dp=2 x sp=2 case). A case in
-    ``XFAIL`` runs in a spawn of its own (a failing rank ends the spawn it is in).
+    ``XFAIL`` runs in a spawn of its own (a failing rank ends the spawn it is in), and a library backend's
+    cases in spawns of their own (its library's process-wide state stays out of the others').
     """
     loss = "ppo" if case.loss in PPO_LOSSES else case.loss  # the correction and multi-turn join ppo's spawn
     if case in XFAIL:
         return case.world, case.sp, loss, case.id
+    if case.strategy in LIBRARY_BACKENDS:
+        return case.world, case.sp, loss, case.strategy
     return case.world, case.sp, loss
 
 

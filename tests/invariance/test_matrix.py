@@ -8,18 +8,20 @@ from __future__ import annotations
 import pytest
 
 from tests.invariance.batch import BATCH_MULTIPLE, SEQ_LENS, UNEVEN_SIZES
-from tests.invariance.cases import SLICE, XFAIL, Case, all_cases
+from tests.invariance.cases import LIBRARY_BACKENDS, SLICE, XFAIL, Case, all_cases
 from tests.invariance.compare import failures
 from tests.invariance.results import MatrixResults
 
 
 def case_params(slice_cases: tuple[Case, ...], every_case: list[Case]) -> list:
     """The slice marked ``invariance``; the rest also ``invariance_full`` (deselected by default); the
-    known failures (``cases.XFAIL``) ``xfail(strict=True)`` with their reason."""
+    known failures (``cases.XFAIL``) ``xfail(strict=True)`` with their reason; a library backend's cases
+    also carry its marker (``torchtitan`` / ``megatron``: run in that backend's CI stage)."""
 
     def marks(case: Case, *base: pytest.MarkDecorator) -> list:
         known = XFAIL.get(case)
-        return [*base, *([pytest.mark.xfail(reason=known, strict=True)] if known else [])]
+        library = [getattr(pytest.mark, case.strategy)] if case.strategy in LIBRARY_BACKENDS else []
+        return [*base, *library, *([pytest.mark.xfail(reason=known, strict=True)] if known else [])]
 
     full = [pytest.mark.invariance, pytest.mark.invariance_full]
     return [pytest.param(c, id=c.id, marks=marks(c, pytest.mark.invariance)) for c in slice_cases] + [

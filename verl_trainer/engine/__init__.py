@@ -18,6 +18,16 @@ try:
 except ImportError:  # deepspeed not installed: `pip install 'verl-trainer[deepspeed]'`
     DeepSpeedEngine = None  # type: ignore[assignment,misc]
 
+try:
+    from verl_trainer.engine.torchtitan import TorchTitanEngine
+except ImportError:  # torchtitan not installed: `pip install 'verl-trainer[torchtitan]'`
+    TorchTitanEngine = None  # type: ignore[assignment,misc]
+
+try:
+    from verl_trainer.engine.megatron import MegatronEngine
+except ImportError:  # megatron-core not installed: `pip install 'verl-trainer[megatron]'`
+    MegatronEngine = None  # type: ignore[assignment,misc]
+
 __all__ = [
     "BaseEngine",
     "DeepSpeedEngine",
@@ -26,6 +36,8 @@ __all__ = [
     "FSDPEngine",
     "GlobalBatchInfo",
     "LossFunction",
+    "MegatronEngine",
     "MissingBackendError",
     "OptimConfig",
+    "TorchTitanEngine",
 ]

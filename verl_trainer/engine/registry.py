@@ -30,6 +30,7 @@ T = TypeVar("T", bound=type)
 BACKEND_PACKAGES: dict[str, tuple[str, str]] = {
     "deepspeed": ("deepspeed", "deepspeed"),
     "megatron": ("megatron.core", "megatron"),
+    "torchtitan": ("torchtitan", "torchtitan"),
 }
 
 EngineKey = tuple[str, str, str, "str | None"]

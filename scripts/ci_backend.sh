@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# CI stage of a backend on its own library: `bash scripts/ci_backend.sh NAME` (NAME: torchtitan, megatron)
+# builds .venv-NAME with the extra NAME (scripts/setup_venv.sh) and runs every test marked NAME — the
+# backend's own tests, its invariance cases against the fsdp2 reference, its recipe runs — in that venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+name=${1:?usage: scripts/ci_backend.sh NAME (torchtitan or megatron)}
+export VENV=${VENV:-.venv-$name} WANDB_MODE=offline
+start=$SECONDS
+EXTRAS=$name bash scripts/setup_venv.sh
+echo "ci_backend: $VENV set up in $((SECONDS - start)) s, $(du -sm "$VENV" | cut -f1) MB"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=20 -m "$name" tests
