@@ -10,7 +10,7 @@ batch of long-tailed lengths (lognormal, clipped to [20, 2048]). The sides alter
 A backend on its own library runs in its own venv (``.venv-torchtitan``, ``.venv-megatron``):
 
     .venv-torchtitan/bin/python bench/backend_step.py --strategy torchtitan
-    .venv-megatron/bin/python bench/backend_step.py --strategy megatron --json bench/results/backend_megatron.json
+    .venv-megatron/bin/python bench/backend_step.py --strategy megatron --json bench/results/backend_mg.json
 """
 
 from __future__ import annotations

@@ -152,6 +152,20 @@ def test_missing_package_names_the_extra(scratch, on, monkeypatch):
     assert issubclass(MissingBackendError, ImportError) and issubclass(MissingBackendError, ValueError)
 
 
+def test_unserved_verl_backends_name_their_needs_and_the_alternative(on):
+    from verl_trainer.engine.registry import UnservedBackendError
+    from verl_trainer.engine.unserved import UNSERVED_BACKENDS
+
+    on("cpu")
+    assert sorted(UNSERVED_BACKENDS) == ["automodel", "mindspeed", "veomni"]
+    for name, entry in UNSERVED_BACKENDS.items():
+        assert name not in EngineRegistry.backends()
+        with pytest.raises(UnservedBackendError) as info:
+            EngineRegistry.new("language_model", name, "cfg")
+        text = str(info.value)
+        assert entry.needs in text and entry.measured in text and entry.instead in text
+
+
 def test_new_passes_backend_and_alias_presets(scratch, on):
     on("cpu")
     scratch.register("language_model", "t_new", "cpu")(_Dummy)

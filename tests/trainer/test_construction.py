@@ -57,6 +57,14 @@ def test_unknown_strategy_lists_registered():
     assert "fsdp2" in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["veomni", "automodel", "mindspeed"])
+def test_verl_backends_not_built_here_are_refused_by_name(name):
+    """The Trainer refuses them at construction (no model loaded): the need, the measure, the choice."""
+    with pytest.raises(ValueError, match=rf"strategy '{name}' \(verl's {name} engine\).*needs .*Measured: .*"
+                                         r"Use strategy='(fsdp2|megatron)'"):
+        Trainer(strategy=name)
+
+
 def test_strategy_object_and_bad_overrides():
     assert Trainer(strategy=Strategy("fsdp", engine_overrides={"zero_stage": 3})).strategy.backend == "fsdp"
     with pytest.raises(ValueError, match="unknown EngineConfig field"):

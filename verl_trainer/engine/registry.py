@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from verl_trainer.engine.unserved import unserved_backend_message
 from verl_trainer.utils.device import detect_device_and_vendor
 from verl_trainer.utils.registry import Registry, as_list
 
@@ -38,6 +39,10 @@ EngineKey = tuple[str, str, str, "str | None"]
 
 class MissingBackendError(ValueError, ImportError):
     """The asked backend needs a package that is not installed (the message names the extra)."""
+
+
+class UnservedBackendError(ValueError):
+    """The asked backend is one of verl's that is not built here (``engine/unserved.py`` says why)."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,8 @@ class EngineRegistry:
 
         Raises:
             MissingBackendError: If the backend's package is not installed.
+            UnservedBackendError: If the backend is one of verl's not built here (veomni, automodel,
+                mindspeed): what it needs, what was measured, what to use instead.
             ValueError: If nothing matches; the message lists every registered entry.
 
         """
@@ -165,6 +172,9 @@ class EngineRegistry:
         for key in candidates:
             if key in cls._registry:
                 return cls._registry.get(key)
+        unserved = unserved_backend_message(backend)
+        if unserved is not None:
+            raise UnservedBackendError(unserved)
         missing = missing_package(backend)
         if missing is not None:
             package, extra = missing

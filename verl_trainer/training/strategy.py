@@ -40,6 +40,7 @@ from verl_trainer.engine.base import BaseEngine
 from verl_trainer.engine.config import EngineConfig, EngineSpec, to_dtype
 from verl_trainer.engine.registry import EngineRegistry, missing_package
 from verl_trainer.engine.topology import Topology, build_topology, check_same_sizes
+from verl_trainer.engine.unserved import unserved_backend_message
 from verl_trainer.utils.distributed import is_initialized, set_collective_timeout
 
 __all__ = [
@@ -174,9 +175,13 @@ class Strategy:
         """Check the backend exists here and its package is installed.
 
         Raises:
-            ValueError: Unknown backend (the message lists the registered ones), a missing package
-                (the message names the extra), or an unknown ``engine_overrides`` key.
+            ValueError: Unknown backend (the message lists the registered ones), one of verl's backends not
+                built here (what it needs, what was measured, what to use), a missing package (the
+                message names the extra), or an unknown ``engine_overrides`` key.
         """
+        unserved = unserved_backend_message(self.backend)
+        if unserved is not None and self.backend not in EngineRegistry.backends():
+            raise ValueError(unserved)
         missing = missing_package(self.backend)
         if missing is not None:
             package, extra = missing
