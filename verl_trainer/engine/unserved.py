@@ -34,9 +34,11 @@ class UnservedBackend:
 UNSERVED_BACKENDS: dict[str, UnservedBackend] = {
     "veomni": UnservedBackend(
         needs="the `veomni` library (ByteDance VeOmni) and CUDA GPUs for its fused kernels",
-        measured=("`pip install veomni` (0.1.12) replaces the CPU torch with a CUDA torch 2.14 build through "
-                  "timm -> torchvision; installed with --no-deps, its HF-model path runs fully_shard (FSDP2) "
-                  "with eager ops and meta-device init, which is what strategy='fsdp2' runs"),
+        measured=("`pip install veomni` (0.1.12) replaces the CPU torch with a CUDA torch build through "
+                  "timm -> torchvision (its gpu extra pins torch 2.11.0+cu130); installed with --no-deps "
+                  "beside transformers 5.25, `import veomni` fails (ImportError: "
+                  "Qwen2_5OmniThinkerCausalLMOutputWithPast from transformers' qwen2_5_omni), so none of its "
+                  "code runs here; its HF-model path is fully_shard (FSDP2), what strategy='fsdp2' runs"),
         instead="strategy='fsdp2' (the same FSDP2 sharding of the HF model, with TP, PP and Ulysses SP)",
     ),
     "automodel": UnservedBackend(
