@@ -49,7 +49,8 @@ UNSERVED_BACKENDS: dict[str, UnservedBackend] = {
     ),
     "mindspeed": UnservedBackend(
         needs="Huawei Ascend NPUs with torch_npu and MindSpeed from Ascend's own distribution",
-        measured="the `mindspeed` package on PyPI (0.0.1.dev1) is an empty Ascend placeholder",
+        measured=("the `mindspeed` package on PyPI (0.0.1.dev1) is an Ascend placeholder whose sdist fails "
+                  "to build here (pip: 'Failed to build ... when getting requirements')"),
         instead=("strategy='megatron' (MindSpeed adapts Megatron-Core to Ascend) or 'fsdp2', which is "
                  "registered for device 'npu'"),
     ),
