@@ -2,7 +2,8 @@
 
 Usage::
 
-    python bench/invariance_table.py [--full] [--out FILE] [--json FILE] [--slice]
+    python bench/invariance_table.py [--full] [--out FILE] [--json FILE] [--slice | --tp | --pp]
+    .venv-torchtitan/bin/python bench/invariance_table.py --library torchtitan   # in the backend's venv
 
 Each case is one fp32 optimizer step of the tiny Llama on the fixed 12-sample batch (lengths 3..60, one
 sample with an all-zero loss mask), compared with its reference — the same loss and aggregation mode at
@@ -29,7 +30,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.engine.common import tiny_model  # noqa: E402
 from tests.invariance.batch import make_invariance_batch  # noqa: E402
-from tests.invariance.cases import SLICE, XFAIL, Case, all_cases, pp_cases, references, tp_cases  # noqa: E402
+from tests.invariance.cases import (  # noqa: E402
+    LIBRARY_BACKENDS,
+    SLICE,
+    XFAIL,
+    Case,
+    all_cases,
+    library_backend_cases,
+    pp_cases,
+    references,
+    tp_cases,
+)
 from tests.invariance.compare import CHECKED, COMPARED, RTOL, compare, failures  # noqa: E402
 from tests.invariance.plain import plain_step  # noqa: E402
 from tests.invariance.results import MatrixResults  # noqa: E402
@@ -108,13 +119,18 @@ def main() -> int:
     parser.add_argument("--slice", action="store_true", help="only the default-CI slice")
     parser.add_argument("--tp", action="store_true", help="only the tensor-parallel block")
     parser.add_argument("--pp", action="store_true", help="only the pipeline-parallel block")
+    parser.add_argument("--library", choices=LIBRARY_BACKENDS, help="only this library backend's block")
     args = parser.parse_args()
 
     wanted = (list(SLICE) if args.slice else tp_cases() if args.tp else pp_cases() if args.pp
-              else all_cases())
+              else library_backend_cases(args.library) if args.library else all_cases())
     known = [c for c in wanted if c in XFAIL]  # known failures: not run, listed below the table
     cases = [c for c in wanted if MatrixResults.available(c) and c not in XFAIL]
     missing = sorted({c.strategy for c in wanted if c not in XFAIL} - {c.strategy for c in cases})
+    if not cases:
+        print(f"no case can run here: backend(s) {missing} not installed in this venv "
+              f"(a library backend's venv: VENV=.venv-NAME EXTRAS=NAME bash scripts/setup_venv.sh)")
+        return 1
     start = time.perf_counter()
     rows = run(cases)
     elapsed = time.perf_counter() - start
