@@ -2,9 +2,9 @@
 
 :func:`parallelism_config` turns the engine config into torchtitan's ``ParallelismConfig`` (FSDP over every
 rank not in TP, TP of ``tensor_model_parallel_size`` without sequence parallelism, DTensor on the
-model-parallel axes only: ``spmd_backend="partial_dtensor"``); the model config reads it before the model is
-built (``update_from_config`` sets the TP sharding plan). :func:`parallelize` then builds the mesh and runs the
-model's own parallelize function (``parallelize_llama`` / ``parallelize_qwen3``: TP, activation
+model-parallel axes only: ``spmd_backend="partial_dtensor"``); the model config reads it before the model
+is built (``update_from_config`` sets the TP sharding plan). :func:`parallelize` then builds the mesh and
+runs the model's own parallelize function (``parallelize_llama`` / ``parallelize_qwen3``: TP, activation
 checkpointing, FSDP2 per block) and sets FSDP's gradient reduction to the mean over the data-parallel ranks.
 
 Why the mean: torchtitan sets every FSDP module's gradient divide factor to 1 (a sum) because its own loss
