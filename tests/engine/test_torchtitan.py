@@ -1,4 +1,4 @@
-"""The torchtitan engine on a tiny Qwen3: equal to fsdp2 / transformers / plain PyTorch, HF export, DCP resume.
+"""The torchtitan engine on a tiny Qwen3: equal to fsdp2, transformers and plain PyTorch; export; DCP resume.
 
 One 2-rank spawn runs every multi-rank check (``_rank``); the refusals need no process group.
 """
