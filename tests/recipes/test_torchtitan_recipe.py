@@ -1,4 +1,4 @@
-"""The GRPO recipe with ``trainer.strategy=torchtitan`` on a tiny Qwen3 at 2 ranks: it learns, resumes exactly."""
+"""The GRPO recipe, ``trainer.strategy=torchtitan``, a tiny Qwen3 at 2 ranks: it learns, and resumes exactly."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def test_fit_then_resume_continues_exactly(qwen3_assets: Path, tmp_path: Path) -
     """Six steps in one run equal three steps, then a resume from the step-3 checkpoint to step 6: the same
     per-step metrics and bitwise the same exported weights."""
     settings = (*COMMON, "warm_start.enable=false", "algorithm.rollout.n=2",
-                "trainer.validate_before_fit=false", "algorithm.actor.optim.total_training_steps=6", "trainer.checkpoint.every_n_train_steps=1")
+                "trainer.validate_before_fit=false", "algorithm.actor.optim.total_training_steps=6",
+                "trainer.checkpoint.every_n_train_steps=1")
     full, cut = tmp_path / "full", tmp_path / "cut"
     want = run_recipe("grpo", qwen3_assets, full, *settings, "trainer.max_steps=6")
     run_recipe("grpo", qwen3_assets, cut, *settings, "trainer.max_steps=3")
