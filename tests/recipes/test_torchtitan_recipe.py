@@ -1,4 +1,4 @@
-"""The GRPO recipe, ``trainer.strategy=torchtitan``, a tiny Qwen3 at 2 ranks: it learns, and resumes exactly."""
+"""The GRPO recipe, strategy=torchtitan, a tiny Qwen3 at 2 ranks: it learns, and resumes exactly."""
 
 from __future__ import annotations
 
