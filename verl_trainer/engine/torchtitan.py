@@ -168,7 +168,7 @@ class TorchTitanEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
                 )
             check_hf_config(model.config)
             return model
-        from verl_trainer.models.loading import load_causal_lm
+        from verl_trainer.models.loading import load_causal_lm  # lazy: only without a model_factory
 
         return load_causal_lm(self.config.model_path, attn_implementation="sdpa", torch_dtype=torch.float32)
 
