@@ -1,6 +1,6 @@
 """Tiny models and a character-level tokenizer, built locally (no model hub), for tests and CPU recipes.
 
-``make_tiny_model(path)`` writes a randomly initialised HF causal LM (Qwen2 or Llama) and the project's
+``make_tiny_model(path)`` writes a randomly initialised HF causal LM (Qwen2, Llama or Qwen3) and the project's
 character tokenizer with ``save_pretrained``; :mod:`verl_trainer.models.loading` reads them back through
 the real ``from_pretrained`` path, exactly as for a hub checkpoint on disk.
 
@@ -38,7 +38,7 @@ CHAT_TEMPLATE = (
 )
 """A minimal chat template (``role: content`` lines) so ``apply_chat_template`` works."""
 
-ARCHITECTURES = ("qwen2", "llama")
+ARCHITECTURES = ("qwen2", "llama", "qwen3")
 
 
 def _byte_level_char(ch: str) -> str:
@@ -86,6 +86,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def _model_config(arch: str, tokenizer: PreTrainedTokenizerFast, **overrides: Any) -> PretrainedConfig:
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny-model arch {arch!r}; choose one of {ARCHITECTURES}")
+    if arch == "qwen3":  # Qwen3Config's head_dim defaults to 128, not hidden_size // num_attention_heads
+        overrides.setdefault("head_dim", overrides["hidden_size"] // overrides["num_attention_heads"])
     return AutoConfig.for_model(
         arch,
         vocab_size=len(tokenizer),
@@ -113,7 +115,7 @@ def make_tiny_model(
 
     Args:
         path: Output directory (created).
-        arch: ``"qwen2"`` or ``"llama"``.
+        arch: ``"qwen2"``, ``"llama"`` or ``"qwen3"``.
         hidden_size: Model width.
         num_hidden_layers: Number of decoder layers.
         num_attention_heads: Query heads.
