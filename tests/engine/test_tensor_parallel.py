@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from verl_trainer.engine import EngineConfig, EngineRegistry
+from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
 from verl_trainer.engine.tensor_parallel import (
     DEFAULT_TP_PLAN,
     check_tp_compatible,
@@ -21,6 +21,7 @@ from verl_trainer.engine.tensor_parallel import (
     vocab_slice_start,
 )
 from verl_trainer.models.loading import load_causal_lm
+from verl_trainer.models.tiny import make_tiny_model
 from verl_trainer.testing.ranks import run_distributed
 
 from .common import (
@@ -81,7 +82,7 @@ def test_plan_and_divisibility(model_path):
 
 
 # --------------------------------------------------------------------------------- equivalence
-def _tp_rank(model_path, batch, optim, tp, model_type, micro):
+def _tp_rank(model_path, batch, optim, tp, model_type, micro, steps=2):
     engine = build_engine("fsdp2", model_type, model_path, optim, tensor_model_parallel_size=tp, **micro)
     dp, dp_rank = engine.get_data_parallel_size(), engine.get_data_parallel_rank()
     shard = rank_shard(batch, dp_rank, dp)  # every TP rank of a DP rank holds the same samples
@@ -96,7 +97,7 @@ def _tp_rank(model_path, batch, optim, tp, model_type, micro):
             out["infer"] = engine.infer_batch(shard, calculate_entropy=True)["model_output"]
     loss_fn = nll_loss if model_type == "language_model" else value_loss
     with engine.train_mode():
-        out["results"] = [engine.train_batch(shard, loss_fn) for _ in range(2)]
+        out["results"] = [engine.train_batch(shard, loss_fn) for _ in range(steps)]
     topo = (dp, dp_rank, engine.is_mp_src_rank_with_outputs(),
             dist.get_world_size(engine.get_data_parallel_group()))
     return {**out, "params": collect_params(engine), "topo": topo, "layout": layout}
@@ -133,6 +134,22 @@ def test_tp2_language_model_matches_plain_pytorch(model_path):
     for o in out:  # the same outputs on every TP rank
         torch.testing.assert_close(o["infer"]["log_probs"], want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[0]["infer"]["entropy"], out[1]["infer"]["entropy"], rtol=0, atol=0)
+
+
+MEASURING_OPTIM = OptimConfig(lr=1e4, eps=1.0, weight_decay=0.0, clip_grad=1.0)
+"""The update is about ``-1e4 g`` (tests/invariance/runner.py's OPTIM): the weights compare the gradients."""
+
+
+def test_tp2_qwen3_per_head_norms_match_plain_pytorch(tmp_path):
+    """Qwen3's q_norm / k_norm act on each rank's heads: their gradients are summed over tp."""
+    path = make_tiny_model(str(tmp_path / "qwen3"), arch="qwen3", hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, seed=1)
+    batch = random_batch(8, seed=5)
+    ref = reference_step(path, batch, MEASURING_OPTIM)
+    out = run_distributed(_tp_rank, 2, path, batch, MEASURING_OPTIM, 2, "language_model",
+                          {"use_dynamic_bsz": True, "max_token_len_per_gpu": 40}, 1)
+    _check_steps(out, ref)
+    assert any("q_norm" in name for name in out[0]["params"])
 
 
 @pytest.mark.slow

@@ -8,8 +8,11 @@ over the vocabulary and a causal LM's ``lm_head`` column-wise (``torch.chunk``'s
 per rank, every rank at least one), so each rank computes the logits of its own token ids only and the
 log-probs / entropy are reduced from the slices (``engine/vocab_parallel.py``).
 
-The plan is the model's own ``config.base_model_tp_plan`` when every style in it is ``"colwise"`` /
-``"rowwise"``, else :data:`DEFAULT_TP_PLAN`. How it composes with FSDP2: docs/internals.md, "Tensor
+The plan is the model's own ``config.base_model_tp_plan`` when every style in it is one of :data:`TP_STYLES`,
+else :data:`DEFAULT_TP_PLAN`. ``"replicated_with_grad_allreduce"`` (transformers' name; Qwen3's per-head
+``q_norm`` / ``k_norm``) marks a module applied to each head of a column-parallel output: its weights stay
+whole on every TP rank, its input is this rank's heads, and its gradient is summed over tp
+(:class:`PerHeadReplicated`). How it composes with FSDP2: docs/internals.md, "Tensor
 parallelism (fsdp2)".
 """
 
@@ -35,7 +38,7 @@ DEFAULT_TP_PLAN: dict[str, str] = {
 }
 """The Llama / Qwen2-style block plan, relative to the base model (``model.base_model``)."""
 
-TP_STYLES = ("colwise", "rowwise")
+TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 
 
 def tp_plan(model_config: PretrainedConfig) -> dict[str, str]:
@@ -78,9 +81,37 @@ def check_tp_compatible(model_config: PretrainedConfig, tp: int) -> None:
             )
 
 
+def _per_head_style() -> ParallelStyle:
+    """:class:`PerHeadReplicated` (built here: torch's TP classes are imported when TP is used)."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class PerHeadReplicated(ParallelStyle):
+        """A module on each head of ``[..., heads / tp, head_dim]`` (this rank's heads): weights replicated.
+
+        The input becomes a DTensor sharded on its heads dim, the parameters ``Replicate`` DTensors, the
+        output this rank's local tensor again; DTensor sums the parameters' partial gradients over tp.
+        """
+
+        def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+            def heads_sharded(_module, inputs, mesh):
+                return tuple(DTensor.from_local(x, mesh, (Shard(x.dim() - 2),), run_check=False)
+                             if isinstance(x, torch.Tensor) else x for x in inputs)
+
+            def local(_module, output, _mesh):
+                return output.to_local() if isinstance(output, DTensor) else output
+
+            # without a partition_fn distribute_module makes every parameter a Replicate DTensor
+            return distribute_module(module, device_mesh, input_fn=heads_sharded, output_fn=local)
+
+    return PerHeadReplicated()
+
+
 def _style(name: str) -> ParallelStyle:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    if name == "replicated_with_grad_allreduce":
+        return _per_head_style()
     return ColwiseParallel() if name == "colwise" else RowwiseParallel()
 
 
