@@ -318,7 +318,8 @@ class DCPCheckpointMixin:
                 "pipeline_model_parallel_size": self._pipeline_size,
                 "flat_optimizer_state": flat,
             }
-            write_meta(tmp, meta, getattr(self.module, "config", None), self.config.model_path)
+            hf_config = getattr(self, "model_config", None) or getattr(self.module, "config", None)
+            write_meta(tmp, meta, hf_config, self.config.model_path)  # HF config, also for torchtitan
 
     def load_checkpoint(self, path: str, **kwargs: Any) -> dict[str, Any]:
         """Restore model, optimizer, scheduler and RNG from ``path``; returns ``meta.json``'s content."""
