@@ -51,8 +51,10 @@ def te_name(name: str) -> str:
 
 
 def make_bridge(hf_config: PretrainedConfig, groups: MegatronGroups, dtype: torch.dtype,
-                device_type: str) -> Any:
+                device_type: str, recompute: bool = False) -> Any:
     """The mbridge bridge of ``hf_config`` on the engine's groups, with the engine's config overrides.
+
+    ``recompute``: Megatron's full activation recompute of every layer (gradient checkpointing).
 
     Raises:
         ValueError: mbridge has no bridge for the architecture.
@@ -61,7 +63,7 @@ def make_bridge(hf_config: PretrainedConfig, groups: MegatronGroups, dtype: torc
     if arch not in _MODEL_REGISTRY:
         raise ValueError(f"mbridge has no bridge for model_type={arch!r}; it has {AutoBridge.list_supported_models()}")
     base = _MODEL_REGISTRY[arch]
-    overrides = cpu_config_overrides(device_type, dtype)
+    overrides = cpu_config_overrides(device_type, dtype, recompute)
 
     class EngineBridge(base):  # type: ignore[misc,valid-type]
         def _build_base_config(self, text_config_key: str | None = None, **kwargs: Any) -> Any:

@@ -53,11 +53,19 @@ class MegatronGroups:
     tp_size: int
 
 
+def _alive(group: dist.ProcessGroup) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):  # destroyed since (e.g. by a test harness)
+        return False
+    return True
+
+
 def _single_rank_group() -> dist.ProcessGroup:
-    """This rank's 1-rank group, created once per process group (every rank creates all of them)."""
+    """This rank's 1-rank group, created once while it lives (every rank creates all of them together)."""
     world = dist.group.WORLD
     cached = _SINGLETONS.get(id(world))
-    if cached is None or cached[0] is not world:
+    if cached is None or cached[0] is not world or not _alive(cached[1]):
         group, _ = dist.new_subgroups(group_size=1)
         _SINGLETONS.clear()
         _SINGLETONS[id(world)] = cached = (world, group)
@@ -148,16 +156,20 @@ def padded_vocab_size(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
 
-def cpu_config_overrides(device_type: str, dtype: torch.dtype) -> dict[str, Any]:
+def cpu_config_overrides(device_type: str, dtype: torch.dtype, recompute: bool = False) -> dict[str, Any]:
     """``TransformerConfig`` fields the engine sets over mbridge's mapping.
 
-    Weights come from the checkpoint (no initialisation), no fused kernels (they need CUDA and apex / TE),
-    no Megatron sequence parallelism (the engine's rows are ``[b, s]``), the engine's dtype.
+    Weights are initialised (on CPU for a CPU engine) and then read from the checkpoint, no fused kernels (they need CUDA and apex / TE),
+    no Megatron sequence parallelism (the engine's rows are ``[b, s]``), the engine's dtype; ``recompute``:
+    Megatron's full recompute of every layer (gradient checkpointing).
     """
     te = uses_transformer_engine(device_type)
-    return {
+    checkpointing = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {**(checkpointing if recompute else {}),
         "use_cpu_initialization": device_type == "cpu",
-        "perform_initialization": False,
+        # initialised, then overwritten by the checkpoint: Megatron's TP layers set their tensor-parallel
+        # attributes (which shard is which) only inside their initialisation
+        "perform_initialization": True,
         "sequence_parallel": False,
         "masked_softmax_fusion": te,
         "bias_activation_fusion": te,
