@@ -61,7 +61,8 @@ def make_bridge(hf_config: PretrainedConfig, groups: MegatronGroups, dtype: torc
     """
     arch = hf_config.model_type
     if arch not in _MODEL_REGISTRY:
-        raise ValueError(f"mbridge has no bridge for model_type={arch!r}; it has {AutoBridge.list_supported_models()}")
+        raise ValueError(f"mbridge has no bridge for model_type={arch!r}; it has "
+                         f"{AutoBridge.list_supported_models()}")
     base = _MODEL_REGISTRY[arch]
     overrides = cpu_config_overrides(device_type, dtype, recompute)
 

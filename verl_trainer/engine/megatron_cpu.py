@@ -33,7 +33,7 @@ CUDA_DEVICE_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.utils",
 )
-"""The Megatron-Core modules that allocate on ``torch.cuda.current_device()`` on the paths a CPU engine runs."""
+"""The Megatron-Core modules that allocate on ``torch.cuda.current_device()`` where a CPU engine runs them."""
 
 
 class _CPUCuda:

@@ -35,8 +35,8 @@ def _counted_once(param: torch.nn.Parameter, tp_rank: int) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float | None, tp_group: dist.ProcessGroup,
-                     tp_rank: int, tp_size: int) -> torch.Tensor:
+def global_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float | None,
+                     tp_group: dist.ProcessGroup, tp_rank: int, tp_size: int) -> torch.Tensor:
     """L2 norm of all gradients over the (dp, tp) layout; clips every gradient to ``max_norm`` when given.
 
     A TP collective. Gradients must already be synchronised over dp.

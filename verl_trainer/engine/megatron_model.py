@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
     from verl_trainer.engine.topology import Topology
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "MegatronGroups", "build_gpt_model", "check_hf_config", "megatron_groups",
-           "rope_theta", "uses_transformer_engine"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "MegatronGroups", "build_gpt_model", "check_hf_config",
+           "megatron_groups", "padded_vocab_size", "rope_theta", "uses_transformer_engine"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 """HF ``model_type`` values the engine builds (dense decoders with RMSNorm, SwiGLU and RoPE)."""
@@ -108,7 +108,9 @@ def rope_theta(hf_config: PretrainedConfig) -> float:
 
 def _rope_type(hf_config: PretrainedConfig) -> str:
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    return str(params.get("rope_type", params.get("type", "default"))) if isinstance(params, dict) else "default"
+    if not isinstance(params, dict):
+        return "default"
+    return str(params.get("rope_type", params.get("type", "default")))
 
 
 def check_hf_config(hf_config: PretrainedConfig, tp: int, device_type: str) -> None:
@@ -159,12 +161,13 @@ def padded_vocab_size(vocab: int, tp: int) -> int:
 def cpu_config_overrides(device_type: str, dtype: torch.dtype, recompute: bool = False) -> dict[str, Any]:
     """``TransformerConfig`` fields the engine sets over mbridge's mapping.
 
-    Weights are initialised (on CPU for a CPU engine) and then read from the checkpoint, no fused kernels (they need CUDA and apex / TE),
-    no Megatron sequence parallelism (the engine's rows are ``[b, s]``), the engine's dtype; ``recompute``:
-    Megatron's full recompute of every layer (gradient checkpointing).
+    Weights are initialised (on CPU for a CPU engine), then read from the checkpoint; fused kernels only with
+    Transformer Engine; no Megatron sequence parallelism (the engine's rows are ``[b, s]``); the engine's
+    dtype; ``recompute``: Megatron's full recompute of every layer (gradient checkpointing).
     """
     te = uses_transformer_engine(device_type)
-    checkpointing = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    checkpointing = {"recompute_granularity": "full", "recompute_method": "uniform",
+                     "recompute_num_layers": 1}
     return {**(checkpointing if recompute else {}),
         "use_cpu_initialization": device_type == "cpu",
         # initialised, then overwritten by the checkpoint: Megatron's TP layers set their tensor-parallel

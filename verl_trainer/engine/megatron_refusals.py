@@ -34,7 +34,8 @@ def check_megatron_request(config: EngineConfig, model_type: str, model_factory:
     if config.ulysses_sequence_parallel_size > 1:
         raise ValueError(
             f"ulysses_sequence_parallel_size={config.ulysses_sequence_parallel_size} is not supported by the "
-            f"megatron engine; use {OTHER_BACKENDS} for Ulysses SP, or tensor_model_parallel_size with megatron"
+            f"megatron engine; use {OTHER_BACKENDS} for Ulysses SP, or tensor_model_parallel_size with "
+            f"megatron"
         )
     if model_factory is not None:
         raise ValueError("the megatron engine builds GPTModel from a HF checkpoint directory "
@@ -52,10 +53,12 @@ def check_megatron_request(config: EngineConfig, model_type: str, model_factory:
     if compute != weights:
         raise ValueError(
             f"the megatron engine computes in the weights' dtype: param_dtype={config.param_dtype!r} differs "
-            f"from model_dtype={config.model_dtype!r} (mixed precision with fp32 master weights is Megatron's "
-            f"distributed optimizer, which is not wired here); use precision='32-true' or 'bf16-true' "
+            f"from model_dtype={config.model_dtype!r} (mixed precision with fp32 master weights is "
+            f"Megatron's distributed optimizer, which is not wired here); use precision='32-true' or "
+            f"'bf16-true' "
             f"(param_dtype = model_dtype), or {OTHER_BACKENDS}"
         )
     if config.enable_gradient_checkpointing and device_type == "cpu":
         raise ValueError("gradient checkpointing with the megatron engine uses Megatron's recompute, which "
-                         "saves CUDA RNG states; it does not run on CPU: set enable_gradient_checkpointing=False")
+                         "saves CUDA RNG states; it does not run on CPU: set "
+                         "enable_gradient_checkpointing=False")
