@@ -1,0 +1,114 @@
+"""HF weights in and out of a Megatron ``GPTModel`` through mbridge (its config and weight mapping).
+
+mbridge (0.15) maps a HF config to a ``TransformerConfig`` and HF tensors to Megatron's (fused QKV, fused
+gate/up, TP splits) and back. Three gaps are closed here, in a subclass of the model's own bridge class
+(:func:`make_bridge`), not in mbridge:
+
+* its names assume Transformer Engine's fused layer norms (``linear_qkv.layer_norm_weight``,
+  ``linear_fc1.layer_norm_weight``); Megatron's local spec (CPU) has ``input_layernorm`` /
+  ``pre_mlp_layernorm``: they are renamed before the mapping (:data:`LOCAL_SPEC_NAMES`);
+* it reads the process groups from Megatron's global ``parallel_state``: the bridge gets the engine's own
+  (``ParallelStates`` built from ``megatron_model.MegatronGroups``);
+* its export broadcasts every tensor over the global pipeline group (and allocates on CUDA for it); the
+  engine has no PP, so :func:`hf_tensors` gathers each TP-split tensor over the engine's TP group and
+  converts it with the bridge's own merge and format functions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from mbridge import AutoBridge
+from mbridge.core.bridge import _MODEL_REGISTRY
+from mbridge.core.parallel_states import ParallelStates
+
+from verl_trainer.engine.megatron_model import cpu_config_overrides, padded_vocab_size
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from transformers import PretrainedConfig
+
+    from verl_trainer.engine.megatron_model import MegatronGroups
+
+__all__ = ["LOCAL_SPEC_NAMES", "hf_tensors", "load_hf_weights", "make_bridge"]
+
+LOCAL_SPEC_NAMES = (
+    (re.compile(r"\.input_layernorm\.weight$"), ".self_attention.linear_qkv.layer_norm_weight"),
+    (re.compile(r"\.pre_mlp_layernorm\.weight$"), ".mlp.linear_fc1.layer_norm_weight"),
+)
+"""Megatron local-spec parameter names -> the TE names mbridge's mappings are written for."""
+
+
+def te_name(name: str) -> str:
+    """``name`` with the local spec's layer-norm names replaced by TE's (other names unchanged)."""
+    for pattern, replacement in LOCAL_SPEC_NAMES:
+        name = pattern.sub(replacement, name)
+    return name
+
+
+def make_bridge(hf_config: PretrainedConfig, groups: MegatronGroups, dtype: torch.dtype,
+                device_type: str, recompute: bool = False) -> Any:
+    """The mbridge bridge of ``hf_config`` on the engine's groups, with the engine's config overrides.
+
+    ``recompute``: Megatron's full activation recompute of every layer (gradient checkpointing).
+
+    Raises:
+        ValueError: mbridge has no bridge for the architecture.
+    """
+    arch = hf_config.model_type
+    if arch not in _MODEL_REGISTRY:
+        raise ValueError(f"mbridge has no bridge for model_type={arch!r}; it has "
+                         f"{AutoBridge.list_supported_models()}")
+    base = _MODEL_REGISTRY[arch]
+    overrides = cpu_config_overrides(device_type, dtype, recompute)
+
+    class EngineBridge(base):  # type: ignore[misc,valid-type]
+        def _build_base_config(self, text_config_key: str | None = None, **kwargs: Any) -> Any:
+            return super()._build_base_config(text_config_key, **{**kwargs, **overrides})
+
+        def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name: str) -> list[str]:
+            return super()._weight_name_mapping_mcore_to_hf(te_name(mcore_weights_name))
+
+    states = ParallelStates(tp_size=groups.tp_size, tp_rank=groups.tp_rank, tp_group=groups.tp_group,
+                            pp_group=groups.collection.pp, cp_group=groups.collection.cp,
+                            ep_group=groups.collection.ep, etp_group=groups.collection.expt_tp, vpp_size=None)
+    bridge = EngineBridge(hf_config, dtype=dtype, parallel_states=states)
+    vocab = int(hf_config.vocab_size)
+    padded = padded_vocab_size(vocab, groups.tp_size)
+    bridge.vocab_size, bridge.padded_vocab_size = vocab, padded
+    bridge.make_vocab_size_divisible_by = groups.tp_size if padded != vocab else None
+    return bridge
+
+
+def load_hf_weights(bridge: Any, model: GPTModel, path: str) -> None:
+    """Read the HF safetensors of ``path`` into ``model`` (mbridge's ``load_weights``); a TP collective."""
+    with torch.no_grad():
+        bridge.load_weights([model], path)
+
+
+def hf_tensors(bridge: Any, model: GPTModel, groups: MegatronGroups,
+               keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` of ``model``, one parameter at a time; a TP collective.
+
+    Every TP rank must iterate to the end (a TP-split parameter is all-gathered when reached). A parameter
+    is skipped, on every rank alike, when ``keep`` accepts none of its HF names.
+    """
+    names = bridge._weight_name_mapping_mcore_local_to_global(model)
+    for local_name, param in model.named_parameters():
+        global_name = names[local_name]
+        hf_names = bridge._weight_name_mapping_mcore_to_hf(global_name)
+        if keep is not None and not any(keep(n) for n in hf_names):
+            continue
+        value = param.detach()
+        if groups.tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            parts = [torch.empty_like(value) for _ in range(groups.tp_size)]
+            dist.all_gather(parts, value.contiguous(), group=groups.tp_group)
+            value = bridge._weight_merge_across_tp(te_name(global_name), parts, param)
+        out_names, out_tensors = bridge._weight_to_hf_format(te_name(global_name), value)
+        for name, tensor in zip(out_names, out_tensors):
+            if keep is None or keep(name):
+                yield name, tensor.contiguous()
