@@ -379,6 +379,63 @@ def _all_gather_lengths(lengths: torch.Tensor, group: dist.ProcessGroup | None) 
     return [g[: int(c)] for g, c in zip(gathered, counts)]
 
 
+def _local_groups(batch: TensorDict) -> torch.Tensor:
+    """``[B]`` long: each sample's group number on this rank (0, 1, ... as ``group_id`` first appears)."""
+    number = torch.empty(batch.batch_size[0], dtype=torch.long)
+    for g, rows in enumerate(schema.sample_groups(batch)):
+        number[torch.as_tensor(rows, dtype=torch.long)] = g
+    return number
+
+
+def _balance_groups(
+    batch: TensorDict, dp_group: dist.ProcessGroup | None, hidden_size: int, batch_multiple: int,
+    equal_size: bool, prefix: str,
+) -> tuple[TensorDict, dict[str, float]]:
+    """:func:`balance_batch` over whole groups (``group_id``): a group's samples go to one rank together."""
+    world, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    per_rank = _all_gather_lengths(schema.sequence_lengths(batch), dp_group)
+    per_rank_groups = _all_gather_lengths(_local_groups(batch), dp_group)
+    lengths = torch.cat(per_rank)
+    group_counts = [int(g.max()) + 1 if g.numel() else 0 for g in per_rank_groups]
+    starts = [sum(group_counts[:r]) for r in range(world)]
+    group_of = torch.cat([g + s for g, s in zip(per_rank_groups, starts)])  # [n] each sample's global group
+    n_groups = sum(group_counts)
+    multiple = math.lcm(world, max(int(batch_multiple), 1))
+    n_pad = (-n_groups) % multiple
+    if n_groups + n_pad < world:
+        n_pad += multiple
+    sample_work = calculate_workload(lengths, hidden_size=hidden_size)
+    group_work = torch.zeros(n_groups, dtype=sample_work.dtype).index_add_(0, group_of, sample_work)
+    pad_work = calculate_workload(torch.ones(n_pad, dtype=torch.long), hidden_size=hidden_size)
+    parts = get_seqlen_balanced_partitions(torch.cat([group_work, pad_work]).tolist(), world, equal_size)
+    owner = torch.empty(n_groups + n_pad, dtype=torch.long)
+    for r, part in enumerate(parts):
+        owner[torch.as_tensor(part, dtype=torch.long)] = r
+    offset = sum(p.numel() for p in per_rank[:rank])
+    mine_groups = group_of[offset : offset + batch.batch_size[0]]
+    tagged = batch.clone(recurse=False)
+    tagged.set(schema.GROUP_ID, mine_groups.to(batch[schema.GROUP_ID].dtype))  # unique over ranks now
+    mine = exchange_samples(tagged, owner[mine_groups], group=dp_group)
+    my_pads = [i for i in parts[rank] if i >= n_groups]
+    if n_pad:  # n_pad is the same on every rank: the all_reduce below is collective
+        uid_max = -1
+        if schema.UID in mine.keys():  # padding uids above every real uid of any rank
+            local = mine[schema.UID].max() if mine.batch_size[0] else torch.tensor(-1)
+            uid_max = int(all_reduce(local.to(torch.long).reshape(1), dp_group, dist.ReduceOp.MAX)[0])
+        if my_pads:
+            extra = schema.padding_samples(mine, len(my_pads))
+            pads = torch.as_tensor(my_pads, dtype=torch.long)
+            extra.set(schema.GROUP_ID, pads.to(mine[schema.GROUP_ID].dtype))
+            if schema.UID in mine.keys():
+                extra.set(schema.UID, (uid_max + 1 + pads - n_groups).to(mine[schema.UID].dtype))
+            mine = torch.cat([schema.with_padding_tag(mine), extra])
+    group_lens = torch.cat([torch.zeros(n_groups, dtype=torch.long).index_add_(0, group_of, lengths),
+                            torch.ones(n_pad, dtype=torch.long)])
+    metrics = log_seqlen_unbalance(group_lens.tolist(), parts, prefix, hidden_size=hidden_size)
+    metrics[f"{prefix}/num_padding_samples"] = float(n_pad)
+    return mine, metrics
+
+
 def balance_batch(
     batch: TensorDict,
     dp_group: dist.ProcessGroup | None = None,
@@ -402,7 +459,14 @@ def balance_batch(
     Returns:
         ``(new_batch, metrics)``: this rank's part (rank-major global order, synthetic samples last) and
         the balance metrics (identical on every rank).
+
+    A batch with a ``group_id`` field (a preference pair) is balanced by whole groups: a group's
+    workload is its samples' sum, ``equal_size`` and ``batch_multiple`` count groups, a padding sample is a
+    group of one, and ``group_id`` comes back renumbered uniquely over the DP group (the metrics then
+    describe the groups' token sums). Without ``group_id`` nothing changes.
     """
+    if schema.GROUP_ID in batch.keys():
+        return _balance_groups(batch, dp_group, hidden_size, batch_multiple, equal_size, prefix)
     world, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
     per_rank = _all_gather_lengths(schema.sequence_lengths(batch), dp_group)
     lengths = torch.cat(per_rank)
