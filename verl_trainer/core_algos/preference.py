@@ -16,7 +16,8 @@ completion tokens); ``|y|`` is the ``loss_mask`` count.
 
 Metrics (TRL's names): ``pref/loss`` (SUM), ``rewards/chosen``, ``rewards/rejected``, ``logps/chosen``,
 ``logps/rejected`` (means over the step's chosen / rejected completions); pairs also ``rewards/margins``
-and ``rewards/accuracies`` (means over pairs); KTO also ``kto/kl`` (the reference point).
+and ``rewards/accuracies`` (means over pairs); ORPO also ``orpo/log_odds_ratio``, ``orpo/log_odds_chosen``
+and ``orpo/nll_loss``; KTO also ``kto/kl`` (the reference point).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from verl_trainer.core_algos.preference_losses import (
     PREFERENCE_LOSS_TYPES,
     REFERENCE_FREE_LOSS_TYPES,
     kto_losses,
+    orpo_log_odds,
     pair_losses,
 )
 from verl_trainer.data import schema
@@ -181,6 +183,13 @@ class PreferenceLoss:
             "logps/chosen": _mean(logps[c].detach(), n),
             "logps/rejected": _mean(logps[r].detach(), n),
         }
+        if cfg.loss_type == "orpo":
+            avg_c = logps[c].detach() / lengths[c].clamp_min(1)
+            avg_r = logps[r].detach() / lengths[r].clamp_min(1)
+            log_odds = orpo_log_odds(avg_c, avg_r)
+            metrics["orpo/log_odds_ratio"] = _mean(torch.nn.functional.logsigmoid(log_odds), n)
+            metrics["orpo/log_odds_chosen"] = _mean(log_odds, n)
+            metrics["orpo/nll_loss"] = _mean(-avg_c, n)
         return loss, metrics
 
     def _kto(self, data: TensorDict | Mapping[str, torch.Tensor], logps: torch.Tensor, ref: torch.Tensor,

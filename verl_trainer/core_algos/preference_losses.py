@@ -18,9 +18,9 @@ the reference, ``|y|`` its token count, ``beta`` the temperature, ``eps`` the la
   ``avg(y) = log pi(y) / |y|``.
 * ``orpo`` (Hong et al. 2024, arXiv:2403.07691, eqs. 2, 4-7; reference-free):
   ``-avg(c) - lambda log sigma(log odds(c) - log odds(r))``, ``log odds(y) = avg(y) - log(1 - exp(avg(y)))``;
-  ``lambda`` is ``beta`` (TRL's name). The NLL term is the paper's per-sequence token mean; TRL's
-  ORPOTrainer takes the token mean over the chosen tokens of its batch, equal when the chosen completions
-  have one length.
+  ``lambda`` is ``beta`` (TRL's name). The NLL term is the paper's: the chosen completion's tokens,
+  averaged per sequence. TRL's ORPOTrainer instead averages the NLL over the prompt and completion tokens
+  of its batch; the odds-ratio term and the rewards are the same.
 * ``kto`` (Ethayarajh et al. 2024, arXiv:2402.01306, eq. 7): per sample, desirable
   ``w_d (1 - sigma(beta (lr(y) - z0)))``, undesirable ``w_u (1 - sigma(beta (z0 - lr(y))))``, with ``z0``
   the KL reference point (:func:`kto_reference_point`).
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "PAIR_LOSS_TYPES", "PREFERENCE_LOSS_TYPES", "REFERENCE_FREE_LOSS_TYPES", "PairLosses", "kto_losses",
-    "kto_reference_point", "log1mexp", "pair_losses",
+    "kto_reference_point", "log1mexp", "orpo_log_odds", "pair_losses",
 ]
 
 PAIR_LOSS_TYPES = ("sigmoid", "ipo", "robust", "simpo", "orpo")
@@ -60,6 +60,11 @@ class PairLosses(NamedTuple):
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """``log(1 - exp(x))`` for ``x < 0``, accurate at both ends (Maechler 2012)."""
     return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo_log_odds(avg_chosen: torch.Tensor, avg_rejected: torch.Tensor) -> torch.Tensor:
+    """ORPO's ``log odds(c) - log odds(r)`` from mean token log-probs ``[p]`` (Hong et al. 2024, eq. 4)."""
+    return (avg_chosen - avg_rejected) - (log1mexp(avg_chosen) - log1mexp(avg_rejected))
 
 
 def _smoothed_logistic(logits: torch.Tensor, eps: float) -> torch.Tensor:
@@ -94,8 +99,7 @@ def pair_losses(loss_type: str, chosen_logps: torch.Tensor, rejected_logps: torc
         if loss_type == "simpo":
             losses = _smoothed_logistic(beta * (avg_c - avg_r - simpo_gamma / beta), label_smoothing)
         else:
-            log_odds = (avg_c - avg_r) - (log1mexp(avg_c) - log1mexp(avg_r))
-            losses = -avg_c - beta * F.logsigmoid(log_odds)
+            losses = -avg_c - beta * F.logsigmoid(orpo_log_odds(avg_c, avg_r))
         return PairLosses(losses, beta * avg_c.detach(), beta * avg_r.detach())
     if loss_type not in PAIR_LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}; choose one of {', '.join(PAIR_LOSS_TYPES)} (or 'kto')")
