@@ -29,9 +29,10 @@ Per-sample values, ``[B]``:
     :mod:`verl_trainer.algorithms.greedy_baseline`).
 
 Sample groups, ``[B]`` (optional; docs/preference.md):
-    group_id (long): samples sharing it are read together by one loss term (a preference pair) and stay
-    on one data-parallel rank (``balance_batch``) and in one micro-batch (``prepare_micro_batches``);
-    unique within a rank (distinct from ``uid``, whose GRPO groups balancing may split). Without it no
+    group_id (long, >= 0): samples sharing it are read together by one loss term (a preference pair):
+    ``balance_batch`` brings them onto one data-parallel rank (ids are unique over the DP group; the
+    preference module offsets each rank's), ``prepare_micro_batches`` keeps them in one micro-batch
+    (distinct from ``uid``, whose GRPO groups balancing may split). Without it no
     sample is tied to another. Preference data also carries ``preferred`` (float32: 1 the chosen /
     desirable completion, 0 the rejected / undesirable one), ``kl_sample`` (bool: a KTO mismatched
     prompt-completion row, read for the KL reference point only) and ``kl_reference`` (float32: KTO's KL
