@@ -1,5 +1,5 @@
 """``group_id``: a group's samples stay on one rank (balance_batch) and in one micro-batch
-(prepare_micro_batches), and the group-mean aggregation (agg_group_loss, GlobalBatchInfo.global_num_groups)."""
+(prepare_micro_batches); the group-mean aggregation (agg_group_loss, GlobalBatchInfo.global_num_groups)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def test_micro_batches_keep_groups_whole_and_restore_order(kwargs):
     batch = pair_batch()
     micro, idx = prepare_micro_batches(batch, **kwargs)
     assert groups_whole(micro) and sum(mb.batch_size[0] for mb in micro) == len(LENS)
-    assert torch.equal(restore_dynamic_batch(torch.cat(micro), idx)[schema.INPUT_IDS], batch[schema.INPUT_IDS])
+    restored = restore_dynamic_batch(torch.cat(micro), idx)
+    assert torch.equal(restored[schema.INPUT_IDS], batch[schema.INPUT_IDS])
     if "max_token_len_per_gpu" in kwargs:
         assert all(int(mb[schema.ATTENTION_MASK].sum()) <= 70 for mb in micro)
     else:  # runs of whole groups of about the asked size (a group larger than it alone)
@@ -73,7 +74,8 @@ def _balance_on_rank(sizes):
     mine, metrics = balance_batch(batch, None, hidden_size=32, batch_multiple=4)
     info = compute_global_batch_info(mine, dist.group.WORLD, dist.get_world_size(), rank)
     micro, _ = prepare_micro_batches(mine, None, use_dynamic_bsz=True, max_token_len_per_gpu=70)
-    return {"groups": mine[schema.GROUP_ID][schema.real_mask(mine)].tolist(), "uids": mine[schema.UID].tolist(),
+    return {"groups": mine[schema.GROUP_ID][schema.real_mask(mine)].tolist(),
+            "uids": mine[schema.UID].tolist(),
             "padding": int((~schema.real_mask(mine)).sum()), "samples": mine.batch_size[0],
             "num_groups": info.global_num_groups, "metrics": metrics, "whole": groups_whole(micro),
             "micro": len(micro)}

@@ -29,16 +29,17 @@ def test_explicit_implicit_and_verl_layouts_encode_to_the_same_pair(tok, tmp_pat
     implicit = PreferenceDataset([{"chosen": "3+4=7", "rejected": "3+4=8"}], tok)
     assert explicit.examples == implicit.examples
     assert explicit.examples[0] == (_ids(tok, "3+4="), _ids(tok, "7") + eos, _ids(tok, "8") + eos)
-    path = save_rows([{"prompt": [{"role": "user", "content": "3+4="}], "chosen": "7", "rejected": "8",
-                       "data_source": "arith", "reward_model": {"ground_truth": "7"}}], tmp_path / "p.parquet")
+    row = {"prompt": [{"role": "user", "content": "3+4="}], "chosen": "7", "rejected": "8",
+           "data_source": "arith", "reward_model": {"ground_truth": "7"}}
+    path = save_rows([row], tmp_path / "p.parquet")
     verl = PreferenceDataset(path, tok).examples[0]  # chat-list prompt through the template
     assert verl.prompt_ids == tok.encode("user: 3+4=\nassistant: ", add_special_tokens=False)
     assert verl.chosen_ids == _ids(tok, "7") + eos
 
 
 def test_conversational_pairs_train_on_the_assistant_turn_only(tok):
-    row = {"prompt": [{"role": "user", "content": "3+4="}],
-           "chosen": [{"role": "assistant", "content": "7"}], "rejected": [{"role": "assistant", "content": "9"}]}
+    row = {"prompt": [{"role": "user", "content": "3+4="}], "chosen": [{"role": "assistant", "content": "7"}],
+           "rejected": [{"role": "assistant", "content": "9"}]}
     ex = PreferenceDataset([row], tok).examples[0]
     assert ex.prompt_ids == _ids(tok, "user: 3+4=\nassistant: ")
     assert ex.chosen_ids == _ids(tok, "7\n") and ex.rejected_ids == _ids(tok, "9\n")
@@ -56,7 +57,8 @@ def test_pair_batch_and_unpaired_batch_layout(tok):
     assert batch[schema.GROUP_ID].tolist() == [0, 0, 1, 1]
     assert batch[schema.PREFERRED].tolist() == [1.0, 0.0, 1.0, 0.0]
     assert batch[schema.LOSS_MASK].sum(-1).tolist() == [2.0] * 4  # answer + eos
-    rows = [{"prompt": "1+1=", "completion": "2", "label": True}, {"prompt": "2+2=", "completion": "5", "label": 0},
+    rows = [{"prompt": "1+1=", "completion": "2", "label": True},
+            {"prompt": "2+2=", "completion": "5", "label": 0},
             {"prompt": "3+3=", "completion": "6", "label": True}]
     unpaired = PreferenceDataset(rows, tok, unpaired=True, kl_chunk_size=3)
     assert [e.kl_ids for e in unpaired.examples] == [e.completion_ids for e in unpaired.examples[-1:]
@@ -64,8 +66,8 @@ def test_pair_batch_and_unpaired_batch_layout(tok):
     batch = unpaired.collate(unpaired.examples)
     assert batch[schema.KL_SAMPLE].tolist() == [False, True] * 3
     assert batch[schema.PREFERRED].tolist() == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
-    kto_from_pairs = PreferenceDataset([{"prompt": "1+1=", "chosen": "2", "rejected": "3"}], tok, unpaired=True,
-                                       kl_chunk_size=2)
+    pair = {"prompt": "1+1=", "chosen": "2", "rejected": "3"}
+    kto_from_pairs = PreferenceDataset([pair], tok, unpaired=True, kl_chunk_size=2)
     assert [e.desirable for e in kto_from_pairs.examples] == [True, False]
 
 
