@@ -24,7 +24,8 @@ import torch
 from tensordict import TensorDict
 
 from tests.engine.common import VOCAB_HIGH, VOCAB_LOW, padded_log_probs, padded_values
-from tests.invariance.cases import MULTI_TURN_LOSS, Case
+from tests.invariance.cases import MULTI_TURN_LOSS, PREFERENCE_LOSSES, Case
+from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.models.loading import load_causal_lm, load_value_model
 
@@ -107,6 +108,28 @@ def multi_turn_batch(batch: TensorDict) -> TensorDict:
     return batch
 
 
+# ---------------------------------------------------------------- preference block (DPO sigmoid, KTO)
+PREFERENCE_KL_REFERENCE = 0.25
+"""KTO's reference point on every sample (the module estimates it before the update; the loss reads it)."""
+
+
+def preference_batch(batch: TensorDict) -> TensorDict:
+    """``batch`` as preference pairs: samples ``2p`` (chosen), ``2p + 1`` (rejected) share ``group_id = p``.
+
+    Pair (8, 9) straddles the uneven dp=2 split (``UNEVEN_SIZES``), so balancing must bring it together;
+    the longest pair (4 + 60 tokens) just fits the dynamic budget of 64. Sample 5 (no loss token) is the
+    rejected of pair 2. KTO reads ``preferred`` as its labels and ``kl_reference`` as its ``z0``.
+    """
+    batch = batch.clone()
+    n = batch.batch_size[0]
+    batch[schema.GROUP_ID] = torch.arange(n) // 2
+    batch[schema.PREFERRED] = (torch.arange(n) % 2 == 0).float()
+    batch[schema.KL_REFERENCE] = torch.full((n,), PREFERENCE_KL_REFERENCE)
+    return batch
+
+
 def batch_for(case: Case, batch: TensorDict) -> TensorDict:
     """The global batch ``case`` trains on: :func:`multi_turn_batch` for ``ppo_mt``, else ``batch``."""
+    if case.loss in PREFERENCE_LOSSES:
+        return preference_batch(batch)
     return multi_turn_batch(batch) if case.loss == MULTI_TURN_LOSS else batch

@@ -219,6 +219,24 @@ def library_backend_cases(strategy: str) -> list[Case]:
             in product(LIBRARY_LOSSES, LIBRARY_AGG_MODES, LIBRARY_LAYOUTS, ("one", "dynamic"))]
 
 
+# ---------------------------------------------------------------- preference block (DPO sigmoid, KTO)
+PREFERENCE_LOSSES = ("dpo", "kto")
+"""Preference losses (``core_algos/preference.py``) on the paired batch (``batch.preference_batch``)."""
+PREFERENCE_AGG = {"dpo": "pair-mean", "kto": "sample-mean"}
+"""Their aggregation (per-pair / per-sample terms over the step's global counts), named in the case id."""
+PREFERENCE_MICRO = ("one", "dynamic")
+
+
+def preference_cases() -> list[Case]:
+    """The preference block: DPO sigmoid and KTO on dp in {1, 2} x micro one / dynamic x balancing off / on
+    (pairs kept whole) with fsdp2, plus fsdp and deepspeed on dp=2 + dynamic + balancing."""
+    cases = [Case(loss, PREFERENCE_AGG[loss], dp, micro, bal, "fsdp2")
+             for loss, dp, micro, bal in product(PREFERENCE_LOSSES, (1, 2), PREFERENCE_MICRO, (False, True))]
+    cases += [Case(loss, PREFERENCE_AGG[loss], 2, "dynamic", True, strategy)
+              for loss, strategy in product(PREFERENCE_LOSSES, STRATEGIES[1:])]
+    return cases
+
+
 def all_cases() -> list[Case]:
     """The whole matrix (references excluded), in a stable order."""
     cases: set[Case] = set()
@@ -235,6 +253,7 @@ def all_cases() -> list[Case]:
     cases.update(multi_turn_cases())
     for strategy in LIBRARY_BACKENDS:
         cases.update(library_backend_cases(strategy))
+    cases.update(preference_cases())
     return sorted(c for c in cases if not c.is_reference)
 
 

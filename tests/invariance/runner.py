@@ -21,7 +21,14 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from tests.invariance.batch import BATCH_MULTIPLE, batch_for, shard_for
-from tests.invariance.cases import CORRECTION_LOSS, LIBRARY_BACKENDS, PPO_LOSSES, XFAIL, Case
+from tests.invariance.cases import (
+    CORRECTION_LOSS,
+    LIBRARY_BACKENDS,
+    PPO_LOSSES,
+    PREFERENCE_LOSSES,
+    XFAIL,
+    Case,
+)
 from verl_trainer.callbacks.sequence_balancing import balance_batch
 from verl_trainer.core_algos import RolloutCorrectionConfig
 from verl_trainer.core_algos.losses import (
@@ -32,6 +39,7 @@ from verl_trainer.core_algos.losses import (
     sft_loss,
     value_loss,
 )
+from verl_trainer.core_algos.preference import PreferenceLossConfig, preference_loss
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
 from verl_trainer.engine.registry import missing_package
 from verl_trainer.metrics import reduce_metrics
@@ -84,6 +92,9 @@ def make_loss_fn(case: Case) -> Callable[..., Any]:
         return ppo_loss(PPOLossConfig(loss_agg_mode=case.agg, entropy_coeff=0.01, use_kl_loss=True,
                                       kl_loss_coef=0.1, kl_loss_type="low_var_kl",
                                       loss_scale_factor=factor), correction)
+    if case.loss in PREFERENCE_LOSSES:  # the preference block: DPO sigmoid / KTO, beta 0.5
+        loss_type = "sigmoid" if case.loss == "dpo" else "kto"
+        return preference_loss(PreferenceLossConfig(loss_type=loss_type, beta=0.5, undesirable_weight=1.5))
     if case.loss == "value":
         return value_loss(ValueLossConfig(cliprange_value=0.5, loss_agg_mode=case.agg,
                                           loss_scale_factor=factor))
@@ -224,6 +235,7 @@ def chunk_key(case: Case) -> tuple:
     cases in spawns of their own (its library's process-wide state stays out of the others').
     """
     loss = "ppo" if case.loss in PPO_LOSSES else case.loss  # the correction and multi-turn join ppo's spawn
+    loss = "preference" if case.loss in PREFERENCE_LOSSES else loss  # DPO and KTO share their spawns
     if case in XFAIL:
         return case.world, case.sp, loss, case.id
     if case.strategy in LIBRARY_BACKENDS:

@@ -69,12 +69,16 @@ class GlobalBatchInfo:
         global_batch_size: Number of real (``is_padding == False``) samples in the step on all DP
             ranks.
         dp_rank: This rank's data-parallel rank.
+        global_num_groups: Number of sample groups (distinct ``group_id`` among the real samples, e.g.
+            preference pairs) in the step on all DP ranks; ``None`` when the batch has no ``group_id``.
+            The denominator of :func:`agg_group_loss`.
     """
 
     dp_size: int
     batch_num_tokens: int
     global_batch_size: int
     dp_rank: int = 0
+    global_num_groups: int | None = None
 
     @classmethod
     def from_batch(cls, data: TensorDict | Mapping[str, torch.Tensor]) -> GlobalBatchInfo:
@@ -84,8 +88,9 @@ class GlobalBatchInfo:
         without info agrees with the engine on a single-process, single-micro-batch step.
         """
         counts = local_counts(data)
+        groups = local_num_groups(data)
         return cls(dp_size=1, batch_num_tokens=int(round(float(counts[0]))),
-                   global_batch_size=int(round(float(counts[1]))))
+                   global_batch_size=int(round(float(counts[1]))), global_num_groups=groups)
 
 
 def loss_mask_of(data: TensorDict | Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -113,6 +118,20 @@ def local_counts(data: TensorDict | Mapping[str, torch.Tensor]) -> torch.Tensor:
     return torch.stack([num_tokens, num_samples])
 
 
+def local_num_groups(data: TensorDict | Mapping[str, torch.Tensor]) -> int | None:
+    """Distinct ``group_id`` values among this rank's real samples; ``None`` without a ``group_id`` field.
+
+    A group is counted on the rank that holds it; a group split over ranks would count once per rank,
+    which is why balancing and micro-batching keep a group's samples together (docs/preference.md).
+    """
+    if schema.GROUP_ID not in data.keys():
+        return None
+    ids = data[schema.GROUP_ID]
+    if schema.IS_PADDING in data.keys():
+        ids = ids[~data[schema.IS_PADDING].to(torch.bool)]
+    return int(torch.unique(ids).numel())
+
+
 def compute_global_batch_info(
     data: TensorDict | Mapping[str, torch.Tensor], dp_group: dist.ProcessGroup | None, dp_size: int,
     dp_rank: int,
@@ -126,10 +145,15 @@ def compute_global_batch_info(
         dp_rank: This rank's DP rank.
 
     Returns:
-        ``GlobalBatchInfo(dp_size, batch_num_tokens, global_batch_size, dp_rank)``.
+        ``GlobalBatchInfo(dp_size, batch_num_tokens, global_batch_size, dp_rank, global_num_groups)``;
+        ``global_num_groups`` only when ``data`` has a ``group_id`` field (then the all-reduce carries a
+        third number; every rank of a step has the same fields).
 
     """
     counts = local_counts(data)
+    groups = local_num_groups(data)
+    if groups is not None:
+        counts = torch.cat([counts, torch.tensor([float(groups)], dtype=torch.float64)])
     if dp_group is not None and dp_size > 1:
         counts = all_reduce(counts, dp_group)
     return GlobalBatchInfo(
@@ -137,7 +161,39 @@ def compute_global_batch_info(
         batch_num_tokens=int(round(float(counts[0]))),
         global_batch_size=int(round(float(counts[1]))),
         dp_rank=dp_rank,
+        global_num_groups=None if groups is None else int(round(float(counts[2]))),
     )
+
+
+def agg_group_loss(group_losses: torch.Tensor, global_num_groups: int | None,
+                   dp_size: int = 1) -> torch.Tensor:
+    """This micro-batch's partial loss of per-group terms: ``sum_g l_g / global_num_groups * dp``.
+
+    The group-mean aggregation (one loss term per group of samples, e.g. a DPO pair): summed over the
+    micro-batches and averaged over the DP ranks, the partial values equal the mean of ``l_g`` over every
+    group of the step, whatever the dp size and micro-batching (each group lies whole in one micro-batch).
+
+    Args:
+        group_losses: ``[g]`` the loss of each group in this micro-batch (``g`` may be 0).
+        global_num_groups: Groups of the whole step on all DP ranks
+            (:attr:`GlobalBatchInfo.global_num_groups`); ``None`` with ``dp_size == 1``: the local count.
+        dp_size: Data-parallel size.
+
+    Returns:
+        A scalar tensor (0 for a step without groups).
+
+    Raises:
+        ValueError: ``dp_size > 1`` without ``global_num_groups``.
+    """
+    if global_num_groups is None:
+        if dp_size > 1:
+            raise ValueError(
+                f"agg_group_loss with dp_size={dp_size} needs global_num_groups, the groups of the whole "
+                "step on all DP ranks (GlobalBatchInfo.global_num_groups: give the batch a 'group_id' "
+                "field); a local count would make the loss depend on how the batch is split."
+            )
+        global_num_groups = group_losses.numel()
+    return _safe_div(group_losses.sum(), global_num_groups) * dp_size
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

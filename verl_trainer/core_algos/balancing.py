@@ -379,6 +379,89 @@ def _all_gather_lengths(lengths: torch.Tensor, group: dist.ProcessGroup | None) 
     return [g[: int(c)] for g, c in zip(gathered, counts)]
 
 
+def _group_keys(batch: TensorDict) -> torch.Tensor:
+    """``[B]`` long: ``group_id`` of a real sample, ``-1 - row`` of a padding sample (a group alone)."""
+    keys = batch[schema.GROUP_ID].to(torch.long).clone()
+    padding = ~schema.real_mask(batch)
+    keys[padding] = -1 - torch.nonzero(padding).view(-1)
+    return keys
+
+
+def _assign_groups(sizes: list[int], work: list[float], world: int,
+                   equal_size: bool) -> list[list[int]] | None:
+    """Groups per rank, the heaviest first onto the least loaded rank that has room (LPT).
+
+    With ``equal_size`` every rank gets ``sum(sizes) / world`` samples; ``None`` when the groups do not fit
+    that way (the caller adds padding samples, groups of one, and tries again).
+    """
+    target = sum(sizes) // world if equal_size else None
+    loads, counts = [0.0] * world, [0] * world
+    parts: list[list[int]] = [[] for _ in range(world)]
+    for g in sorted(range(len(sizes)), key=lambda g: (-work[g], -sizes[g], g)):
+        room = [r for r in range(world) if target is None or counts[r] + sizes[g] <= target]
+        if not room:
+            return None
+        r = min(room, key=lambda r: (loads[r], counts[r], r))
+        parts[r].append(g)
+        loads[r] += work[g]
+        counts[r] += sizes[g]
+    return parts if all(parts) else None
+
+
+def _balance_groups(
+    batch: TensorDict, dp_group: dist.ProcessGroup | None, hidden_size: int, batch_multiple: int,
+    equal_size: bool, prefix: str,
+) -> tuple[TensorDict, dict[str, float]]:
+    """:func:`balance_batch` by whole groups (``group_id`` over the DP group): a group ends on one rank."""
+    world, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    per_rank = _all_gather_lengths(schema.sequence_lengths(batch), dp_group)
+    per_rank_keys = _all_gather_lengths(_group_keys(batch), dp_group)
+    offsets = [sum(p.numel() for p in per_rank[:r]) for r in range(world)]
+    keys = torch.cat([torch.where(k < 0, k - off, k) for k, off in zip(per_rank_keys, offsets)])
+    lengths = torch.cat(per_rank)
+    n_real = lengths.numel()
+    _, group_of = torch.unique(keys, return_inverse=True)  # [n_real] each sample's group
+    n_groups = int(group_of.max()) + 1 if n_real else 0
+    sizes = torch.bincount(group_of, minlength=n_groups).tolist()
+    sample_work = calculate_workload(lengths, hidden_size=hidden_size).to(torch.float64)
+    work = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_of, sample_work).tolist()
+    multiple = math.lcm(world, max(int(batch_multiple), 1))
+    n_pad = (-n_real) % multiple
+    if n_real + n_pad < world:
+        n_pad += multiple
+    pad_work = float(calculate_workload([1], hidden_size=hidden_size)[0])
+    # the groups may not fit equal counts: more padding samples (groups of one) until they do; each round
+    # raises the per-rank count, so a group of any size fits eventually
+    while (parts := _assign_groups(sizes + [1] * n_pad, work + [pad_work] * n_pad, world,
+                                   equal_size)) is None:
+        n_pad += multiple
+    owner = torch.empty(n_groups + n_pad, dtype=torch.long)
+    for r, part in enumerate(parts):
+        owner[torch.as_tensor(part, dtype=torch.long)] = r
+    mine = exchange_samples(batch, owner[group_of[offsets[rank]: offsets[rank] + batch.batch_size[0]]],
+                            group=dp_group)
+    if n_pad:  # n_pad is the same on every rank: the all_reduce below is collective
+        uid_max = -1
+        if schema.UID in mine.keys():  # padding uids above every real uid of any rank
+            local = mine[schema.UID].max() if mine.batch_size[0] else torch.tensor(-1)
+            uid_max = int(all_reduce(local.to(torch.long).reshape(1), dp_group, dist.ReduceOp.MAX)[0])
+        my_pads = torch.as_tensor([g - n_groups for g in parts[rank] if g >= n_groups], dtype=torch.long)
+        if my_pads.numel():
+            extra = schema.padding_samples(mine, my_pads.numel())
+            first_id = int(keys.max()) + 1 if n_real else 0  # above every group_id of any rank
+            extra.set(schema.GROUP_ID, (first_id + my_pads).to(mine[schema.GROUP_ID].dtype))
+            if schema.UID in mine.keys():
+                extra.set(schema.UID, (uid_max + 1 + my_pads).to(mine[schema.UID].dtype))
+            mine = torch.cat([schema.with_padding_tag(mine), extra])
+    members = [torch.nonzero(group_of == g).view(-1).tolist() for g in range(n_groups)]
+    members += [[n_real + j] for j in range(n_pad)]
+    sample_parts = [sorted(i for g in part for i in members[g]) for part in parts]
+    all_lengths = torch.cat([lengths, torch.ones(n_pad, dtype=torch.long)])
+    metrics = log_seqlen_unbalance(all_lengths.tolist(), sample_parts, prefix, hidden_size=hidden_size)
+    metrics[f"{prefix}/num_padding_samples"] = float(n_pad)
+    return mine, metrics
+
+
 def balance_batch(
     batch: TensorDict,
     dp_group: dist.ProcessGroup | None = None,
@@ -402,7 +485,16 @@ def balance_batch(
     Returns:
         ``(new_batch, metrics)``: this rank's part (rank-major global order, synthetic samples last) and
         the balance metrics (identical on every rank).
+
+    A batch with a ``group_id`` field (a preference pair; ids unique over the DP group, >= 0) is balanced by
+    whole groups: the samples sharing an id, on whichever ranks they start, end on one rank. Groups are
+    placed heaviest first (workload: their samples' sum) on the least loaded rank with room; with
+    ``equal_size`` every rank gets the same number of samples, padding samples (groups of one, fresh
+    ``group_id`` and ``uid``) filling up, more of them when the groups would not fit otherwise. Without
+    ``group_id`` nothing changes.
     """
+    if schema.GROUP_ID in batch.keys():
+        return _balance_groups(batch, dp_group, hidden_size, batch_multiple, equal_size, prefix)
     world, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
     per_rank = _all_gather_lengths(schema.sequence_lengths(batch), dp_group)
     lengths = torch.cat(per_rank)

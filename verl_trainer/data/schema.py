@@ -28,7 +28,18 @@ Per-sample values, ``[B]``:
     reward_baselines (float32; ReMax: the reward of the greedy response to the sample's prompt,
     :mod:`verl_trainer.algorithms.greedy_baseline`).
 
+Sample groups, ``[B]`` (optional; docs/preference.md):
+    group_id (long, >= 0): samples sharing it are read together by one loss term (a preference pair):
+    ``balance_batch`` brings them onto one data-parallel rank (ids are unique over the DP group; the
+    preference module offsets each rank's), ``prepare_micro_batches`` keeps them in one micro-batch
+    (distinct from ``uid``, whose GRPO groups balancing may split). Without it no
+    sample is tied to another. Preference data also carries ``preferred`` (float32: 1 the chosen /
+    desirable completion, 0 the rejected / undesirable one), ``kl_sample`` (bool: a KTO mismatched
+    prompt-completion row, read for the KL reference point only) and ``kl_reference`` (float32: KTO's KL
+    reference point of the step, the same value on every sample).
+
 The batch's behaviour lives here too, one definition each: :func:`sequence_lengths`, :func:`real_mask`,
+:func:`sample_groups`,
 :func:`num_real`, :func:`padding_samples` / :func:`append_padding` (synthetic samples that train
 nothing), :func:`tensor_only`, the per-sample Python objects as lists (:func:`non_tensor_lists`) and the
 prompts without their left padding (:func:`prompt_token_lists`); a batch that lacks what they need
@@ -65,6 +76,10 @@ PROMPT_LEN = "prompt_len"
 RESPONSE_LEN = "response_len"
 IS_PADDING = "is_padding"
 REWARD_BASELINES = "reward_baselines"
+GROUP_ID = "group_id"
+PREFERRED = "preferred"
+KL_SAMPLE = "kl_sample"
+KL_REFERENCE = "kl_reference"
 
 GROUND_TRUTH = "ground_truth"
 DATA_SOURCE = "data_source"
@@ -135,6 +150,22 @@ def num_real(batch: TensorDict) -> int:
 def tensor_only(batch: TensorDict) -> TensorDict:
     """``batch`` without its non-tensor entries (before sample exchange, balancing or an engine)."""
     return batch.exclude(*[k for k in batch.keys() if is_non_tensor(batch.get(k))])
+
+
+def sample_groups(batch: TensorDict) -> list[list[int]]:
+    """Row indices of each ``group_id`` group, in order of first appearance; a padding row is a group alone.
+
+    Raises:
+        BatchSchemaError: ``batch`` has no ``group_id``.
+    """
+    if GROUP_ID not in batch.keys():
+        raise BatchSchemaError(f"the batch has no {GROUP_ID!r} (keys: {sorted(batch.keys())})")
+    ids = batch[GROUP_ID].tolist()
+    padding = real_mask(batch).logical_not().tolist()
+    groups: dict[object, list[int]] = {}
+    for i, (gid, pad) in enumerate(zip(ids, padding)):
+        groups.setdefault(("padding", i) if pad else gid, []).append(i)
+    return list(groups.values())
 
 
 def _shortest_real_sample(batch: TensorDict) -> int:

@@ -28,6 +28,7 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
 
+from verl_trainer.data import schema
 from verl_trainer.data.hf_batch import to_schema_batch
 from verl_trainer.data.loader_position import LoaderPosition, limited_batches
 from verl_trainer.data.schema import mark_padding
@@ -131,7 +132,11 @@ def as_dataloader(source: Any, what: str) -> DataLoader:
 
 
 def _tagged(batch: Any, rows: torch.Tensor) -> Any:
-    """``batch`` with ``rows`` turned into padding samples (unchanged when none is)."""
+    """``batch`` with ``rows`` turned into padding samples (unchanged when none is).
+
+    ``rows`` has one entry per dataset item; a batch of several samples per item (preference pairs) carries
+    ``group_id`` = the item's index in the batch (``verl_trainer.data.preference``), which maps them.
+    """
     if not isinstance(batch, TensorDict):
         if rows.any():
             raise TypeError(
@@ -139,6 +144,10 @@ def _tagged(batch: Any, rows: torch.Tensor) -> Any:
                 f"over the DP ranks from the metrics, got {type(batch).__name__}"
             )
         return batch
+    if rows.numel() != batch.batch_size[0] and schema.GROUP_ID in batch.keys():
+        item = batch[schema.GROUP_ID].long()
+        if item.numel() and 0 <= int(item.min()) and int(item.max()) < rows.numel():
+            rows = rows[item]
     if rows.numel() != batch.batch_size[0]:
         raise ValueError(f"batch of {batch.batch_size[0]} samples for {rows.numel()} sampled indices")
     return mark_padding(batch, rows)

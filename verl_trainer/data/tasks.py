@@ -128,6 +128,21 @@ def sft_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [{"prompt": r["prompt"], "response": str(r["reward_model"]["ground_truth"])} for r in rows]
 
 
+def preference_rows(rows: Sequence[Mapping[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
+    """Preference pairs ``{"prompt", "chosen", "rejected"}`` from SFT rows of the arithmetic task.
+
+    ``chosen`` is the row's answer; ``rejected`` a wrong one, the answer plus an offset in ``[-3, 3]`` other
+    than 0, drawn per row from ``seed`` (a negative number for an answer below the offset).
+    """
+    rng = random.Random(seed)
+    out = []
+    for r in rows:
+        answer = int(r["response"])
+        offset = rng.choice([-3, -2, -1, 1, 2, 3])
+        out.append({"prompt": r["prompt"], "chosen": str(answer), "rejected": str(answer + offset)})
+    return out
+
+
 def tool_trace_rows(rows: Sequence[Mapping[str, Any]], end_of_turn: str = "<eos>") -> list[dict[str, Any]]:
     """Calculator tool-use traces as SFT chat rows (``messages``; the loss on the assistant turns only).
 

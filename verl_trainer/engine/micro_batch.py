@@ -15,6 +15,13 @@ verl 0.9.1's names and semantics (``verl/utils/seqlen_balancing.py``: ``rearrang
 
 Sample lengths come from ``data["seq_len"]`` (else ``attention_mask.sum(-1)``). Figures against verl:
 docs/benchmarks.md (dynamic micro-batching).
+
+Groups: a batch with a ``group_id`` field (``verl_trainer.data.schema``; a preference pair) is planned over
+its groups instead of its samples, so the samples of a group land in one micro-batch: dynamic mode packs
+groups by their token sums (a group longer than the budget is the same ``ValueError``), fixed mode takes
+runs of whole groups of about ``micro_batch_size_per_gpu`` samples (a group larger than that is a
+micro-batch of its own). Padding samples (``is_padding``) are groups of one. Without ``group_id`` nothing
+changes.
 """
 
 from __future__ import annotations
@@ -301,19 +308,24 @@ def prepare_micro_batches(
         ``(micro_batches, indices)``. Fixed mode: contiguous slices of ``data`` and ``None`` (order
         unchanged). Dynamic mode: the micro-batches and the original sample index of each of their
         rows, flattened in micro-batch order; pass it to :func:`restore_dynamic_batch` to put outputs
-        back in order. ``-1`` marks a padding sample (a rank with fewer samples than the count).
+        back in order. ``-1`` marks a padding sample (a rank with fewer samples than the count). A batch
+        with ``group_id`` is split by whole groups (module docstring) and always returns the index list.
 
     Raises:
         ValueError: For missing/invalid sizes, or (dynamic, on every rank) a sample over the budget.
     """
     if not isinstance(sp_size, (int, np.integer)) or sp_size < 1:
         raise ValueError(f"sp_size must be a positive integer, got {sp_size!r}")
+    grouped = schema.GROUP_ID in data.keys()
     if use_dynamic_bsz:
         if not isinstance(max_token_len_per_gpu, (int, np.integer)) or max_token_len_per_gpu < 1:
             raise ValueError(
                 f"use_dynamic_bsz=True needs max_token_len_per_gpu as a positive integer, "
                 f"got {max_token_len_per_gpu!r}"
             )
+        if grouped:
+            return _grouped_micro_batches(data, dp_group, same_micro_num_in_dp, None,
+                                          int(max_token_len_per_gpu) * int(sp_size), min_num_micro_batch)
         micro, parts = rearrange_micro_batches(
             data,
             int(max_token_len_per_gpu) * int(sp_size),
@@ -327,9 +339,64 @@ def prepare_micro_batches(
             f"fixed micro-batching needs micro_batch_size_per_gpu as a positive integer, got "
             f"{micro_batch_size_per_gpu!r} (or pass use_dynamic_bsz=True with max_token_len_per_gpu)"
         )
+    if grouped:
+        return _grouped_micro_batches(data, dp_group, same_micro_num_in_dp, int(micro_batch_size_per_gpu),
+                                      None, min_num_micro_batch)
     return _fixed_micro_batches(
         data, int(micro_batch_size_per_gpu), dp_group, same_micro_num_in_dp, min_num_micro_batch
     )
+
+
+def _expand(parts: list[list[int]], groups: list[list[int]]) -> list[list[int]]:
+    return [sorted(i for g in part for i in groups[g]) for part in parts]
+
+
+def _grouped_micro_batches(
+    data: TensorDict, dp_group: dist.ProcessGroup | None, same_micro_num_in_dp: bool, size: int | None,
+    budget: int | None, min_num: int | None,
+) -> tuple[list[TensorDict], list[int]]:
+    """Micro-batches of whole groups (module docstring): fixed (``size``) or dynamic (``budget``)."""
+    groups = schema.sample_groups(data)
+    lens = schema.sequence_lengths(data).detach().cpu().numpy()
+    group_lens = np.asarray([int(lens[g].sum()) for g in groups], dtype=np.int64)
+    n = len(groups)
+    local_max = int(group_lens.max()) if n else 0
+    if budget is not None:
+        packing = min_micro_batches(group_lens, budget) if local_max <= budget else []
+        num = len(packing)
+    else:
+        runs: list[list[int]] = []
+        for g, members in enumerate(groups):
+            if not runs or sum(len(groups[h]) for h in runs[-1]) + len(members) > size:
+                runs.append([])
+            runs[-1].append(g)
+        num = len(runs)
+    global_max = local_max
+    if same_micro_num_in_dp:
+        global_max, num = _all_reduce_max([local_max, num], dp_group)
+    if budget is not None and global_max > budget:
+        raise ValueError(
+            f"a sample group (group_id) of {global_max} tokens is longer than the micro-batch token budget "
+            f"{budget} (max_token_len_per_gpu * sp_size; its samples must share a micro-batch); raise "
+            "max_token_len_per_gpu or truncate the sequences"
+        )
+    num = max(num, min_num or 0)
+    if budget is not None:
+        parts = plan_micro_batches(group_lens, budget, num, packing)
+    elif num == len(runs):
+        parts = runs
+    elif n >= num:  # more micro-batches than this rank's runs: split the groups evenly, order unchanged
+        bounds = np.linspace(0, n, num + 1).round().astype(int).tolist()
+        parts = [list(range(bounds[i], bounds[i + 1])) for i in range(num)]
+    else:
+        parts = [[g] for g in range(n)]
+    rows = _expand(parts, groups)
+    flat = torch.as_tensor([i for p in rows for i in p], dtype=torch.long)
+    micro = list(data[flat].split([len(p) for p in rows])) if rows else []
+    if num > len(rows):
+        micro += [schema.padding_samples(data, 1)] * (num - len(rows))
+        rows += [[-1]] * (num - len(rows))
+    return micro, list(chain.from_iterable(rows))
 
 
 def get_reverse_idx(idx_map: Sequence[int] | torch.Tensor) -> list[int] | torch.Tensor:

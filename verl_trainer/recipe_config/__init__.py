@@ -8,6 +8,7 @@ schemas are in :mod:`verl_trainer.recipe_config.recipes`.
 from verl_trainer.recipe_config.loading import config_to_yaml, load_config, parse_recipe_args
 from verl_trainer.recipe_config.recipes import (
     DEMO_MODEL_PATH,
+    DPORecipeConfig,
     GRPORecipeConfig,
     ModelConfig,
     PPORecipeConfig,
@@ -20,6 +21,7 @@ from verl_trainer.recipe_config.recipes import (
 
 __all__ = [
     "DEMO_MODEL_PATH",
+    "DPORecipeConfig",
     "GRPORecipeConfig",
     "ModelConfig",
     "PPORecipeConfig",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from verl_trainer.algorithms.config import GRPOConfig, PPOConfig
 from verl_trainer.algorithms.data import DataConfig
+from verl_trainer.algorithms.preference import PreferenceConfig
 from verl_trainer.algorithms.sft import SFTConfig
 from verl_trainer.callbacks import ModelCheckpoint, ProgressBar
 from verl_trainer.callbacks.sequence_balancing import SequenceBalancing
@@ -44,6 +45,7 @@ NAMED_LOGGERS = frozenset({"wandb", "mlflow"})
 __all__ = [
     "CheckpointConfig",
     "DEMO_MODEL_PATH",
+    "DPORecipeConfig",
     "GRPORecipeConfig",
     "ModelConfig",
     "PPORecipeConfig",
@@ -318,3 +320,19 @@ class PPORecipeConfig:
     data: DataConfig = field(default_factory=DataConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     algorithm: PPOConfig = field(default_factory=PPOConfig)
+
+
+@dataclass
+class DPORecipeConfig:
+    """``recipes/dpo.py``: preference optimisation; ``export_dir`` gets the trained model.
+
+    ``algorithm.loss.loss_type``: sigmoid, ipo, robust, simpo, orpo or kto; ``export_dir`` default
+    ``<default_root_dir>/hf``.
+    """
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: PreferenceConfig = field(default_factory=PreferenceConfig)
+    export_dir: str | None = None
