@@ -188,8 +188,16 @@ class DistillGRPO(GRPO):
                 TEACHER_ENGINE: EngineSpec("language_model", self._teacher_engine(), None)}
 
     def configure_engines(self) -> dict[str, EngineSpec]:
-        """GRPO's engines and the teacher's, after the tokenizer check (:func:`check_same_tokenizer`)."""
+        """GRPO's engines and the teacher's, after the tokenizer check (:func:`check_same_tokenizer`).
+
+        A student checkpoint that does not exist yet (a recipe's warm start, written after its checks) is
+        checked when ``fit`` configures the engines, before any model loads.
+        """
         specs = super().configure_engines()  # refuses an empty model_path first
+        try:
+            resolve_model_path(self.config.model_path)
+        except (OSError, ValueError):
+            return specs
         check_same_tokenizer(self.config.model_path, self.config.distill.teacher.model_path,
                              self.config.distill.top_k)
         return specs
