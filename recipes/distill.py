@@ -1,8 +1,9 @@
 """On-policy distillation on the synthetic arithmetic task: a small student learns from a wider teacher, CPU.
 
     python recipes/distill.py                                         # configs/distill.yaml
-    python recipes/distill.py algorithm.distill.mode=loss algorithm.distill.kl_estimator=k2
-    python recipes/distill.py algorithm.distill.top_k=8               # + the top-k forward KL loss term
+    python recipes/distill.py algorithm.distill.mode=reward algorithm.distill.kl_estimator=k1 \
+        algorithm.distill.top_k=0                                     # -k1 per token as a dense reward
+    python recipes/distill.py algorithm.distill.top_k=0               # the reverse-KL term alone
     python recipes/distill.py algorithm.distill.teacher.model_path=path/to/teacher
     verl-trainer distill ...                                          # the same from a pip install
 
