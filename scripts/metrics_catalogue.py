@@ -42,6 +42,12 @@ RUNS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("PPO", "`recipes/ppo.py` with a KL penalty in the reward", "ppo",
      (*RL, "algorithm.critic.warmup_steps=1", "algorithm.critic.engine.micro_batch_size_per_gpu=2",
       "algorithm.use_kl_in_reward=true")),
+    ("Distill", "`recipes/distill.py` in reward mode with a top-k term, the teacher the student's model",
+     "distill", (*RL, "teacher.validate=false", "algorithm.distill.teacher.model_path=${model.path}",
+                 "algorithm.distill.mode=reward", "algorithm.distill.top_k=2")),
+    ("Distill-loss", "`recipes/distill.py` in loss mode, no top-k term", "distill",
+     (*RL, "teacher.validate=false", "algorithm.distill.teacher.model_path=${model.path}",
+      "algorithm.distill.mode=loss", "algorithm.distill.top_k=0")),
 )
 
 HEADER = """# Metrics

@@ -24,7 +24,8 @@ import torch
 from tensordict import TensorDict
 
 from tests.engine.common import VOCAB_HIGH, VOCAB_LOW, padded_log_probs, padded_values
-from tests.invariance.cases import MULTI_TURN_LOSS, PREFERENCE_LOSSES, Case
+from tests.invariance.cases import DISTILL_LOSSES, MULTI_TURN_LOSS, PREFERENCE_LOSSES, Case
+from tests.invariance.distill import distill_batch
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.models.loading import load_causal_lm, load_value_model
@@ -132,4 +133,6 @@ def batch_for(case: Case, batch: TensorDict) -> TensorDict:
     """The global batch ``case`` trains on: :func:`multi_turn_batch` for ``ppo_mt``, else ``batch``."""
     if case.loss in PREFERENCE_LOSSES:
         return preference_batch(batch)
+    if case.loss in DISTILL_LOSSES:  # the distillation block: the batch with a teacher's fields
+        return distill_batch(batch, VOCAB_LOW, VOCAB_HIGH, top_k=case.loss == "distill_topk")
     return multi_turn_batch(batch) if case.loss == MULTI_TURN_LOSS else batch

@@ -74,6 +74,16 @@ PPO_LOSSES = ("ppo", CORRECTION_LOSS, MULTI_TURN_LOSS)
 
 REFERENCE_STRATEGY = "fsdp2"
 
+# ---- distillation block (algorithms/distill.py): the distillation loss terms alone, on the batch with the
+# teacher's fields (batch.distill_batch) ----
+DISTILL_LOSSES = ("distill_k1", "distill_k3", "distill_topk")
+"""Reverse KL to the teacher as a loss term with the k1 / k3 estimator; the top-k forward KL (tail) + k3."""
+DISTILL_AGG_MODES = ("token-mean",)
+DISTILL_DP_SIZES = (1, 2)
+DISTILL_MICRO = ("one", "fixed1", "dynamic")
+DISTILL_STRATEGY_LAYOUT = (2, "dynamic", True)
+"""(dp, micro, balance) on which fsdp and deepspeed run the distillation losses."""
+
 
 @dataclass(frozen=True, order=True)
 class Case:
@@ -237,6 +247,18 @@ def preference_cases() -> list[Case]:
     return cases
 
 
+def distill_cases() -> list[Case]:
+    """The distillation block: each distillation loss on dp in {1, 2} x one / fixed 1 / dynamic x balancing
+    off/on with fsdp2, and with fsdp and deepspeed on dp=2 + dynamic + balancing."""
+    cases = [Case(loss, agg, dp, micro, bal, "fsdp2")
+             for loss, agg, dp, micro, bal
+             in product(DISTILL_LOSSES, DISTILL_AGG_MODES, DISTILL_DP_SIZES, DISTILL_MICRO, (False, True))]
+    dp, micro, bal = DISTILL_STRATEGY_LAYOUT
+    cases += [Case(loss, agg, dp, micro, bal, strategy)
+              for loss, agg, strategy in product(DISTILL_LOSSES, DISTILL_AGG_MODES, STRATEGIES[1:])]
+    return cases
+
+
 def all_cases() -> list[Case]:
     """The whole matrix (references excluded), in a stable order."""
     cases: set[Case] = set()
@@ -251,6 +273,7 @@ def all_cases() -> list[Case]:
     cases.update(pp_cases())
     cases.update(correction_cases())
     cases.update(multi_turn_cases())
+    cases.update(distill_cases())
     for strategy in LIBRARY_BACKENDS:
         cases.update(library_backend_cases(strategy))
     cases.update(preference_cases())

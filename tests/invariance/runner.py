@@ -23,12 +23,14 @@ from tensordict import TensorDict
 from tests.invariance.batch import BATCH_MULTIPLE, batch_for, shard_for
 from tests.invariance.cases import (
     CORRECTION_LOSS,
+    DISTILL_LOSSES,
     LIBRARY_BACKENDS,
     PPO_LOSSES,
     PREFERENCE_LOSSES,
     XFAIL,
     Case,
 )
+from tests.invariance.distill import distill_loss_fn
 from verl_trainer.callbacks.sequence_balancing import balance_batch
 from verl_trainer.core_algos import RolloutCorrectionConfig
 from verl_trainer.core_algos.losses import (
@@ -86,6 +88,8 @@ def make_loss_fn(case: Case) -> Callable[..., Any]:
     TIS of the rollout -> trainer ratio, threshold 2: the batch's ratios are e^{+-1} and e^{+-0.2};
     ``ppo_mt``: the PPO loss, on the multi-turn batch)."""
     factor = LOSS_SCALE_FACTOR if case.agg == "seq-mean-token-sum-norm" else None
+    if case.loss in DISTILL_LOSSES:  # the distillation block
+        return distill_loss_fn(case.loss, case.agg, factor)
     if case.loss in PPO_LOSSES:
         correction = RolloutCorrectionConfig(level="token", threshold=2.0) if case.loss == CORRECTION_LOSS \
             else None
@@ -123,7 +127,8 @@ def outputs_by_uid(output: dict[str, torch.Tensor], batch: TensorDict) -> dict[i
     lengths = batch["attention_mask"].sum(-1).long().tolist()
     used = ((batch["loss_mask"] > 0) | (batch["response_mask"] > 0)).cpu()
     rows = zip(batch["uid"].tolist(), lengths, batch["is_padding"].tolist())
-    return {int(uid): {k: (v[i, 1:n].detach().cpu() * used[i, 1:n]).clone() for k, v in output.items()}
+    return {int(uid): {k: (v[i, 1:n].detach().cpu() * used[i, 1:n].reshape(-1, *[1] * (v.dim() - 2))).clone()
+                       for k, v in output.items()}  # [B, T, k] outputs too (gathered_log_probs)
             for i, (uid, n, pad) in enumerate(rows) if not pad}
 
 
@@ -236,6 +241,7 @@ def chunk_key(case: Case) -> tuple:
     """
     loss = "ppo" if case.loss in PPO_LOSSES else case.loss  # the correction and multi-turn join ppo's spawn
     loss = "preference" if case.loss in PREFERENCE_LOSSES else loss  # DPO and KTO share their spawns
+    loss = "distill" if case.loss in DISTILL_LOSSES else loss  # the distillation losses share their spawns
     if case in XFAIL:
         return case.world, case.sp, loss, case.id
     if case.strategy in LIBRARY_BACKENDS:

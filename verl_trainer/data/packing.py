@@ -167,6 +167,9 @@ class PackedBatch:
         output_mask: ``[N]`` bool, True at the tokens whose per-token outputs (log-prob, entropy, value)
             are used — where ``loss_mask`` or ``response_mask`` is set — or ``None``: all of them.
             The language-model head runs only where it is True (``engine/heads.py: head_positions``).
+        gather_ids: ``[N, k]`` long, the batch's ``teacher_topk_ids`` packed (whatever ``keys`` asked for),
+            or ``None``: a language model then also returns its log-probs of these ids
+            (``gathered_log_probs``, ``engine/heads.py``); like :attr:`output_mask`, an input of the forward.
 
     """
 
@@ -178,6 +181,7 @@ class PackedBatch:
     width: int
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     output_mask: torch.Tensor | None = None
+    gather_ids: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -204,6 +208,7 @@ class PackedBatch:
             width=self.width,
             fields={k: v.to(device) for k, v in self.fields.items()},
             output_mask=None if self.output_mask is None else self.output_mask.to(device),
+            gather_ids=None if self.gather_ids is None else self.gather_ids.to(device),
         )
 
 
@@ -240,6 +245,13 @@ def pack_batch(batch: TensorDict, keys: Sequence[str] | None = None) -> PackedBa
     output_mask = None
     if used:
         output_mask = (used[0] | used[1] if len(used) == 2 else used[0])[valid]
+    gather_ids = None
+    if schema.TEACHER_TOPK_IDS in batch.keys():
+        ids = batch[schema.TEACHER_TOPK_IDS]
+        if ids.dim() != 3 or tuple(ids.shape[:2]) != tuple(input_ids.shape):
+            raise ValueError(f"{schema.TEACHER_TOPK_IDS!r} has shape {tuple(ids.shape)}, expected "
+                             f"{(*input_ids.shape, 'k')} (aligned with input_ids)")
+        gather_ids = ids[valid].to(torch.long)
     return PackedBatch(
         input_ids=input_ids[valid].unsqueeze(0),
         position_ids=position_ids_from_cu_seqlens(cu_seqlens),
@@ -249,6 +261,7 @@ def pack_batch(batch: TensorDict, keys: Sequence[str] | None = None) -> PackedBa
         width=width,
         fields=fields,
         output_mask=output_mask,
+        gather_ids=gather_ids,
     )
 
 

@@ -19,6 +19,13 @@ Token-level keys, ``[B, T]``:
 Rollout keys (optional, before concatenation): prompts ``[B, P]`` left-padded, responses ``[B, R]``
 right-padded.
 
+Distillation keys (:mod:`verl_trainer.algorithms.distill`), aligned with ``input_ids`` like the token keys:
+    teacher_log_probs ``[B, T]`` (float32: the teacher's log-prob of each sampled token), teacher_topk_ids
+    ``[B, T, k]`` (long: the teacher's ``k`` most likely tokens of the distribution that chose token ``t``)
+    and teacher_topk_log_probs ``[B, T, k]`` (float32: their log-probs); 0 off the response. A batch that
+    carries teacher_topk_ids makes a language-model engine also return ``gathered_log_probs`` ``[B, T, k]``
+    (its own log-probs of those ids, ``engine/heads.py``).
+
 Per-sample tags, ``[B]``:
     uid (long; samples of one prompt group share it), seq_len (long, real tokens),
     prompt_len (long), response_len (long), is_padding (bool; synthetic samples added by
@@ -80,6 +87,9 @@ GROUP_ID = "group_id"
 PREFERRED = "preferred"
 KL_SAMPLE = "kl_sample"
 KL_REFERENCE = "kl_reference"
+TEACHER_LOG_PROBS = "teacher_log_probs"
+TEACHER_TOPK_IDS = "teacher_topk_ids"
+TEACHER_TOPK_LOG_PROBS = "teacher_topk_log_probs"
 
 GROUND_TRUTH = "ground_truth"
 DATA_SOURCE = "data_source"

@@ -18,6 +18,13 @@ The language model runs its LM head only where an output is used (``PackedBatch.
 log-softmax in float32 chunks of tokens, so ``[N, V]`` logits never exist; the other positions hold 0.
 Under tensor parallelism with a vocabulary-parallel head each TP rank holds ``[K, V / tp]`` logits and the
 log-probs / entropy are reduced from the slices (``engine/vocab_parallel.py``).
+
+Top-k distillation (:mod:`verl_trainer.algorithms.distill`) adds two outputs, each ``[N, k]`` at the same
+positions (``data/topk_log_probs.py``): with :attr:`LanguageModel.top_k` ``> 0`` (set on the teacher's
+engine) ``topk_ids`` and ``topk_log_probs``, the ``k`` most likely next tokens and their log-probs; for a
+batch carrying ``teacher_topk_ids`` (:attr:`PackedBatch.gather_ids`) ``gathered_log_probs``, this model's
+log-probs of those ids. Neither runs under Ulysses SP, a vocabulary-parallel head or pipeline stages (the
+distillation config refuses those layouts).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from verl_trainer.data.packing import (
     shift_to_targets,
     token_log_probs_and_entropy,
 )
+from verl_trainer.data.topk_log_probs import gathered_log_probs, topk_log_probs
 from verl_trainer.engine.config import EngineConfig
 from verl_trainer.engine.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from verl_trainer.models.attention import VARLEN_ATTENTION, packed_forward
@@ -93,15 +101,15 @@ def scatter_head_outputs(values: torch.Tensor, positions: torch.Tensor, num_toke
     """Per-target outputs at :func:`head_positions` back onto the packed row, 0 elsewhere.
 
     Args:
-        values: ``[K]``, ``values[i]`` describes the prediction at ``positions[i]`` (of the next token).
+        values: ``[K, ...]``, ``values[i]`` describes the prediction at ``positions[i]`` (of the next token).
         positions: ``[K]`` from :func:`head_positions`.
         num_tokens: ``N``.
 
     Returns:
-        ``[N]`` in the schema's next-token convention (``out[positions[i] + 1] = values[i]``).
+        ``[N, ...]`` in the schema's next-token convention (``out[positions[i] + 1] = values[i]``).
 
     """
-    out = values.new_zeros(num_tokens)
+    out = values.new_zeros((num_tokens, *values.shape[1:]))
     return out.index_put((positions + 1,), values)
 
 
@@ -170,9 +178,18 @@ class ModelType:
 
 
 class LanguageModel(ModelType):
-    """Causal LM: loads ``AutoModelForCausalLM``; outputs ``log_probs`` (+ ``entropy``)."""
+    """Causal LM: loads ``AutoModelForCausalLM``; outputs ``log_probs`` (+ ``entropy``).
+
+    Attributes:
+        top_k: ``> 0``: also output ``topk_ids`` and ``topk_log_probs`` ``[N, top_k]`` (a distillation
+            teacher's engine sets it; see the module docstring).
+    """
 
     name: ClassVar[str] = "language_model"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k = 0
 
     def load(self, config: EngineConfig) -> torch.nn.Module:
         """Load the HF causal LM from ``config.model_path`` with padding-free attention."""
@@ -197,6 +214,11 @@ class LanguageModel(ModelType):
         ``output_mask``); outputs are 0 at the positions whose output is not used.
         """
         positions = head_positions(packed)
+        if self.vocab_slice is not None and (self.top_k or packed.gather_ids is not None):
+            raise NotImplementedError(
+                "top-k distillation outputs (topk_ids, gathered_log_probs) need the whole vocabulary on "
+                "one rank; set tensor_model_parallel_size=1 on the teacher and the actor, or "
+                "algorithm.distill.top_k=0")
         if self.vocab_slice is not None:
             return self._vocab_parallel_outputs(hf_output.logits, packed, positions, calculate_entropy,
                                                 temperature)
@@ -215,6 +237,35 @@ class LanguageModel(ModelType):
         out = {"log_probs": log_probs}
         if entropy is not None:
             out["entropy"] = entropy
+        out.update(self._topk_outputs(hf_output.logits, packed, positions, temperature))
+        return out
+
+    def _topk_outputs(self, logits: torch.Tensor, packed: PackedBatch, positions: torch.Tensor | None,
+                      temperature: float) -> dict[str, torch.Tensor]:
+        """The top-k distillation outputs, each ``[N, k]`` in the next-token convention.
+
+        ``topk_ids`` / ``topk_log_probs`` when ``top_k > 0``; ``gathered_log_probs`` when the batch has
+        ``teacher_topk_ids``.
+        """
+        out: dict[str, torch.Tensor] = {}
+        if not self.top_k and packed.gather_ids is None:
+            return out
+        n = packed.num_tokens
+
+        def place(values: torch.Tensor) -> torch.Tensor:  # per head position -> the packed row's convention
+            if positions is not None:
+                return scatter_head_outputs(values, positions, n)
+            shifted = torch.cat([values.new_zeros((1, *values.shape[1:])), values[:-1]])
+            starts = packed.cu_seqlens[:-1].to(device=values.device, dtype=torch.long)
+            return shifted.index_fill(0, starts[starts < n], 0)
+
+        if self.top_k:
+            ids, log_probs = topk_log_probs(logits, self.top_k, temperature)
+            out["topk_ids"], out["topk_log_probs"] = place(ids), place(log_probs)
+        if packed.gather_ids is not None:  # position j predicts token j + 1: the ids stored at j + 1
+            wanted = (packed.gather_ids[positions + 1] if positions is not None
+                      else torch.roll(packed.gather_ids, -1, dims=0))
+            out["gathered_log_probs"] = place(gathered_log_probs(logits, wanted, temperature))
         return out
 
     def _vocab_parallel_outputs(
