@@ -56,6 +56,13 @@ from verl_trainer.core_algos.covariance_losses import (
     compute_policy_loss_clip_cov,
     compute_policy_loss_kl_cov,
 )
+from verl_trainer.core_algos.outcome_estimators import (
+    compute_gpg_outcome_advantage,
+    compute_grpo_passk_outcome_advantage,
+    compute_opo_outcome_advantage,
+    compute_pass_at_k_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+)
 from verl_trainer.core_algos.penalties import (
     KL_PENALTY_TYPES,
     compute_value_loss,
@@ -96,7 +103,11 @@ __all__ = [
     "RolloutCorrectionConfig",
     "agg_loss",
     "compute_gae_advantage_return",
+    "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage",
+    "compute_opo_outcome_advantage",
+    "compute_pass_at_k_outcome_advantage",
     "compute_grpo_vectorized_outcome_advantage",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
@@ -109,6 +120,7 @@ __all__ = [
     "compute_policy_loss_kl_cov",
     "compute_policy_loss_sapo",
     "compute_policy_loss_vanilla",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_rollout_is_weights",
     "compute_remax_outcome_advantage",
