@@ -36,7 +36,8 @@ def step_batch(rows: int = 10, width: int = 12, seed: int = 0) -> TensorDict:
 def test_kl_cov_picks_the_largest_covariances():
     b = step_batch()
     cfg = {"kl_cov_ratio": 0.1}
-    sel = select_kl_cov(b["advantages"], b["old_log_probs"], b["loss_mask"], cfg)
+    prio = token_priority(b["old_log_probs"], b["input_ids"], b["uid"])
+    sel = select_kl_cov(b["advantages"], b["old_log_probs"], b["loss_mask"], prio, cfg)
     valid = b["loss_mask"].bool()
     a, lp = b["advantages"].double()[valid], b["old_log_probs"].double()[valid]
     cov = (a - a.mean()) * (lp - lp.mean())
@@ -44,6 +45,10 @@ def test_kl_cov_picks_the_largest_covariances():
     want = torch.zeros_like(valid)
     want[valid] = cov >= torch.topk(cov, k).values[-1]
     assert sel.bool().equal(want) and int(sel.sum()) == k
+    # all advantages equal: every covariance is 0, the priority alone picks exactly k tokens
+    flat = select_kl_cov(torch.zeros_like(b["advantages"]), b["old_log_probs"], b["loss_mask"], prio, cfg)
+    assert int(flat.sum()) == k
+    assert prio[flat.bool()].max() < prio[valid & ~flat.bool()].min()
 
 
 def test_clip_cov_picks_clip_num_tokens_of_the_band():

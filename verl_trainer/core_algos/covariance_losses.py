@@ -22,8 +22,8 @@ which :meth:`~verl_trainer.core_algos.losses.PPOLoss.prepare` calls before the e
 * clip-cov's "random" choice is a hash of each token's identity (``uid``, position, token id, old log-prob
   bits): a fixed pseudo-random priority, the same whatever rank or micro-batch holds the token; the
   ``clip_num`` tokens of lowest priority are chosen;
-* a tie at a threshold (equal covariance, equal priority: identical tokens) selects every tied token, so
-  slightly more than ``ratio x N`` tokens may be chosen;
+* equal covariances (e.g. every advantage equal) are ordered by the same priority in KL-Cov; only tokens
+  equal in both (identical tokens) tie, and a tie at the threshold selects every tied token;
 * verl also excludes tokens PPO already clips from clip-cov's candidates; those have no gradient either
   way, so only the loss value and the count differ.
 """
@@ -106,20 +106,25 @@ def _ratio(config: Any, name: str, default: float) -> float:
     return value
 
 
-def select_kl_cov(adv: torch.Tensor, log_prob: torch.Tensor, mask: torch.Tensor, config: Any = None,
-                  group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def select_kl_cov(adv: torch.Tensor, log_prob: torch.Tensor, mask: torch.Tensor, priority: torch.Tensor,
+                  config: Any = None, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """KL-Cov's tokens: the ``max(1, int(kl_cov_ratio x N))`` of largest covariance over the step, ``[B, T]``.
 
-    Collective over ``group`` (every rank calls it with its share of the step; ``None``: this batch alone).
+    Equal covariances (all advantages equal, for one) are ordered by ``priority`` (lowest first), so
+    exactly that many are chosen unless tokens tie in both. Collective over ``group`` (every rank calls it
+    with its share of the step; ``None``: this batch alone).
     """
     ratio = _ratio(config, "kl_cov_ratio", 2e-4)
-    priority = torch.zeros_like(mask, dtype=torch.int64)
-    cov, pool_cov, _ = _selection_stats(adv, log_prob, mask, priority, group)
+    cov, pool_cov, pool_priority = _selection_stats(adv, log_prob, mask, priority, group)
     if pool_cov.numel() == 0:
         return torch.zeros_like(log_prob, dtype=torch.float32)
     k = max(1, int(pool_cov.numel() * ratio))
-    threshold = torch.topk(pool_cov, k).values[-1].to(cov.device)
-    return ((cov >= threshold) & mask.bool()).to(torch.float32)
+    order = torch.sort(pool_priority, stable=True).indices  # priority ascending, then covariance descending
+    order = order[torch.sort(pool_cov[order], descending=True, stable=True).indices]
+    last_cov, last_priority = pool_cov[order[k - 1]], pool_priority[order[k - 1]]
+    prio = priority.to(torch.float64)
+    chosen = (cov > last_cov) | ((cov == last_cov) & (prio <= last_priority))
+    return (chosen & mask.bool()).to(torch.float32)
 
 
 def select_clip_cov(adv: torch.Tensor, log_prob: torch.Tensor, mask: torch.Tensor, priority: torch.Tensor,
@@ -151,10 +156,19 @@ def _batch_inputs(batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return batch[schema.ADVANTAGES], batch[schema.OLD_LOG_PROBS], loss_mask_of(batch)
 
 
+def _batch_priority(batch: Any, old_log_probs: torch.Tensor) -> torch.Tensor:
+    uid = batch[schema.UID] if schema.UID in batch.keys() else None
+    ids = batch[schema.INPUT_IDS] if schema.INPUT_IDS in batch.keys() else None
+    return token_priority(old_log_probs, ids, uid)
+
+
 def prepare_kl_cov(batch: Any, config: Any, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """KL-Cov's selection for this rank's share of the step (:func:`select_kl_cov` on ``old_log_probs``)."""
+    """KL-Cov's selection for this rank's share of the step (a collective).
+
+    :func:`select_kl_cov` on ``old_log_probs``, ties ordered by :func:`token_priority`.
+    """
     adv, old, mask = _batch_inputs(batch)
-    return select_kl_cov(adv, old, mask, config, group)
+    return select_kl_cov(adv, old, mask, _batch_priority(batch, old), config, group)
 
 
 def prepare_clip_cov(batch: Any, config: Any, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -163,9 +177,7 @@ def prepare_clip_cov(batch: Any, config: Any, group: dist.ProcessGroup | None) -
     :func:`select_clip_cov` on ``old_log_probs``, with :func:`token_priority` of ``uid`` and ``input_ids``.
     """
     adv, old, mask = _batch_inputs(batch)
-    uid = batch[schema.UID] if schema.UID in batch.keys() else None
-    ids = batch[schema.INPUT_IDS] if schema.INPUT_IDS in batch.keys() else None
-    return select_clip_cov(adv, old, mask, token_priority(old, ids, uid), config, group)
+    return select_clip_cov(adv, old, mask, _batch_priority(batch, old), config, group)
 
 
 def _agg_kwargs(config: Any, global_batch_info: Any) -> dict[str, Any]:
@@ -258,7 +270,7 @@ def compute_policy_loss_kl_cov(
         ``(pg_loss, metrics)``: ``actor/pg_clipfrac`` (selected tokens) and ``actor/ppo_kl``.
     """
     if prepared is None:
-        prepared = select_kl_cov(advantages, log_prob, response_mask, config)
+        prepared = select_kl_cov(advantages, log_prob, response_mask, token_priority(log_prob), config)
     coef = float(config_get(config, "ppo_kl_coef", 1.0))
     log_ratio = log_prob - old_log_prob
     selected = prepared.to(log_ratio.dtype)
