@@ -109,8 +109,9 @@ class PPOLossConfig:
         clip_ratio_high: Upper clip range (default ``clip_ratio``; DAPO's clip-higher sets it larger).
         clip_ratio_c: Dual-clip bound for negative advantages (> 1).
         loss_agg_mode: See :func:`verl_trainer.core_algos.agg_loss`.
-        policy_loss: A name in the policy-loss registry (``vanilla``, ``gspo``, ``gpg``, ``geo_mean``, ...),
-            or where one is defined: ``"package.module:name"``, ``"path/to/file.py:name"``.
+        policy_loss: A name in the policy-loss registry (``vanilla``, ``gspo``, ``gspo_token``, ``gpg``,
+            ``geo_mean`` / ``gmpo``, ``cispo``, ``sapo``, ``dppo_tv``, ``dppo_kl``, ``clip_cov``, ``kl_cov``:
+            docs/losses.md), or where one is defined: ``"package.module:name"``, ``"path/to/file.py:name"``.
         entropy_coeff: Weight of the entropy bonus (``loss -= entropy_coeff * entropy``); needs
             ``model_output["entropy"]`` when non-zero.
         use_kl_loss: Add ``kl_loss_coef * KL(pi || pi_ref)`` to the loss (needs ``ref_log_prob``).

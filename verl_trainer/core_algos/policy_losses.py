@@ -282,7 +282,8 @@ def compute_policy_loss_geo_mean(
     sequence loss is ``-A_i ratio_i``. verl averages the sequence losses over the local batch
     (``torch.mean``, which depends on micro-batching); here the sequence loss is aggregated
     ``seq-mean-token-mean`` with the global sample count, which for one whole batch without empty rows
-    equals verl's value. ``loss_agg_mode`` is ignored (as in verl).
+    equals verl's value. ``loss_agg_mode`` is ignored (as in verl); the config refuses every mode but
+    ``seq-mean-token-mean`` (``core_algos/loss_rules.py``). Also registered as ``gmpo``.
 
     Args:
         old_log_prob: ``[b, t]``.
