@@ -75,8 +75,9 @@ def test_every_estimator_grpo_can_feed_is_usable_by_name():
 
     try:
         for name in ADV_ESTIMATOR_REGISTRY:
-            if name != "gae":
-                assert GRPOConfig(adv_estimator=name).adv_estimator == name
+            if name != "gae":  # pass_at_k also needs its k
+                extra = {"pass_k": 2} if name == "pass_at_k" else {}
+                assert GRPOConfig(adv_estimator=name, **extra).adv_estimator == name
         with pytest.raises(ValueError, match=r"'gae' reads a critic's values.*PPO.*'remax'.*'test_mine'"):
             GRPOConfig(adv_estimator="gae")
         with pytest.raises(ValueError, match=r"adv_estimator='nope'.*registered: .*'reinforce_plus_plus'"):

@@ -259,6 +259,29 @@ def distill_cases() -> list[Case]:
     return cases
 
 
+# ---------------------------------------------------------------- policy losses beyond PPO (issue 43)
+OBJECTIVE_LOSSES = ("gspo", "gspo_token", "gmpo", "cispo", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov")
+"""The policy losses of this block; a case's ``loss`` is ``"pl_" + name`` (``runner.make_loss_fn``)."""
+OBJECTIVE_SEQUENCE_LOSSES = ("gspo", "gspo_token", "gmpo")
+"""Correct only in ``seq-mean-token-mean`` (``core_algos/loss_rules.py``)."""
+OBJECTIVE_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+OBJECTIVE_MICRO = ("one", "fixed1", "dynamic")
+OBJECTIVE_CASE_LOSSES = tuple(f"pl_{name}" for name in OBJECTIVE_LOSSES)
+
+
+def objective_cases() -> list[Case]:
+    """Each policy loss in its valid modes on dp in {1, 2} x one / fixed1 / dynamic x balancing off/on
+    (fsdp2), and with fsdp and deepspeed at dp=2, dynamic, balancing."""
+    cases = []
+    for name, agg in product(OBJECTIVE_LOSSES, OBJECTIVE_AGG_MODES):
+        if name in OBJECTIVE_SEQUENCE_LOSSES and agg != "seq-mean-token-mean":
+            continue
+        cases += [Case(f"pl_{name}", agg, dp, micro, bal, "fsdp2")
+                  for dp, micro, bal in product((1, 2), OBJECTIVE_MICRO, (False, True))]
+        cases += [Case(f"pl_{name}", agg, 2, "dynamic", True, strategy) for strategy in STRATEGIES[1:]]
+    return cases
+
+
 def all_cases() -> list[Case]:
     """The whole matrix (references excluded), in a stable order."""
     cases: set[Case] = set()
@@ -277,6 +300,7 @@ def all_cases() -> list[Case]:
     for strategy in LIBRARY_BACKENDS:
         cases.update(library_backend_cases(strategy))
     cases.update(preference_cases())
+    cases.update(objective_cases())
     return sorted(c for c in cases if not c.is_reference)
 
 

@@ -25,6 +25,7 @@ from tests.invariance.cases import (
     CORRECTION_LOSS,
     DISTILL_LOSSES,
     LIBRARY_BACKENDS,
+    OBJECTIVE_CASE_LOSSES,
     PPO_LOSSES,
     PREFERENCE_LOSSES,
     XFAIL,
@@ -70,6 +71,13 @@ about ``-1e4 g``, so the updated parameters are a scaled copy of the gradient.
 * No weight decay: it adds the same ``-lr * wd * p`` to every run and would dilute gradient differences.
 """
 ENV = {"DS_ACCELERATOR": "cpu"}
+OBJECTIVE_LOSS_SETTINGS: dict[str, dict[str, Any]] = {
+    "dppo_tv": {"clip_ratio": 0.003},  # the tiny model's token probabilities are ~1e-2: a TV gap of 0.003
+    "dppo_kl": {"clip_ratio": 1e-4},   # (binary KL 1e-4) masks some tokens out
+    "clip_cov": {"clip_cov_ratio": 0.1, "clip_cov_lb": 0.0, "clip_cov_ub": 5.0},  # ~20 of ~200 tokens
+    "kl_cov": {"kl_cov_ratio": 0.1, "ppo_kl_coef": 1.0},
+}
+"""Settings of the policy-loss block that make each loss's discrete choice select a real share of tokens."""
 
 
 def backend_available(strategy: str) -> bool:
@@ -90,6 +98,10 @@ def make_loss_fn(case: Case) -> Callable[..., Any]:
     factor = LOSS_SCALE_FACTOR if case.agg == "seq-mean-token-sum-norm" else None
     if case.loss in DISTILL_LOSSES:  # the distillation block
         return distill_loss_fn(case.loss, case.agg, factor)
+    if case.loss in OBJECTIVE_CASE_LOSSES:  # the policy losses beyond PPO, entropy bonus and KL loss on
+        return ppo_loss(PPOLossConfig(loss_agg_mode=case.agg, policy_loss=case.loss[len("pl_"):],
+                                      entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
+                                      **OBJECTIVE_LOSS_SETTINGS.get(case.loss[len("pl_"):], {})))
     if case.loss in PPO_LOSSES:
         correction = RolloutCorrectionConfig(level="token", threshold=2.0) if case.loss == CORRECTION_LOSS \
             else None
@@ -164,9 +176,12 @@ def run_case_on_rank(case: Case, model_path: str, batch: TensorDict) -> dict[str
     entropy = {"calculate_entropy": True} if case.model_type == "language_model" else {}
     with engine.eval_mode():
         infer = engine.infer_batch(shard, **entropy)
-    kwargs = {"calculate_entropy": True} if case.loss in PPO_LOSSES else {}
+    kwargs = {"calculate_entropy": True} if case.loss in PPO_LOSSES + OBJECTIVE_CASE_LOSSES else {}
+    loss_fn = make_loss_fn(case)
+    if getattr(loss_fn, "needs_prepare", False):  # clip-cov / KL-cov: the step-wide selection (collective)
+        shard = loss_fn.prepare(shard, engine.get_data_parallel_group())
     with engine.train_mode():
-        out = engine.train_batch(shard, make_loss_fn(case), **kwargs)
+        out = engine.train_batch(shard, loss_fn, **kwargs)
     metrics = reduce_metrics(out["metrics"])
     params = {name: t.detach().cpu().clone() for name, t in engine.get_per_tensor_param()}
     engine_src = engine.is_mp_src_rank_with_outputs()
@@ -242,6 +257,8 @@ def chunk_key(case: Case) -> tuple:
     loss = "ppo" if case.loss in PPO_LOSSES else case.loss  # the correction and multi-turn join ppo's spawn
     loss = "preference" if case.loss in PREFERENCE_LOSSES else loss  # DPO and KTO share their spawns
     loss = "distill" if case.loss in DISTILL_LOSSES else loss  # the distillation losses share their spawns
+    if case.loss in OBJECTIVE_CASE_LOSSES:  # the policy-loss block: one spawn per world size and agg mode
+        loss = f"objectives/{case.agg}"
     if case in XFAIL:
         return case.world, case.sp, loss, case.id
     if case.strategy in LIBRARY_BACKENDS:

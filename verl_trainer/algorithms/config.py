@@ -394,6 +394,7 @@ class GRPOConfig(RLConfig):
             (:mod:`verl_trainer.algorithms.greedy_baseline`); it may run with ``rollout.n=1``.
         gamma: Discount factor of estimators that discount (REINFORCE++; verl's ``algorithm.gamma``).
         norm_adv_by_std_in_grpo: Divide by the group's reward std (GRPO) or not (Dr.GRPO).
+        pass_k: The ``k`` of ``adv_estimator: pass_at_k`` (1 <= k <= ``rollout.n``); only with it.
         dynamic_sampling: DAPO: drop the groups whose rewards are all equal (no learning signal) before
             the update.
     """
@@ -403,10 +404,12 @@ class GRPOConfig(RLConfig):
     gamma: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
     dynamic_sampling: bool = False
+    pass_k: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         needs = self._estimator_inputs()
+        self._check_pass_k()
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"algorithm.gamma={self.gamma} must be in [0, 1]")
         if "index" in needs and self.rollout.n < 2:
@@ -414,6 +417,20 @@ class GRPOConfig(RLConfig):
                 f"rollout.n={self.rollout.n}: group-relative advantages need >= 2 samples per prompt; set "
                 "algorithm.rollout.n=8 (for example)"
             )
+
+    def _check_pass_k(self) -> None:
+        """``pass_k`` is set exactly when ``adv_estimator`` is ``pass_at_k``, and fits the group size."""
+        if self.adv_estimator != "pass_at_k":
+            if self.pass_k is not None:
+                raise ValueError(f"algorithm.pass_k={self.pass_k} is read only by adv_estimator=pass_at_k "
+                                 f"(adv_estimator is {self.adv_estimator!r}); set "
+                                 "algorithm.adv_estimator=pass_at_k or remove algorithm.pass_k")
+            return
+        k = self.pass_k
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.rollout.n:
+            raise ValueError(f"adv_estimator=pass_at_k needs algorithm.pass_k, an int in [1, rollout.n="
+                             f"{self.rollout.n}]; got {k!r}. Set e.g. "
+                             f"algorithm.pass_k={min(4, self.rollout.n)}")
 
     def _estimator_inputs(self) -> frozenset[str]:
         """What ``adv_estimator`` reads; refuses one GRPO cannot feed (a critic's values)."""

@@ -10,13 +10,17 @@ says so in its docstring. The package's modules:
 * ``penalties``: :func:`kl_penalty` (k1/kl, abs, k2/mse, k3/low_var_kl, ``+`` straight-through),
   :func:`compute_value_loss`.
 * ``policy_losses``: :func:`register_policy_loss` / :func:`get_policy_loss_fn` with ``vanilla``
-  (dual-clip PPO, clip-higher), ``gspo``, ``gpg``, ``geo_mean`` (GMPO).
+  (dual-clip PPO, clip-higher), ``gspo``, ``gpg``, ``geo_mean`` / ``gmpo`` (GMPO); ``ratio_losses``:
+  ``gspo_token``, ``cispo``, ``sapo``, ``dppo_tv``, ``dppo_kl``; ``covariance_losses``: ``clip_cov``,
+  ``kl_cov`` (token selection over the whole step); ``loss_rules``: the aggregation modes each accepts.
 * ``rollout_correction``: train/inference mismatch metrics and truncated / masked importance sampling
   of the rollout -> trainer ratio (:class:`RolloutCorrectionConfig`).
 * ``advantages``: :func:`register_adv_est` / :func:`get_adv_estimator_fn` with ``gae``, ``grpo``,
   ``rloo`` (also under verl's ``grpo_vectorized`` / ``rloo_vectorized``), ``reinforce_plus_plus``,
-  ``remax``. Both registries are dict-like; like verl's, ``ADV_ESTIMATOR_REGISTRY`` may be rebound to a
-  dict of one's own (``core_algos.ADV_ESTIMATOR_REGISTRY = {...}``) and the functions use the new one.
+  ``remax``; ``outcome_estimators``: ``opo``, ``gpg``, ``pass_at_k``, ``grpo_passk``,
+  ``reinforce_plus_plus_baseline``. Both registries are dict-like; like verl's, ``ADV_ESTIMATOR_REGISTRY``
+  may be rebound to a dict of one's own (``core_algos.ADV_ESTIMATOR_REGISTRY = {...}``) and the functions
+  use the new one.
 * ``losses``: the engine's loss functions built from typed configs (:func:`ppo_loss`, :func:`value_loss`,
   :func:`sft_loss`); imported from their module, not re-exported here.
 * ``balancing``: workload partitions (verl's ``seqlen_balancing``) and the step's samples re-partitioned
@@ -48,6 +52,17 @@ from verl_trainer.core_algos.aggregation import (
     masked_sum,
     masked_whiten,
 )
+from verl_trainer.core_algos.covariance_losses import (
+    compute_policy_loss_clip_cov,
+    compute_policy_loss_kl_cov,
+)
+from verl_trainer.core_algos.outcome_estimators import (
+    compute_gpg_outcome_advantage,
+    compute_grpo_passk_outcome_advantage,
+    compute_opo_outcome_advantage,
+    compute_pass_at_k_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+)
 from verl_trainer.core_algos.penalties import (
     KL_PENALTY_TYPES,
     compute_value_loss,
@@ -63,6 +78,13 @@ from verl_trainer.core_algos.policy_losses import (
     compute_policy_loss_vanilla,
     get_policy_loss_fn,
     register_policy_loss,
+)
+from verl_trainer.core_algos.ratio_losses import (
+    compute_policy_loss_cispo,
+    compute_policy_loss_dppo_kl,
+    compute_policy_loss_dppo_tv,
+    compute_policy_loss_gspo_token,
+    compute_policy_loss_sapo,
 )
 from verl_trainer.core_algos.rollout_correction import (
     RolloutCorrectionConfig,
@@ -81,12 +103,24 @@ __all__ = [
     "RolloutCorrectionConfig",
     "agg_loss",
     "compute_gae_advantage_return",
+    "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage",
+    "compute_opo_outcome_advantage",
+    "compute_pass_at_k_outcome_advantage",
     "compute_grpo_vectorized_outcome_advantage",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_dppo_tv",
     "compute_policy_loss_geo_mean",
     "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
+    "compute_policy_loss_gspo_token",
+    "compute_policy_loss_kl_cov",
+    "compute_policy_loss_sapo",
     "compute_policy_loss_vanilla",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_rollout_is_weights",
     "compute_remax_outcome_advantage",

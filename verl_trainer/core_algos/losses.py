@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,8 +39,14 @@ from verl_trainer.core_algos.aggregation import (
     agg_loss,
     global_batch_kwargs,
 )
+from verl_trainer.core_algos.loss_rules import check_policy_loss_agg
 from verl_trainer.core_algos.penalties import compute_value_loss, kl_penalty, validate_kl_penalty
-from verl_trainer.core_algos.policy_losses import POLICY_LOSS_REGISTRY, get_policy_loss_fn
+from verl_trainer.core_algos.policy_losses import (
+    POLICY_LOSS_REGISTRY,
+    PREPARED_KEY,
+    batch_preparer,
+    get_policy_loss_fn,
+)
 from verl_trainer.core_algos.rollout_correction import (
     RolloutCorrectionConfig,
     compute_rollout_is_weights,
@@ -103,15 +109,25 @@ class PPOLossConfig:
         clip_ratio_high: Upper clip range (default ``clip_ratio``; DAPO's clip-higher sets it larger).
         clip_ratio_c: Dual-clip bound for negative advantages (> 1).
         loss_agg_mode: See :func:`verl_trainer.core_algos.agg_loss`.
-        policy_loss: A name in the policy-loss registry (``vanilla``, ``gspo``, ``gpg``, ``geo_mean``, ...),
-            or where one is defined: ``"package.module:name"``, ``"path/to/file.py:name"``.
+        policy_loss: A name in the policy-loss registry (``vanilla``, ``gspo``, ``gspo_token``, ``gpg``,
+            ``geo_mean`` / ``gmpo``, ``cispo``, ``sapo``, ``dppo_tv``, ``dppo_kl``, ``clip_cov``, ``kl_cov``:
+            docs/losses.md), or where one is defined: ``"package.module:name"``, ``"path/to/file.py:name"``.
         entropy_coeff: Weight of the entropy bonus (``loss -= entropy_coeff * entropy``); needs
             ``model_output["entropy"]`` when non-zero.
         use_kl_loss: Add ``kl_loss_coef * KL(pi || pi_ref)`` to the loss (needs ``ref_log_prob``).
         kl_loss_coef: Weight of the KL loss.
         kl_loss_type: KL estimator, see :func:`verl_trainer.core_algos.kl_penalty`.
         loss_scale_factor: The constant of ``seq-mean-token-sum-norm`` (required in that mode).
+        tau_pos: SAPO's gate temperature for positive advantages (> 0).
+        tau_neg: SAPO's gate temperature for negative advantages (> 0).
+        clip_cov_ratio: Clip-Cov: the fraction of the step's tokens whose gradient is cut, in (0, 1].
+        clip_cov_lb: Clip-Cov: candidates have a covariance above this ...
+        clip_cov_ub: ... and below this.
+        kl_cov_ratio: KL-Cov: the fraction of the step's tokens that get the KL penalty, in (0, 1].
+        ppo_kl_coef: KL-Cov: the penalty's weight (>= 0).
 
+    ``policy_loss`` and ``loss_agg_mode`` must fit (``core_algos/loss_rules.py``: a sequence-level ratio
+    only in ``seq-mean-token-mean``).
     """
 
     clip_ratio: float = 0.2
@@ -125,9 +141,24 @@ class PPOLossConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     loss_scale_factor: float | None = None
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 1.0
 
     def __post_init__(self) -> None:
         _check_agg("PPOLossConfig", self.loss_agg_mode, self.loss_scale_factor)
+        self._check_policy_loss()
+        check_policy_loss_agg(self.policy_loss, get_policy_loss_fn(self.policy_loss), self.loss_agg_mode,
+                              "PPOLossConfig")
+        self._check_loss_parameters()
+        self._post_init_rest()
+
+    def _check_policy_loss(self) -> None:
+        """``policy_loss`` is registered, or a ``module:name`` / ``file.py:name`` that loads."""
         if is_object_path(self.policy_loss):
             try:
                 get_policy_loss_fn(self.policy_loss)  # loads it now: a missing file fails before any model
@@ -139,6 +170,26 @@ class PPOLossConfig:
                 f"{POLICY_LOSS_REGISTRY.keys_repr()}. Use one of these, register yours with "
                 "verl_trainer.core_algos.register_policy_loss, or name it as 'module:name' / 'file.py:name'."
             )
+
+    def _check_loss_parameters(self) -> None:
+        """The parameters of SAPO, Clip-Cov and KL-Cov (checked whatever the loss: a typo fails early)."""
+        for name in ("tau_pos", "tau_neg"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"PPOLossConfig.{name}={getattr(self, name)!r} must be > 0 (SAPO's gate "
+                                 "temperature; the paper: tau_pos=1.0, tau_neg=1.05).")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"PPOLossConfig.{name}={getattr(self, name)!r} must be in (0, 1] (the "
+                                 "fraction of the step's tokens selected; the paper: 0.0002).")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"PPOLossConfig.clip_cov_lb={self.clip_cov_lb!r} must be < clip_cov_ub="
+                             f"{self.clip_cov_ub!r} (Clip-Cov's covariance band; the paper: 1.0 and 5.0).")
+        if not self.ppo_kl_coef >= 0:
+            raise ValueError(f"PPOLossConfig.ppo_kl_coef={self.ppo_kl_coef!r} must be >= 0 (KL-Cov's penalty "
+                             "weight; the paper: 1.0).")
+
+    def _post_init_rest(self) -> None:
+        """Clip ranges and the KL loss type."""
         if not self.clip_ratio > 0:
             raise ValueError(
                 f"PPOLossConfig.clip_ratio must be > 0, got {self.clip_ratio!r} (verl default 0.2)."
@@ -235,6 +286,29 @@ class PPOLoss:
         self.rollout_correction = rollout_correction or RolloutCorrectionConfig()
         self.corrects = self.rollout_correction.enabled  # a frozen config: read once, not per micro-batch
         self.policy_loss_fn = get_policy_loss_fn(config.policy_loss)
+        self.preparer = batch_preparer(self.policy_loss_fn)
+
+    @property
+    def needs_prepare(self) -> bool:
+        """Whether the policy loss reads a selection made over the whole step (clip-cov, KL-cov).
+
+        Then :meth:`prepare` must see each mini-batch, with its ``old_log_probs``, before the engine splits
+        it.
+        """
+        return self.preparer is not None
+
+    def prepare(self, batch: TensorDict, dp_group: Any = None) -> TensorDict:
+        """Add what the policy loss computes over the whole step (``policy_losses.set_batch_preparer``).
+
+        Call it on this rank's whole mini-batch, on every DP rank (a collective over ``dp_group`` for a
+        loss that has a preparer), before ``engine.train_batch``; a loss without one returns ``batch``
+        unchanged. The result is stored under ``PREPARED_KEY`` ``[B, T]``, split with the batch.
+        """
+        if self.preparer is None:
+            return batch
+        batch = batch.clone(recurse=False)
+        batch[PREPARED_KEY] = self.preparer(batch, self.config, dp_group)
+        return batch
 
     def _rollout_terms(self, data: TensorDict | Mapping[str, torch.Tensor], old_log_prob: torch.Tensor,
                        mask: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, Metric]]:
@@ -272,6 +346,14 @@ class PPOLoss:
         agg_kwargs = global_batch_kwargs(info, cfg.loss_scale_factor)
         old_log_prob = _get(data, OLD_LOG_PROBS, "ppo_loss", mask.shape)
         rollout_is_weights, rollout_metrics = self._rollout_terms(data, old_log_prob, mask)
+        prepared = {}
+        if self.preparer is not None:
+            if PREPARED_KEY not in data.keys():
+                raise KeyError(
+                    f"ppo_loss: policy_loss={cfg.policy_loss!r} selects tokens over the whole step and needs "
+                    f"{PREPARED_KEY!r} in the batch: call loss_fn.prepare(mini_batch, dp_group) on each "
+                    "rank's whole mini-batch before engine.train_batch (the RL recipes do)")
+            prepared["prepared"] = _get(data, PREPARED_KEY, "ppo_loss", mask.shape)
         pg_loss, metrics = self.policy_loss_fn(
             old_log_prob=old_log_prob,
             log_prob=log_prob,
@@ -281,6 +363,7 @@ class PPOLoss:
             config=cfg,
             rollout_is_weights=rollout_is_weights,
             global_batch_info=info,
+            **prepared,
         )
         metrics = {**metrics, **rollout_metrics}
         metrics["actor/pg_loss"] = Metric.sum(pg_loss)

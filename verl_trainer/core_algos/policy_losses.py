@@ -1,5 +1,8 @@
 """The policy-loss registry and the built-in policy losses (vanilla/dual-clip PPO, GSPO, GPG, GMPO).
 
+More losses register from ``ratio_losses`` (GSPO-token, CISPO, SAPO, DPPO) and ``covariance_losses``
+(clip-cov, KL-cov); which aggregation modes each accepts is ``loss_rules``.
+
 A policy loss has verl 0.9.1's signature plus one keyword::
 
     fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
@@ -55,6 +58,33 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
     if not callable(fn):
         raise ValueError(f"policy loss {name!r} is a {type(fn).__name__}, not a callable")
     return fn
+
+
+BatchPreparer = Callable[[Any, Any, Any], torch.Tensor]
+"""``prepare(batch, config, dp_group) -> [B, T]``: what a policy loss needs computed over the whole step."""
+
+_PREPARERS: dict[Callable, BatchPreparer] = {}
+
+
+def set_batch_preparer(loss_fn: PolicyLossFn, preparer: BatchPreparer) -> None:
+    """Declare that ``loss_fn`` reads a per-token tensor computed over the whole optimizer step.
+
+    Some losses select tokens by a statistic of the whole batch (clip-cov / KL-cov: a covariance over
+    every token of the step). Computed per micro-batch, such a choice changes with micro-batching and
+    the dp size; so :meth:`~verl_trainer.core_algos.losses.PPOLoss.prepare` calls ``preparer`` on each
+    rank's whole mini-batch (a collective over the DP group) before the engine splits it, stores the
+    result under :data:`PREPARED_KEY`, and the loss receives it as ``prepared=`` per micro-batch.
+    """
+    _PREPARERS[loss_fn] = preparer
+
+
+def batch_preparer(loss_fn: PolicyLossFn) -> BatchPreparer | None:
+    """The preparer declared for ``loss_fn`` (:func:`set_batch_preparer`), or ``None``."""
+    return _PREPARERS.get(loss_fn)
+
+
+PREPARED_KEY = "policy_loss_prepared"
+"""The batch key (``[B, T]`` float) holding a prepared policy loss's per-token tensor."""
 
 
 def config_get(config: Any, name: str, default: Any = None) -> Any:
@@ -147,43 +177,53 @@ def compute_policy_loss_gspo(
     rollout_is_weights: torch.Tensor | None = None,
     global_batch_info: Any = None,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
-    """GSPO (Zheng et al. 2025, arXiv:2507.18071): a clipped sequence-level importance ratio.
+    """GSPO, the sequence variant (Zheng et al. 2025, arXiv:2507.18071, Eq. 5): a clipped sequence ratio.
 
-    ``s_i = exp(mean_t log(pi/pi_old))`` over the tokens of sequence ``i``; per token the ratio is
-    ``sg[s_i] * pi_t / sg[pi_t]`` (value ``s_i``, gradient of the token's log-prob), log clamped at 10,
-    clipped to ``[1 - clip_ratio_low, 1 + clip_ratio_high]`` as in PPO. As in verl the loss is always
-    aggregated ``seq-mean-token-mean`` (GSPO's objective); ``loss_agg_mode`` is accepted and ignored.
+    ``s_i = exp(mean_t log(pi/pi_old))`` over the tokens of sequence ``i`` (log clamped at 10),
+    ``A_i = mean_t A_{i,t}`` and ``J = (1/G) sum_i min(s_i A_i, clip(s_i, 1 - clip_ratio_low,
+    1 + clip_ratio_high) A_i)``; the gradient of ``s_i`` is ``s_i mean_t grad log pi_t``. The sequence loss
+    is aggregated ``seq-mean-token-mean`` (each sequence counts once): the only mode in which this is GSPO's
+    objective, so :class:`~verl_trainer.core_algos.losses.PPOLossConfig` refuses every other mode
+    (``core_algos/loss_rules.py``); here ``loss_agg_mode`` is accepted and ignored, as verl does.
+
+    With advantages constant over each sequence (every outcome estimator) this equals verl's ``gspo`` in
+    value and gradient. verl's function computes the token form for any advantages, i.e. GSPO-token when
+    they vary over a sequence; that is ``gspo_token`` here.
 
     Args:
         old_log_prob: ``[b, t]``.
         log_prob: ``[b, t]``.
-        advantages: ``[b, t]`` (constant over a sequence for outcome rewards).
+        advantages: ``[b, t]``; their token mean per sequence is the sequence's advantage.
         response_mask: ``[b, t]``.
         loss_agg_mode: Ignored (see above).
-        config: ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high`` (GSPO uses small values, e.g. 3e-4).
-        rollout_is_weights: Optional per-token weights, ``[b, t]``.
+        config: ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high`` (GSPO uses small values, e.g. 3e-4 and
+            4e-4).
+        rollout_is_weights: Optional per-token weights, ``[b, t]`` (they multiply each token's share).
         global_batch_info: The step's global denominators.
 
     Returns:
-        ``(pg_loss, metrics)`` with ``actor/pg_clipfrac`` and ``actor/ppo_kl`` (token means).
+        ``(pg_loss, metrics)`` with ``actor/pg_clipfrac`` (tokens of clipped sequences) and ``actor/ppo_kl``
+        (token means).
 
     """
     del loss_agg_mode
     clip_low, clip_high = clip_range(config)
     log_ratio = log_prob - old_log_prob
     counts = response_mask.bool().sum(dim=-1).clamp_min(1).to(log_ratio.dtype)
-    seq_log_ratio = masked_sum(log_ratio, response_mask, dim=-1) / counts  # [b]
-    token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
-    ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))
-    losses_unclipped = -advantages * ratio
-    losses_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    pg_losses = torch.maximum(losses_unclipped, losses_clipped)
+    seq_log_ratio = masked_sum(log_ratio, response_mask, dim=-1) / counts  # [b], differentiable
+    seq_ratio = torch.exp(torch.clamp(seq_log_ratio, max=10.0))
+    seq_adv = masked_sum(advantages, response_mask, dim=-1) / counts
+    seq_unclipped = -seq_adv * seq_ratio
+    seq_clipped = -seq_adv * torch.clamp(seq_ratio, 1.0 - clip_low, 1.0 + clip_high)
+    seq_losses = torch.maximum(seq_unclipped, seq_clipped)  # [b]
+    pg_losses = seq_losses.unsqueeze(-1).expand_as(log_ratio)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
     pg_loss = agg_loss(pg_losses, response_mask, SEQ_MEAN_TOKEN_MEAN,
                        **_agg_kwargs(config, global_batch_info))
+    clipped = (seq_clipped > seq_unclipped).float().unsqueeze(-1).expand_as(log_ratio)
     metrics = {
-        "actor/pg_clipfrac": Metric.token_mean((losses_clipped > losses_unclipped).float(), response_mask),
+        "actor/pg_clipfrac": Metric.token_mean(clipped, response_mask),
         "actor/ppo_kl": Metric.token_mean(-log_ratio, response_mask),
     }
     return pg_loss, metrics
@@ -242,7 +282,8 @@ def compute_policy_loss_geo_mean(
     sequence loss is ``-A_i ratio_i``. verl averages the sequence losses over the local batch
     (``torch.mean``, which depends on micro-batching); here the sequence loss is aggregated
     ``seq-mean-token-mean`` with the global sample count, which for one whole batch without empty rows
-    equals verl's value. ``loss_agg_mode`` is ignored (as in verl).
+    equals verl's value. ``loss_agg_mode`` is ignored (as in verl); the config refuses every mode but
+    ``seq-mean-token-mean`` (``core_algos/loss_rules.py``). Also registered as ``gmpo``.
 
     Args:
         old_log_prob: ``[b, t]``.
@@ -282,3 +323,6 @@ def compute_policy_loss_geo_mean(
         "actor/ppo_kl": Metric.token_mean(-log_ratio, response_mask),
     }
     return pg_loss, metrics
+
+
+POLICY_LOSS_REGISTRY.add("gmpo", compute_policy_loss_geo_mean)  # the paper's name for verl's geo_mean

@@ -26,6 +26,7 @@ size: each rank contributes masked sums, a few numbers all-reduced.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -263,19 +264,23 @@ class EstimatorAdvantages:
     Args:
         estimator: From :func:`~verl_trainer.core_algos.advantages.resolve_estimator`.
         config: The recipe's config, handed to the estimator (``config=``); ``norm_adv_by_std_in_grpo`` read.
-        dp_group: The DP process group (used only by a whitening estimator).
+        dp_group: The DP process group (used by a whitening estimator, and passed to one that names a
+            ``dp_group`` parameter: it counts over the whole DP batch, as GPG's ``B / M``).
     """
 
     def __init__(self, estimator: Estimator, config: Any, dp_group: dist.ProcessGroup | None = None) -> None:
         self.estimator = estimator
         self.config = config
         self.dp_group = dp_group
+        self._counts_globally = "dp_group" in inspect.signature(estimator.fn).parameters
 
     def __call__(self, batch: TensorDict, scores: torch.Tensor, metrics: StepMetrics) -> None:
         """Write ``advantages`` and ``returns`` ``[B, T]`` into ``batch``; add the advantages' metrics."""
         mask = batch[schema.RESPONSE_MASK]
         group = self.dp_group if self.estimator.whitens else None  # only a whitening one is a collective
         available = {key: batch[key] for key in (schema.REWARD_BASELINES,) if key in batch.keys()}
+        if self._counts_globally:  # one that counts over the whole DP batch (GPG)
+            available["dp_group"] = self.dp_group
         adv, returns = estimator_advantages(
             self.estimator, batch[schema.TOKEN_LEVEL_REWARDS], mask, group, index=batch[schema.UID],
             norm_adv_by_std_in_grpo=self.config.norm_adv_by_std_in_grpo, config=self.config, **available)

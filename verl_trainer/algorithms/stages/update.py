@@ -6,7 +6,9 @@
       (PPO's KL in the reward) or the step is one actor update (``actor.reuse_log_probs_on_policy``:
       the update's own detached log-probs are the old ones, ``actor/old_log_probs_reused``)
     → [on_before_update: the module's hook, between :meth:`Updater.prepare` and :meth:`Updater.update`]
-    → ``ppo_epochs`` × mini-batches: the critic part's updates, then the actor's (``engine.train_batch``)
+    → ``ppo_epochs`` × mini-batches: the critic part's updates, then the actor's (``engine.train_batch``;
+      a policy loss that selects tokens over the whole step first prepares each mini-batch:
+      ``PPOLoss.prepare``, a collective over the DP group, and the old log-probs are then never reused)
 
 The mini-batches (:func:`count_mini_batches`, :func:`split_mini_batches`) agree over the DP ranks: every
 rank runs the same number of engine steps (a rank short of samples gets padding samples that train
@@ -221,6 +223,7 @@ class Updater:
         self.critic = critic
         self.hooks = hooks
         self.dp_group = dp_group
+        self._prepares = bool(getattr(actor_loss, "needs_prepare", False))
 
     def prepare(self, data: TensorDict, step: int, metrics: StepMetrics) -> UpdatePlan:
         """Count the mini-batches (a collective), ask the actor-due part, add the old and reference log-probs.
@@ -240,7 +243,8 @@ class Updater:
         if schema.OLD_LOG_PROBS not in data.keys():  # PPO with KL in the reward computed them already
             cfg = self.actor
             one_update = cfg.ppo_epochs == 1 and num_mini == 1
-            reuse = cfg.reuse_log_probs_on_policy and one_update and actor_due
+            # a loss that selects tokens over the whole step reads the old log-probs before the update
+            reuse = cfg.reuse_log_probs_on_policy and one_update and actor_due and not self._prepares
             compute_log_probs(self.engines, data, not reuse, self.reference, self.ref_in_actor)
             metrics["actor/old_log_probs_reused"] = float(reuse)
             loss = with_on_policy_old_log_probs(loss) if reuse else loss
@@ -255,6 +259,8 @@ class Updater:
         mini_batches = split_mini_batches(data, plan.num_mini_batches)
         outputs = dict(self.critic(mini_batches)) if self.critic is not None else {}
         if plan.actor_due:
+            if self._prepares:  # clip-cov / KL-cov: the token selection over each whole mini-batch
+                mini_batches = [self.actor_loss.prepare(mb, self.dp_group) for mb in mini_batches]
             outputs.update(run_updates(self.engines["actor"], "actor", plan.actor_loss, mini_batches,
                                        self.actor.ppo_epochs, self.hooks,
                                        calculate_entropy=self.actor.calculate_entropy))
