@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from verl_trainer.algorithms import GRPOConfig, PPOConfig, SFTConfig
+from verl_trainer.algorithms.distill_config import DistillGRPOConfig
 from verl_trainer.algorithms.preference import PreferenceConfig
 from verl_trainer.recipe_config import (
     DPORecipeConfig,
@@ -15,18 +16,21 @@ from verl_trainer.recipe_config import (
     load_config,
     parse_recipe_args,
 )
+from verl_trainer.recipe_config.distill import DistillRecipeConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPES = {"sft": SFTRecipeConfig, "grpo": GRPORecipeConfig, "dr_grpo": GRPORecipeConfig,
            "dapo": GRPORecipeConfig, "ppo": PPORecipeConfig, "grpo_lora": GRPORecipeConfig,
-           "grpo_tools": GRPORecipeConfig, "remax": GRPORecipeConfig, "dpo": DPORecipeConfig}
+           "grpo_tools": GRPORecipeConfig, "remax": GRPORecipeConfig, "dpo": DPORecipeConfig,
+           "distill": DistillRecipeConfig}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_every_config_loads_into_its_schema(name):
     cfg = load_config(RECIPES[name], CONFIGS / f"{name}.yaml")
     assert isinstance(cfg, RECIPES[name])
-    expected = {"sft": SFTConfig, "ppo": PPOConfig, "dpo": PreferenceConfig}.get(name, GRPOConfig)
+    expected = {"sft": SFTConfig, "ppo": PPOConfig, "dpo": PreferenceConfig,
+                "distill": DistillGRPOConfig}.get(name, GRPOConfig)
     assert isinstance(cfg.algorithm, expected)
     assert cfg.data.train_files.startswith(cfg.task.dir)  # ${task.dir} interpolation resolved
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import random
 import socket
 import tempfile
 import time
@@ -61,8 +62,36 @@ def _pool_on() -> bool:
     return _USE_POOL and os.environ.get(POOL_ENV, "1") != "0"
 
 
+LISTEN_PORTS = (20000, 32768)
+"""Where :func:`find_free_port` looks: below Linux's default ephemeral range (32768-60999), which the kernel
+hands to outgoing connections and to ``bind(0)``. A port there that was free when asked can be taken by
+one of the many gloo connections of another test before the rendezvous binds it (EADDRINUSE, seen with
+two CI lanes running); a port below the range can only be taken by another caller that drew the same one."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return LISTEN_PORTS[1]
+
+
 def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free when asked."""
+    """A TCP port on 127.0.0.1 that was free when asked.
+
+    Drawn from :data:`LISTEN_PORTS`, below the kernel's ephemeral range; ``bind(0)``'s port when that range
+    leaves no room.
+    """
+    low, high = LISTEN_PORTS[0], min(LISTEN_PORTS[1], _ephemeral_low())
+    draw = random.SystemRandom()
+    for _ in range(64 if high - low > 1000 else 0):
+        port = draw.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
