@@ -45,6 +45,24 @@ def _register_a_new_optimizer():
     return "pool_test_optimizer" in OPTIMIZERS
 
 
+def _import_a_module_that_registers(directory: str) -> bool:
+    """Import (first time in this process) a module whose decorator factory registers from a function."""
+    sys.path.insert(0, directory)
+    try:
+        import pool_test_plugin  # noqa: F401  (registers "pool_test_plugin_optimizer" when imported)
+    finally:
+        sys.path.remove(directory)
+    from verl_trainer.engine.optimizers import OPTIMIZERS
+
+    return "pool_test_plugin_optimizer" in OPTIMIZERS
+
+
+def _still_registered() -> bool:
+    from verl_trainer.engine.optimizers import OPTIMIZERS
+
+    return "pool_test_plugin_optimizer" in OPTIMIZERS
+
+
 def _fake_deepspeed_import():
     sys.modules["deepspeed"] = types.ModuleType("deepspeed")
     return os.getpid()
@@ -100,6 +118,25 @@ def test_a_call_sees_the_state_of_a_fresh_process():
 def test_a_name_registered_by_a_call_is_free_again_for_the_next():
     assert run_distributed(_register_a_new_optimizer, 2) == [True, True]
     assert run_distributed(_register_a_new_optimizer, 2) == [True, True]
+
+
+def test_what_a_module_registers_when_a_call_imports_it_stays_registered(tmp_path):
+    """A registration made while a module is imported is the module's (it stays imported), even when a
+    decorator factory defined in another file makes it (as ``@register_rollout("hf")`` does)."""
+    (tmp_path / "pool_test_plugin.py").write_text(
+        "import torch\n"
+        "from verl_trainer.engine.optimizers import OPTIMIZERS\n\n"
+        "def register(name):\n"
+        "    def deco(cls):\n"
+        "        OPTIMIZERS.add(name, cls)\n"
+        "        return cls\n"
+        "    return deco\n\n"
+        "@register('pool_test_plugin_optimizer')\n"
+        "class PluginSGD(torch.optim.SGD):\n"
+        "    pass\n"
+    )
+    assert run_distributed(_import_a_module_that_registers, 2, str(tmp_path)) == [True, True]
+    assert run_distributed(_still_registered, 2) == [True, True]
 
 
 def test_a_call_that_changes_the_process_for_good_gets_new_processes_after_it():

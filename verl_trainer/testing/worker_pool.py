@@ -28,6 +28,7 @@ import signal
 import sys
 import time
 import traceback
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from datetime import timedelta
@@ -96,21 +97,28 @@ def _registries() -> dict[int, tuple[Registry, dict]]:
     return found
 
 
+def _importing(frame: types.FrameType | None) -> bool:
+    """Whether a module is being imported somewhere up the stack from ``frame``."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _track_registrations(added: list[tuple[Registry, Hashable]]) -> None:
     """Make every project registry append ``(registry, key)`` to ``added`` for a key a task registers.
 
-    Registrations made while a module is imported (a ``<module>`` frame registers) are the module's and
-    stay: the module stays imported.
+    Registrations made while a module is imported (the import system's frames are on the stack, whichever
+    decorator or helper registers: ``@register_rollout`` adds from a function of ``rollout/registry.py``) are
+    the module's and stay: the module stays imported. Only a task's own registrations are undone.
     """
     add = registry.Registry.add
 
     def tracked_add(self: Registry, key: Hashable, obj: object) -> object:
         new = key not in self._entries
         result = add(self, key, obj)
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename == registry.__file__:
-            frame = frame.f_back
-        if new and frame is not None and frame.f_code.co_name != "<module>":
+        if new and not _importing(sys._getframe(1)):
             added.append((self, key))
         return result
 
