@@ -75,3 +75,35 @@ def test_a_watch_that_saw_nothing_fails():
     watch.sample()
     with pytest.raises(AssertionError, match="no socket seen"):
         watch.check()
+
+
+UDP = (
+    "import socket, sys, time\n"
+    "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect((sys.argv[1], int(sys.argv[2])))\n"
+    "print('ready', flush=True); time.sleep(30)\n"
+)
+
+
+def _watch_udp(address: str, port: int, resolvers: frozenset[str]) -> LoopbackWatch:
+    """A child with a UDP socket connected to ``address:port`` (a UDP connect sends nothing)."""
+    proc = subprocess.Popen([sys.executable, "-c", UDP, address, str(port)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        watch = LoopbackWatch([proc.pid], resolvers=resolvers)
+        assert proc.stdout.readline().strip() == "ready"
+        watch.sample()
+        return watch
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_lookup_at_a_nameserver_is_recorded_not_offending_and_other_udp_is():
+    resolver = "192.0.2.53"  # TEST-NET-1: never a real host
+    lookup = _watch_udp(resolver, 53, frozenset({resolver}))
+    assert [s.remote for s in lookup.dns_lookups] == [resolver] and not lookup.offending
+    other_port = _watch_udp(resolver, 80, frozenset({resolver}))
+    with pytest.raises(AssertionError, match=rf"-> {resolver} "):
+        other_port.check()
+    not_a_resolver = _watch_udp(resolver, 53, frozenset())
+    assert not_a_resolver.offending and not not_a_resolver.dns_lookups

@@ -11,11 +11,17 @@ A socket listening on the wildcard address (``0.0.0.0`` / ``::``) is recorded in
 ``init_process_group(init_method="env://")``, of torchrun's agent and of Ray's ``TorchTrainer``) always
 listens on every interface, and torch has no option to bind it to one address. Every connection such a
 listener accepts is still checked, so a run that passes talked over 127.0.0.1 only.
+
+A UDP socket connected to one of the system's nameservers (``/etc/resolv.conf``) on port 53 is a host-name
+lookup by the C resolver (a Ray worker resolving its host name, seen once in CI), not a socket the test's
+code bound: it is recorded in :attr:`LoopbackWatch.dns_lookups` and allowed.
 """
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 
@@ -23,6 +29,16 @@ LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 """Addresses a test process may bind or connect to."""
 WILDCARD = ("0.0.0.0", "::")
 """The any-address: allowed for a listening socket only (see the module docstring)."""
+
+
+def nameservers(resolv_conf: str = "/etc/resolv.conf") -> frozenset[str]:
+    """The ``nameserver`` addresses of ``resolv_conf`` (empty when it cannot be read)."""
+    try:
+        lines = Path(resolv_conf).read_text().splitlines()
+    except OSError:
+        return frozenset()
+    return frozenset(parts[1] for parts in (line.split() for line in lines)
+                     if len(parts) >= 2 and parts[0] == "nameserver")
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,7 @@ class LoopbackWatch:
         pids_seen: Every pid observed so far (roots and descendants).
         offending: Sockets bound or connected to an address outside :data:`LOOPBACK`.
         wildcard_listeners: Listening sockets bound to :data:`WILDCARD` (allowed, recorded).
+        dns_lookups: UDP sockets to a nameserver's port 53 (allowed, recorded; module docstring).
         sockets_seen: How many distinct sockets were inspected (a watch that saw none proves nothing).
     """
 
@@ -58,6 +75,8 @@ class LoopbackWatch:
     pids_seen: set[int] = field(default_factory=set)
     offending: list[SocketUse] = field(default_factory=list)
     wildcard_listeners: list[SocketUse] = field(default_factory=list)
+    dns_lookups: list[SocketUse] = field(default_factory=list)
+    resolvers: frozenset[str] = field(default_factory=nameservers)
     sockets_seen: set[tuple[int, str, str, str]] = field(default_factory=set)
 
     def processes(self) -> list[psutil.Process]:
@@ -89,6 +108,10 @@ class LoopbackWatch:
                 use = SocketUse(proc.pid, name, local, remote, conn.status)
                 if local in WILDCARD and not remote and conn.status == psutil.CONN_LISTEN:
                     self.wildcard_listeners.append(use)
+                    continue
+                if (conn.type == socket.SOCK_DGRAM and remote in self.resolvers and conn.raddr
+                        and conn.raddr.port == 53):
+                    self.dns_lookups.append(use)
                     continue
                 bad_local = local not in LOOPBACK and local != ""
                 bad_remote = remote not in LOOPBACK and remote != ""
