@@ -35,8 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_trainer.core_algos.aggregation import TOKEN_MEAN, agg_loss, global_batch_kwargs, loss_mask_of
+from verl_trainer.core_algos.aggregation import TOKEN_MEAN, agg_loss, loss_mask_of
 from verl_trainer.core_algos.policy_losses import (
+    agg_kwargs,
     clip_range,
     config_get,
     register_policy_loss,
@@ -180,9 +181,6 @@ def prepare_clip_cov(batch: Any, config: Any, group: dist.ProcessGroup | None) -
     return select_clip_cov(adv, old, mask, _batch_priority(batch, old), config, group)
 
 
-def _agg_kwargs(config: Any, global_batch_info: Any) -> dict[str, Any]:
-    return global_batch_kwargs(global_batch_info, config_get(config, "loss_scale_factor", None))
-
 
 @register_policy_loss("clip_cov")
 def compute_policy_loss_clip_cov(
@@ -230,7 +228,7 @@ def compute_policy_loss_clip_cov(
     pg_losses = losses * (1.0 - selected)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **_agg_kwargs(config, global_batch_info))
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs(config, global_batch_info))
     return pg_loss, {
         "actor/pg_clipfrac": Metric.token_mean(selected, response_mask),
         "actor/ppo_kl": Metric.token_mean(-log_ratio, response_mask),
@@ -277,7 +275,7 @@ def compute_policy_loss_kl_cov(
     pg_losses = -advantages * torch.exp(log_ratio) + selected * coef * log_ratio.abs()
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **_agg_kwargs(config, global_batch_info))
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs(config, global_batch_info))
     return pg_loss, {
         "actor/pg_clipfrac": Metric.token_mean(selected, response_mask),
         "actor/ppo_kl": Metric.token_mean(-log_ratio, response_mask),

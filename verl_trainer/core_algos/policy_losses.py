@@ -104,7 +104,8 @@ def clip_range(config: Any) -> tuple[float, float]:
     return (clip_ratio if low is None else low), (clip_ratio if high is None else high)
 
 
-def _agg_kwargs(config: Any, global_batch_info: Any) -> dict[str, Any]:
+def agg_kwargs(config: Any, global_batch_info: Any) -> dict[str, Any]:
+    """``agg_loss``'s global-denominator keywords from a loss's ``global_batch_info`` and config."""
     return global_batch_kwargs(global_batch_info, config_get(config, "loss_scale_factor", None))
 
 
@@ -155,7 +156,7 @@ def compute_policy_loss_vanilla(
     pg_losses = torch.where(negative_adv, torch.minimum(losses_dual, clip_losses), clip_losses)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **_agg_kwargs(config, global_batch_info))
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs(config, global_batch_info))
     metrics = {
         "actor/pg_clipfrac": Metric.token_mean((losses_clipped > losses_unclipped).float(), response_mask),
         "actor/ppo_kl": Metric.token_mean(-log_ratio, response_mask),
@@ -220,7 +221,7 @@ def compute_policy_loss_gspo(
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
     pg_loss = agg_loss(pg_losses, response_mask, SEQ_MEAN_TOKEN_MEAN,
-                       **_agg_kwargs(config, global_batch_info))
+                       **agg_kwargs(config, global_batch_info))
     clipped = (seq_clipped > seq_unclipped).float().unsqueeze(-1).expand_as(log_ratio)
     metrics = {
         "actor/pg_clipfrac": Metric.token_mean(clipped, response_mask),
@@ -260,7 +261,7 @@ def compute_policy_loss_gpg(
     pg_losses = -log_prob * advantages
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **_agg_kwargs(config, global_batch_info))
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs(config, global_batch_info))
     return pg_loss, {}
 
 
@@ -315,7 +316,7 @@ def compute_policy_loss_geo_mean(
     seq_adv = masked_sum(advantages, response_mask, dim=-1) / (counts + 1e-8)
     seq_losses = (-seq_adv * seq_ratio).unsqueeze(-1).expand_as(log_ratio)
     pg_loss = agg_loss(seq_losses, response_mask, SEQ_MEAN_TOKEN_MEAN,
-                       **_agg_kwargs(config, global_batch_info))
+                       **agg_kwargs(config, global_batch_info))
     clipped = torch.ne(log_ratio, log_ratio_clipped)
     metrics = {
         "actor/pg_clipfrac": Metric.token_mean((clipped & (advantages > 0)).float(), response_mask),

@@ -17,17 +17,13 @@ from verl_trainer.core_algos.aggregation import (
     SEQ_MEAN_TOKEN_MEAN,
     TOKEN_MEAN,
     agg_loss,
-    global_batch_kwargs,
     masked_sum,
 )
-from verl_trainer.core_algos.policy_losses import clip_range, config_get, register_policy_loss
+from verl_trainer.core_algos.policy_losses import agg_kwargs, clip_range, config_get, register_policy_loss
 from verl_trainer.metrics import Metric
 
 LossOutput = tuple[torch.Tensor, dict[str, Metric]]
 
-
-def _agg_kwargs(config: Any, global_batch_info: Any) -> dict[str, Any]:
-    return global_batch_kwargs(global_batch_info, config_get(config, "loss_scale_factor", None))
 
 
 def _log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
@@ -82,7 +78,7 @@ def compute_policy_loss_gspo_token(
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     pg_losses = _weighted(torch.maximum(unclipped, clipped), rollout_is_weights)
     pg_loss = agg_loss(pg_losses, response_mask, SEQ_MEAN_TOKEN_MEAN,
-                       **_agg_kwargs(config, global_batch_info))
+                       **agg_kwargs(config, global_batch_info))
     return pg_loss, {
         "actor/pg_clipfrac": Metric.token_mean((clipped > unclipped).float(), response_mask),
         "actor/ppo_kl": Metric.token_mean(-log_ratio, response_mask),
@@ -126,7 +122,7 @@ def compute_policy_loss_cispo(
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
     pg_losses = _weighted(-weight * advantages * log_prob, rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **_agg_kwargs(config, global_batch_info))
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs(config, global_batch_info))
     return pg_loss, {
         "actor/pg_clipfrac": Metric.token_mean((weight != ratio).float(), response_mask),
         "actor/ppo_kl": Metric.token_mean(-log_ratio, response_mask),
@@ -179,7 +175,7 @@ def compute_policy_loss_sapo(
     tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     pg_losses = _weighted(-gate * advantages, rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **_agg_kwargs(config, global_batch_info))
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs(config, global_batch_info))
     return pg_loss, {"actor/ppo_kl": Metric.token_mean(-log_ratio, response_mask)}
 
 
@@ -193,7 +189,7 @@ def _dppo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.
     weight = torch.clamp(ratio, max=clip_ratio_c).detach()
     kept = valid.detach().to(log_prob.dtype)
     pg_losses = _weighted(-advantages * weight * log_prob * kept, rollout_is_weights)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **_agg_kwargs(config, global_batch_info))
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs(config, global_batch_info))
     return pg_loss, {
         "actor/pg_clipfrac": Metric.token_mean(1.0 - kept, response_mask),
         "actor/pg_clipfrac_lower": Metric.token_mean((ratio > clip_ratio_c).to(kept.dtype) * kept,
