@@ -12,7 +12,7 @@ from verl_trainer.models import (
     load_value_model,
     make_tiny_model,
 )
-from verl_trainer.models.tiny import CHARS
+from verl_trainer.models.tiny import CHARS, MOE_ARCHITECTURES
 
 TEXT = "12+7=19\n(3*4)/2 - x^2 = 8; Hello, World! \"quoted\" 50% done."
 
@@ -87,3 +87,16 @@ def test_chat_template():
     messages = [{"role": "user", "content": "1+1"}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == "user: 1+1\nassistant: "
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_tiny_moe_models(tmp_path, arch):
+    """Each MoE architecture builds tiny (4 experts, top-2), loads through from_pretrained and generates."""
+    path = make_tiny_model(tmp_path, arch=arch, hidden_size=32, num_key_value_heads=4, num_hidden_layers=1)
+    model = load_causal_lm(path)
+    config = model.config
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    assert (experts or config.n_routed_experts) == 4 and config.num_experts_per_tok == 2
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert model(ids).logits.shape == (1, 4, config.vocab_size)
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 7)

@@ -38,7 +38,11 @@ CHAT_TEMPLATE = (
 )
 """A minimal chat template (``role: content`` lines) so ``apply_chat_template`` works."""
 
-ARCHITECTURES = ("qwen2", "llama", "qwen3")
+DENSE_ARCHITECTURES = ("qwen2", "llama", "qwen3")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
+"""Mixture-of-experts architectures: 4 routed experts, top-2, unless overridden (``qwen2_moe`` and
+``deepseek_v3`` add shared experts; ``deepseek_v3`` uses multi-head latent attention)."""
+ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 
 
 def _byte_level_char(ch: str) -> str:
@@ -86,8 +90,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def _model_config(arch: str, tokenizer: PreTrainedTokenizerFast, **overrides: Any) -> PretrainedConfig:
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny-model arch {arch!r}; choose one of {ARCHITECTURES}")
-    if arch == "qwen3":  # Qwen3Config's head_dim defaults to 128, not hidden_size // num_attention_heads
+    if arch in ("qwen3", "qwen3_moe"):  # Qwen3's head_dim defaults to 128, not hidden // heads
         overrides.setdefault("head_dim", overrides["hidden_size"] // overrides["num_attention_heads"])
+    if arch in MOE_ARCHITECTURES:
+        _moe_defaults(arch, overrides)
     return AutoConfig.for_model(
         arch,
         vocab_size=len(tokenizer),
@@ -97,6 +103,34 @@ def _model_config(arch: str, tokenizer: PreTrainedTokenizerFast, **overrides: An
         tie_word_embeddings=False,
         **overrides,
     )
+
+
+def _moe_defaults(arch: str, overrides: dict[str, Any]) -> None:
+    """Fill a tiny MoE's expert fields (4 experts, top-2, expert width = the MLP width) where not given."""
+    hidden, width = overrides["hidden_size"], overrides["intermediate_size"]
+    overrides.setdefault("num_experts_per_tok", 2)
+    if arch == "mixtral":
+        overrides.setdefault("num_local_experts", 4)
+        return
+    overrides.setdefault("moe_intermediate_size", width)
+    if arch == "qwen3_moe":
+        overrides.setdefault("num_experts", 4)
+    elif arch == "qwen2_moe":
+        overrides.setdefault("num_experts", 4)
+        overrides.setdefault("shared_expert_intermediate_size", width)
+    else:  # deepseek_v3: MLA with small ranks, one shared expert, every layer sparse
+        heads = overrides["num_attention_heads"]
+        overrides.setdefault("n_routed_experts", 4)
+        overrides.setdefault("n_shared_experts", 1)
+        overrides.setdefault("n_group", 1)
+        overrides.setdefault("topk_group", 1)
+        overrides.setdefault("first_k_dense_replace", 0)
+        overrides.setdefault("kv_lora_rank", hidden // 2)
+        overrides.setdefault("q_lora_rank", hidden)
+        overrides.setdefault("qk_rope_head_dim", hidden // heads // 2)
+        overrides.setdefault("qk_nope_head_dim", hidden // heads // 2)
+        overrides.setdefault("v_head_dim", hidden // heads)
+        overrides.setdefault("head_dim", hidden // heads // 2)
 
 
 def make_tiny_model(
@@ -115,7 +149,7 @@ def make_tiny_model(
 
     Args:
         path: Output directory (created).
-        arch: ``"qwen2"``, ``"llama"`` or ``"qwen3"``.
+        arch: One of :data:`ARCHITECTURES` (dense or mixture-of-experts).
         hidden_size: Model width.
         num_hidden_layers: Number of decoder layers.
         num_attention_heads: Query heads.
