@@ -42,6 +42,7 @@ docs/lightning.md, "Modules".
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -144,7 +145,13 @@ class TrainingModule:
 
     @property
     def hparams(self) -> dict[str, Any]:
-        """Hyperparameters logged once per run (plain data); override to report your config."""
+        """Hyperparameters logged once per run: a dataclass ``self.config`` as plain data, else ``{}``.
+
+        Override to report something else.
+        """
+        config = getattr(self, "config", None)
+        if dataclasses.is_dataclass(config) and not isinstance(config, type):
+            return dataclasses.asdict(config)
         return {}
 
     def setup(self, stage: str) -> None:

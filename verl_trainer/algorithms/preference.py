@@ -17,7 +17,6 @@ The loss and its metrics: :mod:`verl_trainer.core_algos.preference`; the data:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,11 +109,6 @@ class PreferenceModule(TrainingModule):
         self.config = config
         self.loss_fn = preference_loss(config.loss)
         self.non_finite = NonFiniteGuard(config.non_finite, group_estimator=False)
-
-    @property
-    def hparams(self) -> dict[str, Any]:
-        """The config as plain data."""
-        return dataclasses.asdict(self.config)
 
     def configure_engines(self) -> dict[str, EngineSpec]:
         """``actor`` (trained) and, with a reference and no ``ref.in_actor``, ``ref`` (inference only)."""

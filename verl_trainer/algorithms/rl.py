@@ -131,11 +131,6 @@ class RLModule(TrainingModule):
         (:mod:`verl_trainer.algorithms.greedy_baseline`)."""
         self._stages: RLStages | None = None
 
-    @property
-    def hparams(self) -> dict[str, Any]:
-        """The config as plain data."""
-        return dataclasses.asdict(self.config)
-
     # ---------------------------------------------------------------------------------------- engines
     @property
     def uses_reference(self) -> bool:

@@ -16,7 +16,6 @@ over validation batches); per test: ``test/loss``.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,11 +64,6 @@ class SFT(TrainingModule):
         self.config = config
         self.loss_fn = sft_loss(config.loss)
         self.non_finite = NonFiniteGuard(config.non_finite, group_estimator=False)
-
-    @property
-    def hparams(self) -> dict[str, Any]:
-        """The config as plain data."""
-        return dataclasses.asdict(self.config)
 
     def configure_engines(self) -> dict[str, EngineSpec]:
         """One trainable language-model engine, ``"actor"``."""
