@@ -42,12 +42,14 @@ def test_chat_trajectories_train_the_served_ids(rollout):
         messages = _messages(question)
         with httpx.Client(base_url=context.base_url, timeout=60) as client:
             first = client.post("/chat/completions", json={"model": context.model, "messages": messages,
-                                                           "trajectory_id": context.trajectory_id})
+                                                           "trajectory_id": context.trajectory_id,
+                                                           "max_tokens": 12})
             first.raise_for_status()
             reply = first.json()["choices"][0]
             messages = [*messages, {"role": "assistant", "content": reply["message"]["content"].strip()},
                         FOLLOW_UP]
-            second = client.post("/chat/completions", json={"messages": messages}, headers=context.headers)
+            second = client.post("/chat/completions", json={"messages": messages, "max_tokens": 12},
+                                 headers=context.headers)
             second.raise_for_status()
         served[context.trajectory_id] = [first.json(), second.json()]
         return 0.5
@@ -55,7 +57,7 @@ def test_chat_trajectories_train_the_served_ids(rollout):
     loop = ServedAgentLoop(agent, rollout.tokenizer, rollout.eos_token_ids)
     rollout.agent_loop = loop
     try:
-        batch = rollout.generate(_items(rollout.tokenizer), step=0, n=2, max_new_tokens=40)
+        batch = rollout.generate(_items(rollout.tokenizer), step=0, n=2, max_new_tokens=64)
     finally:
         rollout.agent_loop = None
         loop.close()

@@ -8,7 +8,9 @@ OpenAI's fields, ``token_ids`` (the sampled ids, eos included when sampled) and 
 
 Requests tagged with a trajectory id are recorded (:mod:`verl_trainer.serving.trajectories`). A
 trajectory the trainer registered samples with the trainer's settings (temperature, top-p, top-k) and
-seeds, within its token budget, whatever the request asks; other requests use their own settings.
+seeds, within its token budget (model and observation tokens, ``max_new_tokens``), whatever the request
+asks; a turn whose observation leaves no room is answered empty (``finish_reason: length``) and not recorded,
+so the trajectory ends before it. Other requests use their own settings.
 
 Errors are OpenAI-style JSON bodies: 400 bad request (the field named), 404 unknown model, 409 a
 trajectory turn already in flight, 429 more than ``max_concurrency`` requests admitted, 500 the backend
@@ -228,7 +230,7 @@ class TokenServer:
         try:
             turn = plan(record)
             config, seeds, budget = self._sampling(body, turn, trajectory_id)
-            if budget <= 0:  # the trajectory's token budget is spent: an empty, length-cut answer
+            if budget <= 0:  # the observation fills the budget: an empty, length-cut answer
                 choices = [([], [], "", "length")]
             else:
                 job = EngineJob([turn.prompt] * body.n, config, seeds)
@@ -251,7 +253,7 @@ class TokenServer:
                     finish = "stop" if kept and kept[-1] in self.eos else "length"
                     text = self.tokenizer.decode(kept, skip_special_tokens=True)
                     choices.append((kept, [float(x) for x in log_probs[: len(kept)]], text, finish))
-            if record is not None:
+            if record is not None and budget > 0:  # a turn past the budget is answered, not recorded
                 kept, lps, text, _ = choices[0]
                 self.store.record(record, turn.prompt, turn.observation, kept, lps, turn.messages, text)
         finally:
