@@ -46,6 +46,10 @@ class EngineThread:
     def __init__(self, generate: GenerateFn, max_batch: int) -> None:
         self.generate = generate
         self.max_batch = max_batch
+        self.calls = 0
+        """Backend calls made."""
+        self.prompts = 0
+        """Prompts generated (``prompts / calls``: the mean batch)."""
         self._queue: queue.Queue[EngineJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="token-server-engine", daemon=True)
         self._thread.start()
@@ -95,6 +99,8 @@ class EngineThread:
     def _run(self, group: list[EngineJob]) -> None:
         prompts = [p for j in group for p in j.prompts]
         seeds = [s for j in group for s in j.seeds]
+        self.calls += 1
+        self.prompts += len(prompts)
         try:
             ids, log_probs = self.generate(prompts, group[0].config, seeds)
             if len(ids) != len(prompts) or len(log_probs) != len(prompts):
