@@ -114,7 +114,7 @@ class ServedAgentLoop:
             self.server = None
 
     def _ensure_server(self, generate: Any, config: Any) -> TokenServer:
-        if self.server is None or self.server.engine.generate is not generate:
+        if self.server is None or self.server.engine.generate != generate:  # bound methods compare equal
             self.close()
             self.server = TokenServer(generate, config, self.tokenizer, self.eos, self.server_config)
             self.server.start()
