@@ -114,3 +114,38 @@ def test_concurrency_bound_timeout_and_backend_failure(rollout):
 def test_config_errors(key, value, names):
     with pytest.raises(ValueError, match=names):
         ServerConfig(**{key: value})
+
+
+def test_an_openai_sdk_client_gets_token_ids_and_tags_its_trajectory(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url, api_key="unused")
+    messages = [{"role": "user", "content": "hi"}]
+    first = client.chat.completions.create(model="policy", messages=messages, max_tokens=3,
+                                           extra_body={"trajectory_id": "sdk"})
+    ids = first.choices[0].model_extra["token_ids"]
+    assert 0 < len(ids) <= 3 and len(first.choices[0].logprobs.content) == len(ids)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "more"}]
+    second = client.chat.completions.create(model="policy", messages=messages, max_tokens=3,
+                                            extra_headers={"X-Trajectory-Id": "sdk"})
+    context = first.model_extra["prompt_token_ids"] + ids  # the sampled ids, kept as they were
+    assert second.model_extra["prompt_token_ids"][: len(context)] == context
+    with pytest.raises(openai.BadRequestError, match="stop"):
+        client.chat.completions.create(model="policy", messages=messages, stop=["x"])
+    record = server.store.take("sdk")
+    sampled = len(ids) + len(second.choices[0].model_extra["token_ids"])
+    assert record.turns == 2 and sum(record.model_mask) == sampled
+
+
+@pytest.mark.parametrize(("kwargs", "names"), [
+    ({"agent": "missing_file.py:agent"}, "missing_file.py"),
+    ({"agent": 3}, "not callable|function agent"),
+    ({"agent": "tests.serving.agents:chat_agent", "tools": ["verl_trainer.agents.builtin_tools:calculator"]},
+     "runs the whole conversation"),
+    ({"agent": "tests.serving.agents:chat_agent", "server": {"port": -1}}, "server.port"),
+])
+def test_multi_turn_agent_config_errors(kwargs, names):
+    from verl_trainer.agents.config import MultiTurnConfig
+
+    with pytest.raises(ValueError, match=names):
+        MultiTurnConfig(enable=True, **kwargs)

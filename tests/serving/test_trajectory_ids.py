@@ -102,15 +102,24 @@ def test_token_prompts_and_errors_of_agents(rollout):
             if context.row["extra_info"]["question"] == QUESTIONS[0]:
                 raise RuntimeError("the environment broke")
             assert second["finish_reason"] in ("stop", "length")
+            # 5 + 2 + 5 of the 12 tokens are used: an observation of 1 id leaves no room for an answer
+            used = context.prompt_ids + first["token_ids"] + [5, 6] + second["token_ids"]
+            if len(used) - len(context.prompt_ids) == 12:
+                third = client.post("/completions", json={**body, "prompt": used + [7]}).json()["choices"][0]
+                assert third["token_ids"] == [] and third["finish_reason"] == "length"
         return 1.0
 
     loop = ServedAgentLoop(agent, rollout.tokenizer, rollout.eos_token_ids)
     rollout.agent_loop = loop
     try:
         batch = rollout.generate(_items(rollout.tokenizer), step=1, max_new_tokens=12)
+        server = loop.server
+        again = rollout.generate(_items(rollout.tokenizer), step=1, max_new_tokens=12)
+        assert loop.server is server, "the server lives as long as the rollout, not one generate call"
     finally:
         rollout.agent_loop = None
         loop.close()
+    assert torch.equal(again[schema.INPUT_IDS], batch[schema.INPUT_IDS])  # seeded: the same trajectories
     infos = list(batch[AGENT_INFO])
     assert [i["env_errors"] for i in infos] == [1, 0, 0]
     assert [i["reward"] for i in infos] == [0.0, 1.0, 1.0]

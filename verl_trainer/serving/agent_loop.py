@@ -126,22 +126,19 @@ class ServedAgentLoop:
             context_limit: int | None = None) -> list[Trajectory]:
         """Run one agent per prompt (prompts already repeated ``n`` times) and assemble the trajectories.
 
-        ``turn_seed`` is accepted for the :class:`~verl_trainer.rollout.agent_loop.AgentLoop` signature; the
-        server derives turn seeds the same way (``derive_sample_seed(seed, turn, 0, 0, stream)``).
+        Turn 0 of a trajectory samples from its entry of ``seeds``, turn ``t`` from ``turn_seed(seed, t)``.
         """
         from verl_trainer.rollout.agent_loop import Trajectory
 
-        del turn_seed
         server = self._ensure_server(generate, config)
         self.last_errors = []
         budget = config.max_new_tokens
         if context_limit is not None:
             budget = min(budget, max(context_limit - max(len(p) for p in prompts), 1))
-        stream = 1 if getattr(config, "do_sample", True) is False else 0
         contexts = []
         for prompt, row, seed in zip(prompts, rows, seeds):
             tid = f"traj-{uuid.uuid4().hex}"
-            server.store.register(tid, Registration(tuple(prompt), int(seed), int(budget), stream))
+            server.store.register(tid, Registration(tuple(prompt), int(seed), int(budget), turn_seed))
             contexts.append(AgentContext(server.url or "", self.server_config.model_name, tid, list(prompt),
                                          self.tokenizer.decode(prompt), dict(row)))
         outcomes = []

@@ -281,8 +281,7 @@ class TokenServer:
             if body.max_tokens is not None:
                 budget = min(budget, body.max_tokens)
             turns = 0 if record is None else record.turns
-            seed = registration.seed if turns == 0 else derive_sample_seed(registration.seed, turns, 0, 0,
-                                                                           registration.stream)
+            seed = registration.seed if turns == 0 else registration.turn_seed(registration.seed, turns)
             config = dataclasses.replace(base, n=1, max_new_tokens=max(budget, 1))
             return config, [seed], budget
         budget = body.max_tokens or base.max_new_tokens

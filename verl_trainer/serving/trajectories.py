@@ -15,6 +15,7 @@ the chat template writes them after an assistant turn
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,15 +30,15 @@ class Registration:
 
     Attributes:
         prompt_ids: The dataset prompt's ids: the first turn's prompt must equal them.
-        seed: The trajectory's seed (turn ``t`` samples from ``turn_seed(seed, t)``; turn 0 from ``seed``).
+        seed: The trajectory's seed: turn 0 samples from it, turn ``t`` from ``turn_seed(seed, t)``.
         max_new_tokens: Token budget of the whole response (model and observation tokens).
-        stream: Seed stream (0: training, 1: validation).
+        turn_seed: The rollout's turn-seed function (``AgentLoop``'s, so both loops sample alike).
     """
 
     prompt_ids: tuple[int, ...]
     seed: int
     max_new_tokens: int
-    stream: int = 0
+    turn_seed: Callable[[int, int], int]
 
 
 @dataclass
