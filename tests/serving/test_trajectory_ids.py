@@ -128,3 +128,18 @@ def test_token_prompts_and_errors_of_agents(rollout):
         p, r = int(batch[schema.PROMPT_LEN][row]), int(batch[schema.RESPONSE_LEN][row])
         mask = batch[schema.LOSS_MASK][row, p: p + r].tolist()
         assert mask.count(0.0) == 2 and r <= 12  # the two observation ids [5, 6], within the budget
+
+
+def test_the_server_stops_with_its_loop(rollout):
+    import gc
+
+    loop = ServedAgentLoop(lambda context: 1.0, rollout.tokenizer, rollout.eos_token_ids)
+    rollout.agent_loop = loop
+    rollout.generate(_items(rollout.tokenizer)[:1], step=2)
+    url = loop.server.url
+    assert httpx.get(url + "/models").status_code == 200
+    rollout.agent_loop = None
+    del loop
+    gc.collect()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/models", timeout=5)

@@ -19,8 +19,10 @@ that raises or runs late keeps the turns recorded before it (counted ``agent/env
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -104,20 +106,23 @@ class ServedAgentLoop:
         self.agent_timeout_s = agent_timeout_s
         self.server: TokenServer | None = None
         self._threads = DaemonCalls("served-agent")
+        self._finalizer: weakref.finalize | None = None
         self.last_errors: list[str] = []
         """The errors of the last :meth:`run`'s failed agents (for messages and tests)."""
 
     def close(self) -> None:
-        """Stop the server (a later :meth:`run` starts a new one)."""
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+        """Stop the server (a later :meth:`run` starts a new one); also run when the loop is collected."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self.server = None
 
     def _ensure_server(self, generate: Any, config: Any) -> TokenServer:
         if self.server is None or self.server.engine.generate != generate:  # bound methods compare equal
             self.close()
             self.server = TokenServer(generate, config, self.tokenizer, self.eos, self.server_config)
             self.server.start()
+            self._finalizer = weakref.finalize(self, self.server.stop)  # the rollout's lifetime
         self.server.rollout_config = config
         return self.server
 
@@ -144,7 +149,7 @@ class ServedAgentLoop:
         outcomes = []
         for start in range(0, len(contexts), self.max_parallel):
             chunk = contexts[start: start + self.max_parallel]
-            calls = [(lambda c=c: _call(self.agent, c)) for c in chunk]
+            calls = [functools.partial(_call, self.agent, c) for c in chunk]  # no reference to self
             outcomes.extend(self._threads.outcomes(calls, self.agent_timeout_s))
         trajectories = []
         for context, (value, error) in zip(contexts, outcomes):
