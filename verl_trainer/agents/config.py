@@ -12,6 +12,7 @@ from verl_trainer.agents.parsers import TOOL_CALL_PARSERS
 from verl_trainer.agents.tools import Tool, as_tool
 from verl_trainer.agents.verl_tools import load_tool_config
 from verl_trainer.rewards.sandbox import check_sandbox
+from verl_trainer.serving.agent_spec import check_agent_config
 from verl_trainer.serving.config import ServerConfig
 from verl_trainer.utils.registry import load_object
 
@@ -90,8 +91,6 @@ class MultiTurnConfig:
                              f"{TOOL_CALL_PARSERS.keys_repr()} or register a parser in "
                              "verl_trainer.agents.TOOL_CALL_PARSERS")
         if self.enable and self.agent is not None:  # an external agent: its own checks
-            from verl_trainer.serving.agent_loop import check_agent_config
-
             check_agent_config(self)
             return
         if self.enable:  # load the user's code now: a bad name fails before any model loads

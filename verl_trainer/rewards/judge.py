@@ -232,10 +232,10 @@ class LLMJudge:
 
 def _local_judge_server(config: JudgeConfig) -> Any:
     """An HF engine of ``config.model_path`` behind a token server on 127.0.0.1 (started)."""
-    from verl_trainer.rollout.config import RolloutConfig
-    from verl_trainer.rollout.hf import HFRollout
-    from verl_trainer.serving.config import ServerConfig
-    from verl_trainer.serving.server import TokenServer
+    from verl_trainer.rollout.config import RolloutConfig  # lazy: a model_path judge only (torch, models)
+    from verl_trainer.rollout.hf import HFRollout  # lazy: as above
+    from verl_trainer.serving.config import ServerConfig  # lazy: as above
+    from verl_trainer.serving.server import TokenServer  # lazy: as above (and the serve extra)
 
     sample = config.temperature > 0
     rollout_config = RolloutConfig(max_new_tokens=config.max_tokens, do_sample=sample,

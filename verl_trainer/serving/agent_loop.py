@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from verl_trainer.serving.agent_spec import resolve_agent
 from verl_trainer.serving.config import ServerConfig
 from verl_trainer.serving.server import TRAJECTORY_HEADER, TokenServer
 from verl_trainer.serving.trajectories import Registration
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
     from verl_trainer.rollout.agent_loop import Trajectory
 
-__all__ = ["AgentContext", "ServedAgentLoop", "check_agent_config", "resolve_agent", "served_agent_loop"]
+__all__ = ["AgentContext", "ServedAgentLoop", "served_agent_loop"]
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class ServedAgentLoop:
 
         Turn 0 of a trajectory samples from its entry of ``seeds``, turn ``t`` from ``turn_seed(seed, t)``.
         """
-        from verl_trainer.rollout.agent_loop import Trajectory
+        from verl_trainer.rollout.agent_loop import Trajectory  # lazy: rollout/__init__ builds this loop
 
         server = self._ensure_server(generate, config)
         self.last_errors = []
@@ -197,41 +198,6 @@ def _reward(value: Any, context: AgentContext) -> float:
         raise TypeError(f"the agent returned {value!r} for trajectory {context.trajectory_id!r}; return a "
                         "number (the trajectory's reward) or None")
     return float(value)
-
-
-def resolve_agent(spec: Any) -> AgentFn:
-    """The agent function ``spec`` names (``"file.py:fn"``, ``"module:fn"``) or ``spec`` itself.
-
-    Raises:
-        ValueError: A name that does not load, or an object that is not callable.
-    """
-    from verl_trainer.utils.registry import load_object
-
-    obj = load_object(spec, "agent") if isinstance(spec, str) else spec
-    if not callable(obj):
-        raise ValueError(f"algorithm.rollout.multi_turn.agent={spec!r} is a {type(obj).__name__}; give a "
-                         "function agent(context) -> reward")
-    return obj
-
-
-def check_agent_config(config: Any) -> None:
-    """Raise before any model loads when ``config`` (a ``MultiTurnConfig``) cannot run its agent.
-
-    Raises:
-        ValueError: The agent does not load, or tools / an environment are set beside it.
-        ImportError: FastAPI or uvicorn is missing (the ``serve`` extra).
-    """
-    where = "algorithm.rollout.multi_turn"
-    if config.tools or config.tool_config_path or config.environment is not None:
-        raise ValueError(f"{where}.agent={config.agent!r} runs the whole conversation itself; unset "
-                         f"{where}.tools / tool_config_path / environment (the agent calls its own tools)")
-    resolve_agent(config.agent)
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(f"{where}.agent needs the token server's web stack: pip install "
-                          f"'verl-trainer[serve]' (fastapi, uvicorn); {exc}") from exc
 
 
 def served_agent_loop(config: Any, tokenizer: PreTrainedTokenizerBase,

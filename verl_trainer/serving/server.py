@@ -26,6 +26,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from verl_trainer.agents.template import ObservationEncoder
 from verl_trainer.rollout.base import derive_sample_seed, truncate_at_eos
 from verl_trainer.serving.config import ServerConfig
 from verl_trainer.serving.engine import EngineJob, EngineThread, GenerateFn
@@ -67,8 +68,6 @@ class TokenServer:
     def __init__(self, generate: GenerateFn, rollout_config: RolloutConfig,
                  tokenizer: PreTrainedTokenizerBase, eos_token_ids: list[int],
                  config: ServerConfig | None = None) -> None:
-        from verl_trainer.agents.template import ObservationEncoder
-
         self.config = config or ServerConfig()
         self.rollout_config = rollout_config
         self.tokenizer = tokenizer
@@ -130,7 +129,7 @@ class TokenServer:
 
     # ------------------------------------------------------------------------------------ app
     def _build_app(self) -> Any:
-        from verl_trainer.serving.app import build_app  # FastAPI: the `serve` extra
+        from verl_trainer.serving.app import build_app  # lazy: FastAPI, of the optional `serve` extra
 
         return build_app(self)
 
