@@ -9,7 +9,8 @@ the same run, on the same prompts, seeds and weights:
 * ``direct batch``: all prompts in ``--concurrency``-sized batches (the throughput a caller that batches
   itself gets);
 * ``server concurrent``: ``--concurrency`` client threads sending one request each at a time (the engine
-  thread batches requests of equal settings).
+  thread batches requests of equal settings); the clients share the server's process and GIL;
+* ``server processes``: the same from ``--concurrency`` client processes (as external agents run).
 
 Printed: mean / p50 / p95 latency per request, requests/s and sampled tokens/s, and each server row's ratio
 to its direct baseline (latency ratio for 1x1, throughput ratio for concurrent). Bounded: ``--requests``
@@ -21,11 +22,13 @@ Usage: python bench/token_server.py [--requests 32] [--concurrency 8] [--max-new
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -44,6 +47,15 @@ def _row(name: str, latencies: list[float], tokens: int, wall: float) -> dict:
             "p50": ordered[len(ordered) // 2],
             "p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], "rps": len(ordered) / wall,
             "tps": tokens / wall}
+
+
+def _post_once(url: str, prompt: list[int], seed: int, max_tokens: int) -> tuple[float, int]:
+    """One request from a client process: ``(latency s, sampled tokens)``."""
+    t = time.perf_counter()
+    answer = httpx.post(url + "/completions", json={"prompt": prompt, "seed": seed, "max_tokens": max_tokens},
+                        timeout=120)
+    answer.raise_for_status()
+    return time.perf_counter() - t, len(answer.json()["choices"][0]["token_ids"])
 
 
 def main() -> None:
@@ -121,6 +133,14 @@ def main() -> None:
         rows.append(_row("server concurrent", latencies, sum(counts), time.perf_counter() - start))
         calls = server.engine.calls - calls_before
         batched = server.engine.prompts - prompts_before
+        with ProcessPoolExecutor(args.concurrency, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_post_once, [server.url] * args.concurrency, prompts[: args.concurrency],
+                          range(args.concurrency), [1] * args.concurrency))  # start the client processes
+            start = time.perf_counter()
+            results = list(pool.map(_post_once, [server.url] * args.requests, prompts, range(args.requests),
+                                    [args.max_new_tokens] * args.requests))
+            rows.append(_row("server processes", [r[0] for r in results], sum(r[1] for r in results),
+                             time.perf_counter() - start))
         client.close()
 
     base = {r["name"]: r for r in rows}
@@ -129,7 +149,7 @@ def main() -> None:
         ratio = ""
         if r["name"] == "server 1x1":
             ratio = f"latency x{r['mean'] / base['direct 1x1']['mean']:.2f} vs direct 1x1"
-        elif r["name"] == "server concurrent":
+        elif r["name"] in ("server concurrent", "server processes"):
             ratio = f"throughput x{r['tps'] / base['direct batch']['tps']:.2f} vs direct batch"
         ms = f"{r['mean'] * 1e3:>8.1f} {r['p50'] * 1e3:>8.1f} {r['p95'] * 1e3:>8.1f}"
         print(f"{r['name']:<18} {r['n']:>4} {ms} {r['rps']:>7.1f} {r['tps']:>8.0f}  {ratio}")
