@@ -12,6 +12,8 @@ from verl_trainer.agents.parsers import TOOL_CALL_PARSERS
 from verl_trainer.agents.tools import Tool, as_tool
 from verl_trainer.agents.verl_tools import load_tool_config
 from verl_trainer.rewards.sandbox import check_sandbox
+from verl_trainer.serving.agent_spec import check_agent_config
+from verl_trainer.serving.config import ServerConfig
 from verl_trainer.utils.registry import load_object
 
 __all__ = ["MultiTurnConfig", "prompt_tool_schemas", "resolve_environment", "resolve_tools"]
@@ -47,6 +49,11 @@ class MultiTurnConfig:
         tools_in_prompt: Render the tools' JSON schemas into every prompt through the chat template
             (``apply_chat_template(..., tools=...)``, transformers' tool use), so the model sees them; off:
             the prompts describe the tools themselves (or a warm-started model knows them).
+        agent: An external agent (``"file.py:fn"`` / ``"module:fn"`` or the function) that runs each
+            trajectory through the OpenAI-compatible token server and returns its reward
+            (:mod:`verl_trainer.serving.agent_loop`); it replaces ``tools`` and ``environment``.
+        agent_timeout_s: The longest one agent call (a whole trajectory) may take.
+        server: The token server's address and limits (:class:`~verl_trainer.serving.ServerConfig`).
     """
 
     enable: bool = False
@@ -60,6 +67,9 @@ class MultiTurnConfig:
     environment: Any = None
     reward_weight: float = 1.0
     tools_in_prompt: bool = True
+    agent: Any = None
+    agent_timeout_s: float = 300.0
+    server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:
         where = "algorithm.rollout.multi_turn"
@@ -68,7 +78,9 @@ class MultiTurnConfig:
                              "(assistant turns per trajectory)")
         if self.max_tool_response_length < 1:
             raise ValueError(f"{where}.max_tool_response_length={self.max_tool_response_length} must be >= 1")
-        for key in ("tool_timeout_s", "environment_timeout_s"):
+        if isinstance(self.server, dict):
+            self.server = ServerConfig(**self.server)
+        for key in ("tool_timeout_s", "environment_timeout_s", "agent_timeout_s"):
             value = getattr(self, key)
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not (number and 0 < value < math.inf):
@@ -78,6 +90,9 @@ class MultiTurnConfig:
             raise ValueError(f"{where}.tool_call_format={self.tool_call_format!r} is unknown; choose one of "
                              f"{TOOL_CALL_PARSERS.keys_repr()} or register a parser in "
                              "verl_trainer.agents.TOOL_CALL_PARSERS")
+        if self.enable and self.agent is not None:  # an external agent: its own checks
+            check_agent_config(self)
+            return
         if self.enable:  # load the user's code now: a bad name fails before any model loads
             resolve_tools(self.tools, self.tool_config_path)
             resolve_environment(self.environment)

@@ -114,7 +114,11 @@ def build_rollout(config: RolloutConfig, model: str | Path | PreTrainedModel,
     backend = rollout_class(resolve_rollout_name(config, model))
     backend.check(config, model)  # before any model loads
     rollout = backend(config, model, tokenizer)  # the constructor every backend has (BaseRollout)
-    if config.multi_turn.enable:
+    if config.multi_turn.enable and config.multi_turn.agent is not None:  # an agent over the token server
+        from verl_trainer.serving.agent_loop import served_agent_loop  # lazy: it imports this package
+
+        rollout.agent_loop = served_agent_loop(config.multi_turn, rollout.tokenizer, rollout.eos_token_ids)
+    elif config.multi_turn.enable:
         rollout.agent_loop = AgentLoop(config.multi_turn, rollout.tokenizer, rollout.eos_token_ids)
         warn_if_no_call_fits(rollout.agent_loop.tools.values(), rollout.tokenizer, config.max_new_tokens,
                              config.multi_turn.tool_call_format)
