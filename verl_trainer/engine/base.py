@@ -40,6 +40,7 @@ from verl_trainer.engine.lora import LoRAAdapters, require_lora
 from verl_trainer.engine.micro_batch import prepare_micro_batches
 from verl_trainer.engine.topology import Topology
 from verl_trainer.engine.weights import WeightStream
+from verl_trainer.models.moe_routers import TrainingRouters, find_routers, refuse_under_sequence_parallel
 from verl_trainer.utils.device import get_torch_device
 from verl_trainer.utils.distributed import all_reduce
 
@@ -337,13 +338,17 @@ class BaseEngine(ABC):
         temperature = self.config.temperature if temperature is None else temperature
         model_type = self.model_type
         if topo.sp_size > 1:
+            if self.config.moe.needs_router_outputs:
+                refuse_under_sequence_parallel(find_routers(self.module), topo.sp_size)
             # Ulysses: every SP rank of the DP group holds this micro-batch and runs 1/sp of the row;
             # the [N] outputs are gathered (their gradient scaled by sp: FSDP averages over dp x sp).
             outputs = model_type.sp_outputs(self.forward_model, packed, topo.sp_group, calculate_entropy,
                                             temperature)
         else:
-            hf_output = self._forward_packed(packed)
+            with TrainingRouters.around(self.module, self.config.moe, micro_batch) as routers:
+                hf_output = self._forward_packed(packed)
             outputs = model_type.outputs(hf_output, packed, calculate_entropy, temperature)
+            outputs.update(routers.token_outputs(packed.seq_lens))  # a MoE model's router outputs
         return {k: packed.unpack(v) for k, v in outputs.items()}
 
     def _forward_packed(self, packed: PackedBatch) -> ModelOutput:

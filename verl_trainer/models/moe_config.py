@@ -1,0 +1,54 @@
+"""The mixture-of-experts settings of an engine (``actor.engine.moe``): router losses and router replay.
+
+Names follow Megatron-LM (``moe_aux_loss_coeff``, ``moe_z_loss_coeff``) without the ``moe_`` prefix the
+``moe`` section already gives; replay modes follow verl's router replay (R2: replay the old policy's
+routing, R3: replay the rollout's routing). See docs/moe.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROUTER_REPLAY_MODES = ("off", "rollout", "old_policy")
+"""``off``: the training forward routes by itself; ``rollout``: it uses the experts the rollout selected
+(R3); ``old_policy``: the experts the old-policy forward (``old_log_probs``) selected (R2)."""
+
+
+@dataclass
+class MoEConfig:
+    """Router losses and router replay of a mixture-of-experts model (ignored by a dense model).
+
+    Attributes:
+        aux_loss_coeff: Weight of the load-balancing loss (Megatron's ``moe_aux_loss_coeff``), the
+            sequence-wise form ``E/k · sum_e f_se · P_se`` (DeepSeek-V3; Megatron's ``seq_aux_loss``),
+            averaged over MoE layers and sequences. 0 = off (the loss and its metric are not computed).
+        z_loss_coeff: Weight of the router z-loss ``logsumexp(logits)^2`` (ST-MoE; Megatron's
+            ``moe_z_loss_coeff``), the token mean within a sequence, then the mean over sequences. 0 = off.
+        router_replay: One of :data:`ROUTER_REPLAY_MODES`.
+        router_metrics: Log the per-layer expert load, load imbalance and router entropy (``moe/...``).
+
+    Raises:
+        ValueError: A negative coefficient or an unknown ``router_replay``.
+    """
+
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    router_replay: str = "off"
+    router_metrics: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("aux_loss_coeff", "z_loss_coeff"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"moe.{name} must be a number >= 0 (0 = off), got {value!r}; "
+                                 f"set actor.engine.moe.{name}=0.001 for example")
+        if self.router_replay not in ROUTER_REPLAY_MODES:
+            raise ValueError(f"moe.router_replay={self.router_replay!r} is not a replay mode; valid: "
+                             f"{', '.join(ROUTER_REPLAY_MODES)}. Set actor.engine.moe.router_replay to one "
+                             "of them ('rollout' replays the rollout's experts: R3)")
+
+    @property
+    def needs_router_outputs(self) -> bool:
+        """Whether the training forward must capture the routers (losses, metrics or replay)."""
+        return (self.aux_loss_coeff > 0 or self.z_loss_coeff > 0 or self.router_metrics
+                or self.router_replay != "off")
