@@ -40,6 +40,7 @@ from verl_trainer.engine.lora import LoRAAdapters, require_lora
 from verl_trainer.engine.micro_batch import prepare_micro_batches
 from verl_trainer.engine.topology import Topology
 from verl_trainer.engine.weights import WeightStream
+from verl_trainer.models.moe_loss import with_router_losses
 from verl_trainer.models.moe_routers import TrainingRouters, find_routers, refuse_under_sequence_parallel
 from verl_trainer.utils.device import get_torch_device
 from verl_trainer.utils.distributed import all_reduce
@@ -268,6 +269,10 @@ class BaseEngine(ABC):
         if loss_function is None and not forward_only:
             raise ValueError("forward_backward_batch needs a loss_function unless forward_only=True")
         hooks = hooks or NO_HOOKS
+        if loss_function is not None and self.config.moe.needs_router_outputs:
+            routers = find_routers(self.module)
+            if routers:  # a MoE model: its router losses and metrics (models/moe_loss.py)
+                loss_function = with_router_losses(loss_function, self.config.moe, routers[0].num_experts)
         info = self.compute_global_batch_info(data)
         micro_batches, batch_idx = self.make_micro_batches(data)
         if hooks.on_micro_batches is not None:
