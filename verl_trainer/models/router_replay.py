@@ -12,9 +12,15 @@ as "route freely" (that token's routing changes no log-prob of the response, onl
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from verl_trainer.models.moe_routers import RouterCapture
+from verl_trainer.models.moe_config import MoEConfig
+from verl_trainer.models.moe_routers import ROUTED_EXPERTS, RouterCapture
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 NOT_RECORDED = -1
 """The ``routed_experts`` value of a token without a recorded selection."""
@@ -67,3 +73,24 @@ def place_routing(per_row: list[torch.Tensor], prompt_lens: torch.Tensor, seq_le
         n = min(int(seq_lens[i]), routed.shape[0])
         out[i, :n] = routed[:n]
     return out
+
+
+def record_rollout_routing(rollout: object, moe: MoEConfig) -> None:
+    """Turn on the rollout's recording when ``moe.router_replay == "rollout"``.
+
+    Raises:
+        ValueError: The rollout cannot record (it has no ``record_routing``: not the HF rollout).
+    """
+    if moe.router_replay != "rollout":
+        return
+    if not hasattr(rollout, "record_routing"):
+        raise ValueError(f"actor.engine.moe.router_replay=rollout needs a rollout that records its experts; "
+                         f"{type(rollout).__name__} does not (only the HF rollout does). Set "
+                         "rollout.name=hf, or router_replay=old_policy")
+    rollout.record_routing = True
+
+
+def keep_old_policy_routing(moe: MoEConfig, output: dict[str, torch.Tensor], batch: TensorDict) -> None:
+    """With ``router_replay == "old_policy"``: store the old-policy forward's experts in ``batch``."""
+    if moe.router_replay == "old_policy" and ROUTED_EXPERTS in output:
+        batch[ROUTED_EXPERTS] = output[ROUTED_EXPERTS]
