@@ -207,6 +207,10 @@ class HFRollout(BaseRollout):
                 "router replay of the rollout (actor.engine.moe.router_replay=rollout) with a multi-turn "
                 "rollout is not supported (each turn is a generation of its own); use router_replay="
                 "old_policy, or multi_turn.enable=false")
+        if self.record_routing and resolve_decoding(self.config, self.device)[2]:
+            raise ValueError(
+                "router replay of the rollout (actor.engine.moe.router_replay=rollout) records the experts "
+                "by forward hooks, which compiled decoding does not run; set rollout.compile_decoding=false")
         batch = super().generate(*args, **kwargs)
         if self.record_routing and self._routing:
             batch[ROUTED_EXPERTS] = place_routing(self._routing, batch[schema.PROMPT_LEN],
