@@ -74,5 +74,5 @@ class MatrixResults:
         """Relative differences of ``case`` against its reference (see ``compare.compare``)."""
         if case.loss in MOE_LOSSES:  # the MoE block: its own model's initial parameters
             return compare(self.result(case), self.result(case.reference()),
-                           initial_params(moe_model_path(), case.model_type))
+                           initial_params(moe_model_path(self.model_path), case.model_type))
         return compare(self.result(case), self.result(case.reference()), self.before(case.model_type))

@@ -12,7 +12,7 @@ its outputs per sample; rank 0 also returns the updated parameters.
 from __future__ import annotations
 
 import hashlib
-import tempfile
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -136,23 +136,22 @@ def engine_config(case: Case, model_path: str) -> EngineConfig:
     if case.loss in MOE_LOSSES:  # the MoE block: its model, router losses and metrics, replay
         micro["moe"] = MoEConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001,
                                  router_replay="rollout" if case.loss == MOE_REPLAY_LOSS else "off")
-        model_path = moe_model_path()
+        model_path = moe_model_path(model_path)
     return EngineConfig(model_path=model_path, ulysses_sequence_parallel_size=case.sp,
                         tensor_model_parallel_size=case.tp, pipeline_model_parallel_size=case.pp, **micro)
 
 
-def moe_model_path() -> str:
-    """The MoE block's tiny Qwen3-MoE (hidden 32, 2 layers, 4 experts, top-2), made once per process in a
-    directory of its own (every process writes the same weights: a fixed seed)."""
-    global _MOE_MODEL
-    if _MOE_MODEL is None:
-        _MOE_MODEL = make_tiny_model(tempfile.mkdtemp(prefix="invariance-moe-"), arch="qwen3_moe",
-                                     hidden_size=HIDDEN_SIZE, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, seed=1)
-    return _MOE_MODEL
-
-
-_MOE_MODEL: str | None = None
+def moe_model_path(model_path: str) -> str:
+    """The MoE block's tiny Qwen3-MoE (hidden 32, 2 layers, 4 experts, top-2) next to the dense model:
+    written once (by rank 0 under a process group: transformers saves weights on the main process only)."""
+    path = model_path.rstrip("/") + "-qwen3moe"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
+        make_tiny_model(path, arch="qwen3_moe", hidden_size=HIDDEN_SIZE, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, seed=1)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
 
 
 def outputs_by_uid(output: dict[str, torch.Tensor], batch: TensorDict) -> dict[int, dict[str, torch.Tensor]]:
