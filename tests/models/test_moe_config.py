@@ -65,3 +65,18 @@ def test_lora_on_attention_trains_and_expert_lora_is_refused(tmp_path) -> None:
     assert result["adapters"] > 0 and result["moved"] == result["adapters"]
     assert "moe/aux_loss" in result["names"] and "moe/z_loss" in result["names"]
     assert "ParamWrapper" in result["refused"] and "target_modules=['q_proj'" in result["refused"]
+
+
+def test_old_policy_routing_is_kept_only_in_old_policy_mode() -> None:
+    from tensordict import TensorDict
+
+    from verl_trainer.models.moe_routers import ROUTED_EXPERTS
+    from verl_trainer.models.router_replay import keep_old_policy_routing, record_rollout_routing
+
+    routed = torch.randint(0, 4, (2, 5, 2, 2))
+    for mode, kept in (("old_policy", True), ("rollout", False), ("off", False)):
+        batch = TensorDict({"input_ids": torch.zeros(2, 5, dtype=torch.long)}, batch_size=[2])
+        keep_old_policy_routing(MoEConfig(router_replay=mode), {ROUTED_EXPERTS: routed}, batch)
+        assert (ROUTED_EXPERTS in batch.keys()) == kept
+    with pytest.raises(ValueError, match="only the HF rollout does"):
+        record_rollout_routing(object(), MoEConfig(router_replay="rollout"))
