@@ -26,7 +26,7 @@ from torch import nn
 
 from verl_trainer.data import schema
 
-ROUTED_EXPERTS = "routed_experts"
+ROUTED_EXPERTS = schema.ROUTED_EXPERTS
 """Output / batch key: ``[b, t, L, k]`` long, the experts each token was routed to in each MoE layer."""
 AUX_LOSS_TERMS = "moe_aux_loss_terms"
 """Output key: ``[b, t]`` each token's term of the sequence-wise load-balancing loss (see
