@@ -80,3 +80,15 @@ def test_old_policy_routing_is_kept_only_in_old_policy_mode() -> None:
         assert (ROUTED_EXPERTS in batch.keys()) == kept
     with pytest.raises(ValueError, match="only the HF rollout does"):
         record_rollout_routing(object(), MoEConfig(router_replay="rollout"))
+
+
+def test_router_losses_or_replay_under_sequence_parallel_are_refused(tmp_path) -> None:
+    from verl_trainer.models.loading import load_causal_lm
+    from verl_trainer.models.moe_routers import find_routers, refuse_under_sequence_parallel
+
+    routers = find_routers(load_causal_lm(tiny_moe(str(tmp_path / "model"))))
+    refuse_under_sequence_parallel(routers, 2, MoEConfig())  # metrics only: not logged under SP
+    refuse_under_sequence_parallel(routers, 1, MoEConfig(aux_loss_coeff=0.1))
+    for moe in (MoEConfig(aux_loss_coeff=0.1), MoEConfig(router_replay="old_policy")):
+        with pytest.raises(NotImplementedError, match="ulysses_sequence_parallel_size=2"):
+            refuse_under_sequence_parallel(routers, 2, moe)

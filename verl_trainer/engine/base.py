@@ -344,7 +344,7 @@ class BaseEngine(ABC):
         model_type = self.model_type
         if topo.sp_size > 1:
             if self.config.moe.needs_router_outputs:
-                refuse_under_sequence_parallel(find_routers(self.module), topo.sp_size)
+                refuse_under_sequence_parallel(find_routers(self.module), topo.sp_size, self.config.moe)
             # Ulysses: every SP rank of the DP group holds this micro-batch and runs 1/sp of the row;
             # the [N] outputs are gathered (their gradient scaled by sp: FSDP averages over dp x sp).
             outputs = model_type.sp_outputs(self.forward_model, packed, topo.sp_group, calculate_entropy,

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from verl_trainer.data import schema
+from verl_trainer.models.moe_config import MoEConfig
 
 ROUTED_EXPERTS = schema.ROUTED_EXPERTS
 """Output / batch key: ``[b, t, L, k]`` long, the experts each token was routed to in each MoE layer."""
@@ -209,17 +210,21 @@ def router_token_outputs(capture: RouterCapture, seq_lens: torch.Tensor) -> dict
     }
 
 
-def refuse_under_sequence_parallel(routers: list[Router], sp_size: int) -> None:
-    """Refuse router features under Ulysses SP (each SP rank routes a slice of the row; not split yet).
+def refuse_under_sequence_parallel(routers: list[Router], sp_size: int, moe: MoEConfig) -> None:
+    """Refuse router losses or replay under Ulysses SP; the router metrics are just not logged there.
+
+    Each SP rank routes a slice of the row, and the sequence-wise terms are not split over SP ranks yet.
 
     Raises:
-        NotImplementedError: ``routers`` (a MoE model with router features on) and ``sp_size > 1``.
+        NotImplementedError: ``routers`` (a MoE model), ``sp_size > 1`` and a loss coefficient > 0 or
+            ``router_replay != "off"``.
     """
-    if routers and sp_size > 1:
+    if routers and sp_size > 1 and (moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0
+                                    or moe.router_replay != "off"):
         raise NotImplementedError(
-            f"mixture-of-experts router losses / metrics / replay with ulysses_sequence_parallel_size="
-            f"{sp_size} are not supported; set ulysses_sequence_parallel_size=1, or turn them off "
-            "(actor.engine.moe: aux_loss_coeff=0, z_loss_coeff=0, router_metrics=false, router_replay=off)")
+            f"mixture-of-experts router losses / replay with ulysses_sequence_parallel_size={sp_size} are "
+            "not supported; set ulysses_sequence_parallel_size=1, or turn them off (actor.engine.moe: "
+            "aux_loss_coeff=0, z_loss_coeff=0, router_replay=off)")
 
 
 class NoRouters:
@@ -254,7 +259,7 @@ class TrainingRouters:
         if not routers:
             yield NoRouters()
             return
-        refuse_under_sequence_parallel(routers, sp_size)
+        refuse_under_sequence_parallel(routers, sp_size, moe)
         replay = None
         if moe.router_replay != "off" and ROUTED_EXPERTS in micro_batch.keys():
             width = micro_batch[schema.INPUT_IDS].shape[1]
