@@ -39,16 +39,18 @@ def test_grpo_with_rollout_router_replay_at_two_ranks(tmp_path):
     assert "moe/z_loss" not in step  # its coefficient is 0: not computed
 
 
-@pytest.mark.slow  # the CPU demo: about 4.5 minutes on the 2-core machine
+@pytest.mark.slow  # the CPU demo's first 100 steps: about 2 minutes on the 2-core machine
 def test_grpo_moe_demo_reward_rises(tmp_path):
+    """The demo config's sampled reward rises over 100 steps (the full 300: docs/moe.md)."""
     env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "grpo.py"), "--config",
                            str(ROOT / "configs" / "grpo_moe.yaml"), "trainer.logger=[csv]",
+                           "trainer.max_steps=100", "trainer.val_check_interval=null",
                            "trainer.enable_checkpointing=false"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_csv_metrics(tmp_path / "outputs" / "grpo_moe")
     rewards = [m["reward/mean"] for _, m in sorted(rows.items()) if "reward/mean" in m]
-    val = [m["val/reward/mean"] for _, m in sorted(rows.items()) if "val/reward/mean" in m]
-    assert statistics.mean(rewards[-20:]) > statistics.mean(rewards[:20]) + 0.2, rewards
-    assert val[-1] > val[0], val
+    assert len(rewards) == 100
+    assert statistics.mean(rewards[-20:]) > statistics.mean(rewards[:20]) + 0.15, rewards
+    assert all(1.0 <= m["moe/load_imbalance"] <= 2.0 for m in rows.values() if "moe/load_imbalance" in m)
