@@ -24,7 +24,7 @@ import torch
 from tensordict import TensorDict
 
 from tests.engine.common import VOCAB_HIGH, VOCAB_LOW, padded_log_probs, padded_values
-from tests.invariance.cases import DISTILL_LOSSES, MULTI_TURN_LOSS, PREFERENCE_LOSSES, Case
+from tests.invariance.cases import DISTILL_LOSSES, MOE_REPLAY_LOSS, MULTI_TURN_LOSS, PREFERENCE_LOSSES, Case
 from tests.invariance.distill import distill_batch
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
@@ -135,4 +135,23 @@ def batch_for(case: Case, batch: TensorDict) -> TensorDict:
         return preference_batch(batch)
     if case.loss in DISTILL_LOSSES:  # the distillation block: the batch with a teacher's fields
         return distill_batch(batch, VOCAB_LOW, VOCAB_HIGH, top_k=case.loss == "distill_topk")
+    if case.loss == MOE_REPLAY_LOSS:  # the MoE block: a recorded routing to replay
+        return moe_batch(batch)
     return multi_turn_batch(batch) if case.loss == MULTI_TURN_LOSS else batch
+
+
+MOE_LAYERS, MOE_EXPERTS, MOE_TOP_K = 2, 4, 2
+
+
+def moe_batch(batch: TensorDict, seed: int = 5) -> TensorDict:
+    """``batch`` plus ``routed_experts [B, T, 2, 2]``: two distinct random experts per token and layer
+    (-1 on the last real token of each row, as a rollout leaves it; padding positions -1)."""
+    g = torch.Generator().manual_seed(seed)
+    b, t = batch["input_ids"].shape
+    routed = torch.rand(b, t, MOE_LAYERS, MOE_EXPERTS, generator=g).argsort(-1)[..., :MOE_TOP_K]
+    lengths = batch["attention_mask"].sum(-1).long()
+    positions = torch.arange(t)[None, :]
+    recorded = positions < (lengths - 1)[:, None]
+    out = batch.clone()
+    out["routed_experts"] = torch.where(recorded[..., None, None], routed, torch.full_like(routed, -1))
+    return out

@@ -282,6 +282,27 @@ def objective_cases() -> list[Case]:
     return cases
 
 
+# ---------------------------------------------------------------- mixture of experts (issue 46)
+MOE_LOSS = "moe_ppo"
+"""PPO (as ``"ppo"``) on a tiny Qwen3-MoE with the router losses and metrics on (``runner.MOE``)."""
+MOE_REPLAY_LOSS = "moe_ppo_replay"
+"""The same with ``router_replay=rollout`` and a recorded ``routed_experts`` field in the batch that is not
+the model's own routing (``batch.moe_batch``), so a field misplaced by balancing, micro-batching or
+packing changes the step."""
+MOE_LOSSES = (MOE_LOSS, MOE_REPLAY_LOSS)
+MOE_AGG_MODE = "token-mean"
+
+
+def moe_cases() -> list[Case]:
+    """The MoE block: dp in {1, 2} x micro one / dynamic (fsdp2, balancing with dp=2), fsdp and deepspeed
+    at dp=2 + dynamic + balancing, and replay at dp=2 + dynamic + balancing (fsdp2)."""
+    cases = [Case(MOE_LOSS, MOE_AGG_MODE, dp, micro, dp == 2, "fsdp2")
+             for dp, micro in product((1, 2), ("one", "dynamic"))]
+    cases += [Case(MOE_LOSS, MOE_AGG_MODE, 2, "dynamic", True, strategy) for strategy in STRATEGIES[1:]]
+    cases += [Case(MOE_REPLAY_LOSS, MOE_AGG_MODE, 2, "dynamic", True, "fsdp2")]
+    return cases
+
+
 def all_cases() -> list[Case]:
     """The whole matrix (references excluded), in a stable order."""
     cases: set[Case] = set()
@@ -301,6 +322,7 @@ def all_cases() -> list[Case]:
         cases.update(library_backend_cases(strategy))
     cases.update(preference_cases())
     cases.update(objective_cases())
+    cases.update(moe_cases())
     return sorted(c for c in cases if not c.is_reference)
 
 

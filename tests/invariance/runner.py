@@ -12,8 +12,10 @@ its outputs per sample; rank 0 also returns the updated parameters.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,6 +27,8 @@ from tests.invariance.cases import (
     CORRECTION_LOSS,
     DISTILL_LOSSES,
     LIBRARY_BACKENDS,
+    MOE_LOSSES,
+    MOE_REPLAY_LOSS,
     OBJECTIVE_CASE_LOSSES,
     PPO_LOSSES,
     PREFERENCE_LOSSES,
@@ -46,6 +50,8 @@ from verl_trainer.core_algos.preference import PreferenceLossConfig, preference_
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
 from verl_trainer.engine.registry import missing_package
 from verl_trainer.metrics import reduce_metrics
+from verl_trainer.models.moe_config import MoEConfig
+from verl_trainer.models.tiny import make_tiny_model
 from verl_trainer.testing.ranks import run_distributed
 
 HIDDEN_SIZE = 32
@@ -102,6 +108,8 @@ def make_loss_fn(case: Case) -> Callable[..., Any]:
         return ppo_loss(PPOLossConfig(loss_agg_mode=case.agg, policy_loss=case.loss[len("pl_"):],
                                       entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
                                       **OBJECTIVE_LOSS_SETTINGS.get(case.loss[len("pl_"):], {})))
+    if case.loss in MOE_LOSSES:  # the MoE block: the PPO loss (router losses added by the engine)
+        return make_loss_fn(replace(case, loss="ppo"))
     if case.loss in PPO_LOSSES:
         correction = RolloutCorrectionConfig(level="token", threshold=2.0) if case.loss == CORRECTION_LOSS \
             else None
@@ -125,8 +133,25 @@ def engine_config(case: Case, model_path: str) -> EngineConfig:
         "fixed2": {"micro_batch_size_per_gpu": 2},
         "dynamic": {"use_dynamic_bsz": True, "max_token_len_per_gpu": DYNAMIC_BUDGET // case.sp},
     }[case.micro]
+    if case.loss in MOE_LOSSES:  # the MoE block: its model, router losses and metrics, replay
+        micro["moe"] = MoEConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001,
+                                 router_replay="rollout" if case.loss == MOE_REPLAY_LOSS else "off")
+        model_path = moe_model_path(model_path)
     return EngineConfig(model_path=model_path, ulysses_sequence_parallel_size=case.sp,
                         tensor_model_parallel_size=case.tp, pipeline_model_parallel_size=case.pp, **micro)
+
+
+def moe_model_path(model_path: str) -> str:
+    """The MoE block's tiny Qwen3-MoE (hidden 32, 2 layers, 4 experts, top-2) next to the dense model:
+    written once (by rank 0 under a process group: transformers saves weights on the main process only)."""
+    path = model_path.rstrip("/") + "-qwen3moe"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
+        make_tiny_model(path, arch="qwen3_moe", hidden_size=HIDDEN_SIZE, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, seed=1)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
 
 
 def outputs_by_uid(output: dict[str, torch.Tensor], batch: TensorDict) -> dict[int, dict[str, torch.Tensor]]:
@@ -177,6 +202,8 @@ def run_case_on_rank(case: Case, model_path: str, batch: TensorDict) -> dict[str
     with engine.eval_mode():
         infer = engine.infer_batch(shard, **entropy)
     kwargs = {"calculate_entropy": True} if case.loss in PPO_LOSSES + OBJECTIVE_CASE_LOSSES else {}
+    if case.loss in MOE_LOSSES:  # the MoE block: PPO's entropy bonus
+        kwargs = {"calculate_entropy": True}
     loss_fn = make_loss_fn(case)
     if getattr(loss_fn, "needs_prepare", False):  # clip-cov / KL-cov: the step-wide selection (collective)
         shard = loss_fn.prepare(shard, engine.get_data_parallel_group())
@@ -259,6 +286,8 @@ def chunk_key(case: Case) -> tuple:
     loss = "distill" if case.loss in DISTILL_LOSSES else loss  # the distillation losses share their spawns
     if case.loss in OBJECTIVE_CASE_LOSSES:  # the policy-loss block: one spawn per world size and agg mode
         loss = f"objectives/{case.agg}"
+    if case.loss in MOE_LOSSES:  # the MoE block: its own spawns (its own model)
+        loss = "moe"
     if case in XFAIL:
         return case.world, case.sp, loss, case.id
     if case.strategy in LIBRARY_BACKENDS:

@@ -25,6 +25,7 @@ from verl_trainer.core_algos.advantages import ADV_ESTIMATOR_REGISTRY, estimator
 from verl_trainer.core_algos.losses import PPOLossConfig, ValueLossConfig
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.evaluate.samples import default_ks
+from verl_trainer.models.moe_config import check_router_replay_rollout
 from verl_trainer.rewards.failures import DEFAULT_TIMEOUT_S, check_on_error, check_timeout
 from verl_trainer.rollout.config import RolloutConfig
 
@@ -369,6 +370,8 @@ class RLConfig:
                 "trainer's: set algorithm.rollout_correction.level=token (truncated IS, threshold 2) or "
                 "sequence, or max_staleness=0"
             )
+        check_router_replay_rollout(self.actor.engine.moe, self.rollout.name, self.rollout.multi_turn.enable,
+                                    bool(self.rollout.max_staleness))
         buffer = self.reward.overlong_buffer
         if buffer.enable and buffer.len > self.rollout.max_new_tokens:
             raise ValueError(

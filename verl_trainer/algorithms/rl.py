@@ -62,6 +62,7 @@ from verl_trainer.core_algos.balancing import required_batch_multiple
 from verl_trainer.core_algos.losses import ppo_loss
 from verl_trainer.engine.config import EngineConfig
 from verl_trainer.evaluate.validation import batch_prompt_samples, validation_metrics
+from verl_trainer.models.router_replay import record_rollout_routing
 from verl_trainer.module import EngineSpec, StepOutput, TrainingModule
 from verl_trainer.rewards import RewardFunctions
 from verl_trainer.rewards.trl_kwargs import trl_run_kwargs
@@ -187,6 +188,7 @@ class RLModule(TrainingModule):
         """
         if self.rollout is None:
             self.rollout = build_rollout(self.config.rollout, self.config.model_path)
+            record_rollout_routing(self.rollout, self.config.actor.engine.moe)
             if self.config.rollout.max_staleness:
                 check_async_rollout(self.rollout)
         self._stages = None  # built again from this run's engines and trainer

@@ -388,3 +388,34 @@ def agg_loss(
         f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {', '.join(AGG_MODES)}. "
         "Set loss_agg_mode to one of these."
     )
+
+
+ALL_TOKENS_SEQ_MEAN = "all-tokens-seq-mean-token-mean"
+"""The aggregation kind of the router losses (mixture-of-experts): a per-token term averaged over every real
+token of its sequence (prompt and response: the router sees them all), then over the step's real sequences
+— ``sum_i (S_i / n_i) / global_batch_size × dp`` with ``n_i`` the sequence's tokens
+(:func:`agg_all_tokens_loss`). Its one denominator is ``global_batch_size``, so it is exact under any dp
+size and micro-batching, as each sequence lies whole in one micro-batch."""
+
+
+def all_tokens_mask(data: TensorDict | Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``[B, T]`` bool: every real token (``attention_mask``) of the real samples (no ``is_padding`` row)."""
+    mask = data[schema.ATTENTION_MASK].bool()
+    if schema.IS_PADDING in data.keys():
+        mask = mask & ~data[schema.IS_PADDING].to(torch.bool)[:, None]
+    return mask
+
+
+def agg_all_tokens_loss(token_terms: torch.Tensor, data: TensorDict | Mapping[str, torch.Tensor],
+                        info: GlobalBatchInfo | None = None) -> torch.Tensor:
+    """This micro-batch's partial :data:`ALL_TOKENS_SEQ_MEAN` loss of ``token_terms`` ``[b, t]``.
+
+    ``= agg_loss(token_terms, all_tokens_mask(data), "seq-mean-token-mean", dp, global_batch_size)``;
+    without ``info``: one process, one micro-batch (the batch's own real samples).
+
+    Raises:
+        ValueError: ``info.dp_size > 1`` without ``global_batch_size`` (as :func:`agg_loss`).
+    """
+    info = info or GlobalBatchInfo.from_batch(data)
+    return agg_loss(token_terms, all_tokens_mask(data), SEQ_MEAN_TOKEN_MEAN, dp_size=info.dp_size,
+                    global_batch_size=info.global_batch_size)

@@ -90,6 +90,9 @@ KL_REFERENCE = "kl_reference"
 TEACHER_LOG_PROBS = "teacher_log_probs"
 TEACHER_TOPK_IDS = "teacher_topk_ids"
 TEACHER_TOPK_LOG_PROBS = "teacher_topk_log_probs"
+ROUTED_EXPERTS = "routed_experts"
+"""Mixture-of-experts router replay: ``[B, T, L, k]`` long, the experts each token was routed to in each MoE
+layer (``-1``: not recorded, the token routes freely); a token field (``models/router_replay.py``)."""
 
 GROUND_TRUTH = "ground_truth"
 DATA_SOURCE = "data_source"

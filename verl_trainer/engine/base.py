@@ -40,6 +40,8 @@ from verl_trainer.engine.lora import LoRAAdapters, require_lora
 from verl_trainer.engine.micro_batch import prepare_micro_batches
 from verl_trainer.engine.topology import Topology
 from verl_trainer.engine.weights import WeightStream
+from verl_trainer.models.moe_loss import with_router_losses
+from verl_trainer.models.moe_routers import TrainingRouters, find_routers, refuse_under_sequence_parallel
 from verl_trainer.utils.device import get_torch_device
 from verl_trainer.utils.distributed import all_reduce
 
@@ -267,6 +269,10 @@ class BaseEngine(ABC):
         if loss_function is None and not forward_only:
             raise ValueError("forward_backward_batch needs a loss_function unless forward_only=True")
         hooks = hooks or NO_HOOKS
+        if loss_function is not None and self.config.moe.needs_router_outputs:
+            routers = find_routers(self.module)
+            if routers:  # a MoE model: its router losses and metrics (models/moe_loss.py)
+                loss_function = with_router_losses(loss_function, self.config.moe, routers[0].num_experts)
         info = self.compute_global_batch_info(data)
         micro_batches, batch_idx = self.make_micro_batches(data)
         if hooks.on_micro_batches is not None:
@@ -337,13 +343,17 @@ class BaseEngine(ABC):
         temperature = self.config.temperature if temperature is None else temperature
         model_type = self.model_type
         if topo.sp_size > 1:
+            if self.config.moe.needs_router_outputs:
+                refuse_under_sequence_parallel(find_routers(self.module), topo.sp_size, self.config.moe)
             # Ulysses: every SP rank of the DP group holds this micro-batch and runs 1/sp of the row;
             # the [N] outputs are gathered (their gradient scaled by sp: FSDP averages over dp x sp).
             outputs = model_type.sp_outputs(self.forward_model, packed, topo.sp_group, calculate_entropy,
                                             temperature)
         else:
-            hf_output = self._forward_packed(packed)
+            with TrainingRouters.around(self.module, self.config.moe, micro_batch) as routers:
+                hf_output = self._forward_packed(packed)
             outputs = model_type.outputs(hf_output, packed, calculate_entropy, temperature)
+            outputs.update(routers.token_outputs(packed.seq_lens))  # a MoE model's router outputs
         return {k: packed.unpack(v) for k, v in outputs.items()}
 
     def _forward_packed(self, packed: PackedBatch) -> ModelOutput:

@@ -18,6 +18,7 @@ import torch
 from verl_trainer.engine.optimizers import DEFAULT_IMPL, optimizer_kwargs, resolve_optimizer
 from verl_trainer.models.hf_files import DTYPES as DTYPES  # re-exported: the recipes' configs read it here
 from verl_trainer.models.hf_files import MODEL_TYPES, to_dtype
+from verl_trainer.models.moe_config import MoEConfig
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -214,6 +215,8 @@ class EngineConfig(_Validated):
         lora_dropout: Dropout on the adapters' input.
         lora_adapter_path: A saved peft adapter directory (``adapter_config.json`` +
             ``adapter_model.safetensors``) to start from; its own rank, alpha and targets apply.
+        moe: Mixture-of-experts router losses, metrics and replay (``models/moe_config.py``,
+            docs/moe.md); ignored by a dense model.
 
     """
 
@@ -243,6 +246,7 @@ class EngineConfig(_Validated):
     target_modules: Any = "all-linear"  # "all-linear" or list[str] (OmegaConf has no str | list union)
     lora_dropout: float = 0.0
     lora_adapter_path: str | None = None
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         self._check_lora()

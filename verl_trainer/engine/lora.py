@@ -31,6 +31,7 @@ from verl_trainer.engine.lora_export import (
     merged_hf_tensors,
 )
 from verl_trainer.engine.lora_files import check_adapter_dir
+from verl_trainer.models.moe_lora import refuse_expert_lora
 from verl_trainer.utils.distributed import barrier, get_rank
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ def check_supported(peft_model: PeftModel) -> None:
     for name, module in peft_model.named_modules():
         if not isinstance(module, LoraLayer):
             continue
+        refuse_expert_lora(name, module)  # a MoE model's fused experts / router (models/moe_lora.py)
         if not isinstance(module, Linear):
             raise ValueError(
                 f"LoRA on {name} ({type(module.get_base_layer()).__name__}) is not supported, only on linear "

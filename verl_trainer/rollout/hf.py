@@ -8,10 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 from transformers import CompileConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from verl_trainer.data import schema
 from verl_trainer.models.hf_files import to_dtype
 from verl_trainer.models.loading import load_causal_lm, load_tokenizer
+from verl_trainer.models.moe_routers import ROUTED_EXPERTS, capture_routers, find_routers
+from verl_trainer.models.router_replay import generation_routing, place_routing, row_routing
 from verl_trainer.rollout.base import BaseRollout, weight_mismatch_report
 from verl_trainer.rollout.config import RolloutConfig
 from verl_trainer.rollout.divergence import DivergenceError, diverged, is_sampler_error
@@ -83,6 +87,10 @@ class HFRollout(BaseRollout):
             self.model = copy.deepcopy(model).to(dtype)
         self.model.to(self.device).eval().requires_grad_(False)
         self.eos_token_ids = self._eos_ids(tokenizer, self.model.generation_config.eos_token_id)
+        self.record_routing = False
+        """Router replay (``actor.engine.moe.router_replay=rollout``): record each token's experts and return
+        them as the batch's ``routed_experts`` (``models/router_replay.py``); decodes with ``generate``."""
+        self._routing: list[torch.Tensor] = []
 
     def generation_config(self, config: RolloutConfig) -> GenerationConfig:
         """The ``GenerationConfig`` of one call (every sampling field set explicitly).
@@ -144,6 +152,8 @@ class HFRollout(BaseRollout):
         """
         gen_config = self.generation_config(config)
         drop_finished = resolve_decoding(config, self.device)[0] == "drop_finished"
+        drop_finished = drop_finished and not self.record_routing  # recording needs every row in each call
+        self._routing = []
         chunk = config.generation_batch_size or len(prompts)
         ids: list[list[int]] = []
         log_probs: list[list[float]] = []
@@ -178,12 +188,34 @@ class HFRollout(BaseRollout):
         # synced_gpus=False: each rank holds a whole copy and samples its own prompts (transformers would
         # otherwise all-reduce every decoding step under ZeRO-3 / FSDP, a collective the one-step-off
         # rollout's background thread must never run)
-        sequences = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                        generation_config=greedy, logits_processor=[sampler],
-                                        synced_gpus=False)
+        routers = find_routers(self.model) if self.record_routing else []
+        with capture_routers(routers) as capture:
+            sequences = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                            generation_config=greedy, logits_processor=[sampler],
+                                            synced_gpus=False)
+        if routers:
+            self._routing += row_routing(generation_routing(capture, len(seeds)), width,
+                                         attention_mask.sum(-1).tolist())
         out = sequences[:, width:].tolist()
         lps = sampler.log_probs.tolist()
         return out, [lp[: len(o)] for lp, o in zip(lps, out)]
+
+    def generate(self, *args: Any, **kwargs: Any) -> TensorDict:
+        """:meth:`BaseRollout.generate`, plus ``routed_experts [B, T, L, k]`` when :attr:`record_routing`."""
+        if self.record_routing and self.agent_loop is not None:
+            raise NotImplementedError(
+                "router replay of the rollout (actor.engine.moe.router_replay=rollout) with a multi-turn "
+                "rollout is not supported (each turn is a generation of its own); use router_replay="
+                "old_policy, or multi_turn.enable=false")
+        if self.record_routing and resolve_decoding(self.config, self.device)[2]:
+            raise ValueError(
+                "router replay of the rollout (actor.engine.moe.router_replay=rollout) records the experts "
+                "by forward hooks, which compiled decoding does not run; set rollout.compile_decoding=false")
+        batch = super().generate(*args, **kwargs)
+        if self.record_routing and self._routing:
+            batch[ROUTED_EXPERTS] = place_routing(self._routing, batch[schema.PROMPT_LEN],
+                                                  batch[schema.SEQ_LEN], batch[schema.INPUT_IDS].shape[1])
+        return batch
 
     def share_weights(self, params: Mapping[str, torch.Tensor]) -> int:
         """Make the rollout model's parameters aliases of ``params`` (the actor's own storage).

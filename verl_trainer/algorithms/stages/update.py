@@ -32,6 +32,7 @@ from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.data import schema
 from verl_trainer.engine.base import BaseEngine
 from verl_trainer.metrics import Metric, Reduction
+from verl_trainer.models.router_replay import keep_old_policy_routing
 from verl_trainer.utils.distributed import all_reduce
 
 __all__ = ["ActorDuePart", "CriticPart", "Updater", "count_mini_batches", "run_updates", "split_mini_batches",
@@ -167,7 +168,9 @@ def compute_log_probs(engines: Mapping[str, BaseEngine], batch: TensorDict, acto
     if actor:
         engine = engines["actor"]
         with engine.eval_mode():
-            batch[schema.OLD_LOG_PROBS] = engine.infer_batch(batch)["model_output"]["log_probs"]
+            output = engine.infer_batch(batch)["model_output"]
+            batch[schema.OLD_LOG_PROBS] = output["log_probs"]
+            keep_old_policy_routing(engine.config.moe, output, batch)  # router replay: old_policy
     if reference:
         ref = engines["actor" if ref_in_actor else "ref"]
         with ref.eval_mode(), ref.disable_adapters() if ref_in_actor else contextlib.nullcontext():
