@@ -21,7 +21,8 @@ from verl_trainer.recipe_config.demo_scope import apply_demo_scope
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIGS = [("grpo", GRPORecipeConfig), ("dapo", GRPORecipeConfig), ("dr_grpo", GRPORecipeConfig),
-                ("grpo_lora", GRPORecipeConfig), ("ppo", PPORecipeConfig), ("remax", GRPORecipeConfig)]
+                ("grpo_lora", GRPORecipeConfig), ("ppo", PPORecipeConfig), ("remax", GRPORecipeConfig),
+                ("grpo_moe", GRPORecipeConfig)]
 
 
 def parse(name: str, schema: type, *argv: str):

@@ -225,9 +225,9 @@ class ModelConfig:
             (``Qwen/Qwen2.5-0.5B-Instruct`` after ``hf download``); nothing is downloaded, and a path that
             is neither fails before any work (``verl_trainer.models.source``).
         make_tiny_if_missing: The demo configs only (``configs/grpo.yaml``, ``dapo.yaml``,
-            ``grpo_lora.yaml``, ``remax.yaml``): when ``path`` is :data:`DEMO_MODEL_PATH`, write a randomly
-            initialised tiny model (and the character tokenizer) there when it is missing or was made with
-            other ``tiny`` settings. Never at any other path.
+            ``grpo_lora.yaml``, ``remax.yaml``, ``grpo_moe.yaml``): when ``path`` is :data:`DEMO_MODEL_PATH`,
+            write a randomly initialised tiny model (and the character tokenizer) there when it is missing or
+            was made with other ``tiny`` settings. Never at any other path.
         tiny: Its shape.
     """
 
