@@ -36,6 +36,7 @@ from verl_trainer.algorithms.stages.signal import ComputePart, SelectPart
 from verl_trainer.core_algos.preference import PreferenceLossConfig, preference_loss
 from verl_trainer.data import schema
 from verl_trainer.metrics import Metric
+from verl_trainer.rollout.config import RolloutConfig
 from verl_trainer.utils.distributed import all_reduce
 
 __all__ = ["OnlineDPO", "OnlineDPOConfig", "OnlinePairs", "select_online_pairs"]
@@ -46,11 +47,13 @@ class OnlineDPOConfig(RLConfig):
     """The RL loop's settings plus the preference objective.
 
     Attributes:
+        rollout: As the RL loop's, ``n >= 2`` (default 4).
         loss: The pair objective (``sigmoid``, ``ipo``, ``robust``, ``simpo``, ``orpo``) and its coefficients:
             :class:`~verl_trainer.core_algos.preference.PreferenceLossConfig`. ``actor.loss`` (the policy
             loss's settings) is not read.
     """
 
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=4))
     loss: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
 
     def __post_init__(self) -> None:
