@@ -4,8 +4,8 @@
     python recipes/rm.py trainer.devices=2 data.train_files=my_pairs.jsonl data.val_files=null model.path=...
 
 The demo trains a sequence-classification head on the tiny model over pairs of the arithmetic task: the
-prompt with its answer (chosen) against seven kinds of wrong response (rejected: a near miss, another
-number, the empty response, zeros, a stray digit, the answer twice; :mod:`verl_trainer.data.reward_task`),
+prompt with its answer (chosen) against every other number up to 19 and malformed responses (rejected:
+the empty response, zeros, a stray digit, the answer twice; :mod:`verl_trainer.data.reward_task`),
 ``rm_train.jsonl`` / ``rm_val.jsonl`` derived from the task's SFT files when missing. ``val/rm/accuracy``
 (the share of held-out pairs the model ranks right) and ``val/rm/margin`` are reported before and after.
 The reward model is written to ``export_dir`` (default ``<default_root_dir>/hf``) as a

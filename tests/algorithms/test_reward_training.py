@@ -129,9 +129,9 @@ def test_settings_are_checked_when_the_config_is_built():
 
 def test_demo_pairs_cover_every_kind_of_wrong_answer():
     rows = reward_model_rows([{"prompt": "3+4=", "response": "7"}, {"prompt": "0+0=", "response": "0"}])
-    assert len(rows) == 2 * len(WRONG_KINDS)
+    assert len(rows) == 2 * (19 + len(WRONG_KINDS))
     assert all(r["chosen"] != r["rejected"] for r in rows)
-    assert {"", "77"} <= {r["rejected"] for r in rows}
+    assert {"", "77", "8", "19", "0"} <= {r["rejected"] for r in rows if r["chosen"] == "7"}
 
 
 # ---------------------------------------------------------------- online DPO

@@ -2,9 +2,10 @@
 
 A reward model that only ever compared the answer with a near miss (``recipes/dpo.py``'s pairs) scores
 strings it never saw at random, and an RL policy optimising it finds them (an empty response, ``"0000"``).
-So each problem gives several pairs, the answer (chosen) against each of (rejected): a near miss (offset in
-``[-3, 3]``), a random other number below 100, the empty response, a run of zeros, the answer with a stray
-digit before or after it, and the answer written twice — drawn per problem from ``seed``.
+So each problem gives many pairs, the answer (chosen) against each of (rejected): every other number from 0
+to ``max(19, answer + 3)`` (the task's sums and their near misses), the empty response, a run of zeros, the
+answer with a stray digit before or after it, and the answer written twice (the random parts drawn per
+problem from ``seed``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any
 
 __all__ = ["WRONG_KINDS", "reward_model_rows", "wrong_answer"]
 
-WRONG_KINDS = ("near", "random", "empty", "zeros", "prefix", "suffix", "twice")
-"""The kinds of rejected response, in the order each problem's pairs are written."""
+WRONG_KINDS = ("empty", "zeros", "prefix", "suffix", "twice")
+"""The malformed kinds of rejected response, written after the wrong numbers."""
 
 
 def wrong_answer(answer: int, kind: str, rng: random.Random) -> str:
@@ -26,10 +27,6 @@ def wrong_answer(answer: int, kind: str, rng: random.Random) -> str:
         ValueError: An unknown kind.
     """
     text = str(answer)
-    if kind == "near":
-        return str(answer + rng.choice([-3, -2, -1, 1, 2, 3]))
-    if kind == "random":
-        return str(rng.choice([v for v in range(100) if v != answer]))
     if kind == "empty":
         return ""
     if kind == "zeros":
@@ -46,13 +43,14 @@ def wrong_answer(answer: int, kind: str, rng: random.Random) -> str:
 def reward_model_rows(rows: Sequence[Mapping[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
     """``{"prompt", "chosen", "rejected"}`` pairs from the task's SFT rows (``prompt``, ``response``).
 
-    One pair per problem and kind of :data:`WRONG_KINDS`.
+    Per problem: one pair per other number in ``[0, max(19, answer + 3)]``, then one per kind of
+    :data:`WRONG_KINDS`.
     """
     rng = random.Random(seed)
     out = []
     for row in rows:
         answer = int(row["response"])
-        for kind in WRONG_KINDS:
-            out.append({"prompt": row["prompt"], "chosen": str(answer),
-                        "rejected": wrong_answer(answer, kind, rng)})
+        wrong = [str(v) for v in range(max(19, answer + 3) + 1) if v != answer]
+        wrong += [wrong_answer(answer, kind, rng) for kind in WRONG_KINDS]
+        out += [{"prompt": row["prompt"], "chosen": str(answer), "rejected": w} for w in wrong]
     return out
