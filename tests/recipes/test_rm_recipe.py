@@ -93,3 +93,15 @@ def _subprocess(recipe: Path, cwd: Path, *overrides: str) -> Path:
     root = next(o.split("=", 1)[1] for o in overrides if o.startswith("trainer.default_root_dir="))
     (csv_path,) = (cwd / root).rglob("metrics.csv")
     return csv_path
+
+
+@pytest.mark.slow  # ~3 min on one process
+def test_online_dpo_demo_raises_the_held_out_reward(tmp_path):
+    """The demo as shipped (200 steps): measured greedy validation reward 0.235 -> 0.505."""
+    csv_path = _subprocess(ONLINE_DPO, tmp_path, "trainer.default_root_dir=outputs/online_dpo",
+                           "trainer.export_hf=false")
+    reward = _metrics(csv_path, "val/reward/mean")
+    assert reward[-1] > reward[0] + 0.1
+    ties = _metrics(csv_path, "online_dpo/tied_prompt_frac")
+    assert ties and all(0.0 <= t < 1.0 for t in ties)
+    assert max(_metrics(csv_path, "rewards/accuracies")) > 0.5
