@@ -105,3 +105,21 @@ def test_online_dpo_demo_raises_the_held_out_reward(tmp_path):
     ties = _metrics(csv_path, "online_dpo/tied_prompt_frac")
     assert ties and all(0.0 <= t < 1.0 for t in ties)
     assert max(_metrics(csv_path, "rewards/accuracies")) > 0.5
+
+
+@pytest.mark.slow  # ~2 min (reward model) + ~5 min (GRPO) on one process
+def test_pipeline_reward_model_then_grpo_with_it_as_the_only_reward(tmp_path):
+    """docs/reward_models.md's two commands: the reward model's held-out pair accuracy rises, then GRPO
+    trained on its score alone (the math reward at weight 0, logged) raises the rule-based validation
+    accuracy of its greedy answers."""
+    rm_csv = _subprocess(RM, tmp_path, "trainer.default_root_dir=outputs/rm")
+    accuracy = _metrics(rm_csv, "val/rm/accuracy")
+    assert accuracy[0] < 0.6 and accuracy[-1] > 0.85
+    grpo_csv = _subprocess(GRPO, tmp_path, "trainer.default_root_dir=outputs/grpo_rm",
+                           "trainer.max_steps=300", "trainer.val_check_interval=50",
+                           "trainer.export_hf=false",
+                           "algorithm.reward.model.enable=true", "algorithm.reward.model.path=outputs/rm/hf",
+                           "algorithm.reward.weights=[0.0]")
+    rule_based = _metrics(grpo_csv, "val/reward/accuracy")
+    assert max(rule_based[1:]) > rule_based[0] + 0.2
+    assert _metrics(grpo_csv, "reward/model")[-1] > _metrics(grpo_csv, "reward/model")[0]
