@@ -12,15 +12,10 @@ from verl_trainer.algorithms.online_dpo import OnlineDPOConfig, select_online_pa
 from verl_trainer.algorithms.reward_model import RewardModel
 from verl_trainer.algorithms.reward_training import RewardModelTrainingConfig, load_trainable_reward_model
 from verl_trainer.core_algos.preference import PreferenceLossConfig
-from verl_trainer.core_algos.reward_modeling import (
-    PAIR_MARGIN,
-    RewardLossConfig,
-    RewardModelLoss,
-    bradley_terry_losses,
-)
+from verl_trainer.core_algos.reward_modeling import RewardLossConfig, RewardModelLoss, bradley_terry_losses
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
-from verl_trainer.data.reward_pairs import RewardPairDataset
+from verl_trainer.data.reward_pairs import PAIR_MARGIN, RewardPairDataset
 from verl_trainer.data.reward_task import WRONG_KINDS, reward_model_rows
 from verl_trainer.engine.config import EngineConfig
 from verl_trainer.rollout.config import RolloutConfig

@@ -135,7 +135,7 @@ def rm_batch(batch: TensorDict) -> TensorDict:
 
     The loss reads each row's value at ``seq_len - 1`` (the score).
     """
-    from verl_trainer.core_algos.reward_modeling import PAIR_MARGIN
+    from verl_trainer.data.reward_pairs import PAIR_MARGIN
 
     batch = preference_batch(batch)
     n = batch.batch_size[0]

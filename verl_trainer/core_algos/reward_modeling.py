@@ -35,16 +35,13 @@ import torch.nn.functional as F
 from verl_trainer.core_algos.aggregation import GlobalBatchInfo, agg_group_loss
 from verl_trainer.core_algos.preference import _pairs
 from verl_trainer.data import schema
+from verl_trainer.data.reward_pairs import PAIR_MARGIN
 from verl_trainer.metrics import Metric
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-__all__ = ["PAIR_MARGIN", "RewardLossConfig", "RewardModelLoss", "bradley_terry_losses", "sequence_scores"]
-
-PAIR_MARGIN = "pair_margin"
-"""Batch key ``[B]`` float32: the pair's margin ``m``, the same on its two rows (optional)."""
-
+__all__ = ["RewardLossConfig", "RewardModelLoss", "bradley_terry_losses", "sequence_scores"]
 
 @dataclass(frozen=True)
 class RewardLossConfig:

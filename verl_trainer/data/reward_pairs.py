@@ -28,7 +28,6 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import Dataset
 
-from verl_trainer.core_algos.reward_modeling import PAIR_MARGIN
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.data.preference import extract_prompt
@@ -37,7 +36,12 @@ from verl_trainer.data.prompts import read_rows
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["RewardPair", "RewardPairDataset", "collate_reward_pairs", "extra_token_id", "reward_model_ids"]
+__all__ = ["PAIR_MARGIN", "RewardPair", "RewardPairDataset", "collate_reward_pairs", "extra_token_id",
+           "reward_model_ids"]
+
+
+PAIR_MARGIN = "pair_margin"
+"""Batch key ``[B]`` float32: the pair's margin ``m``, the same on its two rows (optional)."""
 
 
 class RewardPair(NamedTuple):
