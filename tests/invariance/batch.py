@@ -24,7 +24,14 @@ import torch
 from tensordict import TensorDict
 
 from tests.engine.common import VOCAB_HIGH, VOCAB_LOW, padded_log_probs, padded_values
-from tests.invariance.cases import DISTILL_LOSSES, MOE_REPLAY_LOSS, MULTI_TURN_LOSS, PREFERENCE_LOSSES, Case
+from tests.invariance.cases import (
+    DISTILL_LOSSES,
+    MOE_REPLAY_LOSS,
+    MULTI_TURN_LOSS,
+    PREFERENCE_LOSSES,
+    RM_LOSS,
+    Case,
+)
 from tests.invariance.distill import distill_batch
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
@@ -129,8 +136,24 @@ def preference_batch(batch: TensorDict) -> TensorDict:
     return batch
 
 
+# ---------------------------------------------------------------- reward-model block (Bradley–Terry)
+def rm_batch(batch: TensorDict) -> TensorDict:
+    """:func:`preference_batch`'s pairs with a per-pair margin (``pair_margin``: 0, 0.5, 1, 1.5, 0, ...).
+
+    The loss reads each row's value at ``seq_len - 1`` (the score).
+    """
+    from verl_trainer.data.reward_pairs import PAIR_MARGIN
+
+    batch = preference_batch(batch)
+    n = batch.batch_size[0]
+    batch[PAIR_MARGIN] = 0.5 * ((torch.arange(n) // 2) % 4).float()
+    return batch
+
+
 def batch_for(case: Case, batch: TensorDict) -> TensorDict:
     """The global batch ``case`` trains on: :func:`multi_turn_batch` for ``ppo_mt``, else ``batch``."""
+    if case.loss == RM_LOSS:
+        return rm_batch(batch)
     if case.loss in PREFERENCE_LOSSES:
         return preference_batch(batch)
     if case.loss in DISTILL_LOSSES:  # the distillation block: the batch with a teacher's fields

@@ -160,7 +160,7 @@ class Case:
     @property
     def model_type(self) -> str:
         """The engine's model type."""
-        return "value_model" if self.loss == "value" else "language_model"
+        return "value_model" if self.loss in ("value", RM_LOSS) else "language_model"
 
     def reference(self) -> Case:
         """The case this one must reproduce: dp=1, sp=tp=pp=1, one micro-batch, no balancing, fsdp2."""
@@ -303,6 +303,24 @@ def moe_cases() -> list[Case]:
     return cases
 
 
+# ---------------------------------------------------------------- reward-model block (Bradley–Terry)
+RM_LOSS = "rm"
+"""The Bradley–Terry loss (``core_algos/reward_modeling.py``) on a value-model engine; pairs by ``group_id``,
+sharing the preference block's spawns."""
+RM_AGG = "pair-mean"
+RM_MICRO = ("one", "dynamic")
+
+
+def rm_cases() -> list[Case]:
+    """The reward-model block: dp in {1, 2} x micro one / dynamic x balancing off / on with fsdp2 (pairs kept
+    whole, a per-pair margin and the centring term on), plus fsdp and deepspeed on dp=2 + dynamic +
+    balancing."""
+    cases = [Case(RM_LOSS, RM_AGG, dp, micro, bal, "fsdp2")
+             for dp, micro, bal in product((1, 2), RM_MICRO, (False, True))]
+    cases += [Case(RM_LOSS, RM_AGG, 2, "dynamic", True, strategy) for strategy in STRATEGIES[1:]]
+    return cases
+
+
 def all_cases() -> list[Case]:
     """The whole matrix (references excluded), in a stable order."""
     cases: set[Case] = set()
@@ -323,6 +341,7 @@ def all_cases() -> list[Case]:
     cases.update(preference_cases())
     cases.update(objective_cases())
     cases.update(moe_cases())
+    cases.update(rm_cases())
     return sorted(c for c in cases if not c.is_reference)
 
 

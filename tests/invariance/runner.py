@@ -32,6 +32,7 @@ from tests.invariance.cases import (
     OBJECTIVE_CASE_LOSSES,
     PPO_LOSSES,
     PREFERENCE_LOSSES,
+    RM_LOSS,
     XFAIL,
     Case,
 )
@@ -47,6 +48,7 @@ from verl_trainer.core_algos.losses import (
     value_loss,
 )
 from verl_trainer.core_algos.preference import PreferenceLossConfig, preference_loss
+from verl_trainer.core_algos.reward_modeling import RewardLossConfig, RewardModelLoss
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
 from verl_trainer.engine.registry import missing_package
 from verl_trainer.metrics import reduce_metrics
@@ -119,6 +121,8 @@ def make_loss_fn(case: Case) -> Callable[..., Any]:
     if case.loss in PREFERENCE_LOSSES:  # the preference block: DPO sigmoid / KTO, beta 0.5
         loss_type = "sigmoid" if case.loss == "dpo" else "kto"
         return preference_loss(PreferenceLossConfig(loss_type=loss_type, beta=0.5, undesirable_weight=1.5))
+    if case.loss == RM_LOSS:  # the reward-model block: Bradley–Terry with margins and centring
+        return RewardModelLoss(RewardLossConfig(center_rewards_coefficient=0.1))
     if case.loss == "value":
         return value_loss(ValueLossConfig(cliprange_value=0.5, loss_agg_mode=case.agg,
                                           loss_scale_factor=factor))
@@ -284,6 +288,7 @@ def chunk_key(case: Case) -> tuple:
     loss = "ppo" if case.loss in PPO_LOSSES else case.loss  # the correction and multi-turn join ppo's spawn
     loss = "preference" if case.loss in PREFERENCE_LOSSES else loss  # DPO and KTO share their spawns
     loss = "distill" if case.loss in DISTILL_LOSSES else loss  # the distillation losses share their spawns
+    loss = "preference" if case.loss == RM_LOSS else loss  # the reward-model block joins preference's spawns
     if case.loss in OBJECTIVE_CASE_LOSSES:  # the policy-loss block: one spawn per world size and agg mode
         loss = f"objectives/{case.agg}"
     if case.loss in MOE_LOSSES:  # the MoE block: its own spawns (its own model)

@@ -6,7 +6,9 @@ import pytest
 
 from verl_trainer.algorithms import GRPOConfig, PPOConfig, SFTConfig
 from verl_trainer.algorithms.distill_config import DistillGRPOConfig
+from verl_trainer.algorithms.online_dpo import OnlineDPOConfig
 from verl_trainer.algorithms.preference import PreferenceConfig
+from verl_trainer.algorithms.reward_training import RewardModelTrainingConfig
 from verl_trainer.recipe_config import (
     DPORecipeConfig,
     GRPORecipeConfig,
@@ -17,12 +19,14 @@ from verl_trainer.recipe_config import (
     parse_recipe_args,
 )
 from verl_trainer.recipe_config.distill import DistillRecipeConfig
+from verl_trainer.recipe_config.rm import OnlineDPORecipeConfig, RMRecipeConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPES = {"sft": SFTRecipeConfig, "grpo": GRPORecipeConfig, "dr_grpo": GRPORecipeConfig,
            "dapo": GRPORecipeConfig, "ppo": PPORecipeConfig, "grpo_lora": GRPORecipeConfig,
            "grpo_tools": GRPORecipeConfig, "remax": GRPORecipeConfig, "dpo": DPORecipeConfig,
            "distill": DistillRecipeConfig}
+RECIPES.update({"rm": RMRecipeConfig, "online_dpo": OnlineDPORecipeConfig})
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -30,7 +34,8 @@ def test_every_config_loads_into_its_schema(name):
     cfg = load_config(RECIPES[name], CONFIGS / f"{name}.yaml")
     assert isinstance(cfg, RECIPES[name])
     expected = {"sft": SFTConfig, "ppo": PPOConfig, "dpo": PreferenceConfig,
-                "distill": DistillGRPOConfig}.get(name, GRPOConfig)
+                "distill": DistillGRPOConfig, "rm": RewardModelTrainingConfig,
+                "online_dpo": OnlineDPOConfig}.get(name, GRPOConfig)
     assert isinstance(cfg.algorithm, expected)
     assert cfg.data.train_files.startswith(cfg.task.dir)  # ${task.dir} interpolation resolved
 
