@@ -74,8 +74,9 @@ def _check_environment(env: Any, vf: Any) -> None:
         raise ValueError(f"{name} runs in server mode (env_client set); give the in-process environment")
 
 
-def verifiers_rows(env: Any, n: int = -1, seed: int | None = None, split: str = "train") -> list[dict[str, Any]]:
-    """verl rows (``data.train_files`` / ``val_files`` via ``save_rows``) of ``env``'s formatted dataset.
+def verifiers_rows(env: Any, n: int = -1, seed: int | None = None,
+                   split: str = "train") -> list[dict[str, Any]]:
+    """Prompt rows (``data.train_files`` / ``val_files`` via ``save_rows``) of ``env``'s dataset.
 
     Each row: ``prompt`` the example's chat messages (system prompt and few-shot included, ``None`` fields
     dropped), ``reward_model.ground_truth`` its ``answer``, ``data_source`` ``verifiers/<env class>``,
@@ -126,9 +127,10 @@ class VerifiersAgent:
         env: A verifiers environment, or a function returning one (called once, here).
         sampling_args: Passed to each request (``max_tokens`` can lower a turn's share; the server samples
             with the trainer's temperature / top-p / top-k and refuses ``stop``).
-        raise_on_error: A rollout that verifiers ended with an error (a refused request, an empty model
-            reply) raises, so the trajectory counts in ``agent/env_errors`` (reward 0, its turns kept);
-            ``False`` returns the rubric's reward of the partial rollout instead.
+        raise_on_error: A rollout that verifiers ended with an error (a refused request, a tool that
+            raised) raises, so the trajectory counts in ``agent/env_errors`` (reward 0, its turns kept);
+            ``False`` returns the rubric's reward of the partial rollout instead. An empty model reply (eos
+            first) is no error: verifiers ends the rollout there and the rubric scores it.
 
     Raises:
         ImportError: verifiers is missing or has no in-process environments (see :func:`require_verifiers`).
@@ -168,7 +170,18 @@ class VerifiersAgent:
         finally:
             await openai.close()
         output = dict(output)
-        if output.get("error") is not None and self.raise_on_error:
+        error = output.get("error")
+        if error is not None and self.raise_on_error and not _empty_reply(error):
             raise RuntimeError(f"verifiers ended the rollout of example {rollout_input.get('example_id')} "
-                               f"with an error: {output['error']}")
+                               f"with an error: {error}")
         return float(output.get("reward") or 0.0)
+
+
+def _empty_reply(error: Any) -> bool:
+    """Whether verifiers' rollout error is an empty model reply (the policy sampled eos first).
+
+    That is a sampled turn the trainer keeps and the rubric scores, not an environment failure.
+    """
+    if isinstance(error, BaseException):
+        return type(error).__name__ == "EmptyModelResponseError"
+    return isinstance(error, dict) and "EmptyModelResponseError" in map(str, error.values())
