@@ -174,6 +174,8 @@ def test_unsupported_environments_are_refused_clearly():
         VerifiersAgent(object())
     with pytest.raises(ValueError, match="scores whole groups"):
         VerifiersAgent(vf.SingleTurnEnv(dataset=_dataset(), rubric=vf.Rubric(funcs=[rank])))
+    with pytest.raises(ValueError, match=r"has tools \(\['rank'\]\)"):
+        VerifiersAgent(vf.ToolEnv(dataset=_dataset(), tools=[rank]))
     assert require_verifiers() is vf
 
 

@@ -1,7 +1,7 @@
 """verifiers environments as agents over the token server (``algorithm.rollout.multi_turn.agent``).
 
-A verifiers environment (``vf.SingleTurnEnv``, ``vf.MultiTurnEnv``, ``vf.ToolEnv``, ... of the classic
-stack: ``import verifiers as vf`` in verifiers 0.3.x, the package's ``verifiers.legacy``) runs its own
+A verifiers chat environment without tools (``vf.SingleTurnEnv``, ``vf.MultiTurnEnv`` subclasses of the
+classic stack: ``import verifiers as vf`` in verifiers 0.3.x, the package's ``verifiers.legacy``) runs its own
 rollout loop against an OpenAI client and scores the result with its ``Rubric``. :class:`VerifiersAgent`
 runs that loop for one dataset row per trajectory, in process, with an ``AsyncOpenAI`` client on the
 trainer's token server (``AgentContext.base_url``) whose every request carries the ``X-Trajectory-Id``
@@ -60,7 +60,7 @@ def require_verifiers() -> Any:
 def _check_environment(env: Any, vf: Any) -> None:
     if not isinstance(env, vf.Environment):
         raise TypeError(f"VerifiersAgent got {type(env).__name__}; give a verifiers environment "
-                        "(vf.SingleTurnEnv, vf.MultiTurnEnv, vf.ToolEnv, ...) or a function returning one")
+                        "(vf.SingleTurnEnv, a vf.MultiTurnEnv subclass) or a function returning one")
     name = type(env).__name__
     if getattr(env, "message_type", "chat") != "chat":
         raise ValueError(f"{name} has message_type={env.message_type!r}; only 'chat' environments run over "
@@ -70,6 +70,11 @@ def _check_environment(env: Any, vf: Any) -> None:
         raise ValueError(f"{name}'s rubric scores whole groups (group reward functions or advantages); the "
                          "trainer runs one rollout per trajectory and computes advantages itself: use "
                          "per-rollout reward functions")
+    if getattr(env, "tool_defs", None):
+        raise ValueError(f"{name} has tools ({[t.name for t in env.tool_defs]}); tool environments do not "
+                         "run over the token server yet: it renders no tools into the dataset prompt and "
+                         "parses no tool calls from replies; use a MultiTurnEnv whose env_response reads the "
+                         "reply text")
     if getattr(env, "env_client", None) is not None:
         raise ValueError(f"{name} runs in server mode (env_client set); give the in-process environment")
 
@@ -100,6 +105,10 @@ def verifiers_rows(env: Any, n: int = -1, seed: int | None = None,
     dataset = env.get_dataset(n, seed) if split == "train" else env.get_eval_dataset(n, seed)
     rows = []
     for example in dataset:
+        info = example.get("info")
+        if isinstance(info, dict) and info.get("tool_defs"):
+            raise ValueError(f"example {example.get('example_id')} of {type(env).__name__} has "
+                             "info['tool_defs']; tool environments do not run over the token server yet")
         messages = [_plain_message(m) for m in example["prompt"]]
         record = {k: example[k] for k in _INPUT_KEYS if k in example}
         record["prompt"] = messages
