@@ -62,6 +62,13 @@ class FollowUpEnv(vf.MultiTurnEnv):
         return [{"role": "user", "content": FOLLOW_UP}]
 
 
+class RewritingEnv(vf.MultiTurnEnv):
+    """Answers with an assistant message the server did not sample: the server refuses the second turn."""
+
+    async def env_response(self, messages, state, **kwargs):
+        return [{"role": "assistant", "content": "made up"}, {"role": "user", "content": FOLLOW_UP}]
+
+
 def single_turn_env():
     return vf.SingleTurnEnv(dataset=_dataset(), rubric=vf.Rubric(funcs=[has_digit]))
 
@@ -72,9 +79,12 @@ def follow_up_env():
 
 single_turn_agent = VerifiersAgent(single_turn_env, sampling_args={"max_tokens": 12})
 follow_up_agent = VerifiersAgent(follow_up_env, sampling_args={"max_tokens": 12})
+rewriting_agent = VerifiersAgent(
+    lambda: RewritingEnv(dataset=_dataset(), rubric=vf.Rubric(funcs=[has_digit]), max_turns=2),
+    sampling_args={"max_tokens": 12})
 
 
-def _fit(base: str, name: str) -> dict:
+def _fit(base: str, name: str, steps: int = 2) -> dict:
     from verl_trainer import Trainer
     from verl_trainer.algorithms import GRPO, PromptDataModule
     from verl_trainer.callbacks import Callback
@@ -83,7 +93,7 @@ def _fit(base: str, name: str) -> dict:
     from verl_trainer.recipe_config import GRPORecipeConfig, load_config
     from verl_trainer.rollout import AGENT_INFO
 
-    checked, metrics, empty_ends = [], [], []
+    checked, metrics, empty_ends, errors = [], [], [], []
     SEEN.clear()
     tokenizer = load_tokenizer(f"{base}/model")
     eos = tokenizer.eos_token_id
@@ -100,10 +110,12 @@ def _fit(base: str, name: str) -> dict:
                 assert seen["prompt"] in (None, batch[schema.INPUT_IDS][i, :p].tolist())
                 info = batch[AGENT_INFO][i]
                 turns = len(seen["turns"]) + int(seen["empty_end"])
-                assert info["turns"] == turns and info["reward"] == seen["reward"], (info, seen)
+                reward = 0.0 if info["env_errors"] else seen["reward"]  # a failed agent scores 0
+                assert info["turns"] == turns and info["reward"] == reward, (info, seen)
                 empty_ends.append(seen["empty_end"])
             checked.append(batch.batch_size[0])
             SEEN.clear()
+            errors.extend(module.rollout.agent_loop.last_errors)
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
@@ -119,18 +131,20 @@ def _fit(base: str, name: str) -> dict:
     ]
     cfg = load_config(GRPORecipeConfig, Path(__file__).resolve().parents[2] / "configs" / "grpo.yaml",
                       overrides)
-    trainer = Trainer(devices=dist.get_world_size(), max_steps=2, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, default_root_dir=f"{base}/run-{name}",
-                      val_check_interval=None, callbacks=[Check()], seed=7)
+    trainer = Trainer(devices=dist.get_world_size(), max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False,
+                      default_root_dir=f"{base}/run-{name}", val_check_interval=None,
+                      callbacks=[Check()], seed=7)
     module = GRPO(cfg.algorithm)
     trainer.fit(module, datamodule=PromptDataModule(cfg.data, tokenizer))
     module.rollout.agent_loop.close()
-    return {"checked": checked, "metrics": metrics, "empty_ends": sum(empty_ends)}
+    return {"checked": checked, "metrics": metrics, "empty_ends": sum(empty_ends), "errors": errors}
 
 
 def fit_both(base: str) -> dict:
-    """Both environments, one after the other, in one rank (one spawn)."""
-    return {name: _fit(base, name) for name in ("single_turn_agent", "follow_up_agent")}
+    """The environments, one after the other, in one rank (one spawn); the failing one trains 1 step."""
+    out = {name: _fit(base, name) for name in ("single_turn_agent", "follow_up_agent")}
+    return {**out, "rewriting_agent": _fit(base, "rewriting_agent", steps=1)}
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +176,12 @@ def test_grpo_trains_two_steps_on_verifiers_environments(assets):
             assert step["agent/env_errors"] == 0.0, (name, step)
             assert "actor/pg_loss" in step and "agent/env_reward" in step
     assert all(m["agent/tool_token_share"] > 0 for m in out["follow_up_agent"]["metrics"])
+    failing = out["rewriting_agent"]  # every second turn is refused: first turns kept, counted, reward 0
+    assert failing["checked"] == [8]
+    step = failing["metrics"][0]
+    assert step["agent/turns"] == 1.0 and step["agent/env_reward"] == 0.0, step
+    assert step["agent/env_errors"] > 0 and len(failing["errors"]) == step["agent/env_errors"] * 8, step
+    assert all("verifiers ended the rollout" in e for e in failing["errors"]), failing["errors"]
 
 
 def rank(completions) -> list[float]:
