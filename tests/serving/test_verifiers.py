@@ -199,9 +199,16 @@ def test_unsupported_environments_are_refused_clearly():
     assert require_verifiers() is vf
 
 
-def test_missing_verifiers_names_the_install_line(monkeypatch):
+def test_missing_verifiers_names_the_install_line(monkeypatch, tmp_path):
     import sys
+
+    from verl_trainer.serving.agent_spec import resolve_agent
 
     monkeypatch.setitem(sys.modules, "verifiers", None)
     with pytest.raises(ImportError, match="verifiers==0.3.1"):
         require_verifiers()
+    agent_file = tmp_path / "my_env.py"  # the config's agent loads when the config is built
+    agent_file.write_text("from verl_trainer.environments.verifiers import VerifiersAgent\n"
+                          "agent = VerifiersAgent(lambda: None)\n")
+    with pytest.raises((ImportError, ValueError), match="pip install 'verifiers==0.3.1'"):
+        resolve_agent(f"{agent_file}:agent")
