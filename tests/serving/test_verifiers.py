@@ -201,12 +201,19 @@ def test_unsupported_environments_are_refused_clearly():
 
 def test_missing_verifiers_names_the_install_line(monkeypatch, tmp_path):
     import sys
+    import types
 
     from verl_trainer.serving.agent_spec import resolve_agent
 
     monkeypatch.setitem(sys.modules, "verifiers", None)
     with pytest.raises(ImportError, match="verifiers==0.3.1"):
         require_verifiers()
+    harness_only = types.ModuleType("verifiers")  # 0.4.0's package root: only verifiers.v1 below it
+    harness_only.__version__ = "0.4.0"
+    monkeypatch.setitem(sys.modules, "verifiers", harness_only)
+    with pytest.raises(ImportError, match=r"verifiers 0.4.0 has no in-process.*verifiers==0.3.1"):
+        require_verifiers()
+    monkeypatch.setitem(sys.modules, "verifiers", None)
     agent_file = tmp_path / "my_env.py"  # the config's agent loads when the config is built
     agent_file.write_text("from verl_trainer.environments.verifiers import VerifiersAgent\n"
                           "agent = VerifiersAgent(lambda: None)\n")
