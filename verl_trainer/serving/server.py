@@ -3,8 +3,9 @@
 Endpoints: ``GET /v1/models``, ``POST /v1/completions`` (prompt as text or token ids), ``POST
 /v1/chat/completions`` (messages rendered by the policy's chat template). Each choice carries, beside
 OpenAI's fields, ``token_ids`` (the sampled ids, eos included when sampled) and per-token log-probs
-(``logprobs.content[i] = {"token", "token_id", "logprob"}`` for chat, ``logprobs.tokens`` /
-``token_logprobs`` for completions); the response carries ``prompt_token_ids`` (vLLM's names).
+(``logprobs.content[i] = {"token", "token_id", "logprob", "bytes", "top_logprobs": []}`` for chat,
+``logprobs.tokens`` / ``token_logprobs`` for completions); the response carries ``prompt_token_ids``
+(vLLM's names).
 
 Requests tagged with a trajectory id are recorded (:mod:`verl_trainer.serving.trajectories`). A
 trajectory the trainer registered samples with the trainer's settings (temperature, top-p, top-k) and
@@ -213,7 +214,7 @@ class TokenServer:
         choices, usage, prompt_ids = await self._turn(body, trajectory_id, plan)
         out = [{"index": i, "message": {"role": "assistant", "content": text}, "token_ids": ids,
                 "finish_reason": finish,
-                "logprobs": {"content": [{"token": self.tokenizer.decode([t]), "token_id": t, "logprob": lp}
+                "logprobs": {"content": [_chat_logprob(self.tokenizer.decode([t]), t, lp)
                                          for t, lp in zip(ids, lps)]}}
                for i, (ids, lps, text, finish) in enumerate(choices)]
         return self._response("chatcmpl", "chat.completion", out, prompt_ids, usage)
@@ -303,3 +304,13 @@ class TokenServer:
         else:
             seeds = [derive_sample_seed(self.config.seed, self._requests, 0, j, 2) for j in range(body.n)]
         return config, seeds, budget
+
+
+def _chat_logprob(token: str, token_id: int, logprob: float) -> dict:
+    """One ``logprobs.content`` entry: ``token_id`` beside OpenAI's required fields.
+
+    ``bytes`` and ``top_logprobs`` (empty: none asked) are required by OpenAI's schema, which strict clients
+    (verifiers) validate.
+    """
+    return {"token": token, "token_id": token_id, "logprob": logprob, "bytes": list(token.encode()),
+            "top_logprobs": []}
