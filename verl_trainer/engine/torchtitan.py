@@ -42,6 +42,7 @@ from verl_trainer.engine.tensor_parallel import vocab_slice_start
 from verl_trainer.engine.topology import engine_topology
 from verl_trainer.engine.torchtitan_cpu import inner_attention_config, uses_attention_masks
 from verl_trainer.engine.torchtitan_model import check_hf_config, hf_names, titan_model_spec
+from verl_trainer.engine.torchtitan_moe import FusedExpertNames, check_expert_parallel, split_fused_experts
 from verl_trainer.engine.torchtitan_parallel import (
     parallelism_config,
     parallelize,
@@ -76,6 +77,7 @@ class TorchTitanEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
     """
 
     SUPPORTS_TENSOR_PARALLEL = True  # torchtitan's TP plan on the (dp, tp) mesh, FSDP2 over dp
+    SUPPORTS_EXPERT_PARALLEL = True  # torchtitan's EP mesh inside dp (Qwen3 MoE)
 
     def __init__(self, config: EngineConfig, optim_config: OptimConfig | None = None, *,
                  backend: str = "torchtitan", **kwargs: Any) -> None:
@@ -106,7 +108,9 @@ class TorchTitanEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
                                  "directory of a Llama or Qwen3 model) or a model_factory")
             from transformers import AutoConfig
 
-            check_hf_config(AutoConfig.from_pretrained(cfg.model_path))
+            hf_config = AutoConfig.from_pretrained(cfg.model_path)
+            check_hf_config(hf_config)
+            check_expert_parallel(hf_config, cfg, None)
         self.adapter: Any = None
         self._hf_names: dict[str, str] = {}
 
@@ -126,12 +130,14 @@ class TorchTitanEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
         topo = self.topology = engine_topology(self.topology, self.config, self.device.type)
         hf_model = self._load_hf_model()
         self.model_config = hf_model.config
-        spec = titan_model_spec(hf_model.config, inner_attention_config(self.device.type))
+        check_expert_parallel(hf_model.config, self.config, topo.world_size)
+        spec = titan_model_spec(hf_model.config, inner_attention_config(self.device.type), self.device.type)
         prepare_model_config(spec.config, parallelism_config(self.config))
         with torch.random.fork_rng(devices=[]):  # its initialisers draw; the weights are the checkpoint's
             model = spec.config.build()
             model.init_states(buffer_device=torch.device("cpu"))
-        model.load_state_dict(spec.adapter.from_hf(dict(hf_model.state_dict())), strict=True)
+        hf_state = split_fused_experts(dict(hf_model.state_dict()))  # MoE: one tensor per expert
+        model.load_state_dict(spec.adapter.from_hf(hf_state), strict=True)
         dtype = to_dtype(self.config.model_dtype)
         for param in model.parameters():
             param.data = param.data.to(dtype)
@@ -235,10 +241,14 @@ class TorchTitanEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
         offloaded = self.config.param_offload and self.mode is None
         if offloaded:
             self.to(self.device, model=True, optimizer=False, grad=False)
+        experts = FusedExpertNames()
         try:
             for name, value in get_model_state_dict(self.module).items():
                 hf_name = self._hf_names.get(name)
                 if hf_name is None or (keep is not None and not keep(hf_name)):
+                    continue
+                if FusedExpertNames.hf_name(name) is not None:  # MoE: transformers 5's fused experts
+                    yield from experts.add(name, _full(value).detach())
                     continue
                 ((hf_name, tensor),) = self.adapter.to_hf({name: _full(value).detach()}).items()
                 yield hf_name, tensor
