@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 __all__ = ["SUPPORTED_ARCHITECTURES", "MegatronGroups", "build_gpt_model", "check_hf_config",
            "megatron_groups", "padded_vocab_size", "rope_theta", "uses_transformer_engine"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-"""HF ``model_type`` values the engine builds (dense decoders with RMSNorm, SwiGLU and RoPE)."""
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3_moe")
+"""HF ``model_type`` values the engine builds (decoders with RMSNorm, SwiGLU and RoPE; Qwen3-MoE's MoE
+layers are Megatron's ``MoELayer``: ``engine/megatron_moe.py``)."""
 
 _SINGLETONS: dict[int, tuple[Any, dist.ProcessGroup]] = {}  # id(WORLD) -> (WORLD, this rank's 1-rank group)
 
@@ -143,6 +144,11 @@ def check_hf_config(hf_config: PretrainedConfig, tp: int, device_type: str) -> N
             f"dropout; this model has dropout {dropout}: set attention_dropout=0 in its config.json, or run "
             f"on CUDA"
         )
+    sparse_step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    if getattr(hf_config, "mlp_only_layers", None) or sparse_step != 1:
+        raise ValueError(f"the megatron engine builds {arch} with every layer a MoE layer; this model has "
+                         f"mlp_only_layers={hf_config.mlp_only_layers} / decoder_sparse_step="
+                         f"{hf_config.decoder_sparse_step}; use strategy='fsdp2' for it")
     heads, groups = int(hf_config.num_attention_heads), int(hf_config.num_key_value_heads)
     for name, size in (("num_attention_heads", heads), ("num_key_value_heads", groups),
                        ("intermediate_size", int(hf_config.intermediate_size))):
@@ -203,7 +209,8 @@ def build_gpt_model(bridge: Any, hf_config: PretrainedConfig, groups: MegatronGr
 
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                        qk_layernorm=config.qk_layernorm, normalization=config.normalization)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     with torch.device(device):
         model = GPTModel(
