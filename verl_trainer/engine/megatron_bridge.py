@@ -44,6 +44,24 @@ LOCAL_SPEC_NAMES = (
 """Megatron local-spec parameter names -> the TE names mbridge's mappings are written for."""
 
 
+def is_local_expert(name: str) -> bool:
+    """Whether ``name`` is a ``SequentialMLP`` expert weight (``...mlp.experts.local_experts.{i}...``)."""
+    return _LOCAL_EXPERT.search(name) is not None
+
+
+def _ep_gathered(bridge: Any, local_name: str, value: torch.Tensor, groups: MegatronGroups,
+                 fuser: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """An expert weight of every EP rank (all-gathered over the EP group), as HF tensors; an EP collective."""
+    parts = [torch.empty_like(value) for _ in range(groups.ep_size)]
+    dist.all_gather(parts, value.contiguous(), group=groups.collection.ep)
+    per_rank = int(bridge.config.num_moe_experts) // groups.ep_size
+    for rank, part in enumerate(parts):
+        global_name = grouped_expert_name(local_name, rank * per_rank)
+        out_names, out_tensors = bridge._weight_to_hf_format(te_name(global_name, True), part)
+        for name, tensor in zip(out_names, out_tensors):
+            yield from fuser.add(name, tensor.contiguous())
+
+
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
 
@@ -82,8 +100,9 @@ def make_bridge(hf_config: PretrainedConfig, groups: MegatronGroups, dtype: torc
                          f"{AutoBridge.list_supported_models()}")
     base = _MODEL_REGISTRY[arch]
     moe = is_moe(hf_config)
-    overrides = {**cpu_config_overrides(device_type, dtype, recompute), **moe_config_overrides(hf_config,
-                                                                                              device_type)}
+    overrides = {**cpu_config_overrides(device_type, dtype, recompute),
+                 **moe_config_overrides(hf_config, device_type, groups.ep_size)}
+    ep_rank = dist.get_rank(groups.collection.ep) if groups.ep_size > 1 else 0
 
     class EngineBridge(base):  # type: ignore[misc,valid-type]
         def _build_base_config(self, text_config_key: str | None = None, **kwargs: Any) -> Any:
@@ -95,10 +114,12 @@ def make_bridge(hf_config: PretrainedConfig, groups: MegatronGroups, dtype: torc
         def _weight_name_mapping_mcore_local_to_global(self, model: Any, consider_ep: bool = True
                                                        ) -> dict[str, str]:
             names = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
-            return {local: grouped_expert_name(name) for local, name in names.items()}
+            offset = ep_rank * (int(self.config.num_moe_experts or 0) // groups.ep_size)  # first expert
+            return {local: grouped_expert_name(name, offset) for local, name in names.items()}
 
     states = ParallelStates(tp_size=groups.tp_size, tp_rank=groups.tp_rank, tp_group=groups.tp_group,
                             pp_group=groups.collection.pp, cp_group=groups.collection.cp,
+                            ep_size=groups.ep_size, ep_rank=ep_rank,
                             ep_group=groups.collection.ep, etp_group=groups.collection.expt_tp, vpp_size=None)
     bridge = EngineBridge(hf_config, dtype=dtype, parallel_states=states)
     bridge.is_moe = moe
@@ -131,6 +152,9 @@ def hf_tensors(bridge: Any, model: GPTModel, groups: MegatronGroups,
         if keep is not None and not any(keep(n) for n in public):
             continue
         value = param.detach()
+        if groups.ep_size > 1 and is_local_expert(local_name):  # every EP rank's experts, in global order
+            yield from _ep_gathered(bridge, local_name, value, groups, fuser)
+            continue
         if groups.tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             parts = [torch.empty_like(value) for _ in range(groups.tp_size)]
             dist.all_gather(parts, value.contiguous(), group=groups.tp_group)

@@ -8,7 +8,9 @@ Megatron-Core (0.16) is written for CUDA devices; on CPU two things fail, both u
   moves ``inv_freq`` to the GPU on first use) and DDP's gradient buffers
   (``distributed/param_and_grad_buffer.py``: ``grad_data``) and the attention scores' scratch buffer
   (``utils.py``: ``GlobalMemoryBuffer``), and the MoE router, which moves its weight to the GPU in
-  ``gating`` (``transformer/moe/router.py``). Upstream fix: take the device from the
+  ``gating`` (``transformer/moe/router.py``), and the all-gather / reduce-scatter mappings the MoE
+  all-gather token dispatcher runs under EP (``tensor_parallel/mappings.py``: their output buffers).
+  Upstream fix: take the device from the
   config / the parameters (``use_cpu_initialization`` already exists for weights). Here each of those modules
   gets its own ``torch`` stand-in (:class:`_CPUTorch`) whose ``cuda.current_device()`` is the CPU; every other
   attribute is torch's own, and no other module sees it.
@@ -39,6 +41,7 @@ CUDA_DEVICE_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.utils",
     "megatron.core.transformer.moe.router",
+    "megatron.core.tensor_parallel.mappings",
 )
 """The Megatron-Core modules that allocate on ``torch.cuda.current_device()`` where a CPU engine runs them."""
 

@@ -34,7 +34,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3_moe")
 """HF ``model_type`` values the engine builds (decoders with RMSNorm, SwiGLU and RoPE; Qwen3-MoE's MoE
 layers are Megatron's ``MoELayer``: ``engine/megatron_moe.py``)."""
 
-_SINGLETONS: dict[int, tuple[Any, dist.ProcessGroup]] = {}  # id(WORLD) -> (WORLD, this rank's 1-rank group)
+_SINGLETONS: dict[int, tuple[Any, Any]] = {}  # id(WORLD) -> (WORLD, 1-rank group); -ep -> (WORLD, groups)
 
 
 @dataclass(frozen=True)
@@ -46,12 +46,14 @@ class MegatronGroups:
         tp_group: The tensor-parallel group (one rank without TP).
         tp_rank: This rank's place in it.
         tp_size: Its size.
+        ep_size: Expert-parallel size (``collection.ep`` has this many ranks; 1 = experts replicated).
     """
 
     collection: ProcessGroupCollection
     tp_group: dist.ProcessGroup
     tp_rank: int
     tp_size: int
+    ep_size: int = 1
 
 
 def _alive(group: dist.ProcessGroup) -> bool:
@@ -73,20 +75,42 @@ def _single_rank_group() -> dist.ProcessGroup:
     return cached[1]
 
 
-def megatron_groups(topology: Topology) -> MegatronGroups:
+def _expert_groups(ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's EP group (``ep`` adjacent ranks) and expert-data-parallel group (the ranks of its EP rank).
+
+    Created once per ``ep`` while the process group lives (every rank creates all of them together);
+    without TP only (``megatron_moe.check_expert_parallel``).
+    """
+    world = dist.group.WORLD
+    cached = _SINGLETONS.get(-ep)  # beside _single_rank_group's entry
+    if cached is None or cached[0] is not world or not _alive(cached[1][0]):
+        size = dist.get_world_size()
+        ep_group, _ = dist.new_subgroups_by_enumeration(
+            [list(range(start, start + ep)) for start in range(0, size, ep)])
+        expt_dp, _ = dist.new_subgroups_by_enumeration(
+            [list(range(offset, size, ep)) for offset in range(ep)])
+        _SINGLETONS[-ep] = cached = (world, (ep_group, expt_dp))
+    return cached[1]
+
+
+def megatron_groups(topology: Topology, ep: int = 1) -> MegatronGroups:
     """The ``ProcessGroupCollection`` of ``topology`` (a collective the first time in a process group).
 
     TP ranks are adjacent (``rank = dp_rank * tp + tp_rank``), as Megatron's own default order places them.
+    ``ep > 1`` (no TP): EP groups of ``ep`` adjacent dp ranks; the experts' data-parallel group holds the
+    ranks with the same experts.
     """
     single = _single_rank_group()
     tp_group = topology.tp_mesh.get_group() if topology.tp_mesh is not None else single
     dp_group = topology.dp_group if topology.dp_group is not None else single
+    ep_group, expt_dp = _expert_groups(ep) if ep > 1 else (single, dp_group)
+    tp_ep = ep_group if ep > 1 else tp_group
     collection = ProcessGroupCollection(
         tp=tp_group, pp=single, mp=tp_group, cp=single, tp_cp=tp_group, embd=None, pos_embd=None,
-        ep=single, expt_tp=single, tp_ep=tp_group, tp_ep_pp=tp_group, dp=dp_group, dp_cp=dp_group,
-        expt_dp=dp_group, intra_dp_cp=dp_group, intra_expt_dp=dp_group, tp_dp_cp=dist.group.WORLD,
+        ep=ep_group, expt_tp=single, tp_ep=tp_ep, tp_ep_pp=tp_ep, dp=dp_group, dp_cp=dp_group,
+        expt_dp=expt_dp, intra_expt_dp=expt_dp, intra_dp_cp=dp_group, tp_dp_cp=dist.group.WORLD,
     )
-    return MegatronGroups(collection, tp_group, topology.tp_rank, topology.tp_size)
+    return MegatronGroups(collection, tp_group, topology.tp_rank, topology.tp_size, ep)
 
 
 def uses_transformer_engine(device_type: str) -> bool:

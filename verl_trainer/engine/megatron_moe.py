@@ -15,9 +15,13 @@ configured through mbridge's Qwen3-MoE bridge, with the settings that make the r
 * experts as ``SequentialMLP`` (one plain MLP per local expert): ``moe_grouped_gemm`` needs the
   ``grouped_gemm`` CUDA package or Transformer Engine.
 
-Expert parallelism (``expert_model_parallel_size > 1``) is refused on CPU by :func:`check_expert_parallel`:
-Megatron's all-to-all dispatcher creates a ``torch.cuda.Stream`` at construction, and the EP parameters'
-gradient sync, grad norm and HF export (experts on other ranks) are not wired here.
+Expert parallelism (``expert_model_parallel_size > 1``, :func:`check_expert_parallel`): Megatron's EP group
+of ``ep`` adjacent dp ranks (``megatron_model.megatron_groups``); on CPU the all-gather dispatcher gathers
+the tokens over it and reduce-scatters the expert outputs back (gloo has both collectives), on CUDA the
+all-to-all dispatcher exchanges them. Megatron's DDP reduces the expert gradients over the expert-data-
+parallel group scaled by ``1 / dp`` (a mean over dp, as the rest); the grad norm sums the experts' squares
+over the EP group (``megatron_grads.py``); the HF export all-gathers each expert weight over the EP group
+(``megatron_bridge.hf_tensors``).
 """
 
 from __future__ import annotations
@@ -40,11 +44,12 @@ def is_moe(hf_config: Any) -> bool:
     return getattr(hf_config, "model_type", None) in MOE_ARCHITECTURES
 
 
-def moe_config_overrides(hf_config: Any, device_type: str) -> dict[str, Any]:
+def moe_config_overrides(hf_config: Any, device_type: str, ep: int = 1) -> dict[str, Any]:
     """``TransformerConfig`` settings of the MoE layers (the module docstring); ``{}`` for a dense model."""
     if not is_moe(hf_config):
         return {}
     return {
+        "expert_model_parallel_size": ep,
         "moe_router_pre_softmax": not bool(getattr(hf_config, "norm_topk_prob", False)),
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,
@@ -62,11 +67,16 @@ def moe_config_overrides(hf_config: Any, device_type: str) -> dict[str, Any]:
     }
 
 
-def check_expert_parallel(config: Any, hf_config: Any | None, device_type: str) -> None:
-    """Refuse ``expert_model_parallel_size > 1`` where the Megatron engine does not run it.
+def check_expert_parallel(config: Any, hf_config: Any | None, world_size: int | None) -> None:
+    """Refuse an ``expert_model_parallel_size`` the Megatron engine cannot apply to this model / layout.
+
+    EP splits each MoE layer's experts over ``ep`` adjacent data-parallel ranks (Megatron's ``ep`` group;
+    the ranks holding the same experts form its expert-data-parallel group). ``hf_config=None`` /
+    ``world_size=None`` skip the checks that need them.
 
     Raises:
-        ValueError: On CPU (naming Megatron's CUDA-only pieces and the GPU path), or for a dense model.
+        ValueError: ``ep > 1`` with a dense model, with TP, or with sizes that do not divide; the message
+            names the value and the valid choices.
     """
     ep = int(config.expert_model_parallel_size)
     if ep == 1:
@@ -77,13 +87,21 @@ def check_expert_parallel(config: Any, hf_config: Any | None, device_type: str) 
             f"MoE for HF model_type in {MOE_ARCHITECTURES}, got {getattr(hf_config, 'model_type', None)!r}: "
             f"set expert_model_parallel_size=1"
         )
-    raise ValueError(
-        f"expert_model_parallel_size={ep} is not supported by the megatron engine: Megatron-Core's EP token "
-        f"dispatchers are CUDA-only (the all-to-all dispatcher creates a torch.cuda.Stream when built, the "
-        f"flex dispatcher needs DeepEP), and the engine does not wire EP's expert-data-parallel gradient "
-        f"sync, grad norm and HF export; use strategy='torchtitan' (its EP runs on CPU and CUDA), or set "
-        f"expert_model_parallel_size=1 (experts replicated over dp; see docs/megatron.md)"
-    )
+    if config.tensor_model_parallel_size > 1:
+        raise ValueError(
+            f"expert_model_parallel_size={ep} with tensor_model_parallel_size="
+            f"{config.tensor_model_parallel_size} is not supported by the megatron engine (expert TP and the "
+            f"tp x ep group layout are not wired); set one of them to 1"
+        )
+    if hf_config is not None:
+        experts = int(hf_config.num_experts)
+        if experts % ep:
+            valid = [d for d in range(1, experts + 1) if experts % d == 0]
+            raise ValueError(f"expert_model_parallel_size={ep} does not divide the model's {experts} "
+                             f"experts; choose one of {valid}")
+    if world_size is not None and world_size % ep:
+        raise ValueError(f"expert_model_parallel_size={ep} does not divide the {world_size} data-parallel "
+                         f"ranks (EP runs inside dp); choose a divisor of {world_size}")
 
 
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)"
