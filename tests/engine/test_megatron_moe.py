@@ -10,6 +10,7 @@ transformers 5 keeps them) is bit-exact. The refusals need no process group.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -109,3 +110,12 @@ def test_expert_parallel_refusals(moe_path: str, tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=match):
             EngineRegistry.new("language_model", "megatron", EngineConfig(model_path=path, **overrides),
                                MEASURE)
+
+
+@pytest.mark.parametrize(("option", "value"), [("router_replay", "old_policy"), ("aux_loss_coeff", 1e-3)])
+def test_refuses_the_hf_engines_router_options(moe_path: str, option: str, value: Any) -> None:
+    config = EngineConfig(model_path=moe_path)
+    moe = {"router_replay": "off", "aux_loss_coeff": 0.0, "z_loss_coeff": 0.0, option: value}
+    config.moe = SimpleNamespace(**moe)  # EngineConfig.moe of the HF engines' MoE settings
+    with pytest.raises(ValueError, match=rf"moe.{option}={value!r} is not served by strategy='megatron'"):
+        EngineRegistry.new("language_model", "megatron", config, MEASURE)

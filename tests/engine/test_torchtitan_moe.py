@@ -11,6 +11,7 @@ bit-exact. The refusals need no process group.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -77,3 +78,13 @@ def test_expert_parallel_refusals(moe_path: str, tmp_path: Path) -> None:
             EngineRegistry.new("language_model", strategy, EngineConfig(model_path=path, **overrides), OPTIM)
     with pytest.raises(ValueError, match="expert_model_parallel_size must be an int >= 1"):
         EngineConfig(expert_model_parallel_size=0)
+
+
+@pytest.mark.parametrize(("option", "value"), [("router_replay", "rollout"), ("aux_loss_coeff", 1e-3),
+                                               ("z_loss_coeff", 1e-3)])
+def test_refuses_the_hf_engines_router_options(moe_path: str, option: str, value: Any) -> None:
+    config = EngineConfig(model_path=moe_path)
+    moe = {"router_replay": "off", "aux_loss_coeff": 0.0, "z_loss_coeff": 0.0, option: value}
+    config.moe = SimpleNamespace(**moe)  # EngineConfig.moe of the HF engines' MoE settings
+    with pytest.raises(ValueError, match=rf"moe.{option}={value!r} is not served by strategy='torchtitan'"):
+        EngineRegistry.new("language_model", "torchtitan", config, OPTIM)

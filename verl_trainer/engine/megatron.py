@@ -34,6 +34,7 @@ from transformers import AutoConfig
 from verl_trainer.engine.base import BaseEngine
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.heads import VocabSlice
+from verl_trainer.engine.library_moe import check_moe_options
 from verl_trainer.engine.megatron_bridge import hf_tensors, load_hf_weights, make_bridge
 from verl_trainer.engine.megatron_checkpoint import MegatronCheckpointMixin
 from verl_trainer.engine.megatron_cpu import prepare_device
@@ -84,6 +85,7 @@ class MegatronEngine(OptimizerMixin, MegatronCheckpointMixin, BaseEngine):
                  backend: str = "megatron", **kwargs: Any) -> None:
         super().__init__(config, optim_config, backend=backend, **kwargs)
         check_megatron_request(self.config, self.model_type.name, self.model_factory, self.device.type)
+        check_moe_options(self.config, "megatron")
         if self.config.expert_model_parallel_size > 1:  # before any model loads
             check_expert_parallel(self.config, AutoConfig.from_pretrained(self.config.model_path), None)
         self.gpt_model: torch.nn.Module | None = None

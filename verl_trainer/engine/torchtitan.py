@@ -34,6 +34,7 @@ from verl_trainer.engine.base import BaseEngine
 from verl_trainer.engine.checkpoint import DCPCheckpointMixin
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.heads import VocabSlice, head_positions
+from verl_trainer.engine.library_moe import check_moe_options
 from verl_trainer.engine.offload import move_grads, move_module, move_optimizer_state
 from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler
 from verl_trainer.engine.optimizers import build_optimizer
@@ -102,6 +103,7 @@ class TorchTitanEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
                 f"use {OTHER_BACKENDS}, or set ulysses_sequence_parallel_size=1"
             )
         training_config(cfg)  # precision checks, before any model loads
+        check_moe_options(cfg, "torchtitan")
         if self.model_factory is None:
             if not cfg.model_path:
                 raise ValueError("strategy='torchtitan' needs EngineConfig.model_path (an HF checkpoint "
