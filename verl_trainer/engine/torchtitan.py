@@ -1,11 +1,12 @@
-"""The ``torchtitan`` engine: torchtitan's own Llama 3 / Qwen3, parallelised by torchtitan, in the engine.
+"""The ``torchtitan`` engine: torchtitan's own Llama 3 / Qwen3 / Qwen3-MoE, parallelised by torchtitan.
 
 :class:`TorchTitanEngine` is one backend class (``BaseEngine``'s recipe) with the torch-optimizer step and
 DCP checkpoints. The model is torchtitan's (``engine/torchtitan_model.py``: built from the checkpoint's HF
 config, the HF weights converted by torchtitan's state-dict adapter), sharded by torchtitan's parallelize
-function (FSDP2 over dp, TP over ``tensor_model_parallel_size``: ``engine/torchtitan_parallel.py``); on CPU
-the gaps of ``engine/torchtitan_cpu.py`` are filled. Global-denominator losses, micro-batching, balancing,
-the optimizer step and the weight stream are ``BaseEngine``'s, as for every backend.
+function (FSDP2 over dp, TP over ``tensor_model_parallel_size``, EP of a MoE model's experts over
+``expert_model_parallel_size`` dp ranks: ``engine/torchtitan_parallel.py``, ``engine/torchtitan_moe.py``);
+on CPU the gaps of ``engine/torchtitan_cpu.py`` are filled. Global-denominator losses, micro-batching,
+balancing, the optimizer step and the weight stream are ``BaseEngine``'s, as for every backend.
 
 The forward: each packed micro-batch is laid out as right-padded rows (one sample per row, positions from 0)
 for torchtitan's model, whose LM head is skipped (its ``_skip_lm_head``, as torchtitan's chunked loss does);
@@ -13,7 +14,8 @@ the hidden states of the real tokens are packed back and the LM head runs only a
 outputs are used (``engine/heads.py: head_positions``). Under TP the head's output is this TP rank's
 vocabulary slice and the log-probs are reduced from the slices (``engine/vocab_parallel.py``).
 
-Refused at construction, with the reason: a value model, LoRA, Ulysses SP and pipeline parallelism (see
+Refused at construction, with the reason: a value model, LoRA, Ulysses SP, pipeline parallelism, an EP size
+the model / layout cannot take, and the HF engines' router replay / router losses (see
 ``docs/torchtitan.md``).
 """
 
@@ -62,7 +64,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 @EngineRegistry.register(model_type=list(MODEL_TYPES), backend="torchtitan", device=["cpu", "cuda"])
 class TorchTitanEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
-    """torchtitan engine for a language model (Llama 3, Qwen3).
+    """torchtitan engine for a language model (Llama 3, Qwen3, Qwen3-MoE).
 
     Args:
         config: Engine config.
@@ -74,7 +76,8 @@ class TorchTitanEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
 
     Raises:
         ValueError: At construction, for a value model, LoRA, Ulysses SP, pipeline parallelism, a
-            checkpoint whose model type torchtitan does not build, or an unsupported precision.
+            checkpoint whose model type torchtitan does not build, an unsupported precision, an
+            ``expert_model_parallel_size`` the model cannot take, or ``moe`` router replay / losses.
     """
 
     SUPPORTS_TENSOR_PARALLEL = True  # torchtitan's TP plan on the (dp, tp) mesh, FSDP2 over dp
