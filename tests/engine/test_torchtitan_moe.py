@@ -4,8 +4,8 @@ One 2-rank spawn: at dp=2 torchtitan's MoE layer (router, all-to-all token dispa
 replicated experts (ep=1) and with the experts split over the two ranks (ep=2, tokens exchanged by
 ``all_to_all_single`` on gloo) each take one training step; loss, grad norm, log-probs and every updated
 weight equal fsdp2's step on the transformers model (the same routing: no expert bias, no capacity, no
-auxiliary loss) within 1e-5 relative; the HF export at ep=2 (transformers 5's fused expert tensors) is
-bit-exact. The refusals need no process group.
+auxiliary loss) within 1e-5 relative; a checkpoint at ep=2 resumes to a bitwise equal next step; the HF
+export at ep=2 (transformers 5's fused expert tensors) is bit-exact. The refusals need no process group.
 """
 
 from __future__ import annotations
@@ -44,12 +44,23 @@ def _rank(path: str, batch, tmp: str) -> dict[str, Any]:
     local = ep2_engine.module.layers["0"].moe.routed_experts.inner_experts.w1_EFD
     export = ep2_engine.save_hf(Path(tmp) / "export")  # the loaded weights, before the step
     ep2 = _step(ep2_engine, shard)
+    # checkpoint at ep=2: save after step 1; step 2 continued equals step 2 of a fresh engine loaded from it
+    other = batch[(1 - rank) * 4:(2 - rank) * 4]
+    ep2_engine.save_checkpoint(str(Path(tmp) / "ckpt"), global_step=1)
+    cont = _step(ep2_engine, other)
+    resumed_engine = _engine("torchtitan", path, expert_model_parallel_size=2)
+    resumed_step = resumed_engine.load_checkpoint(str(Path(tmp) / "ckpt"))["global_step"]
+    resumed = _step(resumed_engine, other)
     exported = load_causal_lm(export).state_dict()
     original = load_causal_lm(path).state_dict()
     return {"ep1_vs_fsdp2": _compare(ep1, reference), "ep2_vs_ep1": _compare(ep2, ep1),
             "ep2_vs_fsdp2": _compare(ep2, reference), "local_experts": int(local.to_local().shape[0]),
             "export_keys_equal": exported.keys() == original.keys(),
-            "export_exact": all(torch.equal(exported[k], original[k]) for k in original)}
+            "export_exact": all(torch.equal(exported[k], original[k]) for k in original),
+            "resume_step": resumed_step,
+            "resume_exact": (cont["loss"] == resumed["loss"] and cont["grad_norm"] == resumed["grad_norm"]
+                             and all(torch.equal(v, resumed["params"][k])
+                                     for k, v in cont["params"].items()))}
 
 
 def test_qwen3_moe_ep2_equals_ep1_equals_fsdp2(moe_path: str, tmp_path: Path) -> None:
@@ -59,6 +70,7 @@ def test_qwen3_moe_ep2_equals_ep1_equals_fsdp2(moe_path: str, tmp_path: Path) ->
             assert all(v < TOL for v in report[pair].values()), (pair, report[pair])
         assert report["local_experts"] == 2  # 4 experts split over ep=2
         assert report["export_keys_equal"] and report["export_exact"]
+        assert report["resume_step"] == 1 and report["resume_exact"]
 
 
 def test_expert_parallel_refusals(moe_path: str, tmp_path: Path) -> None:
