@@ -87,13 +87,18 @@ def _rank(path: str, batch, tmp: str) -> dict[str, Any]:
     resumed_engine = _engine("megatron", path, expert_model_parallel_size=2)
     resumed_step = resumed_engine.load_checkpoint(str(Path(tmp) / "ckpt"))["global_step"]
     resumed = _step(resumed_engine, other)
+    try:  # each rank's file holds its experts: another EP size is refused
+        _engine("megatron", path).load_checkpoint(str(Path(tmp) / "ckpt"))
+        other_ep_refused = ""
+    except ValueError as error:
+        other_ep_refused = str(error)
     exported = load_causal_lm(export).state_dict()
     original = load_causal_lm(path).state_dict()
     return {"ep1_vs_fsdp2": _compare(ep1, reference), "ep2_vs_ep1": _compare(ep2, ep1),
             "ep2_vs_fsdp2": _compare(ep2, reference), "local_experts": local_experts,
             "export_keys_equal": exported.keys() == original.keys(),
             "export_exact": all(torch.equal(exported[k], original[k]) for k in original),
-            "resume_step": resumed_step,
+            "resume_step": resumed_step, "other_ep_refused": other_ep_refused,
             "resume_exact": (cont["loss"] == resumed["loss"] and cont["grad_norm"] == resumed["grad_norm"]
                              and all(torch.equal(v, resumed["params"][k])
                                      for k, v in cont["params"].items()))}
@@ -107,6 +112,7 @@ def test_qwen3_moe_ep2_equals_ep1_equals_fsdp2(moe_path: str, tmp_path: Path) ->
         assert report["local_experts"] == 2  # 4 experts split over ep=2
         assert report["export_keys_equal"] and report["export_exact"]
         assert report["resume_step"] == 1 and report["resume_exact"]
+        assert "'expert_model_parallel_size': 2}, this run has" in report["other_ep_refused"]
 
 
 def test_expert_parallel_refusals(moe_path: str, tmp_path: Path) -> None:
