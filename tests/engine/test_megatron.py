@@ -232,7 +232,8 @@ def test_refuses_other_architectures_and_settings(qwen2_path):
     for arch in SUPPORTED_ARCHITECTURES:
         check_hf_config(AutoConfig.for_model(arch, num_attention_heads=4, num_key_value_heads=2,
                                              intermediate_size=64, hidden_size=32), 2, "cpu")
-    with pytest.raises(ValueError, match=r"builds \('llama', 'qwen2'\) models, got model_type='gpt2'"):
+    with pytest.raises(ValueError,
+                       match=r"builds \('llama', 'qwen2', 'qwen3_moe'\) models, got model_type='gpt2'"):
         check_hf_config(AutoConfig.for_model("gpt2"), 1, "cpu")
     with pytest.raises(ValueError, match=r"num_key_value_heads=2 .*parallel_size=4; .*\[1, 2\]"):
         check_hf_config(config, 4, "cpu")

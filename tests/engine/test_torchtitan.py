@@ -132,5 +132,6 @@ def test_refusals_at_construction(qwen3_path: str, overrides: dict, kwargs: dict
 
 def test_refuses_a_model_type_torchtitan_does_not_build(tmp_path: Path) -> None:
     path = make_tiny_model(tmp_path / "qwen2", arch="qwen2", hidden_size=32, num_hidden_layers=1)
-    with pytest.raises(ValueError, match=r"model_type in \('llama', 'qwen3'\), got model_type='qwen2'"):
+    with pytest.raises(ValueError,
+                       match=r"model_type in \('llama', 'qwen3', 'qwen3_moe'\), got model_type='qwen2'"):
         EngineRegistry.new("language_model", "torchtitan", EngineConfig(model_path=path), OPTIM)

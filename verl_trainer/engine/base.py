@@ -149,6 +149,8 @@ class BaseEngine(ABC):
     """Whether the backend applies ``tensor_model_parallel_size > 1`` (else refused at construction)."""
     SUPPORTS_PIPELINE_PARALLEL: ClassVar[bool] = False
     """Whether the backend applies ``pipeline_model_parallel_size > 1`` (else refused at construction)."""
+    SUPPORTS_EXPERT_PARALLEL: ClassVar[bool] = False
+    """Whether the backend applies ``expert_model_parallel_size > 1`` (else refused at construction)."""
     RESHARDABLE_CHECKPOINTS: ClassVar[bool] = False
     """Whether a checkpoint it wrote loads at another world size (DCP reshards; per-rank partitions do not).
     A resume at another world size is refused otherwise (``training/resume_check.py``)."""
@@ -188,6 +190,13 @@ class BaseEngine(ABC):
                 f"pipeline_model_parallel_size={pp} is not supported by the "
                 f"{backend or type(self).__name__!r} backend; use strategy='fsdp2' or set "
                 f"pipeline_model_parallel_size=1"
+            )
+        ep = self.config.expert_model_parallel_size
+        if ep > 1 and not self.SUPPORTS_EXPERT_PARALLEL:
+            raise ValueError(
+                f"expert_model_parallel_size={ep} is not supported by the {backend or type(self).__name__!r} "
+                f"backend (its experts are replicated over dp); use strategy='torchtitan' or 'megatron' for "
+                f"expert parallelism, or set expert_model_parallel_size=1"
             )
         self.device: torch.device = get_torch_device()
         self.module: torch.nn.Module | None = None

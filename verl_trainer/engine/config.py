@@ -190,6 +190,10 @@ class EngineConfig(_Validated):
             with ``dp = world_size // pp``; the decoder layers are split into ``pp`` contiguous stages
             run by a ``torch.distributed.pipelining`` schedule (``engine/pipeline.py``), FSDP shards
             each stage over ``dp``. Not combinable with sp, tp, LoRA, offload or gradient checkpointing.
+        expert_model_parallel_size: EP degree (Megatron's name; the library backends only, for a
+            mixture-of-experts model): each MoE layer's experts are split over ``ep`` ranks of the
+            data-parallel group, tokens reach their experts by all-to-all; dp is unchanged
+            (docs/torchtitan.md, docs/megatron.md).
         param_offload: Keep parameters (and their gradients) on CPU between phases; the mode
             contexts load them onto the device on enter and offload them again on exit.
         optimizer_offload: Keep optimizer state on CPU between train phases.
@@ -227,6 +231,7 @@ class EngineConfig(_Validated):
     ulysses_sequence_parallel_size: int = 1
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
     param_offload: bool = False
     optimizer_offload: bool = False
     param_dtype: str = "float32"
@@ -297,6 +302,11 @@ class EngineConfig(_Validated):
         _check(
             isinstance(pp, int) and pp >= 1,
             f"EngineConfig.pipeline_model_parallel_size must be an int >= 1 (1 = off), got {pp!r}",
+        )
+        ep = self.expert_model_parallel_size
+        _check(
+            isinstance(ep, int) and not isinstance(ep, bool) and ep >= 1,
+            f"EngineConfig.expert_model_parallel_size must be an int >= 1 (1 = off), got {ep!r}",
         )
         check_parallel_sizes(self.ulysses_sequence_parallel_size, tp, pp)
         if pp > 1:

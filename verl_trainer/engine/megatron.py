@@ -34,10 +34,11 @@ from transformers import AutoConfig
 from verl_trainer.engine.base import BaseEngine
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.heads import VocabSlice
+from verl_trainer.engine.library_moe import check_moe_options
 from verl_trainer.engine.megatron_bridge import hf_tensors, load_hf_weights, make_bridge
 from verl_trainer.engine.megatron_checkpoint import MegatronCheckpointMixin
 from verl_trainer.engine.megatron_cpu import prepare_device
-from verl_trainer.engine.megatron_forward import LogitsOutput, packed_logits
+from verl_trainer.engine.megatron_forward import LogitsOutput, common_shape, packed_logits
 from verl_trainer.engine.megatron_grads import attach_main_grads, global_grad_norm
 from verl_trainer.engine.megatron_model import (
     MegatronGroups,
@@ -46,6 +47,7 @@ from verl_trainer.engine.megatron_model import (
     megatron_groups,
     padded_vocab_size,
 )
+from verl_trainer.engine.megatron_moe import check_expert_parallel
 from verl_trainer.engine.megatron_refusals import check_megatron_request
 from verl_trainer.engine.offload import move_optimizer_state
 from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler
@@ -76,12 +78,16 @@ class MegatronEngine(OptimizerMixin, MegatronCheckpointMixin, BaseEngine):
     """
 
     SUPPORTS_TENSOR_PARALLEL = True
+    SUPPORTS_EXPERT_PARALLEL = True  # Megatron's EP group inside dp (Qwen3-MoE; engine/megatron_moe.py)
     CPU_FLOAT16_REFUSAL = "the megatron engine has no float16 loss scaling on Megatron's gradient buffers"
 
     def __init__(self, config: EngineConfig, optim_config: OptimConfig | None = None, *,
                  backend: str = "megatron", **kwargs: Any) -> None:
         super().__init__(config, optim_config, backend=backend, **kwargs)
         check_megatron_request(self.config, self.model_type.name, self.model_factory, self.device.type)
+        check_moe_options(self.config, "megatron")
+        if self.config.expert_model_parallel_size > 1:  # before any model loads
+            check_expert_parallel(self.config, AutoConfig.from_pretrained(self.config.model_path), None)
         self.gpt_model: torch.nn.Module | None = None
         self.ddp: DistributedDataParallel | None = None
         self.groups: MegatronGroups | None = None
@@ -111,7 +117,8 @@ class MegatronEngine(OptimizerMixin, MegatronCheckpointMixin, BaseEngine):
         topo = self.topology = engine_topology(self.topology, self.config, self.device.type)
         hf_config = AutoConfig.from_pretrained(self.config.model_path)
         check_hf_config(hf_config, topo.tp_size, self.device.type)  # before any weight is read
-        groups = self.groups = megatron_groups(topo)
+        check_expert_parallel(self.config, hf_config, topo.dp_size)
+        groups = self.groups = megatron_groups(topo, self.config.expert_model_parallel_size)
         prepare_device(self.device.type, self.config.seed, groups.tp_rank)
         dtype = to_dtype(self.config.model_dtype)
         self.bridge = make_bridge(hf_config, groups, dtype, self.device.type,
@@ -159,7 +166,12 @@ class MegatronEngine(OptimizerMixin, MegatronCheckpointMixin, BaseEngine):
     # ------------------------------------------------------------------------------------- compute
     def _forward_packed(self, packed: Any) -> LogitsOutput:
         """``GPTModel`` (through DDP when training) on the packed micro-batch's samples as padded rows."""
-        return packed_logits(self.module, packed, self._vocab_rows)
+        groups = self.groups
+        assert groups is not None
+        pad_to = None
+        if groups.ep_size > 1 and self.device.type == "cpu":  # the all-gather dispatcher: equal blocks
+            pad_to = common_shape(packed, groups.collection.ep)
+        return packed_logits(self.module, packed, self._vocab_rows, pad_to)
 
     def _grad_sync_context(self, is_last: bool) -> contextlib.AbstractContextManager:
         """Megatron DDP's ``no_sync`` on all but the last micro-batch (the sync is ``finish_grad_sync``)."""
@@ -192,7 +204,7 @@ class MegatronEngine(OptimizerMixin, MegatronCheckpointMixin, BaseEngine):
         assert self.gpt_model is not None and self.groups is not None
         groups = self.groups
         return global_grad_norm(self.gpt_model.parameters(), max_norm, groups.tp_group, groups.tp_rank,
-                                groups.tp_size)
+                                groups.tp_size, ep_group=groups.collection.ep if groups.ep_size > 1 else None)
 
     # ------------------------------------------------------------------------------- weight export
     def named_full_tensors(

@@ -6,11 +6,12 @@ torch optimizer's state; the layout is the shared one of ``engine/checkpoint.py`
 
     path/megatron/rank_{r}.pt       {"model": {megatron name: tensor}, "optimizer": optimizer.state_dict()}
     path/extra_state_rank{r}.pt     lr scheduler, RNG states, global_step
-    path/meta.json                  global_step, world_size, backend, model_type, tensor_model_parallel_size
+    path/meta.json                  global_step, world_size, backend, model_type, tensor_model_parallel_size,
+                                    expert_model_parallel_size
     path/huggingface/               the model's HF config, tokenizer and generation config
 
 Every file holds only tensors and plain data and is read with ``torch.load(weights_only=True)``
-(``utils/safe_load.py``). A checkpoint loads only at the world size and TP size it was written with
+(``utils/safe_load.py``). A checkpoint loads only at the world, TP and EP size it was written with
 (``RESHARDABLE_CHECKPOINTS = False``: the resume check refuses another world size early).
 """
 
@@ -78,6 +79,7 @@ class MegatronCheckpointMixin:
                 "model_type": self.MODEL_TYPE,
                 "model_path": self.config.model_path,
                 "tensor_model_parallel_size": self.topology.tp_size,
+                "expert_model_parallel_size": self.config.expert_model_parallel_size,
             }
             write_meta(tmp, meta, self.model_config, self.config.model_path)
 
@@ -94,13 +96,14 @@ class MegatronCheckpointMixin:
         assert self.gpt_model is not None
         directory = resolve_checkpoint_dir(path)
         meta = json.loads((directory / META_FILE).read_text()) if (directory / META_FILE).exists() else {}
-        layout = {"world_size": get_world_size(), "tensor_model_parallel_size": self.topology.tp_size}
+        layout = {"world_size": get_world_size(), "tensor_model_parallel_size": self.topology.tp_size,
+                  "expert_model_parallel_size": self.config.expert_model_parallel_size}  # a rank: its experts
         saved = {key: meta.get(key, value) for key, value in layout.items()}
         if saved != layout:
             raise ValueError(
                 f"checkpoint {str(directory)!r} was written by the megatron engine at {saved}, this run has "
-                f"{layout}; its per-rank files load only in the same layout: resume with that world size and "
-                f"tensor_model_parallel_size"
+                f"{layout}; its per-rank files load only in the same layout: resume with that world size, "
+                f"tensor_model_parallel_size and expert_model_parallel_size"
             )
         state = safe_torch_load(self._rank_file(directory))
         self._load_model(state["model"], directory)

@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from verl_trainer.data.packing import PackedBatch, unpack_to_padded
 from verl_trainer.engine.heads import head_positions
 
-__all__ = ["LogitsOutput", "packed_logits"]
+__all__ = ["LogitsOutput", "common_shape", "packed_logits"]
 
 
 @dataclass
@@ -37,7 +38,19 @@ def _row_index(packed: PackedBatch, width: int) -> torch.Tensor:
     return sample * width + offset
 
 
-def packed_logits(model: torch.nn.Module, packed: PackedBatch, vocab_rows: int) -> LogitsOutput:
+def common_shape(packed: PackedBatch, group: dist.ProcessGroup) -> tuple[int, int]:
+    """``(rows, width)``: the largest ``[b, s]`` of this micro-batch over ``group`` (a collective).
+
+    Megatron's all-gather MoE token dispatcher gathers equal-sized token blocks from every EP rank, so under
+    EP on CPU each rank's rows are padded to the EP group's largest shape.
+    """
+    shape = torch.tensor([int(packed.seq_lens.numel()), int(packed.max_seqlen)], dtype=torch.int64)
+    dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
+    return int(shape[0]), int(shape[1])
+
+
+def packed_logits(model: torch.nn.Module, packed: PackedBatch, vocab_rows: int,
+                  pad_to: tuple[int, int] | None = None) -> LogitsOutput:
     """Run ``model`` (``GPTModel`` or its DDP wrapper) on ``packed``'s samples as right-padded rows.
 
     Args:
@@ -45,13 +58,16 @@ def packed_logits(model: torch.nn.Module, packed: PackedBatch, vocab_rows: int) 
             returning logits ``[b, s, V_local]``.
         packed: The packed micro-batch.
         vocab_rows: Real token ids in this rank's vocabulary slice (the columns kept).
+        pad_to: At least this many ``(rows, width)`` (more padding rows / columns, outputs unused).
 
     Returns:
         ``logits [1, K, vocab_rows]`` at :func:`head_positions` (``K = N`` when every output is used).
     """
-    width = int(packed.max_seqlen)
+    width = max(int(packed.max_seqlen), pad_to[1] if pad_to else 0)
     device = packed.input_ids.device
     ids = unpack_to_padded(packed.input_ids, packed.cu_seqlens, width, pad_value=0)
+    if pad_to is not None and pad_to[0] > ids.shape[0]:
+        ids = torch.cat([ids, ids.new_zeros(pad_to[0] - ids.shape[0], width)])
     positions = torch.arange(width, device=device).expand(ids.shape[0], -1)
     causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1)[None, None]
     logits = model(ids, positions, causal)

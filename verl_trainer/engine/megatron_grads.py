@@ -36,19 +36,30 @@ def _counted_once(param: torch.nn.Parameter, tp_rank: int) -> bool:
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float | None,
-                     tp_group: dist.ProcessGroup, tp_rank: int, tp_size: int) -> torch.Tensor:
+                     tp_group: dist.ProcessGroup, tp_rank: int, tp_size: int,
+                     ep_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """L2 norm of all gradients over the (dp, tp) layout; clips every gradient to ``max_norm`` when given.
 
-    A TP collective. Gradients must already be synchronised over dp.
+    A TP collective (and an EP collective with ``ep_group``: the expert weights, Megatron's
+    ``allreduce=False`` parameters, differ over it and their squares are summed there). Gradients must
+    already be synchronised over dp.
 
     Returns:
         A float32 scalar, the same on every rank (``nan`` / ``inf`` when a gradient is not finite).
     """
     with_grad = [p for p in params if p.grad is not None]
-    counted = [p.grad for p in with_grad if _counted_once(p, tp_rank)]
+    counted = [p.grad for p in with_grad if _counted_once(p, tp_rank)
+               and (ep_group is None or getattr(p, "allreduce", True))]
     local = torch.nn.utils.get_total_norm(counted, 2.0, error_if_nonfinite=False, foreach=True) if counted \
         else torch.zeros(())
     squared = local.double().cpu() ** 2
+    if ep_group is not None:  # the EP ranks hold different experts: their squares add up
+        experts = [p.grad for p in with_grad if not getattr(p, "allreduce", True)]
+        expert_sq = (torch.nn.utils.get_total_norm(experts, 2.0, error_if_nonfinite=False, foreach=True)
+                     .double() ** 2) if experts else torch.zeros((), dtype=torch.float64)
+        expert_sq = expert_sq.to(with_grad[0].grad.device) if with_grad else expert_sq
+        dist.all_reduce(expert_sq, group=ep_group)
+        squared = squared + expert_sq.cpu()
     if tp_size > 1:
         device_sq = squared.to(with_grad[0].grad.device) if with_grad else squared
         dist.all_reduce(device_sq, group=tp_group)

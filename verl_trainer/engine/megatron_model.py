@@ -30,10 +30,11 @@ if TYPE_CHECKING:
 __all__ = ["SUPPORTED_ARCHITECTURES", "MegatronGroups", "build_gpt_model", "check_hf_config",
            "megatron_groups", "padded_vocab_size", "rope_theta", "uses_transformer_engine"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-"""HF ``model_type`` values the engine builds (dense decoders with RMSNorm, SwiGLU and RoPE)."""
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3_moe")
+"""HF ``model_type`` values the engine builds (decoders with RMSNorm, SwiGLU and RoPE; Qwen3-MoE's MoE
+layers are Megatron's ``MoELayer``: ``engine/megatron_moe.py``)."""
 
-_SINGLETONS: dict[int, tuple[Any, dist.ProcessGroup]] = {}  # id(WORLD) -> (WORLD, this rank's 1-rank group)
+_SINGLETONS: dict[int, tuple[Any, Any]] = {}  # id(WORLD) -> (WORLD, 1-rank group); -ep -> (WORLD, groups)
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,14 @@ class MegatronGroups:
         tp_group: The tensor-parallel group (one rank without TP).
         tp_rank: This rank's place in it.
         tp_size: Its size.
+        ep_size: Expert-parallel size (``collection.ep`` has this many ranks; 1 = experts replicated).
     """
 
     collection: ProcessGroupCollection
     tp_group: dist.ProcessGroup
     tp_rank: int
     tp_size: int
+    ep_size: int = 1
 
 
 def _alive(group: dist.ProcessGroup) -> bool:
@@ -72,20 +75,42 @@ def _single_rank_group() -> dist.ProcessGroup:
     return cached[1]
 
 
-def megatron_groups(topology: Topology) -> MegatronGroups:
+def _expert_groups(ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's EP group (``ep`` adjacent ranks) and expert-data-parallel group (the ranks of its EP rank).
+
+    Created once per ``ep`` while the process group lives (every rank creates all of them together);
+    without TP only (``megatron_moe.check_expert_parallel``).
+    """
+    world = dist.group.WORLD
+    cached = _SINGLETONS.get(-ep)  # beside _single_rank_group's entry
+    if cached is None or cached[0] is not world or not _alive(cached[1][0]):
+        size = dist.get_world_size()
+        ep_group, _ = dist.new_subgroups_by_enumeration(
+            [list(range(start, start + ep)) for start in range(0, size, ep)])
+        expt_dp, _ = dist.new_subgroups_by_enumeration(
+            [list(range(offset, size, ep)) for offset in range(ep)])
+        _SINGLETONS[-ep] = cached = (world, (ep_group, expt_dp))
+    return cached[1]
+
+
+def megatron_groups(topology: Topology, ep: int = 1) -> MegatronGroups:
     """The ``ProcessGroupCollection`` of ``topology`` (a collective the first time in a process group).
 
     TP ranks are adjacent (``rank = dp_rank * tp + tp_rank``), as Megatron's own default order places them.
+    ``ep > 1`` (no TP): EP groups of ``ep`` adjacent dp ranks; the experts' data-parallel group holds the
+    ranks with the same experts.
     """
     single = _single_rank_group()
     tp_group = topology.tp_mesh.get_group() if topology.tp_mesh is not None else single
     dp_group = topology.dp_group if topology.dp_group is not None else single
+    ep_group, expt_dp = _expert_groups(ep) if ep > 1 else (single, dp_group)
+    tp_ep = ep_group if ep > 1 else tp_group
     collection = ProcessGroupCollection(
         tp=tp_group, pp=single, mp=tp_group, cp=single, tp_cp=tp_group, embd=None, pos_embd=None,
-        ep=single, expt_tp=single, tp_ep=tp_group, tp_ep_pp=tp_group, dp=dp_group, dp_cp=dp_group,
-        expt_dp=dp_group, intra_dp_cp=dp_group, intra_expt_dp=dp_group, tp_dp_cp=dist.group.WORLD,
+        ep=ep_group, expt_tp=single, tp_ep=tp_ep, tp_ep_pp=tp_ep, dp=dp_group, dp_cp=dp_group,
+        expt_dp=expt_dp, intra_expt_dp=expt_dp, intra_dp_cp=dp_group, tp_dp_cp=dist.group.WORLD,
     )
-    return MegatronGroups(collection, tp_group, topology.tp_rank, topology.tp_size)
+    return MegatronGroups(collection, tp_group, topology.tp_rank, topology.tp_size, ep)
 
 
 def uses_transformer_engine(device_type: str) -> bool:
@@ -143,6 +168,11 @@ def check_hf_config(hf_config: PretrainedConfig, tp: int, device_type: str) -> N
             f"dropout; this model has dropout {dropout}: set attention_dropout=0 in its config.json, or run "
             f"on CUDA"
         )
+    sparse_step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    if getattr(hf_config, "mlp_only_layers", None) or sparse_step != 1:
+        raise ValueError(f"the megatron engine builds {arch} with every layer a MoE layer; this model has "
+                         f"mlp_only_layers={hf_config.mlp_only_layers} / decoder_sparse_step="
+                         f"{hf_config.decoder_sparse_step}; use strategy='fsdp2' for it")
     heads, groups = int(hf_config.num_attention_heads), int(hf_config.num_key_value_heads)
     for name, size in (("num_attention_heads", heads), ("num_key_value_heads", groups),
                        ("intermediate_size", int(hf_config.intermediate_size))):
@@ -203,7 +233,8 @@ def build_gpt_model(bridge: Any, hf_config: PretrainedConfig, groups: MegatronGr
 
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                        qk_layernorm=config.qk_layernorm, normalization=config.normalization)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     with torch.device(device):
         model = GPTModel(

@@ -1,11 +1,12 @@
-"""The ``torchtitan`` engine: torchtitan's own Llama 3 / Qwen3, parallelised by torchtitan, in the engine.
+"""The ``torchtitan`` engine: torchtitan's own Llama 3 / Qwen3 / Qwen3-MoE, parallelised by torchtitan.
 
 :class:`TorchTitanEngine` is one backend class (``BaseEngine``'s recipe) with the torch-optimizer step and
 DCP checkpoints. The model is torchtitan's (``engine/torchtitan_model.py``: built from the checkpoint's HF
 config, the HF weights converted by torchtitan's state-dict adapter), sharded by torchtitan's parallelize
-function (FSDP2 over dp, TP over ``tensor_model_parallel_size``: ``engine/torchtitan_parallel.py``); on CPU
-the gaps of ``engine/torchtitan_cpu.py`` are filled. Global-denominator losses, micro-batching, balancing,
-the optimizer step and the weight stream are ``BaseEngine``'s, as for every backend.
+function (FSDP2 over dp, TP over ``tensor_model_parallel_size``, EP of a MoE model's experts over
+``expert_model_parallel_size`` dp ranks: ``engine/torchtitan_parallel.py``, ``engine/torchtitan_moe.py``);
+on CPU the gaps of ``engine/torchtitan_cpu.py`` are filled. Global-denominator losses, micro-batching,
+balancing, the optimizer step and the weight stream are ``BaseEngine``'s, as for every backend.
 
 The forward: each packed micro-batch is laid out as right-padded rows (one sample per row, positions from 0)
 for torchtitan's model, whose LM head is skipped (its ``_skip_lm_head``, as torchtitan's chunked loss does);
@@ -13,7 +14,8 @@ the hidden states of the real tokens are packed back and the LM head runs only a
 outputs are used (``engine/heads.py: head_positions``). Under TP the head's output is this TP rank's
 vocabulary slice and the log-probs are reduced from the slices (``engine/vocab_parallel.py``).
 
-Refused at construction, with the reason: a value model, LoRA, Ulysses SP and pipeline parallelism (see
+Refused at construction, with the reason: a value model, LoRA, Ulysses SP, pipeline parallelism, an EP size
+the model / layout cannot take, and the HF engines' router replay / router losses (see
 ``docs/torchtitan.md``).
 """
 
@@ -34,6 +36,7 @@ from verl_trainer.engine.base import BaseEngine
 from verl_trainer.engine.checkpoint import DCPCheckpointMixin
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.engine.heads import VocabSlice, head_positions
+from verl_trainer.engine.library_moe import check_moe_options
 from verl_trainer.engine.offload import move_grads, move_module, move_optimizer_state
 from verl_trainer.engine.optim import OptimizerMixin, build_lr_scheduler
 from verl_trainer.engine.optimizers import build_optimizer
@@ -42,6 +45,7 @@ from verl_trainer.engine.tensor_parallel import vocab_slice_start
 from verl_trainer.engine.topology import engine_topology
 from verl_trainer.engine.torchtitan_cpu import inner_attention_config, uses_attention_masks
 from verl_trainer.engine.torchtitan_model import check_hf_config, hf_names, titan_model_spec
+from verl_trainer.engine.torchtitan_moe import FusedExpertNames, check_expert_parallel, split_fused_experts
 from verl_trainer.engine.torchtitan_parallel import (
     parallelism_config,
     parallelize,
@@ -60,7 +64,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 @EngineRegistry.register(model_type=list(MODEL_TYPES), backend="torchtitan", device=["cpu", "cuda"])
 class TorchTitanEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
-    """torchtitan engine for a language model (Llama 3, Qwen3).
+    """torchtitan engine for a language model (Llama 3, Qwen3, Qwen3-MoE).
 
     Args:
         config: Engine config.
@@ -72,10 +76,12 @@ class TorchTitanEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
 
     Raises:
         ValueError: At construction, for a value model, LoRA, Ulysses SP, pipeline parallelism, a
-            checkpoint whose model type torchtitan does not build, or an unsupported precision.
+            checkpoint whose model type torchtitan does not build, an unsupported precision, an
+            ``expert_model_parallel_size`` the model cannot take, or ``moe`` router replay / losses.
     """
 
     SUPPORTS_TENSOR_PARALLEL = True  # torchtitan's TP plan on the (dp, tp) mesh, FSDP2 over dp
+    SUPPORTS_EXPERT_PARALLEL = True  # torchtitan's EP mesh inside dp (Qwen3 MoE)
 
     def __init__(self, config: EngineConfig, optim_config: OptimConfig | None = None, *,
                  backend: str = "torchtitan", **kwargs: Any) -> None:
@@ -100,13 +106,16 @@ class TorchTitanEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
                 f"use {OTHER_BACKENDS}, or set ulysses_sequence_parallel_size=1"
             )
         training_config(cfg)  # precision checks, before any model loads
+        check_moe_options(cfg, "torchtitan")
         if self.model_factory is None:
             if not cfg.model_path:
                 raise ValueError("strategy='torchtitan' needs EngineConfig.model_path (an HF checkpoint "
                                  "directory of a Llama or Qwen3 model) or a model_factory")
             from transformers import AutoConfig
 
-            check_hf_config(AutoConfig.from_pretrained(cfg.model_path))
+            hf_config = AutoConfig.from_pretrained(cfg.model_path)
+            check_hf_config(hf_config)
+            check_expert_parallel(hf_config, cfg, None)
         self.adapter: Any = None
         self._hf_names: dict[str, str] = {}
 
@@ -126,12 +135,14 @@ class TorchTitanEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
         topo = self.topology = engine_topology(self.topology, self.config, self.device.type)
         hf_model = self._load_hf_model()
         self.model_config = hf_model.config
-        spec = titan_model_spec(hf_model.config, inner_attention_config(self.device.type))
+        check_expert_parallel(hf_model.config, self.config, topo.world_size)
+        spec = titan_model_spec(hf_model.config, inner_attention_config(self.device.type), self.device.type)
         prepare_model_config(spec.config, parallelism_config(self.config))
         with torch.random.fork_rng(devices=[]):  # its initialisers draw; the weights are the checkpoint's
             model = spec.config.build()
             model.init_states(buffer_device=torch.device("cpu"))
-        model.load_state_dict(spec.adapter.from_hf(dict(hf_model.state_dict())), strict=True)
+        hf_state = split_fused_experts(dict(hf_model.state_dict()))  # MoE: one tensor per expert
+        model.load_state_dict(spec.adapter.from_hf(hf_state), strict=True)
         dtype = to_dtype(self.config.model_dtype)
         for param in model.parameters():
             param.data = param.data.to(dtype)
@@ -235,10 +246,14 @@ class TorchTitanEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
         offloaded = self.config.param_offload and self.mode is None
         if offloaded:
             self.to(self.device, model=True, optimizer=False, grad=False)
+        experts = FusedExpertNames()
         try:
             for name, value in get_model_state_dict(self.module).items():
                 hf_name = self._hf_names.get(name)
                 if hf_name is None or (keep is not None and not keep(hf_name)):
+                    continue
+                if FusedExpertNames.hf_name(name) is not None:  # MoE: transformers 5's fused experts
+                    yield from experts.add(name, _full(value).detach())
                     continue
                 ((hf_name, tensor),) = self.adapter.to_hf({name: _full(value).detach()}).items()
                 yield hf_name, tensor

@@ -27,8 +27,15 @@ from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3
 from torchtitan.models.qwen3.model import Qwen3TransformerBlock
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
-"""HF ``config.model_type`` values the torchtitan backend builds (torchtitan's dense Llama 3 and Qwen3)."""
+from verl_trainer.engine.torchtitan_moe import (
+    FusedExpertNames,
+    check_moe_config,
+    is_moe_layer,
+    moe_layer_config,
+)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
+"""HF ``config.model_type`` values the torchtitan backend builds (torchtitan's Llama 3, Qwen3, Qwen3 MoE)."""
 
 _ZERO_INIT = {"weight": torch.nn.init.zeros_, "bias": torch.nn.init.zeros_}
 _ONE_INIT = {"weight": torch.nn.init.ones_}
@@ -79,6 +86,8 @@ def check_hf_config(hf_config: Any) -> None:
             f"SwiGLU ('silu'); use strategy='fsdp2' for this checkpoint"
         )
     _rope_parameters(hf_config)  # raises on an unsupported scaling
+    if model_type == "qwen3_moe":
+        check_moe_config(hf_config)
 
 
 def _rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -105,7 +114,7 @@ def _rope_config(hf_config: Any, head_dim: int) -> RoPE.Config:
     params = _rope_parameters(hf_config)
     common = {"dim": head_dim, "max_seq_len": int(hf_config.max_position_embeddings),
               "theta": float(params["rope_theta"])}
-    if hf_config.model_type == "qwen3":  # rotate-half layout, as HF's weights are
+    if hf_config.model_type != "llama":  # Qwen3 (MoE): rotate-half layout, as HF's weights are
         return CosSinRoPE.Config(**common)
     if params["rope_type"] == "llama3":
         return ComplexRoPE.Config(
@@ -121,13 +130,14 @@ def _norm(dim: int, eps: float) -> RMSNorm.Config:
     return RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=_ONE_INIT)
 
 
-def titan_model_spec(hf_config: Any, inner_attention: Any) -> TitanModelSpec:
+def titan_model_spec(hf_config: Any, inner_attention: Any, device_type: str = "cpu") -> TitanModelSpec:
     """Torchtitan's model config, parallelize function and HF adapter for ``hf_config``.
 
     Args:
         hf_config: A transformers config of a supported model type (:func:`check_hf_config`).
         inner_attention: The attention kernel's config every layer uses (``engine/torchtitan_cpu.py:
             inner_attention_config``).
+        device_type: ``"cpu"`` or ``"cuda"``: the MoE experts' kernel (``engine/torchtitan_moe.py``).
 
     Raises:
         ValueError: For an unsupported config (see :func:`check_hf_config`).
@@ -138,7 +148,8 @@ def titan_model_spec(hf_config: Any, inner_attention: Any) -> TitanModelSpec:
     n_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or n_heads)
     head_dim = int(getattr(hf_config, "head_dim", None) or dim // n_heads)
     eps = float(hf_config.rms_norm_eps)
-    qwen3 = hf_config.model_type == "qwen3"
+    qwen3 = hf_config.model_type in ("qwen3", "qwen3_moe")
+    moe = hf_config.model_type == "qwen3_moe"
     block_cls = Qwen3TransformerBlock if qwen3 else Llama3TransformerBlock
     layers = [
         block_cls.Config(
@@ -150,10 +161,13 @@ def titan_model_spec(hf_config: Any, inner_attention: Any) -> TitanModelSpec:
                 fuse_qkv=False, rope=_rope_config(hf_config, head_dim),
                 qk_norm=_norm(head_dim, eps) if qwen3 else None,
             ),
-            feed_forward=make_ffn_config(dim=dim, hidden_dim=int(hf_config.intermediate_size),
-                                         w1_param_init=_ZERO_INIT, w2w3_param_init=_ZERO_INIT),
+            feed_forward=None if moe and is_moe_layer(hf_config, layer) else make_ffn_config(
+                dim=dim, hidden_dim=int(hf_config.intermediate_size), w1_param_init=_ZERO_INIT,
+                w2w3_param_init=_ZERO_INIT),
+            moe=moe_layer_config(hf_config, device_type, _ZERO_INIT)
+            if moe and is_moe_layer(hf_config, layer) else None,
         )
-        for _ in range(int(hf_config.num_hidden_layers))
+        for layer in range(int(hf_config.num_hidden_layers))
     ]
     vocab = int(hf_config.vocab_size)
     model_cls = Qwen3Model if qwen3 else Llama3Model
@@ -174,10 +188,15 @@ def titan_model_spec(hf_config: Any, inner_attention: Any) -> TitanModelSpec:
 def hf_names(adapter: Any, shapes: dict[str, torch.Size]) -> dict[str, str]:
     """The HF name of every torchtitan parameter name in ``shapes`` (the adapter's ``to_hf`` on meta tensors).
 
-    A name the adapter drops (the tied ``lm_head.weight``) is left out.
+    A name the adapter drops (the tied ``lm_head.weight``) is left out; a grouped expert weight gets its
+    transformers 5 fused name (``engine/torchtitan_moe.py: FusedExpertNames``).
     """
     names: dict[str, str] = {}
     for name, shape in shapes.items():
+        fused = FusedExpertNames.hf_name(name)
+        if fused is not None:
+            names[name] = fused
+            continue
         converted = adapter.to_hf({name: torch.empty(shape, device="meta")})
         if converted:
             (hf_name,) = converted

@@ -23,6 +23,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import FullAC
 
 from verl_trainer.engine.config import EngineConfig
@@ -44,6 +45,7 @@ def parallelism_config(config: EngineConfig) -> ParallelismConfig:
     return ParallelismConfig(
         data_parallel_shard_degree=-1,
         tensor_parallel_degree=config.tensor_model_parallel_size,
+        expert_parallel_degree=config.expert_model_parallel_size,
         enable_sequence_parallel=False,
         spmd_backend="partial_dtensor",
         fsdp_reshard_after_forward="always" if config.reshard_after_forward else "never",
@@ -90,6 +92,9 @@ def parallelize(model: torch.nn.Module, parallelize_fn: Any, config: EngineConfi
         scratch_dir: torchtitan's ``dump_folder`` (read by its activation-checkpointing debug output).
     """
     parallelism = parallelism_config(config)
+    # what torchtitan's Trainer sets at start: the MoE token dispatcher reads it at run time (process-wide;
+    # every engine of this backend uses the same value)
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
     dims = ParallelDims.from_config(parallelism, world_size)
     with mesh_device_type(device_type):
         dims.build_mesh()
