@@ -1,9 +1,13 @@
-"""The one-step-off asynchronous rollout (``algorithm.rollout.max_staleness``).
+"""The asynchronous rollout (``algorithm.rollout.max_staleness``, ``async_rollout.py``).
 
 * ``max_staleness=0`` is the synchronous run: same code path (no background generation), same metrics
   and bitwise the same weights as a run whose config has no such key;
 * ``max_staleness=1``: step 1 equals the synchronous step 1; later steps train on responses sampled with
   the weights of the step before (checked against a fresh rollout holding those weights), staleness 1;
+* ``max_staleness=2`` at dp=1 and dp=2: staleness 0, 1, 2, 2; step 3 is sampled by the initial weights
+  (a fresh rollout gives the same tokens); the version fields tag every sample and response token; the
+  two dp sizes give the same tokens and weights to 2e-6; a failing rollout thread on dp rank 1 makes both
+  ranks raise, naming rank 1 (no hang); a run resumed mid-queue samples the same on every resume;
 * unsupported combinations are refused before any model loads;
 * (slow) at 2 gloo ranks the demo task's reward rises with ``max_staleness=1``.
 """
@@ -30,11 +34,12 @@ def assets(tmp_path_factory) -> Path:
     return base
 
 
-def _grpo_fit(model: str, data: str, root: str, *overrides: str, devices: int = 1) -> dict:
+def _grpo_fit(model: str, data: str, root: str, *overrides: str, devices: int = 1, steps: int = STEPS,
+              checkpoint_every: int | None = None, ckpt_path: str | None = None) -> dict:
     """A short GRPO fit; per step: the prompt batch, the rollout batch and the logged metrics."""
     from verl_trainer import Trainer
     from verl_trainer.algorithms import GRPO, PromptDataModule
-    from verl_trainer.callbacks import Callback
+    from verl_trainer.callbacks import Callback, ModelCheckpoint
     from verl_trainer.models.loading import load_tokenizer
 
     class Record(Callback):
@@ -55,11 +60,13 @@ def _grpo_fit(model: str, data: str, root: str, *overrides: str, devices: int = 
     cfg = short_grpo_config(model, data, f"algorithm.reward.name={Path(model).parent / 'reward.py'}:length",
                             *overrides)
     record = Record()
-    trainer = Trainer(devices=devices, max_steps=STEPS, logger=False, enable_checkpointing=False,
+    every = checkpoint_every
+    checkpoints = [ModelCheckpoint(every_n_train_steps=every, keep_last_k=None)] if every else []
+    trainer = Trainer(devices=devices, max_steps=steps, logger=False, enable_checkpointing=bool(checkpoints),
                       enable_progress_bar=False, default_root_dir=root, val_check_interval=None,
-                      callbacks=[record], seed=7)
+                      callbacks=[record, *checkpoints], seed=7)
     module = GRPO(cfg.algorithm)
-    trainer.fit(module, datamodule=PromptDataModule(cfg.data, load_tokenizer(model)))
+    trainer.fit(module, datamodule=PromptDataModule(cfg.data, load_tokenizer(model)), ckpt_path=ckpt_path)
     return {"record": record, "module": module, "config": cfg.algorithm,
             "params": {n: t.detach().clone() for n, t in module.actor.get_per_tensor_param()}}
 
@@ -72,7 +79,7 @@ def _staleness_zero_is_the_synchronous_run(assets: Path, tmp_path: Path) -> None
     args = (str(assets / "model"), str(assets / "data"))
     plain = _grpo_fit(*args, str(tmp_path / "plain"))
     zero = _grpo_fit(*args, str(tmp_path / "zero"), "algorithm.rollout.max_staleness=0")
-    assert zero["module"].one_step_off is None and plain["module"].one_step_off is None  # the same path
+    assert zero["module"].async_rollout is None and plain["module"].async_rollout is None  # the same path
     assert plain["config"] == zero["config"]
     assert all(m["actor/grad_norm"] > 0 for m in plain["record"].metrics)  # every step changes the weights
     for a, b in zip(plain["record"].metrics, zero["record"].metrics, strict=True):
@@ -93,7 +100,9 @@ def _staleness_one_samples_with_the_weights_of_the_step_before(assets: Path, tmp
     assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0]
     assert all(m["timing/idle_s"] <= m["timing/step_s"] for m in metrics)
     first_sync, first_one = _without_timing(sync["record"].metrics[0]), _without_timing(metrics[0])
-    first_one.pop("rollout/staleness")
+    async_keys = ("rollout/staleness", "rollout/tokens_at", "rollout/queued")
+    for key in [k for k in first_one if k.startswith(async_keys)]:
+        first_one.pop(key)
     assert first_one == first_sync  # step 1 generates now, with the initial weights: the same step
     assert abs(metrics[0]["rollout_corr/log_prob_abs_diff_max"]) < 1e-4
     assert metrics[0]["actor/grad_norm"] > 0
@@ -104,8 +113,104 @@ def _staleness_one_samples_with_the_weights_of_the_step_before(assets: Path, tmp
     again = fresh.generate(prompts.clone(), step=1, prompt_index=prompts[schema.UID].clone())
     assert torch.equal(again[schema.INPUT_IDS], trained[schema.INPUT_IDS])
     torch.testing.assert_close(again[schema.ROLLOUT_LOG_PROBS], trained[schema.ROLLOUT_LOG_PROBS])
-    assert one["module"].one_step_off.pending is None  # the last step reads nothing ahead
+    assert not one["module"].async_rollout.queue  # the last step reads nothing ahead
     assert not all(torch.equal(one["params"][n], t) for n, t in sync["params"].items())
+
+
+def _by_prompt(batch) -> dict:
+    """Prompt + response token ids -> the version fields of the real samples with those tokens."""
+    from verl_trainer.algorithms.async_rollout import POLICY_VERSION, TOKEN_POLICY_VERSION
+    from verl_trainer.data import schema
+
+    out = {}
+    for row in range(batch.batch_size[0]):
+        if bool(batch[schema.IS_PADDING][row]) if schema.IS_PADDING in batch.keys() else False:
+            continue
+        start, length = int(batch[schema.PROMPT_LEN][row]), int(batch[schema.RESPONSE_LEN][row])
+        ids = tuple(batch[schema.INPUT_IDS][row, : start + length].tolist())
+        out.setdefault(ids, []).append((int(batch[POLICY_VERSION][row]),
+                                        tuple(batch[TOKEN_POLICY_VERSION][row].tolist()), start, length))
+    return out
+
+
+def _staleness_two(assets: Path, tmp_path: Path) -> dict:
+    """k=2, 4 steps at this process group's dp size; at dp=1 also the resume runs; at dp=2 a failing rank."""
+    import torch.distributed as dist
+
+    from verl_trainer.algorithms.async_rollout import POLICY_VERSION, RolloutWorkerError
+    from verl_trainer.data import schema
+    from verl_trainer.rollout import HFRollout
+
+    dp = dist.get_world_size()
+    args = (str(assets / "model"), str(assets / "data"))
+    two = _grpo_fit(*args, str(tmp_path / f"two_dp{dp}"), "algorithm.rollout.max_staleness=2", devices=dp,
+                    steps=4, checkpoint_every=2 if dp == 1 else None)
+    metrics, rollouts = two["record"].metrics, two["record"].rollouts
+    assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 2.0, 2.0]
+    assert [m["rollout/staleness_max"] for m in metrics] == [0.0, 1.0, 2.0, 2.0]
+    for step, (m, batch) in enumerate(zip(metrics, rollouts, strict=True)):
+        version = step - int(m["rollout/staleness"])
+        real = schema.real_mask(batch)
+        assert (batch[POLICY_VERSION][real] == version).all()
+        for tagged in _by_prompt(batch).values():
+            for v, per_token, start, length in tagged:
+                assert per_token == (-1,) * start + (v,) * length + (-1,) * (len(per_token) - start - length)
+        tokens = sum(m[f"rollout/tokens_at_staleness_{d}"] for d in range(3))
+        assert tokens == m[f"rollout/tokens_at_staleness_{int(m['rollout/staleness'])}"] > 0
+    assert all(m["actor/grad_norm"] > 0 for m in metrics)
+    # step 3 (index 2) is sampled by version 0: the initial weights, although two updates ran meanwhile
+    prompts = two["record"].prompts[2]
+    fresh = HFRollout(two["config"].rollout, str(assets / "model"))
+    fresh.data_rank = dist.get_rank()
+    again = fresh.generate(prompts.clone(), step=2, prompt_index=prompts[schema.UID].clone())
+    assert torch.equal(again[schema.INPUT_IDS], rollouts[2][schema.INPUT_IDS])
+    out = {"samples": [_by_prompt(b) for b in rollouts], "params": two["params"]}
+    if dp == 1:  # resume from step 2 twice: the queue is not saved, so both resumes sample alike
+        ckpt = tmp_path / "two_dp1" / "checkpoints"
+        step2 = ckpt / "step_000002"
+        resumed = [_grpo_fit(*args, str(tmp_path / f"resume{i}"), "algorithm.rollout.max_staleness=2",
+                             steps=4, ckpt_path=str(step2)) for i in range(2)]
+        for run in resumed:
+            assert [m["rollout/staleness"] for m in run["record"].metrics] == [0.0, 1.0]
+        first, second = ([_by_prompt(b) for b in r["record"].rollouts] for r in resumed)
+        assert first == second
+        for name, tensor in resumed[0]["params"].items():
+            assert torch.equal(resumed[1]["params"][name], tensor), name
+    else:  # dp rank 1's rollout thread fails at step 3: both ranks raise, naming rank 1
+        broken = tmp_path / "broken_rollout.py"
+        if dist.get_rank() == 0:
+            broken.parent.mkdir(parents=True, exist_ok=True)
+            broken.write_text(
+                "import torch.distributed as dist\n"
+                "from verl_trainer.rollout import HFRollout\n\n"
+                "class Broken(HFRollout):\n"
+                "    def generate_token_ids(self, prompts, config, seeds):\n"
+                "        self.seen = getattr(self, 'seen', 0) + 1\n"
+                "        if self.seen == 3 and dist.get_rank() == 1:\n"
+                "            raise RuntimeError('rollout worker killed')\n"
+                "        return super().generate_token_ids(prompts, config, seeds)\n")
+        dist.barrier()
+        from verl_trainer.training.failure import RankFailedError
+
+        named = r"step 3 failed on dp rank(\(s\) \[1\]| 1)"
+        with pytest.raises((RolloutWorkerError, RankFailedError), match=named):
+            _grpo_fit(*args, str(tmp_path / "broken"), "algorithm.rollout.max_staleness=2",
+                      f"algorithm.rollout.name={broken}:Broken", devices=dp, steps=4)
+    return out
+
+
+def test_staleness_two_reproducible_at_dp1_and_dp2(assets, tmp_path):
+    one = run_distributed(_staleness_two, 1, assets, tmp_path / "dp1", timeout=600)[0]
+    two = run_distributed(_staleness_two, 2, assets, tmp_path / "dp2", timeout=600)
+    for step, samples in enumerate(one["samples"]):
+        joined: dict = {}
+        for rank in two:
+            for key, tagged in rank["samples"][step].items():
+                joined.setdefault(key, []).extend(x[0] for x in tagged)
+        assert {k: sorted(v) for k, v in joined.items()} == \
+            {k: sorted(x[0] for x in v) for k, v in samples.items()}, step
+    for name, tensor in one["params"].items():
+        torch.testing.assert_close(two[0]["params"][name], tensor, atol=2e-6, rtol=0)
 
 
 # Each runs its fits on one spawned rank: a Trainer in the pytest process would leave its process group
@@ -120,7 +225,8 @@ def test_staleness_one_samples_with_the_weights_of_the_step_before(assets, tmp_p
 
 
 @pytest.mark.parametrize(("overrides", "match"), [
-    ({"max_staleness": 2}, r"max_staleness=2; choose one of \(0, 1\)"),
+    ({"max_staleness": -1}, r"max_staleness=-1 must be an int >= 0"),
+    ({"max_staleness": 1.5}, r"max_staleness=1.5 must be an int >= 0"),
     ({"max_staleness": 1, "name": "vllm"}, "name='vllm'.*use name='hf'"),
     ({"max_staleness": 1, "multi_turn": {"enable": True}}, "multi_turn.enable=true"),
 ])
