@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from verl_trainer.algorithms.partial_rollout import ChunkedSampler, place_token_versions
 from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.algorithms.stages.rollout import RolloutStage
 from verl_trainer.data import schema
@@ -99,13 +100,19 @@ def check_async_rollout(rollout: BaseRollout) -> None:
         )
 
 
-def tag_versions(batch: TensorDict, version: int) -> TensorDict:
+def tag_versions(batch: TensorDict, version: int, per_token: list[list[int]] | None = None) -> TensorDict:
     """Add :data:`POLICY_VERSION`, :data:`TOKEN_POLICY_VERSION` of a group sampled by ``version``; in place.
 
     Args:
         batch: A rollout batch (``prompt_len``, ``response_len``, ``input_ids`` ``[B, T]``).
-        version: Updates contained in the sampling weights.
+        version: Updates contained in the sampling weights (of the first token, with ``per_token``).
+        per_token: Partial rollouts: per row, the version of each response token; a row's
+            ``policy_version`` is then its first token's (its oldest), ``version`` where it has none.
     """
+    if per_token is not None:
+        batch[TOKEN_POLICY_VERSION] = place_token_versions(batch, per_token)
+        batch[POLICY_VERSION] = torch.tensor([v[0] if v else version for v in per_token], dtype=torch.long)
+        return batch
     b, t = batch[schema.INPUT_IDS].shape
     start = batch[schema.PROMPT_LEN].view(-1, 1)
     end = start + batch[schema.RESPONSE_LEN].view(-1, 1)
@@ -156,6 +163,7 @@ class AsyncRollout:
         self.stage = stage
         self.peek_next = peek_next
         self.k = max_staleness
+        self.partial = bool(stage.rollout.config.partial_rollout)
         self.dp_group = dp_group
         self.dp_rank = dp_rank
         self.queue: deque[_Group] = deque()
@@ -216,15 +224,47 @@ class AsyncRollout:
             start = time.perf_counter()
             try:
                 with self._model_lock, torch.no_grad():
-                    self._load(group.version)
-                    group.batch = tag_versions(self.stage.sample(group.prompt_batch, group.step, {}),
-                                               group.version)
+                    group.batch = self._sample_partial(group) if self.partial else self._sample(group)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread
                 group.error = exc
             group.seconds = time.perf_counter() - start
             with self._lock:
                 self._busy_s += group.seconds
             group.done.set()
+
+    def _sample(self, group: _Group) -> TensorDict:
+        """The group with the weights it was admitted with (model lock held)."""
+        self._load(group.version)
+        return tag_versions(self.stage.sample(group.prompt_batch, group.step, {}), group.version)
+
+    def _sample_partial(self, group: _Group) -> TensorDict:
+        """The group in chunks, each with the newest published version ``<= group.step`` (lock held).
+
+        The chunked sampler serves the group's samples only (one call); a rollout part after them (ReMax's
+        greedy baseline) samples whole, with the weights loaded last.
+        """
+        rollout = self.stage.rollout
+
+        def before_chunk(chunk: int) -> int:
+            with self._lock:
+                newest = max(v for v in self.published if v <= group.step)
+            if newest != self.loaded:
+                self._load(newest)
+            return newest
+
+        sampler = ChunkedSampler(rollout.generate_token_ids, rollout.eos_token_ids,
+                                 rollout.config.partial_chunk_tokens, before_chunk)
+
+        def once(prompts: list[list[int]], config: Any, seeds: list[int]) -> Any:
+            rollout.token_sampler = None
+            return sampler(prompts, config, seeds)
+
+        rollout.token_sampler = once
+        try:
+            batch = self.stage.sample(group.prompt_batch, group.step, {})
+        finally:
+            rollout.token_sampler = None
+        return tag_versions(batch, group.version, sampler.versions)
 
     def _admit(self, prompt_batch: TensorDict, step: int, version: int) -> _Group:
         group = _Group(step=step, prompt_batch=prompt_batch, prompts=prompt_token_lists(prompt_batch),
@@ -333,14 +373,16 @@ class AsyncRollout:
     def _log(self, group: _Group, step: int, metrics: StepMetrics) -> None:
         batch, now = group.batch, time.perf_counter()
         real = schema.real_mask(batch)
-        staleness = torch.tensor(float(step - group.version))
-        metrics["rollout/staleness"] = Metric.mean(staleness, weight=int(real.sum()))
-        metrics["rollout/staleness_min"] = Metric.min(staleness)
-        metrics["rollout/staleness_max"] = Metric.max(staleness)
-        tokens = batch[schema.RESPONSE_LEN][real].sum()
+        staleness = (step - batch[POLICY_VERSION][real]).float()  # a sample's oldest token
+        if staleness.numel():
+            metrics["rollout/staleness"] = Metric.mean(staleness.mean(), weight=staleness.numel())
+            metrics["rollout/staleness_min"] = Metric.min(staleness.min())
+            metrics["rollout/staleness_max"] = Metric.max(staleness.max())
+        token_versions = batch[TOKEN_POLICY_VERSION][real]
+        token_versions = token_versions[token_versions >= 0]
         for d in range(self.k + 1):
-            metrics[f"rollout/tokens_at_staleness_{d}"] = Metric.sum(tokens if d == step - group.version
-                                                                      else torch.zeros_like(tokens))
+            count = (token_versions == step - d).sum().float()
+            metrics[f"rollout/tokens_at_staleness_{d}"] = Metric.sum(count)
         metrics["rollout/queued"] = Metric.max(torch.tensor(float(len(self.queue))))
         metrics["timing/rollout_s"] = group.seconds
         with self._lock:

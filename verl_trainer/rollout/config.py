@@ -67,6 +67,12 @@ class RolloutConfig:
             a step trains on responses sampled by weights at most ``k`` updates older (admission control;
             ``1`` is verl's one-step-off) (:mod:`verl_trainer.algorithms.async_rollout`; hf rollout,
             single-turn, and ``rollout_correction`` on; ``docs/rollout.md``).
+        partial_rollout: With ``max_staleness >= 1``: responses are generated ``partial_chunk_tokens``
+            at a time and each chunk uses the newest weights its step may use, so a generation in flight
+            at a weight update continues under the new weights, its prefix and behaviour log-probs kept
+            (:mod:`verl_trainer.algorithms.partial_rollout`). With ``max_staleness=0`` nothing is in flight
+            at an update: no effect (the synchronous run, bitwise).
+        partial_chunk_tokens: Tokens generated between two checks for newer weights (``>= 1``).
 
     """
 
@@ -93,6 +99,8 @@ class RolloutConfig:
     free_cache_engine: bool = True
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     max_staleness: int = 0
+    partial_rollout: bool = False
+    partial_chunk_tokens: int = 16
 
     def __post_init__(self) -> None:
         self.validate()
@@ -150,6 +158,9 @@ class RolloutConfig:
                 f"rollout max_staleness={self.max_staleness!r} must be an int >= 0 (0: synchronous, k >= 1: "
                 "asynchronous rollout, responses sampled by weights at most k updates old)"
             )
+        if self.partial_chunk_tokens < 1:
+            raise ValueError(f"rollout partial_chunk_tokens={self.partial_chunk_tokens} must be >= 1 (tokens "
+                             "generated between two checks for newer weights)")
         if not self.max_staleness:
             return
         backend = None if self.name == AUTO else rollout_class(self.name)  # auto: checked once built
