@@ -79,6 +79,15 @@ def _staleness_zero_is_the_synchronous_run(assets: Path, tmp_path: Path) -> None
     args = (str(assets / "model"), str(assets / "data"))
     plain = _grpo_fit(*args, str(tmp_path / "plain"))
     zero = _grpo_fit(*args, str(tmp_path / "zero"), "algorithm.rollout.max_staleness=0")
+    partial = _grpo_fit(*args, str(tmp_path / "partial"), "algorithm.rollout.max_staleness=0",
+                        "algorithm.rollout.partial_rollout=true", "algorithm.rollout.partial_chunk_tokens=1")
+    assert partial["module"].async_rollout is None  # nothing in flight at an update: the synchronous run
+    for a, b in zip(plain["record"].rollouts, partial["record"].rollouts, strict=True):
+        assert torch.equal(a["input_ids"], b["input_ids"])
+    for a, b in zip(plain["record"].metrics, partial["record"].metrics, strict=True):
+        assert _without_timing(a) == _without_timing(b)
+    for name, tensor in plain["params"].items():
+        assert torch.equal(partial["params"][name], tensor), name
     assert zero["module"].async_rollout is None and plain["module"].async_rollout is None  # the same path
     assert plain["config"] == zero["config"]
     assert all(m["actor/grad_norm"] > 0 for m in plain["record"].metrics)  # every step changes the weights
@@ -165,7 +174,25 @@ def _staleness_two(assets: Path, tmp_path: Path) -> dict:
     again = fresh.generate(prompts.clone(), step=2, prompt_index=prompts[schema.UID].clone())
     assert torch.equal(again[schema.INPUT_IDS], rollouts[2][schema.INPUT_IDS])
     out = {"samples": [_by_prompt(b) for b in rollouts], "params": two["params"]}
-    if dp == 1:  # resume from step 2 twice: the queue is not saved, so both resumes sample alike
+    if dp == 1:  # partial rollouts: tokens may come from newer weights than their sample's first token
+        from verl_trainer.algorithms.async_rollout import TOKEN_POLICY_VERSION
+
+        part = _grpo_fit(*args, str(tmp_path / "partial"), "algorithm.rollout.max_staleness=2",
+                         "algorithm.rollout.partial_rollout=true", "algorithm.rollout.partial_chunk_tokens=1",
+                         steps=4)
+        for step, (m, batch) in enumerate(zip(part["record"].metrics, part["record"].rollouts, strict=True)):
+            assert m["actor/grad_norm"] > 0 and m["rollout/staleness_max"] <= min(step, 2)
+            real = schema.real_mask(batch)
+            versions, first = batch[TOKEN_POLICY_VERSION][real], batch[POLICY_VERSION][real]
+            response = versions >= 0
+            assert int(response.sum()) == int(batch[schema.RESPONSE_LEN][real].sum()) == sum(
+                m[f"rollout/tokens_at_staleness_{d}"] for d in range(3))
+            assert ((versions <= step) & (versions >= step - 2) | ~response).all()
+            for row, cols in zip(versions, response, strict=True):  # never older along a response
+                seq = row[cols]
+                assert (seq[1:] >= seq[:-1]).all()
+            assert torch.equal(first, torch.stack([row[cols][0] for row, cols in zip(versions, response)]))
+        # resume from step 2 twice: the queue is not saved, so both resumes sample alike
         ckpt = tmp_path / "two_dp1" / "checkpoints"
         step2 = ckpt / "step_000002"
         resumed = [_grpo_fit(*args, str(tmp_path / f"resume{i}"), "algorithm.rollout.max_staleness=2",
