@@ -1,12 +1,13 @@
 """Asynchronous rollout (``algorithm.rollout.max_staleness=k``) vs the synchronous run.
 
-    nice -n 10 python bench/async_rollout.py [--workload default,realistic,long_tail] [--staleness 1,2,4]
+    nice -n 10 python bench/async_rollout.py [--workload default,realistic,long_tail] [--staleness 1,2,4,2p]
                                              [--rounds 3] [--steps 20] [--devices 1] [--json F]
 
 Runs ``recipes/grpo.py`` in paired rounds, each round one synchronous run (``max_staleness=0``) and one
-run per ``k`` of ``--staleness``, in an order rotated every round, each in its own process from the same
-fresh directory (same tiny model, data and seed; no warm start, validation, checkpoints or export). All
-runs have ``rollout_correction.level=token``, so the sides differ only in the overlap. Workloads:
+run per ``k`` of ``--staleness`` (``2p``: ``k = 2`` with ``partial_rollout``), in an order rotated every
+round, each in its own process from the same fresh directory (same tiny model, data and seed; no warm
+start, validation, checkpoints or export). All runs have ``rollout_correction.level=token``, so the sides
+differ only in the overlap. Workloads:
 
 * ``default``: ``configs/grpo.yaml`` as it is (tiny Qwen2 hidden 64 / 2 layers, 32 prompts x 8, 4 new
   tokens, fsdp2);
@@ -50,17 +51,18 @@ WORKLOADS["long_tail"] = (*WORKLOADS["realistic"],
 TIMINGS = ("step_s", "rollout_s", "update_s", "idle_s")
 
 
-def run(workdir: Path, name: str, staleness: int, steps: int, devices: int,
+def run(workdir: Path, name: str, side: str, steps: int, devices: int,
         workload: tuple[str, ...]) -> dict:
-    """One recipe run; the median of each timing over steps 3..N."""
-    root = workdir / f"{name}_{staleness}"
+    """One recipe run (``side``: ``"k"``, or ``"kp"`` with partial rollouts); the medians over steps 3..N."""
+    root = workdir / f"{name}_{side}"
+    staleness, partial = int(side.rstrip("p")), side.endswith("p")
     args = [sys.executable, str(ROOT / "recipes" / "grpo.py"), f"trainer.max_steps={steps}",
             f"trainer.devices={devices}", "trainer.val_check_interval=null", "trainer.logger=[csv]",
             "trainer.enable_checkpointing=false", "trainer.export_hf=false",
             "trainer.validate_before_fit=false", "trainer.enable_progress_bar=false",
             f"trainer.default_root_dir={root}", "warm_start.enable=false",
             f"algorithm.rollout.max_staleness={staleness}", "algorithm.rollout_correction.level=token",
-            *workload]
+            f"algorithm.rollout.partial_rollout={str(partial).lower()}", *workload]
     env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True)
     if proc.returncode:
@@ -72,11 +74,14 @@ def run(workdir: Path, name: str, staleness: int, steps: int, devices: int,
     out["reward_mean"] = statistics.mean(float(r["reward/mean"]) for r in rows)
     out["length_mean"] = statistics.mean(float(r["response_length/mean"]) for r in rows)
     out["length_max"] = statistics.mean(float(r["response_length/max"]) for r in rows)
+    tokens = [sum(float(r.get(f"rollout/tokens_at_staleness_{d}") or 0.0) for r in rows)
+              for d in range(staleness + 1)]
+    out["token_staleness"] = (sum(d * t for d, t in enumerate(tokens)) / sum(tokens)) if sum(tokens) else 0.0
     return out
 
 
-def bench(name: str, staleness: list[int], rounds: int, steps: int, devices: int) -> dict:
-    workload, sides = WORKLOADS[name], [0, *staleness]
+def bench(name: str, staleness: list[str], rounds: int, steps: int, devices: int) -> dict:
+    workload, sides = WORKLOADS[name], ["0", *staleness]
     result: dict = {"rounds": []}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -84,13 +89,13 @@ def bench(name: str, staleness: list[int], rounds: int, steps: int, devices: int
         for r in range(rounds):
             order = sides[r % len(sides):] + sides[: r % len(sides)]
             got = {k: run(workdir, f"round{r}", k, steps, devices, workload) for k in order}
-            ratios = {k: got[0]["step_s"] / got[k]["step_s"] for k in staleness}
+            ratios = {k: got["0"]["step_s"] / got[k]["step_s"] for k in staleness}
             result["rounds"].append({"sides": got, "ratio": ratios})
-            print(f"  {name} round {r + 1}: step sync {got[0]['step_s'] * 1e3:.1f} ms; " + ", ".join(
+            print(f"  {name} round {r + 1}: step sync {got['0']['step_s'] * 1e3:.1f} ms; " + ", ".join(
                 f"k={k} {got[k]['step_s'] * 1e3:.1f} ms -> {ratios[k]:.2f}x" for k in staleness), flush=True)
     result["ratio_median"] = {k: statistics.median(x["ratio"][k] for x in result["rounds"])
                               for k in staleness}
-    keys = (*TIMINGS, "length_mean", "length_max", "staleness")
+    keys = (*TIMINGS, "length_mean", "length_max", "staleness", "token_staleness")
     result["sides"] = {k: {t: statistics.median(x["sides"][k][t] for x in result["rounds"]) for t in keys}
                        for k in sides}
     return result
@@ -100,13 +105,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="default", help=f"comma-separated, of {sorted(WORKLOADS)}")
-    parser.add_argument("--staleness", default="1,2,4", help="comma-separated k >= 1 to compare with k=0")
+    parser.add_argument("--staleness", default="1,2,4,2p",
+                        help="comma-separated k >= 1 to compare with k=0; 'kp': k with partial rollouts")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    staleness = [int(k) for k in args.staleness.split(",")]
+    staleness = args.staleness.split(",")
     results = {}
     for name in args.workload.split(","):
         if name not in WORKLOADS:
@@ -116,11 +122,11 @@ def main() -> None:
         print(f"{name}: sync / async step time, median of {args.rounds} paired rounds "
               f"(devices={args.devices}, steps 3..{args.steps}): {ratios}")
         for k, t in res["sides"].items():
-            idle = "" if not k else f", idle {t['idle_s'] * 1e3:.1f} ms"
+            idle = "" if k == "0" else f", idle {t['idle_s'] * 1e3:.1f} ms"
             print(f"  k={k} per step: {t['step_s'] * 1e3:.1f} ms = generation {t['rollout_s'] * 1e3:.1f} ms"
-                  f"{' (background)' if k else ''}, update {t['update_s'] * 1e3:.1f} ms{idle}; "
+                  f"{' (background)' if k != '0' else ''}, update {t['update_s'] * 1e3:.1f} ms{idle}; "
                   f"trained length mean {t['length_mean']:.1f} max {t['length_max']:.1f}, "
-                  f"staleness {t['staleness']:.2f}")
+                  f"staleness {t['staleness']:.2f} (per token {t['token_staleness']:.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -26,8 +26,12 @@ version ``s - k`` while versions up to ``s`` are published); a snapshot is freed
 ``k = 1`` is verl's one-step-off policy: step ``t + 1`` is generated with the weights of step ``t`` while
 step ``t`` trains.
 
+**Partial rollouts** (``rollout.partial_rollout``): a group is generated in chunks, each with the newest
+published version its step may use (:mod:`verl_trainer.algorithms.partial_rollout`); its tokens then carry
+several versions, all within ``[s - k, s]``.
+
 **Batch fields.** ``policy_version`` ``[B]`` (int64: the updates the sampling weights contain) and
-``token_policy_version`` ``[B, T]`` (int64: that version at each response token, ``-1`` elsewhere); they
+``token_policy_version`` ``[B, T]`` (int64: each response token's version, ``-1`` elsewhere); they
 follow balancing and micro-batching as every per-sample / per-token tensor does.
 
 **Failures.** An exception in the thread is kept with its group and re-raised on the training thread; a
