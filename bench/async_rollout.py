@@ -85,7 +85,7 @@ def bench(name: str, staleness: list[str], rounds: int, steps: int, devices: int
     result: dict = {"rounds": []}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        run(workdir, "warmup", 0, 3, devices, workload)  # makes the tiny model and the task once
+        run(workdir, "warmup", "0", 3, devices, workload)  # makes the tiny model and the task once
         for r in range(rounds):
             order = sides[r % len(sides):] + sides[: r % len(sides)]
             got = {k: run(workdir, f"round{r}", k, steps, devices, workload) for k in order}
