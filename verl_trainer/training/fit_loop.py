@@ -186,7 +186,7 @@ class FitLoop:
         (``should_stop``, ``max_time``) leaves the read-ahead batch unused. The loader position is not
         moved, so a checkpoint saved now resumes at that batch. The one-step-off rollout uses it to
         generate the next step's responses while this step trains
-        (:mod:`verl_trainer.algorithms.one_step_off`).
+        (:mod:`verl_trainer.algorithms.async_rollout`).
         """
         loader, limits = self.progress.train_loader, self.limits
         if not isinstance(loader, ShardedLoader) or 0 < limits.max_steps <= self.progress.global_step + 1:
