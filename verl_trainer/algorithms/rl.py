@@ -309,7 +309,13 @@ class RLModule(TrainingModule):
         return metrics
 
     def sync_rollout(self) -> None:
-        """The actor's weights into the rollout now (a collective: call on every rank)."""
+        """The actor's weights into the rollout now (a collective: call on every rank).
+
+        Asynchronous rollout: after the queued groups finish (they keep their versions).
+        """
+        if self.async_rollout is not None:
+            self.async_rollout.before_validation(self.trainer.global_step)
+            return
         self.stages.rollout.weights.sync()
 
     @property
