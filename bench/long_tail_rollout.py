@@ -30,7 +30,16 @@ class LongTailRollout(HFRollout):
 
     def generate_token_ids(self, prompts: list[list[int]], config: RolloutConfig,
                            seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
-        """Long and short prompts in two calls of the hf loop; results in the prompts' order."""
+        """Long and short prompts in two calls of the hf loop; results in the prompts' order.
+
+        Raises:
+            ValueError: With ``partial_rollout``: the cap applies per call, and partial rollouts split a
+                response over several calls (each would be capped again), so the workload would not be the
+                same.
+        """
+        if self.config.partial_rollout:
+            raise ValueError("the long_tail workload caps each generate call, so it cannot run with "
+                             "algorithm.rollout.partial_rollout=true (chunked calls); use the realistic workload")
         short_cfg = dataclasses.replace(config, max_new_tokens=max(1, config.max_new_tokens // STRETCH))
         ids: list[list[int]] = [[] for _ in prompts]
         log_probs: list[list[float]] = [[] for _ in prompts]
