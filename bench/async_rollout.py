@@ -83,7 +83,7 @@ def run(workdir: Path, name: str, side: str, steps: int, devices: int,
 
 def bench(name: str, staleness: list[str], rounds: int, steps: int, devices: int) -> dict:
     workload, sides = WORKLOADS[name], ["0", *staleness]
-    if name == "long_tail":  # its per-call cap does not compose with chunked generation (long_tail_rollout.py)
+    if name == "long_tail":  # its per-call cap does not compose with chunked generation
         staleness = [k for k in staleness if not k.endswith("p")]
         sides = ["0", *staleness]
     result: dict = {"rounds": []}

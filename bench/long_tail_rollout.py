@@ -39,7 +39,8 @@ class LongTailRollout(HFRollout):
         """
         if self.config.partial_rollout:
             raise ValueError("the long_tail workload caps each generate call, so it cannot run with "
-                             "algorithm.rollout.partial_rollout=true (chunked calls); use the realistic workload")
+                             "algorithm.rollout.partial_rollout=true (chunked calls); use the realistic "
+                             "workload")
         short_cfg = dataclasses.replace(config, max_new_tokens=max(1, config.max_new_tokens // STRETCH))
         ids: list[list[int]] = [[] for _ in prompts]
         log_probs: list[list[float]] = [[] for _ in prompts]
