@@ -23,6 +23,7 @@ from tests.algorithms.short_grpo import ROOT, make_assets, short_grpo_config
 from verl_trainer.testing import run_distributed
 
 STEPS = 3
+VERSION_KEYS = ("policy_version", "token_policy_version")
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,7 @@ def _grpo_fit(model: str, data: str, root: str, *overrides: str, devices: int = 
             self.prompts: list = []
             self.rollouts: list = []
             self.metrics: list[dict[str, float]] = []
+            self.micro: list = []
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
             self.prompts.append(batch.clone())
@@ -56,6 +58,10 @@ def _grpo_fit(model: str, data: str, root: str, *overrides: str, devices: int = 
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             self.metrics.append(dict(trainer.callback_metrics))
+
+        def on_micro_batches(self, trainer, module, micro_batches) -> None:  # after balancing and splitting
+            keys = (*VERSION_KEYS, "prompt_len", "response_len")
+            self.micro.append([{k: mb[k].clone() for k in keys if k in mb.keys()} for mb in micro_batches])
 
     cfg = short_grpo_config(model, data, f"algorithm.reward.name={Path(model).parent / 'reward.py'}:length",
                             *overrides)
@@ -153,7 +159,17 @@ def _staleness_two(assets: Path, tmp_path: Path) -> dict:
     dp = dist.get_world_size()
     args = (str(assets / "model"), str(assets / "data"))
     two = _grpo_fit(*args, str(tmp_path / f"two_dp{dp}"), "algorithm.rollout.max_staleness=2", devices=dp,
-                    steps=4, checkpoint_every=2 if dp == 1 else None)
+                    steps=4,
+                    checkpoint_every=2 if dp == 1 else None)
+    for step, micro in enumerate(two["record"].micro):  # the fields reach the update's micro-batches
+        assert micro
+        for mb in micro:
+            for row in range(mb["policy_version"].shape[0]):
+                start, length = int(mb["prompt_len"][row]), int(mb["response_len"][row])
+                tokens = mb["token_policy_version"][row]
+                assert (tokens[start: start + length] == mb["policy_version"][row]).all()
+                assert (tokens[start + length:] == -1).all() and (tokens[:start] == -1).all()
+            assert ((mb["policy_version"] == step - min(step, 2)) | (mb["response_len"] == 0)).all()
     metrics, rollouts = two["record"].metrics, two["record"].rollouts
     assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 2.0, 2.0]
     assert [m["rollout/staleness_max"] for m in metrics] == [0.0, 1.0, 2.0, 2.0]
