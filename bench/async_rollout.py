@@ -1,23 +1,30 @@
-"""One-step-off asynchronous rollout (``algorithm.rollout.max_staleness=1``) vs the synchronous run.
+"""Asynchronous rollout (``algorithm.rollout.max_staleness=k``) vs the synchronous run.
 
-    nice -n 10 python bench/async_rollout.py [--workload default,realistic] [--rounds 3] [--steps 20]
-                                             [--devices 1] [--json F]
+    nice -n 10 python bench/async_rollout.py [--workload default,realistic,long_tail] [--staleness 1,2,4,2p]
+                                             [--rounds 3] [--steps 20] [--devices 1] [--json F]
 
 Runs ``recipes/grpo.py`` in paired rounds, each round one synchronous run (``max_staleness=0``) and one
-one-step-off run (``max_staleness=1``), in alternating order, each in its own process from the same fresh
-directory (same tiny model, data and seed; no warm start, validation, checkpoints or export). Both runs
-have ``rollout_correction.level=token``, so the two sides differ only in the overlap. Workloads:
+run per ``k`` of ``--staleness`` (``2p``: ``k = 2`` with ``partial_rollout``), in an order rotated every
+round, each in its own process from the same fresh directory (same tiny model, data and seed; no warm
+start, validation, checkpoints or export). All runs have ``rollout_correction.level=token``, so the sides
+differ only in the overlap. Workloads:
 
 * ``default``: ``configs/grpo.yaml`` as it is (tiny Qwen2 hidden 64 / 2 layers, 32 prompts x 8, 4 new
   tokens, fsdp2);
 * ``realistic``: ``bench/rollout.py``'s realistic shape (hidden 256 / 4 layers / 8 heads, 16 prompts x 8,
-  up to 128 new tokens), where generation is most of a synchronous step.
+  up to 128 new tokens), where generation is most of a synchronous step;
+* ``long_tail``: the realistic shape whose responses are capped at 16 tokens except for ~10% of the prompts,
+  which generate up to 128 (8x longer; ``bench/long_tail_rollout.py``); its ``p`` sides are skipped (the
+  per-call cap does not compose with partial rollouts' chunked calls).
 
 Per run, the median over steps 3..N of ``timing/step_s`` (the whole RL step: generation or the wait for it,
 rewards, update, weight copy), ``timing/rollout_s`` (generation of the trained batch, on the background
 thread when one step off), ``timing/update_s`` and ``timing/idle_s`` (the training thread waiting for the
-generation). Printed: per round the step-time ratio sync / async (> 1: one step off is faster), the median
-over the rounds, and the overlap per step (generation, training, idle) of each side.
+generation). Printed: per round the step-time ratio sync / async_k (> 1: async is faster), the median over
+the rounds, the overlap per step (generation, training, idle) of each side, and the trained response
+length (mean over steps of ``response_length/mean`` and ``/max``): admission control trains every group it
+admitted, so the length distribution stays that of the synchronous run (a scheme that discards slow groups
+would shift it to the short ones).
 """
 
 from __future__ import annotations
@@ -40,20 +47,23 @@ WORKLOADS = {
                   "data.train_batch_size=16", "algorithm.actor.ppo_mini_batch_size=16",
                   "algorithm.rollout.max_new_tokens=128", "data.max_prompt_length=16"),
 }
+WORKLOADS["long_tail"] = (*WORKLOADS["realistic"],
+                          f"algorithm.rollout.name={ROOT / 'bench' / 'long_tail_rollout.py'}:LongTailRollout")
 TIMINGS = ("step_s", "rollout_s", "update_s", "idle_s")
 
 
-def run(workdir: Path, name: str, staleness: int, steps: int, devices: int,
+def run(workdir: Path, name: str, side: str, steps: int, devices: int,
         workload: tuple[str, ...]) -> dict:
-    """One recipe run; the median of each timing over steps 3..N."""
-    root = workdir / f"{name}_{staleness}"
+    """One recipe run (``side``: ``"k"``, or ``"kp"`` with partial rollouts); the medians over steps 3..N."""
+    root = workdir / f"{name}_{side}"
+    staleness, partial = int(side.rstrip("p")), side.endswith("p")
     args = [sys.executable, str(ROOT / "recipes" / "grpo.py"), f"trainer.max_steps={steps}",
             f"trainer.devices={devices}", "trainer.val_check_interval=null", "trainer.logger=[csv]",
             "trainer.enable_checkpointing=false", "trainer.export_hf=false",
             "trainer.validate_before_fit=false", "trainer.enable_progress_bar=false",
             f"trainer.default_root_dir={root}", "warm_start.enable=false",
             f"algorithm.rollout.max_staleness={staleness}", "algorithm.rollout_correction.level=token",
-            *workload]
+            f"algorithm.rollout.partial_rollout={str(partial).lower()}", *workload]
     env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True)
     if proc.returncode:
@@ -63,25 +73,35 @@ def run(workdir: Path, name: str, staleness: int, steps: int, devices: int,
     out = {k: statistics.median(float(r.get(f"timing/{k}") or "nan") for r in rows) for k in TIMINGS}
     out["staleness"] = statistics.mean(float(r.get("rollout/staleness") or 0.0) for r in rows)
     out["reward_mean"] = statistics.mean(float(r["reward/mean"]) for r in rows)
+    out["length_mean"] = statistics.mean(float(r["response_length/mean"]) for r in rows)
+    out["length_max"] = statistics.mean(float(r["response_length/max"]) for r in rows)
+    tokens = [sum(float(r.get(f"rollout/tokens_at_staleness_{d}") or 0.0) for r in rows)
+              for d in range(staleness + 1)]
+    out["token_staleness"] = (sum(d * t for d, t in enumerate(tokens)) / sum(tokens)) if sum(tokens) else 0.0
     return out
 
 
-def bench(name: str, rounds: int, steps: int, devices: int) -> dict:
-    workload = WORKLOADS[name]
+def bench(name: str, staleness: list[str], rounds: int, steps: int, devices: int) -> dict:
+    workload, sides = WORKLOADS[name], ["0", *staleness]
+    if name == "long_tail":  # its per-call cap does not compose with chunked generation
+        staleness = [k for k in staleness if not k.endswith("p")]
+        sides = ["0", *staleness]
     result: dict = {"rounds": []}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        run(workdir, "warmup", 0, 3, devices, workload)  # makes the tiny model and the task once
+        run(workdir, "warmup", "0", 3, devices, workload)  # makes the tiny model and the task once
         for r in range(rounds):
-            order = (0, 1) if r % 2 == 0 else (1, 0)
-            sides = {s: run(workdir, f"round{r}", s, steps, devices, workload) for s in order}
-            ratio = sides[0]["step_s"] / sides[1]["step_s"]
-            result["rounds"].append({"sync": sides[0], "async": sides[1], "ratio": ratio})
-            print(f"  {name} round {r + 1}: step sync {sides[0]['step_s'] * 1e3:.1f} ms, one step off "
-                  f"{sides[1]['step_s'] * 1e3:.1f} ms -> {ratio:.2f}x", flush=True)
-    result["ratio_median"] = statistics.median(x["ratio"] for x in result["rounds"])
-    for side in ("sync", "async"):
-        result[side] = {k: statistics.median(x[side][k] for x in result["rounds"]) for k in TIMINGS}
+            order = sides[r % len(sides):] + sides[: r % len(sides)]
+            got = {k: run(workdir, f"round{r}", k, steps, devices, workload) for k in order}
+            ratios = {k: got["0"]["step_s"] / got[k]["step_s"] for k in staleness}
+            result["rounds"].append({"sides": got, "ratio": ratios})
+            print(f"  {name} round {r + 1}: step sync {got['0']['step_s'] * 1e3:.1f} ms; " + ", ".join(
+                f"k={k} {got[k]['step_s'] * 1e3:.1f} ms -> {ratios[k]:.2f}x" for k in staleness), flush=True)
+    result["ratio_median"] = {k: statistics.median(x["ratio"][k] for x in result["rounds"])
+                              for k in staleness}
+    keys = (*TIMINGS, "length_mean", "length_max", "staleness", "token_staleness")
+    result["sides"] = {k: {t: statistics.median(x["sides"][k][t] for x in result["rounds"]) for t in keys}
+                       for k in sides}
     return result
 
 
@@ -89,24 +109,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="default", help=f"comma-separated, of {sorted(WORKLOADS)}")
+    parser.add_argument("--staleness", default="1,2,4,2p",
+                        help="comma-separated k >= 1 to compare with k=0; 'kp': k with partial rollouts")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    staleness = args.staleness.split(",")
     results = {}
     for name in args.workload.split(","):
         if name not in WORKLOADS:
             raise SystemExit(f"--workload {name!r}: choose from {sorted(WORKLOADS)}")
-        res = results[name] = bench(name, args.rounds, args.steps, args.devices)
-        print(f"{name}: sync / one-step-off step time, median of {args.rounds} paired rounds: "
-              f"{res['ratio_median']:.2f}x (devices={args.devices}, steps 3..{args.steps})")
-        for side in ("sync", "async"):
-            t = res[side]
-            idle = "" if side == "sync" else f", idle {t['idle_s'] * 1e3:.1f} ms"
-            print(f"  {side:5s} per step: {t['step_s'] * 1e3:.1f} ms = generation "
-                  f"{t['rollout_s'] * 1e3:.1f} ms"
-                  f"{' (background)' if side == 'async' else ''}, update {t['update_s'] * 1e3:.1f} ms{idle}")
+        res = results[name] = bench(name, staleness, args.rounds, args.steps, args.devices)
+        ratios = ", ".join(f"k={k} {res['ratio_median'][k]:.2f}x" for k in staleness)
+        print(f"{name}: sync / async step time, median of {args.rounds} paired rounds "
+              f"(devices={args.devices}, steps 3..{args.steps}): {ratios}")
+        for k, t in res["sides"].items():
+            idle = "" if k == "0" else f", idle {t['idle_s'] * 1e3:.1f} ms"
+            print(f"  k={k} per step: {t['step_s'] * 1e3:.1f} ms = generation {t['rollout_s'] * 1e3:.1f} ms"
+                  f"{' (background)' if k != '0' else ''}, update {t['update_s'] * 1e3:.1f} ms{idle}; "
+                  f"trained length mean {t['length_mean']:.1f} max {t['length_max']:.1f}, "
+                  f"staleness {t['staleness']:.2f} (per token {t['token_staleness']:.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

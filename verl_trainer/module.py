@@ -126,6 +126,9 @@ class ModuleTrainer(Protocol):
     def peek_next_batch(self) -> Any | None:
         """This rank's batch of the next training step, read ahead (``None``: unknown)."""
 
+    def peek_next_batches(self, count: int) -> list[Any]:
+        """This rank's batches of up to ``count`` next training steps, read ahead (fewer where unknown)."""
+
 
 class TrainingModule:
     """Base class of what ``Trainer.fit`` trains (see the module docstring for the contract).

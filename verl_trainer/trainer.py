@@ -539,6 +539,14 @@ class Trainer(LightningAttributes):
         """
         return self.fit_loop.peek_next_batch() if self.fit_loop is not None and self.state == "fit" else None
 
+    def peek_next_batches(self, count: int) -> list[Any]:
+        """This rank's batches of up to ``count`` next training steps, read ahead (empty outside ``fit``).
+
+        See :meth:`verl_trainer.training.fit_loop.FitLoop.peek_next_batches`.
+        """
+        fitting = self.fit_loop is not None and self.state == "fit"
+        return self.fit_loop.peek_next_batches(count) if fitting else []
+
     # ------------------------------------------------------------------------------------- checkpoints
     @property
     def checkpoint_dir(self) -> Path:

@@ -365,10 +365,9 @@ class RLConfig:
         if self.rollout.max_staleness and self.rollout_correction.level is None:
             raise ValueError(
                 f"rollout.max_staleness={self.rollout.max_staleness} trains on responses sampled by the "
-                "weights of the step before, so the loss needs the importance correction between those "
-                "and the "
-                "trainer's: set algorithm.rollout_correction.level=token (truncated IS, threshold 2) or "
-                "sequence, or max_staleness=0"
+                "weights of up to that many steps before, so the loss needs the importance correction "
+                "between those and the trainer's: set algorithm.rollout_correction.level=token (truncated "
+                "IS, threshold 2) or sequence, or max_staleness=0"
             )
         check_router_replay_rollout(self.actor.engine.moe, self.rollout.name, self.rollout.multi_turn.enable,
                                     bool(self.rollout.max_staleness))

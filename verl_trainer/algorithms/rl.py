@@ -27,10 +27,10 @@ from typing import Any
 
 from tensordict import TensorDict
 
+from verl_trainer.algorithms.async_rollout import AsyncRollout, check_async_rollout
 from verl_trainer.algorithms.config import RLConfig, check_mini_batch_divides
 from verl_trainer.algorithms.generations import GenerationLog, TrainGenerations
 from verl_trainer.algorithms.greedy_baseline import GreedyBaseline, reads_reward_baselines
-from verl_trainer.algorithms.one_step_off import OneStepOffRollout, check_async_rollout
 from verl_trainer.algorithms.reward_model import (
     REWARD_MODEL_ENGINE,
     RewardModel,
@@ -91,7 +91,7 @@ class ActorDueOverride:
 class RLStages:
     """The stages of one RL module, built once its engines exist (:mod:`verl_trainer.algorithms.stages`)."""
 
-    rollout: RolloutStage | OneStepOffRollout
+    rollout: RolloutStage | AsyncRollout
     scorer: Scorer
     advantages: Advantages
     guard: StepGuard
@@ -183,14 +183,16 @@ class RLModule(TrainingModule):
         """Build the rollout copy of the policy (once; it lives as long as the module).
 
         Raises:
-            ValueError: ``rollout.max_staleness=1`` with a backend that cannot generate off the training
-                thread (:func:`~verl_trainer.algorithms.one_step_off.check_async_rollout`).
+            ValueError: ``rollout.max_staleness >= 1`` with a backend that cannot generate off the training
+                thread (:func:`~verl_trainer.algorithms.async_rollout.check_async_rollout`).
         """
         if self.rollout is None:
             self.rollout = build_rollout(self.config.rollout, self.config.model_path)
             record_rollout_routing(self.rollout, self.config.actor.engine.moe)
             if self.config.rollout.max_staleness:
                 check_async_rollout(self.rollout)
+        if self.async_rollout is not None:  # a stopped fit's read-ahead groups: dropped, not left running
+            self.async_rollout.close()
         self._stages = None  # built again from this run's engines and trainer
 
     # -------------------------------------------------------------------------- the recipe's parts
@@ -265,9 +267,10 @@ class RLModule(TrainingModule):
         rank = self.topology.dp_rank if self.topology is not None else None
         baseline = [GreedyBaseline()] if self.greedy_baseline else []
         weights = WeightSync(self.engines["actor"], self.rollout, cfg.rollout, rank)
-        rollout: RolloutStage | OneStepOffRollout = RolloutStage(self.rollout, weights, rank or 0, baseline)
-        if cfg.rollout.max_staleness:  # read ahead one step: generated while the step before trains
-            rollout = OneStepOffRollout(rollout, self.trainer.peek_next_batch)
+        rollout: RolloutStage | AsyncRollout = RolloutStage(self.rollout, weights, rank or 0, baseline)
+        if cfg.rollout.max_staleness:  # read ahead k steps: generated while the steps before train
+            rollout = AsyncRollout(rollout, self.trainer.peek_next_batches, cfg.rollout.max_staleness,
+                                   group, rank or 0)
         self.guard.dp_group = group
         logs = [TrainGenerations(self.train_generations, self.trainer)] if cfg.log_train_generations else []
         model = (RewardModelScores(self.reward_model, self.engines[REWARD_MODEL_ENGINE], group)
@@ -303,14 +306,20 @@ class RLModule(TrainingModule):
         return metrics
 
     def sync_rollout(self) -> None:
-        """The actor's weights into the rollout now (a collective: call on every rank)."""
+        """The actor's weights into the rollout now (a collective: call on every rank).
+
+        Asynchronous rollout: after the queued groups finish (they keep their versions).
+        """
+        if self.async_rollout is not None:
+            self.async_rollout.before_validation(self.trainer.global_step)
+            return
         self.stages.rollout.weights.sync()
 
     @property
-    def one_step_off(self) -> OneStepOffRollout | None:
-        """The one-step-off rollout wrapper (``rollout.max_staleness=1``), once built; else ``None``."""
+    def async_rollout(self) -> AsyncRollout | None:
+        """The asynchronous rollout (``rollout.max_staleness >= 1``), once built; else ``None``."""
         rollout = self._stages.rollout if self._stages is not None else None
-        return rollout if isinstance(rollout, OneStepOffRollout) else None
+        return rollout if isinstance(rollout, AsyncRollout) else None
 
     @property
     def non_finite(self) -> NonFiniteGuard:

@@ -167,6 +167,10 @@ class BaseRollout(ABC):
         """The most tokens (prompt + response) the backend can hold (vLLM's ``max_model_len``); ``None``:
         unbounded. Multi-turn trajectories end when they fill it (a single-turn response is cut there by
         the backend itself)."""
+        self.token_sampler: Any = None
+        """While set, single-turn :meth:`generate` samples with it instead of :meth:`generate_token_ids`
+        (same signature and contract; the partial rollout's
+        :class:`~verl_trainer.algorithms.partial_rollout.ChunkedSampler`)."""
         self.data_rank: int | None = None
         """The data-parallel rank of this process (the ranks of one SP / TP group hold the same prompts);
         informational: sampling is seeded per response, not per rank (see the module docstring)."""
@@ -264,7 +268,8 @@ class BaseRollout(ABC):
                 lambda s, turn: derive_sample_seed(s, turn, 0, 0, stream), self.context_limit)
             responses, log_probs = [t.ids for t in trajectories], [t.log_probs for t in trajectories]
         else:
-            generated, log_probs = self.generate_token_ids(prompts, config, seeds) if prompts else ([], [])
+            sample = self.token_sampler or self.generate_token_ids
+            generated, log_probs = sample(prompts, config, seeds) if prompts else ([], [])
             if len(generated) != len(prompts) or len(log_probs) != len(prompts):
                 raise RuntimeError(f"{type(self).__name__} returned {len(generated)} responses and "
                                    f"{len(log_probs)} log-prob lists for {len(prompts)} prompts")

@@ -9,8 +9,6 @@ from verl_trainer.rollout.registry import AUTO, backend_only_settings, rollout_c
 
 DECODINGS = ("auto", "generate", "drop_finished")
 CACHE_IMPLEMENTATIONS = ("auto", "dynamic", "static")
-MAX_STALENESS = (0, 1)
-"""The supported ``max_staleness`` values: synchronous, and one-step-off."""
 
 
 @dataclass
@@ -64,11 +62,17 @@ class RolloutConfig:
             the weights while training runs (CUDA; vLLM has no sleep mode on CPU, where it is a no-op).
         multi_turn: Multi-turn, tool-calling and environment rollouts (``docs/agents.md``); with it on,
             ``max_new_tokens`` is the budget of a whole trajectory (model and tool tokens together).
-        max_staleness: ``0``: synchronous (generate, then train, every step). ``1``: one-step-off
-            asynchronous rollout — the next step's responses are generated on a background thread, with
-            the weights of the step it started from, while this step trains
-            (:mod:`verl_trainer.algorithms.one_step_off`; hf rollout, single-turn, and
-            ``rollout_correction`` on; ``docs/rollout.md``).
+        max_staleness: ``0``: synchronous (generate, then train, every step). ``k >= 1``: asynchronous
+            rollout — a background thread generates the next ``k`` steps' responses while this step trains;
+            a step trains on responses sampled by weights at most ``k`` updates older (admission control;
+            ``1`` is verl's one-step-off) (:mod:`verl_trainer.algorithms.async_rollout`; hf rollout,
+            single-turn, and ``rollout_correction`` on; ``docs/rollout.md``).
+        partial_rollout: With ``max_staleness >= 1``: responses are generated ``partial_chunk_tokens``
+            at a time and each chunk uses the newest weights its step may use, so a generation in flight
+            at a weight update continues under the new weights, its prefix and behaviour log-probs kept
+            (:mod:`verl_trainer.algorithms.partial_rollout`). With ``max_staleness=0`` nothing is in flight
+            at an update: no effect (the synchronous run, bitwise).
+        partial_chunk_tokens: Tokens generated between two checks for newer weights (``>= 1``).
 
     """
 
@@ -95,6 +99,8 @@ class RolloutConfig:
     free_cache_engine: bool = True
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     max_staleness: int = 0
+    partial_rollout: bool = False
+    partial_chunk_tokens: int = 16
 
     def __post_init__(self) -> None:
         self.validate()
@@ -145,27 +151,31 @@ class RolloutConfig:
         self._check_staleness()
 
     def _check_staleness(self) -> None:
-        """``max_staleness`` is 0 or 1, and 1 only with the backends and modes built for it."""
-        if self.max_staleness not in MAX_STALENESS:
+        """``max_staleness`` is an int >= 0, and >= 1 only with the backends and modes built for it."""
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) \
+                or self.max_staleness < 0:
             raise ValueError(
-                f"rollout max_staleness={self.max_staleness!r}; choose one of {MAX_STALENESS} (0: "
-                "synchronous, 1: one-step-off asynchronous rollout; deeper pipelines are not built)"
+                f"rollout max_staleness={self.max_staleness!r} must be an int >= 0 (0: synchronous, k >= 1: "
+                "asynchronous rollout, responses sampled by weights at most k updates old)"
             )
+        if self.partial_chunk_tokens < 1:
+            raise ValueError(f"rollout partial_chunk_tokens={self.partial_chunk_tokens} must be >= 1 (tokens "
+                             "generated between two checks for newer weights)")
         if not self.max_staleness:
             return
         backend = None if self.name == AUTO else rollout_class(self.name)  # auto: checked once built
         if backend is not None and not backend.one_step_off:
             raise ValueError(
-                f"rollout max_staleness=1 with name={self.name!r}: the {backend.__name__} backend cannot "
-                "generate while the actor trains (it does not declare one_step_off: a backend with its own "
-                "weights that may generate on a background thread); use name='hf' for the asynchronous "
-                f"rollout, or max_staleness=0 with {self.name}"
+                f"rollout max_staleness={self.max_staleness} with name={self.name!r}: the "
+                f"{backend.__name__} backend cannot generate while the actor trains (it does not declare "
+                "one_step_off: a backend with its own weights that may generate on a background thread); use "
+                f"name='hf' for the asynchronous rollout, or max_staleness=0 with {self.name}"
             )
         if self.multi_turn.enable:
             raise ValueError(
-                "rollout max_staleness=1 with multi_turn.enable=true: the asynchronous rollout is built for "
-                "single-turn sampling only (tool calls and environments are not proven on a background "
-                "thread); set max_staleness=0 for multi-turn rollouts"
+                f"rollout max_staleness={self.max_staleness} with multi_turn.enable=true: the asynchronous "
+                "rollout is built for single-turn sampling only (tool calls and environments are not proven "
+                "on a background thread); set max_staleness=0 for multi-turn rollouts"
             )
 
     def ignored_by(self, backend: str) -> list[str]:

@@ -186,7 +186,7 @@ class FitLoop:
         (``should_stop``, ``max_time``) leaves the read-ahead batch unused. The loader position is not
         moved, so a checkpoint saved now resumes at that batch. The one-step-off rollout uses it to
         generate the next step's responses while this step trains
-        (:mod:`verl_trainer.algorithms.one_step_off`).
+        (:mod:`verl_trainer.algorithms.async_rollout`).
         """
         loader, limits = self.progress.train_loader, self.limits
         if not isinstance(loader, ShardedLoader) or 0 < limits.max_steps <= self.progress.global_step + 1:
@@ -197,6 +197,26 @@ class FitLoop:
         if not group:
             return None
         return group[0] if len(group) == 1 else concat_batches(group)
+
+    def peek_next_batches(self, count: int) -> list[Any]:
+        """The batches of up to ``count`` next optimizer steps, read ahead without consuming them.
+
+        As :meth:`peek_next_batch` (the first element is its batch), further: never past ``max_steps``, nor
+        past the end of the current epoch (the next epoch's first step where this one is consumed). The
+        asynchronous rollout at staleness ``k`` reads ``k`` steps ahead
+        (:mod:`verl_trainer.algorithms.async_rollout`).
+        """
+        loader, limits, acc = self.progress.train_loader, self.limits, self.limits.accumulate_grad_batches
+        if not isinstance(loader, ShardedLoader) or 0 < limits.max_steps <= self.progress.global_step + 1:
+            return []
+        if loader.exhausted() and limits.max_epochs is not None and loader.epoch + 1 >= limits.max_epochs:
+            return []
+        if limits.max_steps > 0:
+            count = min(count, limits.max_steps - self.progress.global_step - 1)
+        wanted = count * acc if not loader.exhausted() else acc
+        batches = loader.peek(wanted)
+        groups = [batches[i: i + acc] for i in range(0, len(batches), acc)]
+        return [g[0] if len(g) == 1 else concat_batches(g) for g in groups]
 
     # ------------------------------------------------------------------------------ the loop
     def run(self) -> None:

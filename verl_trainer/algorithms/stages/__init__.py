@@ -14,8 +14,8 @@ shares ``rollout.py`` with the rollout stage (the rollout copy's life), so that 
 files than the step budget allows (``scripts/step_path.py``, ``tests/test_architecture.py``).
 
 A feature is a part plugged into a stage, not a branch of the step: ReMax's greedy baseline is a rollout
-part and a scoring part (``greedy_baseline.py``), one-step-off a wrapper of the rollout stage
-(``one_step_off.py``), the reward model and the train-generation log scoring parts, DAPO's dynamic
+part and a scoring part (``greedy_baseline.py``), the asynchronous rollout a wrapper of the rollout stage
+(``async_rollout.py``), the reward model and the train-generation log scoring parts, DAPO's dynamic
 sampling a selection part (``dapo.py``), PPO's critic an advantage part and an update part.
 """
 

@@ -5,8 +5,8 @@ samples ``rollout.n`` responses per prompt with the rollout's current weights (:
 vLLM, the multi-turn agent loop), then runs its parts on the same prompts and weights (ReMax's greedy
 responses: :class:`~verl_trainer.algorithms.greedy_baseline.GreedyBaseline`). :class:`WeightSync` copies the
 actor's weights into the rollout's copy: before a generation when stale, and after each update that trained
-the actor. One-step-off (:class:`~verl_trainer.algorithms.one_step_off.OneStepOffRollout`) wraps any stage
-with the same three methods.
+the actor. The asynchronous rollout (:class:`~verl_trainer.algorithms.async_rollout.AsyncRollout`) wraps
+any stage with the same three methods.
 
 Sampling is seeded per response from ``(rollout.seed, global step, the prompt's dataset index, sample
 index)``, so the responses of a step do not depend on the dp size (:mod:`verl_trainer.rollout.base`).
