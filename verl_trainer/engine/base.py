@@ -151,6 +151,9 @@ class BaseEngine(ABC):
     """Whether the backend applies ``pipeline_model_parallel_size > 1`` (else refused at construction)."""
     SUPPORTS_EXPERT_PARALLEL: ClassVar[bool] = False
     """Whether the backend applies ``expert_model_parallel_size > 1`` (else refused at construction)."""
+    HF_ROUTERS: ClassVar[bool] = True
+    """Whether a MoE model's router features (losses, metrics, replay: ``models/moe_routers.py``, hooks on
+    transformers' router modules) apply; ``False`` where the backend runs its library's own router."""
     RESHARDABLE_CHECKPOINTS: ClassVar[bool] = False
     """Whether a checkpoint it wrote loads at another world size (DCP reshards; per-rank partitions do not).
     A resume at another world size is refused otherwise (``training/resume_check.py``)."""
@@ -243,6 +246,11 @@ class BaseEngine(ABC):
         return self.modes.mode
 
     # ------------------------------------------------------------------------------------- compute
+    @property
+    def _router_features(self) -> bool:
+        """Whether this engine's forward captures a MoE model's routers (see :attr:`HF_ROUTERS`)."""
+        return self.HF_ROUTERS and self.config.moe.needs_router_outputs
+
     def forward_backward_batch(
         self,
         data: TensorDict,
@@ -278,7 +286,7 @@ class BaseEngine(ABC):
         if loss_function is None and not forward_only:
             raise ValueError("forward_backward_batch needs a loss_function unless forward_only=True")
         hooks = hooks or NO_HOOKS
-        if loss_function is not None and self.config.moe.needs_router_outputs:
+        if loss_function is not None and self._router_features:
             routers = find_routers(self.module)
             if routers:  # a MoE model: its router losses and metrics (models/moe_loss.py)
                 loss_function = with_router_losses(loss_function, self.config.moe, routers[0].num_experts)
@@ -352,14 +360,15 @@ class BaseEngine(ABC):
         temperature = self.config.temperature if temperature is None else temperature
         model_type = self.model_type
         if topo.sp_size > 1:
-            if self.config.moe.needs_router_outputs:
+            if self._router_features:
                 refuse_under_sequence_parallel(find_routers(self.module), topo.sp_size, self.config.moe)
             # Ulysses: every SP rank of the DP group holds this micro-batch and runs 1/sp of the row;
             # the [N] outputs are gathered (their gradient scaled by sp: FSDP averages over dp x sp).
             outputs = model_type.sp_outputs(self.forward_model, packed, topo.sp_group, calculate_entropy,
                                             temperature)
         else:
-            with TrainingRouters.around(self.module, self.config.moe, micro_batch) as routers:
+            module = self.module if self.HF_ROUTERS else None  # None: no router hooks
+            with TrainingRouters.around(module, self.config.moe, micro_batch) as routers:
                 hf_output = self._forward_packed(packed)
             outputs = model_type.outputs(hf_output, packed, calculate_entropy, temperature)
             outputs.update(routers.token_outputs(packed.seq_lens))  # a MoE model's router outputs

@@ -79,6 +79,7 @@ class MegatronEngine(OptimizerMixin, MegatronCheckpointMixin, BaseEngine):
 
     SUPPORTS_TENSOR_PARALLEL = True
     SUPPORTS_EXPERT_PARALLEL = True  # Megatron's EP group inside dp (Qwen3-MoE; engine/megatron_moe.py)
+    HF_ROUTERS = False  # the library's own router: no transformers router modules to hook
     CPU_FLOAT16_REFUSAL = "the megatron engine has no float16 loss scaling on Megatron's gradient buffers"
 
     def __init__(self, config: EngineConfig, optim_config: OptimConfig | None = None, *,

@@ -82,6 +82,7 @@ class TorchTitanEngine(OptimizerMixin, DCPCheckpointMixin, BaseEngine):
 
     SUPPORTS_TENSOR_PARALLEL = True  # torchtitan's TP plan on the (dp, tp) mesh, FSDP2 over dp
     SUPPORTS_EXPERT_PARALLEL = True  # torchtitan's EP mesh inside dp (Qwen3 MoE)
+    HF_ROUTERS = False  # the library's own router: no transformers router modules to hook
 
     def __init__(self, config: EngineConfig, optim_config: OptimConfig | None = None, *,
                  backend: str = "torchtitan", **kwargs: Any) -> None:
