@@ -46,7 +46,8 @@ def test_openenv_in_process_episodes_replay_their_seed():
     rows = openenv_rows(GuessDigitAdapter, [5, 6, 7])
     assert rows[2]["prompt"][0]["content"] == "Game 7: guess the digit (0-9)."
     results = _play(GuessDigitAdapter(), rows[0], ["no digit", "0123456789"])
-    assert [(r.observation, r.reward, r.done) for r in results] == [("no, try again", 0.0, False), ("", 1.0, True)]
+    assert [(r.observation, r.reward, r.done) for r in results] == [("no, try again", 0.0, False),
+                                                                     ("", 1.0, True)]
 
 
 def test_reasoning_gym_splits_are_disjoint_seeded_and_scored_by_the_task():

@@ -60,7 +60,8 @@ class GuessDigitOpenEnv(OpenEnvBase):
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
-    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GuessObservation:
+    def reset(self, seed: int | None = None, episode_id: str | None = None,
+              **kwargs: Any) -> GuessObservation:
         self.digit, self.tries = str(random.Random(seed).randrange(10)), 0
         self._state = State(episode_id=episode_id, step_count=0)
         return GuessObservation(message=_prompt(seed or 0), reward=0.0, done=False)
@@ -109,7 +110,7 @@ def fit_adapters(model: str, data: str, root: str) -> dict[str, list[dict[str, f
 
     common = [f"algorithm.model_path={model}", "data.train_batch_size=4", "algorithm.rollout.n=4",
               "algorithm.actor.ppo_mini_batch_size=4", "algorithm.actor.optim.lr=1e-3",
-              "algorithm.rollout.temperature=1.0", "data.max_prompt_length=64"]
+              "algorithm.rollout.temperature=1.0", "data.max_prompt_length=64", "data.val_files=null"]
     multi_turn = ["algorithm.rollout.multi_turn.enable=true", "algorithm.rollout.multi_turn.max_turns=3",
                   "algorithm.rollout.max_new_tokens=40", "algorithm.reward.name=none"]
     runs = {
@@ -118,7 +119,8 @@ def fit_adapters(model: str, data: str, root: str) -> dict[str, list[dict[str, f
                       "verl_trainer.environments.gymnasium:GymnasiumEnvironment"],
         "openenv": [f"data.train_files={data}/openenv.jsonl", *multi_turn,
                     "algorithm.rollout.multi_turn.environment=tests.environments.text_envs:GuessDigitAdapter"],
-        "reasoning_gym": [f"data.train_files={RG_PATH.format(split='train')}", "algorithm.rollout.max_new_tokens=4",
+        "reasoning_gym": [f"data.train_files={RG_PATH.format(split='train')}",
+                          "algorithm.rollout.max_new_tokens=4",
                           "algorithm.reward.name=verl_trainer.environments.reasoning_gym:score"],
     }
     out = {}
@@ -126,9 +128,10 @@ def fit_adapters(model: str, data: str, root: str) -> dict[str, list[dict[str, f
         cfg = load_config(GRPORecipeConfig, Path(__file__).resolve().parents[2] / "configs" / "grpo.yaml",
                           common + overrides)
         record = Record()
-        trainer = Trainer(devices=dist.get_world_size(), max_steps=2, logger=False, enable_checkpointing=False,
-                          enable_progress_bar=False, default_root_dir=f"{root}/{name}", val_check_interval=None,
-                          callbacks=[record], seed=7)
+        trainer = Trainer(devices=dist.get_world_size(), max_steps=2, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False,
+                          default_root_dir=f"{root}/{name}", val_check_interval=None, callbacks=[record],
+                          seed=7)
         module = GRPO(cfg.algorithm)
         trainer.fit(module, datamodule=PromptDataModule(cfg.data, load_tokenizer(model)))
         out[name] = record.metrics

@@ -41,8 +41,8 @@ def episode_rows(first_observation: Callable[[int], str], seeds: Iterable[int], 
     for index, seed in enumerate(seeds):
         text = first_observation(int(seed))
         if not isinstance(text, str) or not text:
-            raise ValueError(f"{data_source}: reset(seed={seed}) gave the observation {text!r}; the prompt needs "
-                             "a non-empty text observation")
+            raise ValueError(f"{data_source}: reset(seed={seed}) gave the observation {text!r}; the prompt "
+                             "needs a non-empty text observation")
         prompt: Any = [{"role": "user", "content": text}] if chat else text
         episode = {**dict(spec or {}), "seed": int(seed), "observation": text}
         rows.append(to_verl_row(prompt, None, data_source, {"index": index, key: episode}, ability="agent"))
@@ -67,6 +67,6 @@ def check_replay(observation: str, expected: str, seed: int, what: str) -> None:
     """Raise :class:`EpisodeMismatchError` when ``observation`` (a fresh reset) differs from the prompt's."""
     if observation != expected:
         raise EpisodeMismatchError(
-            f"{what}: reset(seed={seed}) gave {observation[:80]!r}, but the prompt row holds {expected[:80]!r}; "
-            "the environment's reset must be deterministic given the seed (regenerate the prompt files after "
-            "changing the environment)")
+            f"{what}: reset(seed={seed}) gave {observation[:80]!r}, but the prompt row holds "
+            f"{expected[:80]!r}; the environment's reset must be deterministic given the seed (regenerate "
+            "the prompt files after changing the environment)")

@@ -62,8 +62,8 @@ def make_env(env_id: str, kwargs: Mapping[str, Any] | None = None) -> Any:
 
 def _observation_text(observation: Any) -> str:
     if not isinstance(observation, str):
-        raise TypeError(f"the observation is a {type(observation).__name__}, not text; give the environment a "
-                        "spaces.Text observation space or override GymnasiumEnvironment.observation_text")
+        raise TypeError(f"the observation is a {type(observation).__name__}, not text; give the environment "
+                        "a spaces.Text observation space or override GymnasiumEnvironment.observation_text")
     return observation
 
 
@@ -109,12 +109,18 @@ class GymnasiumEnvironment(Environment):
         return _observation_text(observation)
 
     def reset(self, row: Mapping[str, Any]) -> None:
+        """Make the row's environment and reset it with the row's seed.
+
+        Raises:
+            EpisodeMismatchError: The first observation is not the row's prompt.
+        """
         seed, expected, spec = replayed_seed(row, EXTRA_KEY)
         self.env = self.make(spec)
         observation, _ = self.env.reset(seed=seed)
         check_replay(self.observation_text(observation), expected, seed, f"gymnasium {spec.get('id')}")
 
     def step(self, message: str) -> StepResult:
+        """Send the message as the action; the next observation, the step's reward, and whether it ended."""
         action = self.action(message)
         space = self.env.action_space
         if isinstance(space, _gymnasium().spaces.Text) and not space.contains(action):
@@ -125,6 +131,7 @@ class GymnasiumEnvironment(Environment):
         return StepResult("" if done else self.observation_text(observation), float(reward), done)
 
     def close(self) -> None:
+        """Close the episode's environment (or client session)."""
         env = getattr(self, "env", None)
         if env is not None:
             env.close()

@@ -106,16 +106,23 @@ class OpenEnvEnvironment(Environment):
         return obs, float(obs.reward or 0.0), bool(obs.done)
 
     def reset(self, row: Mapping[str, Any]) -> None:
+        """Make the row's environment and reset it with the row's seed.
+
+        Raises:
+            EpisodeMismatchError: The first observation is not the row's prompt.
+        """
         seed, expected, _ = replayed_seed(row, EXTRA_KEY)
         self._open()
         observation, _, _ = self._reset(seed)
         check_replay(self.observation_text(observation), expected, seed, f"OpenEnv {type(self).__name__}")
 
     def step(self, message: str) -> StepResult:
+        """Send the message as the action; the next observation, the step's reward, and whether it ended."""
         observation, reward, done = self._step(self.action(message))
         return StepResult("" if done else self.observation_text(observation), reward, done)
 
     def close(self) -> None:
+        """Close the episode's environment (or client session)."""
         target = getattr(self, "_client", None) or getattr(self, "_env", None)
         if target is not None:
             target.close()

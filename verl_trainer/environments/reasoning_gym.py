@@ -35,7 +35,8 @@ from typing import Any
 
 from verl_trainer.data.prompts import to_verl_row
 
-__all__ = ["PREFIX", "ReasoningGymSource", "check_source", "is_reasoning_gym", "parse_source", "reasoning_gym_rows", "score"]
+__all__ = ["PREFIX", "ReasoningGymSource", "check_source", "is_reasoning_gym", "parse_source",
+           "reasoning_gym_rows", "score"]
 
 PREFIX = "reasoning_gym:"
 SPLITS = ("train", "val", "sft")
