@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.environments.text_envs import GYM_ID, RG_PATH, GuessDigitAdapter, fit_adapters
+from tests.environments.text_envs import (
+    GYM_ID,
+    RG_PATH,
+    GuessDigitAdapter,
+    ServedGuessDigit,
+    client_adapter,
+    fit_adapters,
+)
 from verl_trainer.agents.config import MultiTurnConfig
 from verl_trainer.algorithms.data import DataConfig
 from verl_trainer.data.prompts import save_rows
@@ -94,3 +101,13 @@ def test_two_grpo_steps_on_each_adapter(tmp_path):
         assert all(s["agent/env_errors"] == 0 and s["agent/env_timeouts"] == 0 for s in steps), name
         assert all(s["actor/grad_norm"] >= 0 for s in steps), name
     assert len(out["reasoning_gym"]) == 2 and "reward/mean" in out["reasoning_gym"][0]
+
+
+def test_openenv_client_sessions_over_a_served_environment_match_in_process():
+    with ServedGuessDigit() as url:
+        adapter = client_adapter(url)
+        rows = openenv_rows(adapter, [5, 6], data_source="guess")
+        assert rows == openenv_rows(GuessDigitAdapter, [5, 6], data_source="guess")
+        for row in rows:
+            messages = ["none", "still none", "0123456789"]
+            assert _play(adapter(), row, messages) == _play(GuessDigitAdapter(), row, messages)

@@ -136,3 +136,46 @@ def fit_adapters(model: str, data: str, root: str) -> dict[str, list[dict[str, f
         trainer.fit(module, datamodule=PromptDataModule(cfg.data, load_tokenizer(model)))
         out[name] = record.metrics
     return out
+
+
+class ServedGuessDigit:
+    """The OpenEnv game served by openenv's FastAPI app (uvicorn, 127.0.0.1, a free port) on a thread."""
+
+    def __enter__(self) -> str:
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+        from openenv.core.env_server.http_server import create_fastapi_app
+
+        app = create_fastapi_app(GuessDigitOpenEnv, GuessAction, GuessObservation, max_concurrent_envs=16)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the OpenEnv test server did not start")
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def client_adapter(base_url: str) -> type[OpenEnvEnvironment]:
+    """An adapter whose episodes are WebSocket sessions of the server at ``base_url``."""
+    from openenv.core.generic_client import GenericEnvClient
+
+    class GuessDigitClient(OpenEnvEnvironment):
+        action_cls = GuessAction
+
+        def make_client(self) -> Any:
+            return GenericEnvClient(base_url=base_url).sync().connect()
+
+    return GuessDigitClient

@@ -36,7 +36,8 @@ EXTRA_KEY = "openenv"
 
 
 def _text_field(obj: Any, name: str, what: str) -> str:
-    value = getattr(obj, name, None)
+    """``obj.name`` (a typed observation) or ``obj[name]`` (``GenericEnvClient``'s dict), a ``str``."""
+    value = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
     if not isinstance(value, str):
         raise TypeError(f"the OpenEnv {what} {type(obj).__name__} has no text field {name!r} (got "
                         f"{type(value).__name__}); set OpenEnvEnvironment.{what}_field or override "
