@@ -16,7 +16,7 @@ from tests.trainer.common import read_csv_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 100
-RISE = 0.15
+RISE = 0.03
 
 
 @pytest.mark.slow
@@ -32,4 +32,5 @@ def test_the_reasoning_gym_demo_learns_the_task(tmp_path):
     metrics = read_csv_metrics(tmp_path / "outputs" / "grpo_reasoning_gym")
     before, after = metrics[0], metrics[STEPS]
     assert after["val/reward/mean"] >= before["val/reward/mean"] + RISE, (before, after)
-    assert after["val/reward/accuracy"] > before["val/reward/accuracy"], (before, after)
+    # at least 5 of the 110 held-out words more reversed exactly (measured: ACC_MEASURED)
+    assert after["val/reward/accuracy"] >= before["val/reward/accuracy"] + 5 / 110 - 1e-6, (before, after)
