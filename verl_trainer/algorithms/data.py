@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from verl_trainer.data.hub import data_fingerprint, parse_hub_dataset, resolve_hub_split, with_default_split
 from verl_trainer.data.prompts import TRUNCATION_MODES, PromptDataset
 from verl_trainer.data.sft import SFTDataset
+from verl_trainer.environments.reasoning_gym import check_source, is_reasoning_gym
 from verl_trainer.utils.distributed import get_world_size
 
 __all__ = ["DataConfig", "PromptDataModule", "SFTDataModule", "dp_size_now"]
@@ -69,6 +70,9 @@ class DataConfig:
             raise ValueError(f"data.train_batch_size={self.train_batch_size} must be >= 1")
         if self.val_batch_size is not None and self.val_batch_size < 1:
             raise ValueError(f"data.val_batch_size={self.val_batch_size} must be >= 1 or null (all at once)")
+        for key in ("train_files", "val_files"):  # a reasoning_gym: path is checked now, before models load
+            if is_reasoning_gym(getattr(self, key)):
+                check_source(getattr(self, key), f"data.{key}")
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(
                 f"data.truncation={self.truncation!r}; choose one of {', '.join(TRUNCATION_MODES)}"
@@ -117,7 +121,7 @@ class _DataModule:
     def _load(self, path: str, what: str) -> Any:
         if self._rows[what] is not None:  # rows given in place of the file (a datasets.Dataset, a list)
             return self._dataset(self._rows[what])
-        if Path(path).is_file():
+        if Path(path).is_file() or is_reasoning_gym(path):
             return self._dataset(path)
         if parse_hub_dataset(path) is None:
             raise FileNotFoundError(f"{what}={path!r} does not exist (relative paths start at {os.getcwd()})")

@@ -73,6 +73,10 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     A path that is not a local file but a hub dataset id (``org/name[:config][@split]``, split ``train`` by
     default) is read from the local HF cache (:mod:`verl_trainer.data.hub`).
     """
+    if str(path).startswith("reasoning_gym:"):  # generated rows (verl_trainer.environments.reasoning_gym)
+        from verl_trainer.environments.reasoning_gym import reasoning_gym_rows
+
+        return reasoning_gym_rows(str(path))
     if parse_hub_dataset(path) is not None:
         return read_hub_rows(str(path))
     path = Path(path)
