@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("reasoning_gym", reason="needs the envs extra: pip install -e '.[envs]'")
+
 from tests.trainer.common import read_csv_metrics
 
 ROOT = Path(__file__).resolve().parents[2]

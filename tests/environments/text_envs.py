@@ -13,6 +13,13 @@ import string
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+# the envs extra (.ci/run installs it)
+pytest.importorskip("gymnasium", reason="needs the envs extra: pip install -e '.[envs]'")
+pytest.importorskip("openenv", reason="needs the envs extra: pip install -e '.[envs]'")
+pytest.importorskip("reasoning_gym", reason="needs the envs extra: pip install -e '.[envs]'")
+
 import gymnasium
 from openenv.core.env_server.interfaces import Environment as OpenEnvBase
 from openenv.core.env_server.types import Action, Observation, State
