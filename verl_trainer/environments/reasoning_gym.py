@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl_trainer.data.prompts import to_verl_row
+from verl_trainer.data.prompts import ROW_SOURCES, to_verl_row
 
 __all__ = ["PREFIX", "ReasoningGymSource", "check_source", "is_reasoning_gym", "parse_source",
            "reasoning_gym_rows", "score"]
@@ -180,6 +180,9 @@ def reasoning_gym_rows(path: str) -> list[dict[str, Any]]:
         raise ValueError(f"data path {path!r}: the {src.split} split is empty ({src.size} problems, "
                          f"val_fraction={src.val_fraction}); raise size or move val_fraction")
     return rows
+
+
+ROW_SOURCES.add(PREFIX.rstrip(":"), reasoning_gym_rows)  # read_rows generates "reasoning_gym:..." paths
 
 
 def extract_answer(solution_str: str) -> str:

@@ -24,6 +24,8 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from verl_trainer.data.prompts import to_verl_row
+
 if TYPE_CHECKING:
     from verl_trainer.serving import AgentContext
 
@@ -96,8 +98,6 @@ def verifiers_rows(env: Any, n: int = -1, seed: int | None = None,
     Raises:
         ValueError: An unknown split, or a message whose content is not text.
     """
-    from verl_trainer.data.prompts import to_verl_row
-
     vf = require_verifiers()
     _check_environment(env, vf)
     if split not in ("train", "eval"):
