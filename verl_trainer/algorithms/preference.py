@@ -25,6 +25,7 @@ from tensordict import TensorDict
 
 from verl_trainer.algorithms.config import RefConfig
 from verl_trainer.algorithms.non_finite import NonFiniteConfig
+from verl_trainer.algorithms.preference_data import unique_group_ids
 from verl_trainer.algorithms.stages.guard import NonFiniteGuard
 from verl_trainer.algorithms.stages.update import compute_log_probs
 from verl_trainer.core_algos.aggregation import masked_sum
@@ -140,21 +141,9 @@ class PreferenceModule(TrainingModule):
             compute_log_probs(self.engines, batch, False, True, cfg.ref_in_actor)
         return batch, extra
 
-    def _unique_groups(self, batch: TensorDict) -> TensorDict:
-        """``group_id`` made unique over the DP group (each rank's ids offset by the ranks before it)."""
-        topo = self.topology
-        if topo is None or topo.dp_size <= 1 or schema.GROUP_ID not in batch.keys():
-            return batch
-        ids = batch[schema.GROUP_ID]
-        counts = torch.zeros(topo.dp_size, dtype=torch.long)
-        counts[topo.dp_rank] = int(ids.max()) + 1 if ids.numel() else 0
-        counts = all_reduce(counts, topo.dp_group)
-        batch.set(schema.GROUP_ID, ids + int(counts[: topo.dp_rank].sum()))
-        return batch
-
     def training_step(self, batch: TensorDict, batch_idx: int) -> StepOutput:
         """One optimizer step on this rank's batch."""
-        batch = self._unique_groups(batch)
+        batch = unique_group_ids(batch, self.topology)
         if self.trainer is not None:
             batch = self.trainer.call_hook("on_before_update", batch)
         batch, _ = self._prepare(batch)

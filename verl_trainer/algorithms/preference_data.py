@@ -7,12 +7,38 @@ formats of :mod:`verl_trainer.data.preference`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from verl_trainer.algorithms.data import DataConfig, _DataModule
+from verl_trainer.data import schema
 from verl_trainer.data.preference import PreferenceDataset
+from verl_trainer.utils.distributed import all_reduce
 
-__all__ = ["PreferenceDataModule"]
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+    from verl_trainer.engine.topology import Topology
+
+__all__ = ["PreferenceDataModule", "unique_group_ids"]
+
+
+def unique_group_ids(batch: TensorDict, topology: Topology | None) -> TensorDict:
+    """``batch`` with its ``group_id`` made unique over the DP group.
+
+    Each rank's ids (``>= 0``) are offset by the ranks before it (one all-reduce of ``dp_size`` counts:
+    collective over the DP group). A batch without ``group_id`` (unpaired examples), or a DP group of one,
+    is returned as it is.
+    """
+    if topology is None or topology.dp_size <= 1 or schema.GROUP_ID not in batch.keys():
+        return batch
+    ids = batch[schema.GROUP_ID]
+    counts = torch.zeros(topology.dp_size, dtype=torch.long)
+    counts[topology.dp_rank] = int(ids.max()) + 1 if ids.numel() else 0
+    counts = all_reduce(counts, topology.dp_group)
+    batch.set(schema.GROUP_ID, ids + int(counts[: topology.dp_rank].sum()))
+    return batch
 
 
 class PreferenceDataModule(_DataModule):

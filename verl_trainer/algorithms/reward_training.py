@@ -27,14 +27,14 @@ import torch
 
 from verl_trainer.algorithms.data import DataConfig, _DataModule
 from verl_trainer.algorithms.non_finite import NonFiniteConfig
+from verl_trainer.algorithms.preference_data import unique_group_ids
 from verl_trainer.algorithms.stages.guard import NonFiniteGuard
 from verl_trainer.core_algos.reward_modeling import RewardLossConfig, RewardModelLoss
-from verl_trainer.data import schema
 from verl_trainer.data.reward_pairs import RewardPairDataset
 from verl_trainer.engine.config import EngineConfig, OptimConfig
 from verl_trainer.models.hf_files import to_dtype
 from verl_trainer.module import EngineSpec, StepOutput, TrainingModule
-from verl_trainer.utils.distributed import all_reduce, barrier, get_rank
+from verl_trainer.utils.distributed import barrier, get_rank
 
 __all__ = ["REWARD_ENGINE", "RewardModelDataModule", "RewardModelModule", "RewardModelTrainingConfig",
            "load_trainable_reward_model", "save_reward_model"]
@@ -151,21 +151,9 @@ class RewardModelModule(TrainingModule):
                                   to_dtype(engine.model_dtype))
         return {REWARD_ENGINE: EngineSpec("value_model", engine, cfg.optim, model=build)}
 
-    def _unique_groups(self, batch: Any) -> Any:
-        """``group_id`` made unique over the DP group (each rank's ids offset by the ranks before it)."""
-        topo = self.topology
-        if topo is None or topo.dp_size <= 1:
-            return batch
-        ids = batch[schema.GROUP_ID]
-        counts = torch.zeros(topo.dp_size, dtype=torch.long)
-        counts[topo.dp_rank] = int(ids.max()) + 1 if ids.numel() else 0
-        counts = all_reduce(counts, topo.dp_group)
-        batch.set(schema.GROUP_ID, ids + int(counts[: topo.dp_rank].sum()))
-        return batch
-
     def training_step(self, batch: Any, batch_idx: int) -> StepOutput:
         """One optimizer step on this rank's pairs."""
-        batch = self._unique_groups(batch)
+        batch = unique_group_ids(batch, self.topology)
         if self.trainer is not None:
             batch = self.trainer.call_hook("on_before_update", batch)
         engine = self.engines[REWARD_ENGINE]
