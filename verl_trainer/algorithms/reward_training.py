@@ -15,7 +15,6 @@ The loss and its metrics: :mod:`verl_trainer.core_algos.reward_modeling`; the da
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -135,11 +134,6 @@ class RewardModelModule(TrainingModule):
         self.config = config
         self.loss_fn = RewardModelLoss(config.loss)
         self.non_finite = NonFiniteGuard(config.non_finite, group_estimator=False)
-
-    @property
-    def hparams(self) -> dict[str, Any]:
-        """The config as plain data."""
-        return dataclasses.asdict(self.config)
 
     def configure_engines(self) -> dict[str, EngineSpec]:
         """``reward_model``: a trained ``value_model`` engine built by :func:`load_trainable_reward_model`."""
