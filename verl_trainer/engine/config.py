@@ -216,6 +216,9 @@ class EngineConfig(_Validated):
         lora_alpha: LoRA scaling numerator (the update is ``lora_alpha / lora_rank · B·A``).
         target_modules: ``"all-linear"`` (every linear layer but the output head) or a list of module
             names, e.g. ``["q_proj", "v_proj"]``.
+        target_parameters: Parameters to adapt that no linear layer holds (peft's ``target_parameters``),
+            e.g. a MoE model's fused experts ``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``
+            (name suffixes); ``null``: none beyond what ``target_modules`` selects (docs/moe.md, LoRA).
         lora_dropout: Dropout on the adapters' input.
         lora_adapter_path: A saved peft adapter directory (``adapter_config.json`` +
             ``adapter_model.safetensors``) to start from; its own rank, alpha and targets apply.
@@ -249,6 +252,7 @@ class EngineConfig(_Validated):
     lora_rank: int = 0
     lora_alpha: float = 16
     target_modules: Any = "all-linear"  # "all-linear" or list[str] (OmegaConf has no str | list union)
+    target_parameters: Any = None  # null or list[str] (peft's target_parameters)
     lora_dropout: float = 0.0
     lora_adapter_path: str | None = None
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -350,6 +354,16 @@ class EngineConfig(_Validated):
             f"module names, e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj']",
         )
         self.target_modules = targets
+        params = self.target_parameters
+        if params is not None and not isinstance(params, str) and hasattr(params, "__iter__"):
+            params = list(params)
+        _check(
+            params is None or (isinstance(params, list) and params and all(isinstance(t, str) and t
+                                                                            for t in params)),
+            f"EngineConfig.target_parameters={self.target_parameters!r}; use null or a non-empty list of "
+            f"parameter names, e.g. ['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']",
+        )
+        self.target_parameters = params
         _check(
             self.lora_adapter_path is None or isinstance(self.lora_adapter_path, str),
             f"EngineConfig.lora_adapter_path must be a directory path or null, got "

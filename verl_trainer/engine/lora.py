@@ -26,11 +26,13 @@ import torch
 from verl_trainer.engine.config import EngineConfig
 from verl_trainer.engine.lora_export import (
     adapter_state_dict,
+    clean_name,
     is_adapter_name,
     lora_targets,
     merged_hf_tensors,
 )
 from verl_trainer.engine.lora_files import check_adapter_dir
+from verl_trainer.engine.lora_params import is_param_wrapper, param_targets
 from verl_trainer.models.moe_lora import refuse_expert_lora
 from verl_trainer.utils.distributed import barrier, get_rank
 
@@ -67,6 +69,7 @@ def build_lora_config(config: EngineConfig, model_type: str, model: torch.nn.Mod
         r=config.lora_rank,
         lora_alpha=config.lora_alpha,
         target_modules=config.target_modules,
+        target_parameters=config.target_parameters,
         lora_dropout=config.lora_dropout,
         bias="none",
         task_type=_task_type(model_type),
@@ -97,7 +100,9 @@ def check_supported(peft_model: PeftModel) -> None:
     for name, module in peft_model.named_modules():
         if not isinstance(module, LoraLayer):
             continue
-        refuse_expert_lora(name, module)  # a MoE model's fused experts / router (models/moe_lora.py)
+        if is_param_wrapper(module):  # LoRA on a parameter: MoE fused experts (engine/lora_params.py)
+            refuse_expert_lora(name, module)
+            continue
         if not isinstance(module, Linear):
             raise ValueError(
                 f"LoRA on {name} ({type(module.get_base_layer()).__name__}) is not supported, only on linear "
@@ -211,7 +216,8 @@ class LoRAAdapters:
         if adapters_only:
             yield from adapter_state_dict(named_full_tensors(is_adapter_name), peft_model, adapter).items()
         else:
-            yield from merged_hf_tensors(named_full_tensors(None), lora_targets(peft_model, adapter), adapter)
+            yield from merged_hf_tensors(named_full_tensors(None), lora_targets(peft_model, adapter), adapter,
+                                         param_targets(peft_model, adapter, clean_name))
 
     def save(self, path: str | os.PathLike, tensors: dict[str, torch.Tensor], model_path: str | None) -> str:
         """Write ``tensors`` (the adapters, gathered on every rank) as a peft directory; rank 0 writes.

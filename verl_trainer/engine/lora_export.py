@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from verl_trainer.engine.lora_params import ParamMerger, ParamTarget, without_base_layers
+
 if TYPE_CHECKING:
     from peft import PeftModel
 
@@ -56,19 +58,20 @@ def lora_targets(peft_model: torch.nn.Module, adapter: str) -> dict[str, LoraTar
     """The LoRA layers of ``peft_model`` by module name (wrapper parts removed), for ``adapter``."""
     from peft.tuners.lora import LoraLayer
 
+    from verl_trainer.engine.lora_params import is_param_wrapper
+
     return {
         clean_name(name): LoraTarget(
             float(module.scaling[adapter]), bool(getattr(module, "fan_in_fan_out", False))
         )
         for name, module in peft_model.named_modules()
-        if isinstance(module, LoraLayer) and adapter in module.lora_A
+        if isinstance(module, LoraLayer) and not is_param_wrapper(module) and adapter in module.lora_A
     }
 
 
 def hf_name(name: str) -> str:
-    """The base model's name of a peft state-dict name: ``base_model.model.`` and ``.base_layer`` dropped."""
-    name = name.removeprefix(PEFT_PREFIX)
-    return name.replace(".base_layer.", ".")
+    """The base model's name of a peft state-dict name: ``base_model.model.``, all ``.base_layer`` dropped."""
+    return without_base_layers(name.removeprefix(PEFT_PREFIX))
 
 
 def merge_delta(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -88,7 +91,8 @@ def merge_delta(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor
 
 
 def merged_hf_tensors(named: Iterable[tuple[str, torch.Tensor]], targets: dict[str, LoraTarget],
-                      adapter: str) -> Iterator[tuple[str, torch.Tensor]]:
+                      adapter: str, params: dict[str, ParamTarget] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Turn a peft model's ``(name, full_tensor)`` stream into the base model's merged tensors.
 
     A LoRA layer's weight is held until its ``A`` and ``B`` have arrived (state-dict order puts them right
@@ -99,6 +103,8 @@ def merged_hf_tensors(named: Iterable[tuple[str, torch.Tensor]], targets: dict[s
         named: ``(peft_name, full_tensor)`` in state-dict order.
         targets: :func:`lora_targets` of the model (names as in the stream, wrapper parts removed).
         adapter: The active adapter's name.
+        params: ``lora_params.param_targets`` of the model (LoRA on parameters, e.g. fused MoE experts):
+            each parameter is held until its ``A`` and ``B`` arrived, then merged (``lora_params``).
 
     Yields:
         ``(hf_name, tensor)`` with the base model's names and shapes.
@@ -107,8 +113,14 @@ def merged_hf_tensors(named: Iterable[tuple[str, torch.Tensor]], targets: dict[s
         RuntimeError: If the stream ends with a LoRA layer whose weight, ``A`` or ``B`` never arrived.
     """
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    param_merger = ParamMerger(params or {})
     for raw_name, tensor in named:
         name = clean_name(raw_name)
+        if param_merger.owns(name):
+            merged_param = param_merger.add(name, tensor)
+            if merged_param is not None:
+                yield hf_name(merged_param[0]), merged_param[1]
+            continue
         lora = _LORA_PART.match(name)
         if lora and lora["prefix"] in targets:
             prefix, part, rest = lora["prefix"], lora["part"], lora["rest"]
@@ -131,8 +143,8 @@ def merged_hf_tensors(named: Iterable[tuple[str, torch.Tensor]], targets: dict[s
                 yield hf_name(f"{saved['prefix']}.{rest}"), tensor
             continue
         yield hf_name(name), tensor
-    if pending:
-        incomplete = {prefix: sorted(parts) for prefix, parts in pending.items()}
+    if pending or param_merger.pending:
+        incomplete = {prefix: sorted(parts) for prefix, parts in pending.items()} | param_merger.incomplete()
         raise RuntimeError(f"LoRA layers whose weight, lora_A or lora_B never arrived: {incomplete}")
 
 
