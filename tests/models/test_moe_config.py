@@ -1,4 +1,5 @@
-"""MoE settings refused when the config is built; LoRA on a MoE model (attention trains, experts refused)."""
+"""MoE settings refused when the config is built; LoRA on a MoE model (attention trains; experts off fsdp2
+refused)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from verl_trainer.algorithms.config import ActorConfig, GRPOConfig
 from verl_trainer.core_algos import RolloutCorrectionConfig
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
 from verl_trainer.models.moe_config import MoEConfig
-from verl_trainer.models.moe_lora import ATTENTION_TARGETS
+from verl_trainer.models.moe_lora import ATTENTION_TARGETS, EXPERT_TARGETS
 from verl_trainer.rollout import RolloutConfig
 from verl_trainer.testing.ranks import run_distributed
 
@@ -38,7 +39,7 @@ def test_rollout_replay_refused_where_the_rollout_cannot_record(rollout: Rollout
 
 
 def lora_runs(path: str) -> dict[str, object]:
-    """LoRA on attention trains with the router losses; 'all-linear' (experts, router) is refused."""
+    """LoRA on attention trains with the router losses; 'all-linear' (experts, router) is refused on fsdp."""
     moe = MoEConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001)
     engine = EngineRegistry.new("language_model", "fsdp2", EngineConfig(
         model_path=path, lora_rank=4, target_modules=list(ATTENTION_TARGETS), moe=moe),
@@ -52,19 +53,27 @@ def lora_runs(path: str) -> dict[str, object]:
     names = sorted({k for m in out["metrics"] for k in m})
     refused = ""
     try:
-        EngineRegistry.new("language_model", "fsdp2", EngineConfig(model_path=path, lora_rank=4, moe=moe),
+        EngineRegistry.new("language_model", "fsdp", EngineConfig(model_path=path, lora_rank=4, moe=moe),
                            OptimConfig()).initialize()
     except ValueError as err:
         refused = str(err)
+    try:  # refused when the engine is built, before the model loads
+        EngineRegistry.new("language_model", "deepspeed", EngineConfig(
+            model_path=path, lora_rank=4, target_parameters=list(EXPERT_TARGETS)), OptimConfig())
+    except ValueError as err:
+        refused += "\n" + str(err)
     adapters = sum("lora_B" in n for n in before)
     return {"moved": moved, "adapters": adapters, "names": names, "refused": refused}
 
 
-def test_lora_on_attention_trains_and_expert_lora_is_refused(tmp_path) -> None:
+def test_lora_on_attention_trains_and_expert_lora_off_fsdp2_is_refused(tmp_path) -> None:
     result = run_distributed(lora_runs, 1, tiny_moe(str(tmp_path / "model")))[0]
     assert result["adapters"] > 0 and result["moved"] == result["adapters"]
     assert "moe/aux_loss" in result["names"] and "moe/z_loss" in result["names"]
-    assert "ParamWrapper" in result["refused"] and "target_modules=['q_proj'" in result["refused"]
+    fsdp, deepspeed = result["refused"].split("\n")
+    assert "'fsdp' backend" in fsdp and "experts.gate_up_proj" in fsdp and "gate.weight" in fsdp
+    assert "'deepspeed' backend" in deepspeed and "target_parameters=['mlp.experts.gate_up_proj'" in deepspeed
+    assert all("strategy='fsdp2'" in r and "target_modules=['q_proj'" in r for r in (fsdp, deepspeed))
 
 
 def test_old_policy_routing_is_kept_only_in_old_policy_mode() -> None:

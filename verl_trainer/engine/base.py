@@ -40,6 +40,7 @@ from verl_trainer.engine.lora import LoRAAdapters, require_lora
 from verl_trainer.engine.micro_batch import prepare_micro_batches
 from verl_trainer.engine.topology import Topology
 from verl_trainer.engine.weights import WeightStream
+from verl_trainer.models.moe_lora import param_lora_names, refuse_param_lora_backend
 from verl_trainer.models.moe_loss import with_router_losses
 from verl_trainer.models.moe_routers import TrainingRouters, find_routers, refuse_under_sequence_parallel
 from verl_trainer.utils.device import get_torch_device
@@ -201,6 +202,9 @@ class BaseEngine(ABC):
                 f"backend (its experts are replicated over dp); use strategy='torchtitan' or 'megatron' for "
                 f"expert parallelism, or set expert_model_parallel_size=1"
             )
+        if self.config.lora_enabled and self.config.target_parameters:  # LoRA on fused experts (docs/moe.md)
+            refuse_param_lora_backend(backend or type(self).__name__,
+                                      f"target_parameters={self.config.target_parameters}")
         self.device: torch.device = get_torch_device()
         self.module: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -520,6 +524,8 @@ class BaseEngine(ABC):
         Sets :attr:`lora` when the model carries adapters (``engine/build.py``).
         """
         model, self.lora = build_model(self.config, self.model_type, self.model_factory)
+        if self.lora is not None:  # 'all-linear' or a saved adapter may adapt fused experts (docs/moe.md)
+            refuse_param_lora_backend(self.backend or type(self).__name__, param_lora_names(model))
         self._num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return model
 
