@@ -56,11 +56,18 @@ def _peft(model_path: str, **overrides) -> PeftModel:
         ("lora_dropout", 1.0, r"lora_dropout must be in \[0, 1\)"),
         ("target_modules", "q_proj", "use 'all-linear' or a non-empty list"),
         ("target_modules", [], "use 'all-linear' or a non-empty list"),
+        ("target_parameters", "mlp.experts.down_proj", "use null or a non-empty list"),
+        ("target_parameters", [], "use null or a non-empty list"),
     ],
 )
 def test_config_rejects_bad_lora_values(field, value, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**{field: value})
+
+
+def test_config_refuses_dropout_on_target_parameters():
+    with pytest.raises(ValueError, match=r"lora_dropout=0.1 with target_parameters=\['mlp.experts.down"):
+        EngineConfig(lora_rank=4, lora_dropout=0.1, target_parameters=["mlp.experts.down_proj"])
 
 
 def test_config_lora_switch_and_list_targets():

@@ -365,6 +365,11 @@ class EngineConfig(_Validated):
         )
         self.target_parameters = params
         _check(
+            params is None or self.lora_dropout == 0.0,
+            f"EngineConfig.lora_dropout={self.lora_dropout} with target_parameters={params}: peft's LoRA on "
+            f"parameters cannot apply dropout to the adapters' input; set lora_dropout=0.0",
+        )
+        _check(
             self.lora_adapter_path is None or isinstance(self.lora_adapter_path, str),
             f"EngineConfig.lora_adapter_path must be a directory path or null, got "
             f"{self.lora_adapter_path!r}",
