@@ -8,8 +8,9 @@ and dynamic micro-batching run as without LoRA.
 
 An engine whose model carries adapters holds one :class:`LoRAAdapters` (``engine.lora``; ``None`` without,
 and then nothing of this file runs during a step), to which ``BaseEngine``'s ``get_per_tensor_param``,
-``disable_adapters`` and ``save_adapter`` delegate. Only ``Linear`` LoRA layers are supported; DoRA and
-embedding adapters are refused at build time.
+``disable_adapters`` and ``save_adapter`` delegate. ``Linear`` LoRA layers and LoRA on parameters (peft's
+``ParamWrapper``: a MoE model's fused experts, ``engine/lora_params.py``; fsdp2 only, ``models/moe_lora.py``)
+are supported; DoRA and embedding adapters are refused at build time.
 """
 
 from __future__ import annotations

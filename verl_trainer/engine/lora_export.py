@@ -6,7 +6,8 @@ when reached). :func:`merged_hf_tensors` turns that stream into the base model's
 from the gathered tensors — the model itself is never merged in place — and every name loses peft's
 prefixes, so the result loads into the plain transformers model (``load_state_dict``, a rollout's
 ``update_weights``). :func:`adapter_state_dict` gives the adapters under peft's file names (what
-``adapter_model.safetensors`` holds).
+``adapter_model.safetensors`` holds). LoRA on parameters (fused MoE experts) merges through
+``lora_params.ParamMerger``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from verl_trainer.engine.lora_params import ParamMerger, ParamTarget, without_base_layers
+from verl_trainer.engine.lora_params import ParamMerger, ParamTarget, is_param_wrapper, without_base_layers
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -57,8 +58,6 @@ class LoraTarget:
 def lora_targets(peft_model: torch.nn.Module, adapter: str) -> dict[str, LoraTarget]:
     """The LoRA layers of ``peft_model`` by module name (wrapper parts removed), for ``adapter``."""
     from peft.tuners.lora import LoraLayer
-
-    from verl_trainer.engine.lora_params import is_param_wrapper
 
     return {
         clean_name(name): LoraTarget(
