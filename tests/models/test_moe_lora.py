@@ -62,6 +62,7 @@ def expert_lora_rank(path: str, tmp: str) -> dict[str, Any]:
             out["ref_after"] = engine.infer_batch(shard)["model_output"]["log_probs"]
     out["merged"], out["adapters"] = _full(engine), _full(engine, True)
     engine.save_adapter(os.path.join(tmp, "adapter"))
+    engine.save_hf(os.path.join(tmp, "hf"), tokenizer=None)
     loaded = EngineRegistry.new("language_model", "fsdp2", EngineConfig(
         model_path=path, lora_adapter_path=os.path.join(tmp, "adapter")), OptimConfig())
     loaded.initialize()
@@ -100,9 +101,10 @@ def test_expert_lora_trains_adapters_only_and_exports_peft_merge(tmp_path) -> No
         torch.testing.assert_close(r0["merged"][name], value, rtol=1e-6, atol=1e-6)
         assert torch.equal(r0["merged_loaded"][name], r0["merged"][name]), name
 
-    # log-probs: the engine's = the peft model's = the merged HF model's (1e-5); reference = base model
-    merged_model = load_causal_lm(path)
-    merged_model.load_state_dict(r0["merged"])
+    # log-probs: the engine's = the peft model's = save_hf's merged model's (1e-5); reference = base model
+    merged_model = load_causal_lm(str(tmp_path / "hf"))
+    for name, value in merged_model.state_dict().items():  # save_hf writes the merged stream
+        assert torch.equal(value, r0["merged"][name]), name
     for rank_out in out:
         shard = rank_out["shard"]
         mask = shard["loss_mask"].bool()
