@@ -24,7 +24,7 @@ def refuse_expert_lora(name: str, module: nn.Module) -> None:
     Raises:
         ValueError: Names the layer and the fix.
     """
-    ndim = getattr(module, "_param_ndim", 0)
+    ndim = module.get_param().dim()  # before sharding: the full parameter
     if ndim not in (2, 3):
         raise ValueError(
             f"LoRA on {name}.{module.parameter_name}: a {ndim}-D parameter; only 2-D and 3-D (fused experts "
