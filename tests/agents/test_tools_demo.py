@@ -33,7 +33,7 @@ def test_the_tools_demo_learns_to_use_the_calculator(tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "grpo.py"), "--config",
                            str(ROOT / "configs" / "grpo_tools.yaml"), *QUIET],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)  # 87 s quiet
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     val_rows = (tmp_path / "outputs" / "data" / "arithmetic_tools" / "val.jsonl").read_text().splitlines()
     train = {json.loads(r)["extra_info"]["question"] for r in
