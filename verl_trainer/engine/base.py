@@ -207,6 +207,7 @@ class BaseEngine(ABC):
                                       f"target_parameters={self.config.target_parameters}")
         self.device: torch.device = get_torch_device()
         self.module: torch.nn.Module | None = None
+        self._moe_routers = False  # set when the model is built (build_model)
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.modes = Modes(self.to)
@@ -252,8 +253,12 @@ class BaseEngine(ABC):
     # ------------------------------------------------------------------------------------- compute
     @property
     def _router_features(self) -> bool:
-        """Whether this engine's forward captures a MoE model's routers (see :attr:`HF_ROUTERS`)."""
-        return self.HF_ROUTERS and self.config.moe.needs_router_outputs
+        """Whether this engine's forward captures a MoE model's routers.
+
+        True when the model it built has transformers routers (see :attr:`HF_ROUTERS`) and ``config.moe``
+        asks for router losses, metrics or replay.
+        """
+        return self._moe_routers and self.config.moe.needs_router_outputs
 
     def forward_backward_batch(
         self,
@@ -370,12 +375,13 @@ class BaseEngine(ABC):
             # the [N] outputs are gathered (their gradient scaled by sp: FSDP averages over dp x sp).
             outputs = model_type.sp_outputs(self.forward_model, packed, topo.sp_group, calculate_entropy,
                                             temperature)
-        else:
-            module = self.module if self.HF_ROUTERS else None  # None: no router hooks
-            with TrainingRouters.around(module, self.config.moe, micro_batch) as routers:
+        elif self._router_features:  # a MoE model: its routers hooked for this forward
+            with TrainingRouters.around(self.module, self.config.moe, micro_batch) as routers:
                 hf_output = self._forward_packed(packed)
             outputs = model_type.outputs(hf_output, packed, calculate_entropy, temperature)
-            outputs.update(routers.token_outputs(packed.seq_lens))  # a MoE model's router outputs
+            outputs.update(routers.token_outputs(packed.seq_lens))
+        else:
+            outputs = model_type.outputs(self._forward_packed(packed), packed, calculate_entropy, temperature)
         return {k: packed.unpack(v) for k, v in outputs.items()}
 
     def _forward_packed(self, packed: PackedBatch) -> ModelOutput:
@@ -527,6 +533,7 @@ class BaseEngine(ABC):
         if self.lora is not None:  # 'all-linear' or a saved adapter may adapt fused experts (docs/moe.md)
             refuse_param_lora_backend(self.backend or type(self).__name__, param_lora_names(model))
         self._num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self._moe_routers = self.HF_ROUTERS and bool(find_routers(model))  # a dense model: no router hooks
         return model
 
     def num_trainable_parameters(self) -> int:

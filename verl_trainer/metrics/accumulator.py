@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torchmetrics import Metric as _TMMetric
 from torchmetrics.aggregation import MaxMetric, MeanMetric, MinMetric, SumMetric
 
-from verl_trainer.metrics.derived import derived_metrics
+from verl_trainer.metrics.derived import DERIVED_FROM, derived_metrics
 from verl_trainer.metrics.metric import Metric, Reduction
 from verl_trainer.utils.distributed import all_gather_object, is_initialized
 
@@ -175,5 +175,6 @@ class MetricAccumulator:
             if self._reductions[name] is Reduction.SUM:
                 value /= num_ranks  # mean over ranks of each rank's micro-batch sum
             out[name] = value
-        out.update(derived_metrics(out))  # values read from the global totals (metrics/derived.py)
+        if any(name.startswith(DERIVED_FROM) for name in out):  # values read from the global totals
+            out.update(derived_metrics(out))
         return dict(sorted(out.items()))

@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+DERIVED_FROM = ("moe/",)
+"""Name prefixes the rules read: a reduced set with no name under them has nothing to derive."""
 _EXPERT_TOKENS = re.compile(r"^moe/layer(\d+)/expert(\d+)/tokens$")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -189,7 +190,7 @@ class HFRollout(BaseRollout):
         # otherwise all-reduce every decoding step under ZeRO-3 / FSDP, a collective the one-step-off
         # rollout's background thread must never run)
         routers = find_routers(self.model) if self.record_routing else []
-        with capture_routers(routers) as capture:
+        with capture_routers(routers) if routers else contextlib.nullcontext() as capture:
             sequences = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                             generation_config=greedy, logits_processor=[sampler],
                                             synced_gpus=False)

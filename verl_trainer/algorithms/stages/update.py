@@ -170,7 +170,8 @@ def compute_log_probs(engines: Mapping[str, BaseEngine], batch: TensorDict, acto
         with engine.eval_mode():
             output = engine.infer_batch(batch)["model_output"]
             batch[schema.OLD_LOG_PROBS] = output["log_probs"]
-            keep_old_policy_routing(engine.config.moe, output, batch)  # router replay: old_policy
+            if schema.ROUTED_EXPERTS in output:  # a MoE model's routing (router replay: old_policy)
+                keep_old_policy_routing(engine.config.moe, output, batch)
     if reference:
         ref = engines["actor" if ref_in_actor else "ref"]
         with ref.eval_mode(), ref.disable_adapters() if ref_in_actor else contextlib.nullcontext():
