@@ -151,15 +151,7 @@ class PreferenceModule(TrainingModule):
         with actor.train_mode():
             out = actor.train_batch(batch, self.loss_fn, hooks=self.step_hooks)
         step = (self.trainer.global_step if self.trainer is not None else 0) + 1
-        overflow = bool(out.get("loss_scale_overflow", False))
-        skipped = self.non_finite.check_update("actor", float(out["grad_norm"]), out["metrics"], step,
-                                               loss_scale_overflow=overflow)
-        self.non_finite.end_step(skipped and not overflow, step)
-        outputs = {"micro_batches": out["metrics"], "train/grad_norm": out["grad_norm"],
-                   "train/lr": out["lr"], "train/update_skipped": float(skipped)}
-        if out.get("loss_scale") is not None:
-            outputs["train/loss_scale"] = out["loss_scale"]
-        return outputs
+        return self.non_finite.single_update("actor", out, step)
 
     def validation_step(self, batch: TensorDict, batch_idx: int) -> StepOutput:
         """The loss and the preference metrics of one validation batch, as ``val/<name>``."""

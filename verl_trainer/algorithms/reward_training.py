@@ -154,15 +154,7 @@ class RewardModelModule(TrainingModule):
         with engine.train_mode():
             out = engine.train_batch(batch, self.loss_fn, hooks=self.step_hooks)
         step = (self.trainer.global_step if self.trainer is not None else 0) + 1
-        overflow = bool(out.get("loss_scale_overflow", False))
-        skipped = self.non_finite.check_update(REWARD_ENGINE, float(out["grad_norm"]), out["metrics"], step,
-                                               loss_scale_overflow=overflow)
-        self.non_finite.end_step(skipped and not overflow, step)
-        outputs = {"micro_batches": out["metrics"], "train/grad_norm": out["grad_norm"],
-                   "train/lr": out["lr"], "train/update_skipped": float(skipped)}
-        if out.get("loss_scale") is not None:
-            outputs["train/loss_scale"] = out["loss_scale"]
-        return outputs
+        return self.non_finite.single_update(REWARD_ENGINE, out, step)
 
     def validation_step(self, batch: Any, batch_idx: int) -> StepOutput:
         """The loss and the pair metrics of one validation batch, as ``val/<name>``."""

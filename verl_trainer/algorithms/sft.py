@@ -78,15 +78,7 @@ class SFT(TrainingModule):
         with actor.train_mode():
             out = actor.train_batch(batch, self.loss_fn, hooks=self.step_hooks)
         step = (self.trainer.global_step if self.trainer is not None else 0) + 1
-        overflow = bool(out.get("loss_scale_overflow", False))
-        skipped = self.non_finite.check_update("actor", float(out["grad_norm"]), out["metrics"], step,
-                                               loss_scale_overflow=overflow)
-        self.non_finite.end_step(skipped and not overflow, step)  # a float16 overflow is no broken run
-        outputs = {"micro_batches": out["metrics"], "train/grad_norm": out["grad_norm"],
-                   "train/lr": out["lr"], "train/update_skipped": float(skipped)}
-        if out.get("loss_scale") is not None:
-            outputs["train/loss_scale"] = out["loss_scale"]
-        return outputs
+        return self.non_finite.single_update("actor", out, step)
 
     def state_dict(self) -> dict[str, Any]:
         """The count of steps skipped in a row for a non-finite loss (plain data)."""

@@ -206,6 +206,26 @@ class NonFiniteGuard:
             )
 
 
+    def single_update(self, engine_name: str, out: Mapping[str, Any], step: int) -> dict[str, Any]:
+        """Check a step of one engine update (``train_batch``'s output ``out``) and return its outputs.
+
+        :meth:`check_update` then :meth:`end_step` (a float16 loss-scale overflow skips the step without
+        counting toward the limit: it is no broken run). Returns ``micro_batches``, ``train/grad_norm``,
+        ``train/lr``, ``train/update_skipped`` (1.0: skipped) and, with a loss scaler, ``train/loss_scale``.
+
+        Raises:
+            NonFiniteError: As :meth:`check_update` and :meth:`end_step`.
+        """
+        overflow = bool(out.get("loss_scale_overflow", False))
+        skipped = self.check_update(engine_name, float(out["grad_norm"]), out["metrics"], step,
+                                    loss_scale_overflow=overflow)
+        self.end_step(skipped and not overflow, step)
+        outputs = {"micro_batches": out["metrics"], "train/grad_norm": out["grad_norm"],
+                   "train/lr": out["lr"], "train/update_skipped": float(skipped)}
+        if out.get("loss_scale") is not None:
+            outputs["train/loss_scale"] = out["loss_scale"]
+        return outputs
+
 def _non_finite(batch: TensorDict, values: torch.Tensor, group: Any) -> tuple[torch.Tensor, int]:
     """``([B] bool`` real samples with a non-finite value, their count over ``group``)``; a collective.
 
