@@ -24,6 +24,7 @@ from verl_trainer.algorithms.data import DataConfig, PromptDataModule, SFTDataMo
 from verl_trainer.algorithms.sft import SFT, SFTConfig
 from verl_trainer.callbacks import ProgressBar
 from verl_trainer.data.hub import data_fingerprint
+from verl_trainer.data.prompts import read_rows, save_rows
 from verl_trainer.data.tasks import write_arithmetic_task
 from verl_trainer.engine import BaseEngine
 from verl_trainer.models.hf_dir import HF_MODEL_KINDS
@@ -61,6 +62,23 @@ DataModule = PromptDataModule | SFTDataModule
 
 RL_PROGRESS = ("reward/mean", "val/reward/mean", "response_length/mean", "actor/pg_loss")
 WAIT_FOR_FILES_S = 600.0
+
+
+
+def write_pair_files(task_dir: str, prefix: str, make_rows: Callable[[list[dict[str, Any]], int], Any],
+                     seed: int) -> None:
+    """``{prefix}_{train,val}.jsonl``: ``make_rows(rows, seed)`` of the task's ``sft_{train,val}.jsonl``.
+
+    Each is written where missing and its source exists, by rank 0 only, atomically (a temporary file
+    renamed); the demos' preference and reward-model pairs.
+    """
+    for split in ("train", "val"):
+        out, source = Path(task_dir) / f"{prefix}_{split}.jsonl", Path(task_dir) / f"sft_{split}.jsonl"
+        if out.exists() or not source.exists() or launch_rank() != 0:
+            continue
+        tmp = out.with_suffix(f".tmp{os.getpid()}.jsonl")
+        save_rows(make_rows(read_rows(source), seed), tmp)
+        os.replace(tmp, out)
 
 
 def launch_rank() -> int:

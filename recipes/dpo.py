@@ -11,10 +11,8 @@ after. The trained model is written as an HF directory to ``export_dir`` (defaul
 """
 
 import functools
-import os
 import sys
 import time
-from pathlib import Path
 
 from verl_trainer.utils.threads import apply_thread_env_defaults
 
@@ -23,7 +21,6 @@ apply_thread_env_defaults()  # before torch loads: OpenMP threads sleep when idl
 from verl_trainer.algorithms.preference import PreferenceModule  # noqa: E402
 from verl_trainer.algorithms.preference_data import PreferenceDataModule  # noqa: E402
 from verl_trainer.callbacks import ProgressBar  # noqa: E402
-from verl_trainer.data.prompts import read_rows, save_rows  # noqa: E402
 from verl_trainer.data.tasks import preference_rows  # noqa: E402
 from verl_trainer.recipe_config import DPORecipeConfig, parse_recipe_args  # noqa: E402
 from verl_trainer.recipes import common  # noqa: E402
@@ -34,21 +31,10 @@ CONFIG = config_path("dpo")
 REPORTED = ("val/rewards/accuracies", "val/rewards/margins", "val/loss")
 
 
-def write_preference_files(task_dir: str, seed: int) -> None:
-    """``pref_{train,val}.jsonl`` from the task's ``sft_{train,val}.jsonl`` where missing (rank 0; atomic)."""
-    for split in ("train", "val"):
-        out, source = Path(task_dir) / f"pref_{split}.jsonl", Path(task_dir) / f"sft_{split}.jsonl"
-        if out.exists() or not source.exists() or common.launch_rank() != 0:
-            continue
-        tmp = out.with_suffix(f".tmp{os.getpid()}.jsonl")
-        save_rows(preference_rows(read_rows(source), seed), tmp)
-        os.replace(tmp, out)
-
-
 def _data_module(cfg: DPORecipeConfig, *args, **kwargs) -> PreferenceDataModule:
     """The datamodule (pairs, or KTO's unpaired examples), after the demo's pair files exist."""
     if cfg.task.write_if_missing:
-        write_preference_files(cfg.task.dir, cfg.task.arithmetic.seed)
+        common.write_pair_files(cfg.task.dir, "pref", preference_rows, cfg.task.arithmetic.seed)
     return PreferenceDataModule(*args, unpaired=cfg.algorithm.loss.loss_type == "kto", **kwargs)
 
 

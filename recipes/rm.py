@@ -14,10 +14,8 @@ algorithm.reward.model.path=<it>`` scores with it (docs/reward_models.md).
 """
 
 import functools
-import os
 import sys
 import time
-from pathlib import Path
 
 from verl_trainer.utils.threads import apply_thread_env_defaults
 
@@ -30,7 +28,6 @@ from verl_trainer.algorithms.reward_training import (  # noqa: E402
     save_reward_model,
 )
 from verl_trainer.callbacks import ProgressBar  # noqa: E402
-from verl_trainer.data.prompts import read_rows, save_rows  # noqa: E402
 from verl_trainer.data.reward_task import reward_model_rows  # noqa: E402
 from verl_trainer.recipe_config import parse_recipe_args  # noqa: E402
 from verl_trainer.recipe_config.rm import RMRecipeConfig  # noqa: E402
@@ -42,21 +39,10 @@ CONFIG = config_path("rm")
 REPORTED = ("val/rm/accuracy", "val/rm/margin", "val/loss")
 
 
-def write_reward_model_files(task_dir: str, seed: int) -> None:
-    """``rm_{train,val}.jsonl`` from the task's ``sft_{train,val}.jsonl`` where missing (rank 0; atomic)."""
-    for split in ("train", "val"):
-        out, source = Path(task_dir) / f"rm_{split}.jsonl", Path(task_dir) / f"sft_{split}.jsonl"
-        if out.exists() or not source.exists() or common.launch_rank() != 0:
-            continue
-        tmp = out.with_suffix(f".tmp{os.getpid()}.jsonl")
-        save_rows(reward_model_rows(read_rows(source), seed), tmp)
-        os.replace(tmp, out)
-
-
 def _data_module(cfg: RMRecipeConfig, *args, **kwargs) -> RewardModelDataModule:
     """The datamodule, after the demo's pair files exist."""
     if cfg.task.write_if_missing:
-        write_reward_model_files(cfg.task.dir, cfg.task.arithmetic.seed)
+        common.write_pair_files(cfg.task.dir, "rm", reward_model_rows, cfg.task.arithmetic.seed)
     return RewardModelDataModule(*args, **kwargs)
 
 
