@@ -93,6 +93,14 @@ TEACHER_TOPK_LOG_PROBS = "teacher_topk_log_probs"
 ROUTED_EXPERTS = "routed_experts"
 """Mixture-of-experts router replay: ``[B, T, L, k]`` long, the experts each token was routed to in each MoE
 layer (``-1``: not recorded, the token routes freely); a token field (``models/router_replay.py``)."""
+PIXEL_VALUES = "pixel_values"
+"""Vision-language samples: ``[B, P, D]`` float, sample ``i``'s image patch rows (all its images, in prompt
+order) in rows ``0..n_i-1`` and zeros after (``P`` = the batch's largest ``n_i``; ``D`` = channels x temporal
+patch x patch**2). A per-sample field: it travels with its sample through balancing and micro-batching
+(``data/vision.py``)."""
+IMAGE_GRID_THW = "image_grid_thw"
+"""Vision-language samples: ``[B, I, 3]`` long, the (t, h, w) patch grid of each of sample ``i``'s images,
+zero rows after its last; ``n_i = sum(t * h * w)`` over its rows (``data/vision.py``)."""
 
 GROUND_TRUTH = "ground_truth"
 DATA_SOURCE = "data_source"
