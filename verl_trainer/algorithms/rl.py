@@ -378,7 +378,9 @@ class RLModule(TrainingModule):
     def state_dict(self) -> dict[str, Any]:
         """The rollout's call counter and the count of steps skipped in a row for non-finite values.
 
-        The counter seeds the sampling, so a resumed run samples as the original.
+        The counter seeds the sampling, so a resumed run samples as the original. With the asynchronous
+        rollout also ``async_rollout_queues``: every rank's queued groups (:meth:`AsyncRollout.state_dict`
+        waits for them), gathered over the world — a collective, as the checkpoint's ``make_state`` is.
         """
         state = {"rollout_generate_calls": self.rollout.num_generate_calls if self.rollout else 0,
                  "non_finite_skipped_in_a_row": self.guard.non_finite.skipped_in_a_row}
@@ -387,7 +389,7 @@ class RLModule(TrainingModule):
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore the counter; the rollout copy is re-synced from the restored actor before its next use."""
+        """Restore the counter and this rank's queued groups; the rollout is re-synced before its next use."""
         if self.rollout is not None:
             self.rollout._calls = int(state_dict.get("rollout_generate_calls", 0))
         self.guard.non_finite.skipped_in_a_row = int(state_dict.get("non_finite_skipped_in_a_row", 0))
