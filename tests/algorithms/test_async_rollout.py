@@ -328,11 +328,13 @@ def test_two_processes_one_step_off_train_the_demo_and_resume(tmp_path):
     last = sum(metrics[s]["reward/mean"] for s in range(steps - 4, steps + 1)) / 5
     assert last > first + 0.02, (first, last)  # measured: 0.231 -> 0.295
     assert all(metrics[s]["timing/idle_s"] < metrics[s]["timing/step_s"] for s in range(2, steps + 1))
-    # resume from step 15, whose read-ahead batch was in flight: regenerated with the restored weights
+    # resume from step 15 at 2 processes: step 16's group, queued with version 14, comes from the checkpoint
     ckpt = tmp_path / "outputs" / "grpo" / "checkpoints" / "step_000015"
     resumed = _demo(tmp_path, "trainer.max_steps=17", "trainer.checkpoint.every_n_train_steps=15",
                     f"trainer.ckpt_path={ckpt}")
-    assert [resumed[s]["rollout/staleness"] for s in (16, 17)] == [0.0, 1.0]
+    assert [resumed[s]["rollout/staleness"] for s in (16, 17)] == [1.0, 1.0]
+    for key in ("reward/mean", "response_length/mean", "actor/pg_loss"):
+        assert resumed[16][key] == metrics[16][key], key
 
 
 def test_queued_groups_round_trip_through_a_pickle_free_file(tmp_path):
