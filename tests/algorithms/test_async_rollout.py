@@ -11,7 +11,8 @@
   trains the same samples and ends with bitwise the same metrics and weights as the run that wrote it,
   without and with partial rollouts; the queue's state loads pickle-free;
 * unsupported combinations are refused before any model loads;
-* (slow) at 2 gloo ranks the demo task's reward rises with ``max_staleness=1``.
+* (slow) at 2 gloo ranks the demo task's reward rises with ``max_staleness=1``; resumed from step 15, step
+  16 is trained from the checkpoint's queue (staleness 1, the first run's reward, length and loss).
 """
 
 from __future__ import annotations

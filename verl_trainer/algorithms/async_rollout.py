@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -366,6 +367,12 @@ class AsyncRollout:
             Whether the groups were queued.
         """
         if state.get("max_staleness") != self.k or bool(state.get("partial")) != self.partial:
+            if state.get("groups"):
+                warnings.warn(f"the checkpoint's {len(state['groups'])} queued rollout groups were generated "
+                              f"with max_staleness={state.get('max_staleness')}, partial_rollout="
+                              f"{bool(state.get('partial'))}; this run has max_staleness={self.k}, "
+                              f"partial_rollout={self.partial}: they are generated again with the restored "
+                              "weights (not the uninterrupted run's samples)", stacklevel=2)
             return False
         self.close()
         for saved in state["groups"]:
