@@ -1,12 +1,14 @@
 """Asynchronous rollout (``algorithm.rollout.max_staleness=k``) vs the synchronous run.
 
-    nice -n 10 python bench/async_rollout.py [--workload default,realistic,long_tail] [--staleness 1,2,4,2p]
-                                             [--rounds 3] [--steps 20] [--devices 1] [--json F]
+    nice -n 10 python bench/async_rollout.py [--workload default,realistic,long_tail]
+                                             [--staleness 1,2,4,2p,2d] [--rounds 3] [--steps 20]
+                                             [--devices 1] [--json F]
 
 Runs ``recipes/grpo.py`` in paired rounds, each round one synchronous run (``max_staleness=0``) and one
-run per ``k`` of ``--staleness`` (``2p``: ``k = 2`` with ``partial_rollout``), in an order rotated every
-round, each in its own process from the same fresh directory (same tiny model, data and seed; no warm
-start, validation, checkpoints or export). All runs have ``rollout_correction.level=token``, so the sides
+run per ``k`` of ``--staleness`` (``2p``: ``k = 2`` with ``partial_rollout``; ``2d``, long_tail only:
+``k = 2`` with the discarding baseline instead of admission control), in an order rotated every round,
+each in its own process from the same fresh directory (same tiny model, data and seed; no warm start,
+validation, checkpoints or export). All runs have ``rollout_correction.level=token``, so the sides
 differ only in the overlap. Workloads:
 
 * ``default``: ``configs/grpo.yaml`` as it is (tiny Qwen2 hidden 64 / 2 layers, 32 prompts x 8, 4 new
@@ -14,8 +16,10 @@ differ only in the overlap. Workloads:
 * ``realistic``: ``bench/rollout.py``'s realistic shape (hidden 256 / 4 layers / 8 heads, 16 prompts x 8,
   up to 128 new tokens), where generation is most of a synchronous step;
 * ``long_tail``: the realistic shape whose responses are capped at 16 tokens except for ~10% of the prompts,
-  which generate up to 128 (8x longer; ``bench/long_tail_rollout.py``); its ``p`` sides are skipped (the
-  per-call cap does not compose with partial rollouts' chunked calls).
+  which generate up to 128 (8x longer; ``bench/long_tail_rollout.py``; the cap is per response, also across
+  partial rollouts' chunks). Its ``d`` sides discard instead of admitting: generation stops at 16 tokens
+  and the responses not finished by then (the long prompts') are dropped from training
+  (``DiscardingLongTailRollout``, a bench-only baseline: the trainer never discards).
 
 Per run, the median over steps 3..N of ``timing/step_s`` (the whole RL step: generation or the wait for it,
 rewards, update, weight copy), ``timing/rollout_s`` (generation of the trained batch, on the background
@@ -24,7 +28,8 @@ generation). Printed: per round the step-time ratio sync / async_k (> 1: async i
 the rounds, the overlap per step (generation, training, idle) of each side, and the trained response
 length (mean over steps of ``response_length/mean`` and ``/max``): admission control trains every group it
 admitted, so the length distribution stays that of the synchronous run (a scheme that discards slow groups
-would shift it to the short ones).
+would shift it to the short ones; the ``d`` sides show by how much). The load average before and after
+the runs is printed: on a shared machine the ratios are "under load".
 """
 
 from __future__ import annotations
@@ -56,7 +61,10 @@ def run(workdir: Path, name: str, side: str, steps: int, devices: int,
         workload: tuple[str, ...]) -> dict:
     """One recipe run (``side``: ``"k"``, or ``"kp"`` with partial rollouts); the medians over steps 3..N."""
     root = workdir / f"{name}_{side}"
-    staleness, partial = int(side.rstrip("p")), side.endswith("p")
+    staleness, partial, discard = int(side.rstrip("pd")), side.endswith("p"), side.endswith("d")
+    if discard:  # the bench-only baseline: the long responses cut at the deadline and dropped
+        workload = (*workload, f"algorithm.rollout.name={ROOT / 'bench' / 'long_tail_rollout.py'}"
+                               ":DiscardingLongTailRollout")
     args = [sys.executable, str(ROOT / "recipes" / "grpo.py"), f"trainer.max_steps={steps}",
             f"trainer.devices={devices}", "trainer.val_check_interval=null", "trainer.logger=[csv]",
             "trainer.enable_checkpointing=false", "trainer.export_hf=false",
@@ -75,6 +83,7 @@ def run(workdir: Path, name: str, side: str, steps: int, devices: int,
     out["reward_mean"] = statistics.mean(float(r["reward/mean"]) for r in rows)
     out["length_mean"] = statistics.mean(float(r["response_length/mean"]) for r in rows)
     out["length_max"] = statistics.mean(float(r["response_length/max"]) for r in rows)
+    out["long_share"] = statistics.mean(float(r["response_length/clip_ratio"]) for r in rows)
     tokens = [sum(float(r.get(f"rollout/tokens_at_staleness_{d}") or 0.0) for r in rows)
               for d in range(staleness + 1)]
     out["token_staleness"] = (sum(d * t for d, t in enumerate(tokens)) / sum(tokens)) if sum(tokens) else 0.0
@@ -83,8 +92,8 @@ def run(workdir: Path, name: str, side: str, steps: int, devices: int,
 
 def bench(name: str, staleness: list[str], rounds: int, steps: int, devices: int) -> dict:
     workload, sides = WORKLOADS[name], ["0", *staleness]
-    if name == "long_tail":  # its per-call cap does not compose with chunked generation
-        staleness = [k for k in staleness if not k.endswith("p")]
+    if name != "long_tail":  # the discarding baseline is the long-tailed workload's
+        staleness = [k for k in staleness if not k.endswith("d")]
         sides = ["0", *staleness]
     result: dict = {"rounds": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,7 +108,7 @@ def bench(name: str, staleness: list[str], rounds: int, steps: int, devices: int
                 f"k={k} {got[k]['step_s'] * 1e3:.1f} ms -> {ratios[k]:.2f}x" for k in staleness), flush=True)
     result["ratio_median"] = {k: statistics.median(x["ratio"][k] for x in result["rounds"])
                               for k in staleness}
-    keys = (*TIMINGS, "length_mean", "length_max", "staleness", "token_staleness")
+    keys = (*TIMINGS, "length_mean", "length_max", "long_share", "staleness", "token_staleness")
     result["sides"] = {k: {t: statistics.median(x["sides"][k][t] for x in result["rounds"]) for t in keys}
                        for k in sides}
     return result
@@ -117,7 +126,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     staleness = args.staleness.split(",")
-    results = {}
+    results: dict = {"load_before": os.getloadavg()}
+    print(f"load average before: {results['load_before']}", flush=True)
     for name in args.workload.split(","):
         if name not in WORKLOADS:
             raise SystemExit(f"--workload {name!r}: choose from {sorted(WORKLOADS)}")
@@ -129,8 +139,11 @@ def main() -> None:
             idle = "" if k == "0" else f", idle {t['idle_s'] * 1e3:.1f} ms"
             print(f"  k={k} per step: {t['step_s'] * 1e3:.1f} ms = generation {t['rollout_s'] * 1e3:.1f} ms"
                   f"{' (background)' if k != '0' else ''}, update {t['update_s'] * 1e3:.1f} ms{idle}; "
-                  f"trained length mean {t['length_mean']:.1f} max {t['length_max']:.1f}, "
+                  f"trained length mean {t['length_mean']:.1f} max {t['length_max']:.1f} "
+                  f"(share at max_new_tokens {t['long_share']:.3f}), "
                   f"staleness {t['staleness']:.2f} (per token {t['token_staleness']:.2f})")
+    results["load_after"] = os.getloadavg()
+    print(f"load average after: {results['load_after']} (above ~2 on 2 cores: the ratios are under load)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -7,9 +7,12 @@
 * ``max_staleness=2`` at dp=1 and dp=2: staleness 0, 1, 2, 2; step 3 is sampled by the initial weights
   (a fresh rollout gives the same tokens); the version fields tag every sample and response token; the
   two dp sizes give the same tokens and weights to 2e-6; a failing rollout thread on dp rank 1 makes both
-  ranks raise, naming rank 1 (no hang); a run resumed mid-queue samples the same on every resume;
+  ranks raise, naming rank 1 (no hang); a run resumed from step 2 with the queue in its checkpoint
+  trains the same samples and ends with bitwise the same metrics and weights as the run that wrote it,
+  without and with partial rollouts; the queue's state loads pickle-free;
 * unsupported combinations are refused before any model loads;
-* (slow) at 2 gloo ranks the demo task's reward rises with ``max_staleness=1``.
+* (slow) at 2 gloo ranks the demo task's reward rises with ``max_staleness=1``; resumed from step 15, step
+  16 is trained from the checkpoint's queue (staleness 1, the first run's reward, length and loss).
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def _grpo_fit(model: str, data: str, root: str, *overrides: str, devices: int = 
                       callbacks=[record, *checkpoints], seed=7)
     module = GRPO(cfg.algorithm)
     trainer.fit(module, datamodule=PromptDataModule(cfg.data, load_tokenizer(model)), ckpt_path=ckpt_path)
-    return {"record": record, "module": module, "config": cfg.algorithm,
+    return {"record": record, "module": module, "config": cfg.algorithm, "root": root,
             "params": {n: t.detach().clone() for n, t in module.actor.get_per_tensor_param()}}
 
 
@@ -193,9 +196,9 @@ def _staleness_two(assets: Path, tmp_path: Path) -> dict:
     if dp == 1:  # partial rollouts: tokens may come from newer weights than their sample's first token
         from verl_trainer.algorithms.async_rollout import TOKEN_POLICY_VERSION
 
-        part = _grpo_fit(*args, str(tmp_path / "partial"), "algorithm.rollout.max_staleness=2",
-                         "algorithm.rollout.partial_rollout=true", "algorithm.rollout.partial_chunk_tokens=1",
-                         steps=4)
+        partial = ("algorithm.rollout.max_staleness=2", "algorithm.rollout.partial_rollout=true",
+                   "algorithm.rollout.partial_chunk_tokens=1")
+        part = _grpo_fit(*args, str(tmp_path / "partial"), *partial, steps=4, checkpoint_every=2)
         for step, (m, batch) in enumerate(zip(part["record"].metrics, part["record"].rollouts, strict=True)):
             assert m["actor/grad_norm"] > 0 and m["rollout/staleness_max"] <= min(step, 2)
             real = schema.real_mask(batch)
@@ -208,17 +211,21 @@ def _staleness_two(assets: Path, tmp_path: Path) -> dict:
                 seq = row[cols]
                 assert (seq[1:] >= seq[:-1]).all()
             assert torch.equal(first, torch.stack([row[cols][0] for row, cols in zip(versions, response)]))
-        # resume from step 2 twice: the queue is not saved, so both resumes sample alike
-        ckpt = tmp_path / "two_dp1" / "checkpoints"
-        step2 = ckpt / "step_000002"
-        resumed = [_grpo_fit(*args, str(tmp_path / f"resume{i}"), "algorithm.rollout.max_staleness=2",
-                             steps=4, ckpt_path=str(step2)) for i in range(2)]
-        for run in resumed:
-            assert [m["rollout/staleness"] for m in run["record"].metrics] == [0.0, 1.0]
-        first, second = ([_by_prompt(b) for b in r["record"].rollouts] for r in resumed)
-        assert first == second
-        for name, tensor in resumed[0]["params"].items():
-            assert torch.equal(resumed[1]["params"][name], tensor), name
+        # resume from step 2, its queue (steps 2, 3 sampled by versions 0, 1) in the checkpoint: the same
+        # samples, metrics and weights as the uninterrupted run (whose tokens dp=2, not checkpointed, shares)
+        for run, overrides in ((two, ()), (part, partial)):
+            step2 = Path(run["root"]) / "checkpoints" / "step_000002"
+            resumed = _grpo_fit(*args, str(tmp_path / f"resumed_{len(overrides)}"),
+                                "algorithm.rollout.max_staleness=2",
+                                *overrides, steps=4, ckpt_path=str(step2))
+            assert len(resumed["record"].rollouts) == 2
+            for a, b in zip(run["record"].rollouts[2:], resumed["record"].rollouts, strict=True):
+                for key in ("input_ids", "rollout_log_probs", *VERSION_KEYS):
+                    assert torch.equal(a[key], b[key]), key
+            for a, b in zip(run["record"].metrics[2:], resumed["record"].metrics, strict=True):
+                assert _without_timing(a) == _without_timing(b)
+            for name, tensor in run["params"].items():
+                assert torch.equal(resumed["params"][name], tensor), name
     else:  # dp rank 1's rollout thread fails at step 3: both ranks raise, naming rank 1
         broken = tmp_path / "broken_rollout.py"
         if dist.get_rank() == 0:
@@ -322,8 +329,28 @@ def test_two_processes_one_step_off_train_the_demo_and_resume(tmp_path):
     last = sum(metrics[s]["reward/mean"] for s in range(steps - 4, steps + 1)) / 5
     assert last > first + 0.02, (first, last)  # measured: 0.231 -> 0.295
     assert all(metrics[s]["timing/idle_s"] < metrics[s]["timing/step_s"] for s in range(2, steps + 1))
-    # resume from step 15, whose read-ahead batch was in flight: regenerated with the restored weights
+    # resume from step 15 at 2 processes: step 16's group, queued with version 14, comes from the checkpoint
     ckpt = tmp_path / "outputs" / "grpo" / "checkpoints" / "step_000015"
     resumed = _demo(tmp_path, "trainer.max_steps=17", "trainer.checkpoint.every_n_train_steps=15",
                     f"trainer.ckpt_path={ckpt}")
-    assert [resumed[s]["rollout/staleness"] for s in (16, 17)] == [0.0, 1.0]
+    assert [resumed[s]["rollout/staleness"] for s in (16, 17)] == [1.0, 1.0]
+    for key in ("reward/mean", "response_length/mean", "actor/pg_loss"):
+        assert resumed[16][key] == metrics[16][key], key
+
+
+def test_queued_groups_round_trip_through_a_pickle_free_file(tmp_path):
+    from tensordict import NonTensorStack, TensorDict
+
+    from verl_trainer.algorithms.rollout_queue_state import batch_from_state, batch_state
+    from verl_trainer.utils.safe_load import safe_torch_load
+
+    batch = TensorDict({"input_ids": torch.arange(6).view(2, 3), "rollout_log_probs": torch.rand(2, 3)}, [2])
+    batch["ground_truth"] = NonTensorStack.from_list(["4", {"answer": [1, 2.5], "hint": None}])
+    torch.save({"queue": batch_state(batch)}, tmp_path / "state.pt")
+    back = batch_from_state(safe_torch_load(tmp_path / "state.pt")["queue"])
+    assert torch.equal(back["input_ids"], batch["input_ids"])
+    assert torch.equal(back["rollout_log_probs"], batch["rollout_log_probs"])
+    assert back["ground_truth"].tolist() == ["4", {"answer": [1, 2.5], "hint": None}]
+    batch["extra_info"] = NonTensorStack.from_list([object(), object()])
+    with pytest.raises(ValueError, match="cannot checkpoint batch entry 'extra_info'.*not JSON data"):
+        batch_state(batch)

@@ -30,9 +30,11 @@ from tests.invariance.cases import (
     MULTI_TURN_LOSS,
     PREFERENCE_LOSSES,
     RM_LOSS,
+    VERSION_LOSS,
     Case,
 )
 from tests.invariance.distill import distill_batch
+from tests.invariance.versions import version_batch
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.models.loading import load_causal_lm, load_value_model
@@ -160,6 +162,8 @@ def batch_for(case: Case, batch: TensorDict) -> TensorDict:
         return distill_batch(batch, VOCAB_LOW, VOCAB_HIGH, top_k=case.loss == "distill_topk")
     if case.loss == MOE_REPLAY_LOSS:  # the MoE block: a recorded routing to replay
         return moe_batch(batch)
+    if case.loss == VERSION_LOSS:  # the version-fields block: versions and mixed behaviour log-probs
+        return version_batch(batch)
     return multi_turn_batch(batch) if case.loss == MULTI_TURN_LOSS else batch
 
 

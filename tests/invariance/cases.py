@@ -26,6 +26,10 @@ The matrix is the union of these blocks (a full cross product would be ~1000 eng
   are their own library's; each runs in its own venv and CI stage, ``scripts/ci_backend.sh``): the GRPO
   (``ppo``) and SFT losses in token-mean and seq-mean-token-mean at dp=1, dp=2 and tp=2, one micro-batch
   and dynamic micro-batching, balancing off/on at dp=2 — against the same fsdp2 reference.
+* **version fields** (``ppo_ver``: the PPO loss with token TIS on a batch carrying ``policy_version`` /
+  ``token_policy_version`` and behaviour log-probs of mixed versions, as partial rollouts make them, plus
+  version metrics; ``tests/invariance/versions.py``), fsdp2: dp in {1, 2} x one / fixed 1 / dynamic x
+  balancing off/on, and seq-mean-token-mean at dp=2 + dynamic + balancing.
 * **multi-turn** (``ppo_mt``: the PPO loss on the batch as a multi-turn rollout makes it, tool-observation
   spans inside the responses with loss and response mask 0, ``batch.multi_turn_batch``), fsdp2: token-mean
   and seq-mean-token-mean on dp in {1, 2} x every micro-batching x balancing off/on.
@@ -321,6 +325,22 @@ def rm_cases() -> list[Case]:
     return cases
 
 
+# ---------------------------------------------------------------- version fields (issue 42: async rollout)
+VERSION_LOSS = "ppo_ver"
+"""PPO with token TIS on the batch with ``policy_version`` / ``token_policy_version`` and behaviour log-probs
+of mixed versions (``tests/invariance/versions.py``), plus the version metrics; joins the ppo spawns."""
+VERSION_DP_SIZES = (1, 2)
+VERSION_MICRO = ("one", "fixed1", "dynamic")
+
+
+def version_cases() -> list[Case]:
+    """The version-fields block (fsdp2): token-mean on dp in {1, 2} x one / fixed1 / dynamic x balancing
+    off/on, and seq-mean-token-mean on dp=2 + dynamic + balancing."""
+    cases = [Case(VERSION_LOSS, "token-mean", dp, micro, bal, "fsdp2")
+             for dp, micro, bal in product(VERSION_DP_SIZES, VERSION_MICRO, (False, True))]
+    return [*cases, Case(VERSION_LOSS, "seq-mean-token-mean", 2, "dynamic", True, "fsdp2")]
+
+
 def all_cases() -> list[Case]:
     """The whole matrix (references excluded), in a stable order."""
     cases: set[Case] = set()
@@ -342,6 +362,7 @@ def all_cases() -> list[Case]:
     cases.update(objective_cases())
     cases.update(moe_cases())
     cases.update(rm_cases())
+    cases.update(version_cases())
     return sorted(c for c in cases if not c.is_reference)
 
 

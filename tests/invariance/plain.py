@@ -16,7 +16,7 @@ from tensordict import TensorDict
 
 from tests.engine.common import padded_log_probs, padded_values
 from tests.invariance.batch import VALUE_SEED, batch_for
-from tests.invariance.cases import PPO_LOSSES, Case
+from tests.invariance.cases import PPO_LOSSES, VERSION_LOSS, Case
 from tests.invariance.runner import OPTIM, make_loss_fn, outputs_by_uid
 from verl_trainer.engine import GlobalBatchInfo
 from verl_trainer.metrics import reduce_metrics
@@ -46,6 +46,8 @@ def plain_step(case: Case, model_path: str, batch: TensorDict) -> dict[str, Any]
         with torch.no_grad():
             outputs = outputs_by_uid({**model_output, "entropy": padded_entropy(out.logits)}, batch)
         if case.loss in PPO_LOSSES:
+            model_output["entropy"] = padded_entropy(out.logits)
+        if case.loss == VERSION_LOSS:  # the version-fields block: PPO's entropy bonus
             model_output["entropy"] = padded_entropy(out.logits)
     # global_batch_size counts every real sample, the all-zero-mask one included (the engine's definition)
     info = GlobalBatchInfo(dp_size=1, batch_num_tokens=int(batch["loss_mask"].sum()),

@@ -33,10 +33,12 @@ from tests.invariance.cases import (
     PPO_LOSSES,
     PREFERENCE_LOSSES,
     RM_LOSS,
+    VERSION_LOSS,
     XFAIL,
     Case,
 )
 from tests.invariance.distill import distill_loss_fn
+from tests.invariance.versions import VersionedPPOLoss
 from verl_trainer.callbacks.sequence_balancing import balance_batch
 from verl_trainer.core_algos import RolloutCorrectionConfig
 from verl_trainer.core_algos.losses import (
@@ -112,6 +114,8 @@ def make_loss_fn(case: Case) -> Callable[..., Any]:
                                       **OBJECTIVE_LOSS_SETTINGS.get(case.loss[len("pl_"):], {})))
     if case.loss in MOE_LOSSES:  # the MoE block: the PPO loss (router losses added by the engine)
         return make_loss_fn(replace(case, loss="ppo"))
+    if case.loss == VERSION_LOSS:  # the version-fields block: token TIS + version metrics
+        return VersionedPPOLoss(case.agg, factor)
     if case.loss in PPO_LOSSES:
         correction = RolloutCorrectionConfig(level="token", threshold=2.0) if case.loss == CORRECTION_LOSS \
             else None
@@ -208,6 +212,8 @@ def run_case_on_rank(case: Case, model_path: str, batch: TensorDict) -> dict[str
     kwargs = {"calculate_entropy": True} if case.loss in PPO_LOSSES + OBJECTIVE_CASE_LOSSES else {}
     if case.loss in MOE_LOSSES:  # the MoE block: PPO's entropy bonus
         kwargs = {"calculate_entropy": True}
+    if case.loss == VERSION_LOSS:  # the version-fields block: PPO's entropy bonus
+        kwargs = {"calculate_entropy": True}
     loss_fn = make_loss_fn(case)
     if getattr(loss_fn, "needs_prepare", False):  # clip-cov / KL-cov: the step-wide selection (collective)
         shard = loss_fn.prepare(shard, engine.get_data_parallel_group())
@@ -293,6 +299,8 @@ def chunk_key(case: Case) -> tuple:
         loss = f"objectives/{case.agg}"
     if case.loss in MOE_LOSSES:  # the MoE block: its own spawns (its own model)
         loss = "moe"
+    if case.loss == VERSION_LOSS:  # the version-fields block joins ppo's spawns
+        loss = "ppo"
     if case in XFAIL:
         return case.world, case.sp, loss, case.id
     if case.strategy in LIBRARY_BACKENDS:

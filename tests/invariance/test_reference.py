@@ -19,6 +19,7 @@ from tests.invariance.cases import (
     MULTI_TURN_AGG_MODES,
     MULTI_TURN_LOSS,
     SLICE,
+    VERSION_LOSS,
     Case,
 )
 from tests.invariance.compare import compare, failures
@@ -34,6 +35,7 @@ def reference_params() -> list:
     pairs = [(loss, agg) for loss in LOSSES for agg in AGG_MODES]
     pairs += [(CORRECTION_LOSS, agg) for agg in CORRECTION_AGG_MODES]
     pairs += [(MULTI_TURN_LOSS, agg) for agg in MULTI_TURN_AGG_MODES]
+    pairs += [(VERSION_LOSS, agg) for agg in ("token-mean", "seq-mean-token-mean")]  # the version fields
     for loss, agg in pairs:
         case = Case(loss, agg, 1, "one", False, "fsdp2")
         marks = [pytest.mark.invariance]

@@ -39,10 +39,13 @@ thread that ended without finishing its group is reported with its rank. After e
 agree (an all-reduce of a flag) so that every rank raises together, naming the failed ranks, instead of
 one rank waiting in the next collective.
 
-**Resume.** The queue is not checkpointed: a checkpoint of step ``t`` holds the weights after ``t``
-updates and the loader position. A resumed run samples steps ``t .. t + k`` with version ``t`` (staleness
-``0 .. k``), then continues at staleness ``k``; it is reproducible (a second resume samples the same), but
-steps ``t .. t + k - 1`` differ from the uninterrupted run, whose groups came from older weights.
+**Resume.** A checkpoint of step ``t`` waits for the queued groups (steps ``t .. t + k - 1``, versions
+``t - k .. t - 1``) and stores their samples (:meth:`AsyncRollout.state_dict`,
+:mod:`verl_trainer.algorithms.rollout_queue_state`); the resumed run trains them at their steps, so
+without partial rollouts it continues with the same samples, losses and weights as the uninterrupted run.
+With partial rollouts the checkpoint finishes the queued groups with the versions published so far (the
+uninterrupted run might have sampled their last chunks with a newer one): the resumed run trains exactly
+the samples the checkpointing run trains; later steps depend on timing, as in any partial run.
 
 Validation waits for the queue to drain, then loads the current weights (validation samples on the
 training thread with the rollout's model).
@@ -58,6 +61,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -68,6 +72,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.algorithms.partial_rollout import ChunkedSampler, place_token_versions
+from verl_trainer.algorithms.rollout_queue_state import QUEUE_STATE_VERSION, batch_from_state, batch_state
 from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.algorithms.stages.rollout import RolloutStage
 from verl_trainer.data import schema
@@ -132,7 +137,8 @@ class _Group:
     """The samples of one step: its prompts, the version admitted with, the outcome."""
 
     step: int
-    prompt_batch: TensorDict
+    prompt_batch: TensorDict | None
+    """``None`` for a group restored from a checkpoint (already done)."""
     prompts: list[list[int]]
     prompt_index: torch.Tensor
     version: int
@@ -328,6 +334,55 @@ class AsyncRollout:
         if thread is not None:
             thread.join()
         self.queue.clear()
+
+    # ----------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The queued groups' samples (tensors and plain data); waits for every queued group to finish.
+
+        Returns:
+            ``{"version", "max_staleness", "partial", "groups": [{"step", "version", "prompts",
+            "prompt_index", "batch", "seconds"}]}`` for the groups in step order, up to the first failed
+            one (a failed group and those after it are generated again on resume; the running fit raises
+            at its step).
+        """
+        self.wait()
+        groups = []
+        for group in self.queue:
+            if group.error is not None or group.batch is None:
+                break
+            groups.append({"step": group.step, "version": group.version, "prompts": group.prompts,
+                           "prompt_index": group.prompt_index.clone(), "batch": batch_state(group.batch),
+                           "seconds": group.seconds})
+        return {"version": QUEUE_STATE_VERSION, "max_staleness": self.k, "partial": self.partial,
+                "groups": groups}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> bool:
+        """Queue the groups :meth:`state_dict` saved, done (before this run's first step).
+
+        Groups saved with another ``max_staleness`` or ``partial_rollout`` setting are dropped: their
+        versions would not be this run's schedule. A group whose prompts are not its step's batch (another
+        data order) is dropped at its step by :meth:`generate`, and generated again.
+
+        Returns:
+            Whether the groups were queued.
+        """
+        if state.get("max_staleness") != self.k or bool(state.get("partial")) != self.partial:
+            if state.get("groups"):
+                warnings.warn(f"the checkpoint's {len(state['groups'])} queued rollout groups were generated "
+                              f"with max_staleness={state.get('max_staleness')}, partial_rollout="
+                              f"{bool(state.get('partial'))}; this run has max_staleness={self.k}, "
+                              f"partial_rollout={self.partial}: they are generated again with the restored "
+                              "weights (not the uninterrupted run's samples)", stacklevel=2)
+            return False
+        self.close()
+        for saved in state["groups"]:
+            group = _Group(step=int(saved["step"]), prompt_batch=None,
+                           prompts=[list(map(int, p)) for p in saved["prompts"]],
+                           prompt_index=saved["prompt_index"], version=int(saved["version"]),
+                           batch=batch_from_state(saved["batch"]), seconds=float(saved["seconds"]))
+            group.done.set()
+            self.queue.append(group)
+        return True
 
     # ----------------------------------------------------------------------------------------- step
     def before_validation(self, step: int) -> None:

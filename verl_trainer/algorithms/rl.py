@@ -37,6 +37,7 @@ from verl_trainer.algorithms.reward_model import (
     RewardModelScores,
     split_reward_models,
 )
+from verl_trainer.algorithms.rollout_queue_state import gather_queue_states, own_queue_state
 from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.algorithms.stages.guard import NonFiniteGuard, StepGuard
 from verl_trainer.algorithms.stages.rollout import RolloutStage, WeightSync
@@ -131,6 +132,8 @@ class RLModule(TrainingModule):
         """The estimator reads ``reward_baselines`` (ReMax): every step also decodes each prompt greedily
         (:mod:`verl_trainer.algorithms.greedy_baseline`)."""
         self._stages: RLStages | None = None
+        self._saved_queue: dict[str, Any] | None = None
+        """This rank's queued groups from a checkpoint, until the asynchronous rollout is built."""
 
     # ---------------------------------------------------------------------------------------- engines
     @property
@@ -271,6 +274,7 @@ class RLModule(TrainingModule):
         if cfg.rollout.max_staleness:  # read ahead k steps: generated while the steps before train
             rollout = AsyncRollout(rollout, self.trainer.peek_next_batches, cfg.rollout.max_staleness,
                                    group, rank or 0)
+            self._restore_queue(rollout)
         self.guard.dp_group = group
         logs = [TrainGenerations(self.train_generations, self.trainer)] if cfg.log_train_generations else []
         model = (RewardModelScores(self.reward_model, self.engines[REWARD_MODEL_ENGINE], group)
@@ -374,15 +378,28 @@ class RLModule(TrainingModule):
     def state_dict(self) -> dict[str, Any]:
         """The rollout's call counter and the count of steps skipped in a row for non-finite values.
 
-        The counter seeds the sampling, so a resumed run samples as the original.
+        The counter seeds the sampling, so a resumed run samples as the original. With the asynchronous
+        rollout also ``async_rollout_queues``: every rank's queued groups (:meth:`AsyncRollout.state_dict`
+        waits for them), gathered over the world — a collective, as the checkpoint's ``make_state`` is.
         """
-        return {"rollout_generate_calls": self.rollout.num_generate_calls if self.rollout else 0,
-                "non_finite_skipped_in_a_row": self.guard.non_finite.skipped_in_a_row}
+        state = {"rollout_generate_calls": self.rollout.num_generate_calls if self.rollout else 0,
+                 "non_finite_skipped_in_a_row": self.guard.non_finite.skipped_in_a_row}
+        if self.async_rollout is not None:  # every rank's queued samples (a collective: rollout_queue_state)
+            state["async_rollout_queues"] = gather_queue_states(self.async_rollout.state_dict())
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore the counter; the rollout copy is re-synced from the restored actor before its next use."""
+        """Restore the counter and this rank's queued groups; the rollout is re-synced before its next use."""
         if self.rollout is not None:
             self.rollout._calls = int(state_dict.get("rollout_generate_calls", 0))
         self.guard.non_finite.skipped_in_a_row = int(state_dict.get("non_finite_skipped_in_a_row", 0))
+        self._saved_queue = own_queue_state(state_dict.get("async_rollout_queues"))
         if self._stages is not None:
             self._stages.rollout.weights.stale = True
+            self._restore_queue(self.async_rollout)
+
+    def _restore_queue(self, rollout: AsyncRollout | None) -> None:
+        """Queue the checkpoint's generated groups (a resume) in ``rollout``, once it exists."""
+        if self._saved_queue is not None and rollout is not None:
+            rollout.load_state_dict(self._saved_queue)
+            self._saved_queue = None
