@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IMAGE_PLACEHOLDER", "VisionEncoding", "VisionProcessor", "count_placeholders", "mm_token_type_ids",
+    "with_images_first",
 ]
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -90,7 +91,7 @@ def count_placeholders(prompt: str | Sequence[Mapping[str, Any]]) -> int:
     return total
 
 
-def _with_images_first(prompt: str | list[Mapping[str, Any]], n: int) -> str | list[dict[str, Any]]:
+def with_images_first(prompt: str | list[Mapping[str, Any]], n: int) -> str | list[dict[str, Any]]:
     """``prompt`` with ``n`` images in front of its text (of the first user message in a chat)."""
     if isinstance(prompt, str):
         return IMAGE_PLACEHOLDER * n + prompt
@@ -194,12 +195,13 @@ class VisionProcessor:
             self._template_renders_parts = IMAGE_PAD in text or IMAGE_PLACEHOLDER in text
         return self._template_renders_parts
 
-    def render(self, prompt: str | Sequence[Mapping[str, Any]], chat_template: bool | None = None) -> str:
+    def render(self, prompt: str | Sequence[Mapping[str, Any]], chat_template: bool | None = None,
+               add_generation_prompt: bool = True) -> str:
         """The prompt's text, image placeholders not yet expanded.
 
         ``chat_template`` as in :func:`verl_trainer.data.prompts.encode_prompt`: ``None`` templates chat
         lists only, ``True`` wraps a string as one user message, ``False`` joins messages as
-        ``"role: content"`` lines.
+        ``"role: content"`` lines. ``add_generation_prompt``: the template's (a prompt: ``True``).
         """
         use_template = not isinstance(prompt, str) if chat_template is None else chat_template
         if not use_template:
@@ -211,7 +213,19 @@ class VisionProcessor:
             raise ValueError("the tokenizer has no chat_template; set data.chat_template=false or give one")
         if not self.renders_image_parts():
             messages = _flatten(messages)
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]], image_grid_thw: torch.Tensor,
+                 add_generation_prompt: bool, where: str = "prompt") -> list[int]:
+        """Token ids of chat ``messages`` through the chat template, their images expanded.
+
+        ``image_grid_thw`` holds the grids of the conversation's images; ``messages`` (e.g. a prefix of the
+        conversation) use the first ones, as many as they place.
+        """
+        grids = image_grid_thw[: count_placeholders(messages)]
+        text = self.expand(self.render(messages, True, add_generation_prompt), grids, where)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def expand(self, text: str, image_grid_thw: torch.Tensor, where: str = "prompt") -> str:
         """``text`` with its i-th placeholder (``<image>`` or a vision block) replaced by image i's block.
@@ -250,7 +264,7 @@ class VisionProcessor:
         decoded = load_images(images, where)
         placed = count_placeholders(prompt)
         if decoded and placed == 0:
-            prompt = _with_images_first(prompt, len(decoded))
+            prompt = with_images_first(prompt, len(decoded))
         elif placed != len(decoded):
             raise ValueError(f"{where}: the prompt has {placed} image placeholders ({IMAGE_PLACEHOLDER!r} "
                              f"or image parts) for {len(decoded)} images; give one per image, or none to "
