@@ -75,7 +75,7 @@ def test_verl_layout_parquet_bytes_and_jsonl_paths(processor, tmp_path):
     assert ds[2]["input_ids"] == processor.tokenizer.encode("2+2=", add_special_tokens=False)
     # jsonl with plain paths: the same tokens and pixels
     path_rows = [{**r, "images": [str(image_file)]} for r in rows[1:2]]
-    path_rows[0]["images"].append({"path": str(image_file)})
+    path_rows[0]["images"].append({"image": f"file://{image_file}"})
     from_paths = PromptDataset(save_rows(path_rows, tmp_path / "p.jsonl"), processor.tokenizer, 64,
                                processor=processor)
     assert from_paths[0]["input_ids"] == processor.tokenizer.encode(f"{_block(8)}and{_block(8)}?")

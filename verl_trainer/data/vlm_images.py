@@ -62,7 +62,8 @@ def load_image(value: Any, where: str = "image") -> Image.Image:
 
     Args:
         value: A ``PIL.Image.Image``; ``bytes``; a path (``str`` / ``PathLike``, ``file://`` allowed); or a
-            mapping with ``"bytes"`` (used when not ``None``) or ``"path"``.
+            mapping with ``"image"`` (any of these: qwen-vl-utils' form), ``"bytes"`` (used when not ``None``)
+            or ``"path"``.
         where: What the messages call the image (e.g. ``"prompt row 3, image 0"``).
 
     Raises:
@@ -74,6 +75,8 @@ def load_image(value: Any, where: str = "image") -> Image.Image:
         image = _bytes(bytes(value), where)
     elif isinstance(value, (str, os.PathLike)):
         image = _file(value, where)
+    elif isinstance(value, Mapping) and value.get("image") is not None:  # qwen-vl-utils' {"image": ...}
+        return load_image(value["image"], where)
     elif isinstance(value, Mapping) and (value.get("bytes") is not None or value.get("path")):
         image = _bytes(bytes(value["bytes"]), where) if value.get("bytes") is not None else _file(
             value["path"], where)
