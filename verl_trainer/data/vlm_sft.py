@@ -17,7 +17,7 @@ Images without any placeholder go before the text (of the first user message), a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -54,6 +54,7 @@ def _placed(messages: Any, images: int, where: str) -> list[Any]:
 
 def encode_vision_sft_row(item: Mapping[str, Any], processor: VisionProcessor | None,
                           chat_template: bool | None, keys: tuple[str, str, str], where: str,
+                          encoders: tuple[Callable[..., TokenMask], Callable[..., TokenMask]],
                           image_key: str | None = None) -> VisionSFTExample | None:
     """One SFT row with images encoded; ``None`` for a row without images or image placeholders.
 
@@ -63,14 +64,15 @@ def encode_vision_sft_row(item: Mapping[str, Any], processor: VisionProcessor | 
         chat_template: See :func:`verl_trainer.data.prompts.encode_prompt` (pair rows).
         keys: ``(prompt_key, response_key, messages_key)``.
         where: Prefix of messages (``"sft.parquet: SFT row 3: "``).
+        encoders: ``(encode_chat_example, encode_chat_completion)`` of :mod:`verl_trainer.data.sft` (its
+            caller), which tokenise chats with the images' ``render_ids``.
         image_key: The image column (default: ``images``, else ``image``).
 
     Raises:
         ImageError: Images without a processor, or an image that cannot be read.
         ValueError: Placeholders and images that differ in number, or columns of no SFT format.
     """
-    from verl_trainer.data.sft import encode_chat_completion, encode_chat_example
-
+    encode_chat_example, encode_chat_completion = encoders
     prompt_key, response_key, messages_key = keys
     images = row_images(item, image_key)
     messages = item.get(messages_key)
