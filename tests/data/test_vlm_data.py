@@ -91,6 +91,10 @@ def test_trl_layout_chat_parts_through_either_template(processor, tmp_path):
     flat = PromptDataset(rows, processor.tokenizer, 64, processor=processor)
     assert not processor.renders_image_parts()
     assert [processor.tokenizer.decode(flat[i]["input_ids"]) for i in range(2)] == [want, want]
+    text_parts = [{"role": "user", "content": [{"type": "text", "text": "2+2="}]}]
+    text_only = PromptDataset([{"prompt": text_parts}], processor.tokenizer, 64, processor=processor)
+    assert text_only[0]["input_ids"] == processor.tokenizer.encode("user: 2+2=\nassistant: ")
+    assert schema.PIXEL_VALUES not in text_only.collate([text_only[0]]).keys()
     qwen_tokenizer = build_vlm_tokenizer()
     qwen_tokenizer.chat_template = QWEN_STYLE_TEMPLATE
     qwen = VisionProcessor(qwen_tokenizer, build_image_processor())
