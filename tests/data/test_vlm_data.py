@@ -117,6 +117,8 @@ def test_bad_images_and_placeholders_are_named(processor, tmp_path):
         load([{**ok, "images": [b"notpng"]}], processor=processor)
     with pytest.raises(ImageError, match="prompt row 0, image 0: .* is no image"):
         load([{**ok, "images": [{"bytes": None, "path": None}]}], processor=processor)
+    with pytest.raises(ImageError, match="prompt row 0 has a 'videos' column: videos are not supported"):
+        load([{**ok, "videos": ["clip.mp4"]}], processor=processor)
     with pytest.raises(ImageError, match="prompt row 0 has 1 image.*without an image processor"):
         load([ok])
     with pytest.raises(ValueError, match="prompt row 0: the prompt has 2 image placeholders .* for 1 images"):

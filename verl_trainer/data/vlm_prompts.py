@@ -26,7 +26,7 @@ import torch
 
 from verl_trainer.data import schema
 from verl_trainer.data.vision import pad_vision
-from verl_trainer.data.vlm_images import ImageError, image_column, row_images
+from verl_trainer.data.vlm_images import ImageError, image_column, refuse_videos, row_images
 from verl_trainer.data.vlm_processor import VisionEncoding, VisionProcessor, count_placeholders
 
 __all__ = ["REWARD_IMAGES_KEY", "collate_vision", "encode_vision_record", "vision_item", "vision_reward_data"]
@@ -44,10 +44,13 @@ def encode_vision_record(record: Mapping[str, Any], processor: VisionProcessor |
     when there is one, which renders or joins the parts).
 
     Raises:
-        ImageError: Images or image placeholders without a ``processor``, or an image that cannot be read.
+        ImageError: Images or image placeholders without a ``processor``, an image that cannot be read, or a
+            video column (not supported).
         ValueError: Placeholders and images that differ in number; tools with images (not supported).
     """
     where = f"{name}: prompt row {record.get('index')}"
+    if processor is not None:  # a vision-language model: its rows' videos must not be dropped silently
+        refuse_videos(record.get(schema.COLUMNS, {}), where)
     images = row_images(record.get(schema.COLUMNS, {}), image_key)
     placed = count_placeholders(record["prompt"])
     typed = not isinstance(record["prompt"], str) and any(

@@ -24,7 +24,7 @@ import torch
 
 from verl_trainer.data import schema
 from verl_trainer.data.vision import pad_vision
-from verl_trainer.data.vlm_images import ImageError, load_images, row_images
+from verl_trainer.data.vlm_images import ImageError, load_images, refuse_videos, row_images
 from verl_trainer.data.vlm_processor import VisionProcessor, count_placeholders, with_images_first
 
 if TYPE_CHECKING:
@@ -69,11 +69,13 @@ def encode_vision_sft_row(item: Mapping[str, Any], processor: VisionProcessor | 
         image_key: The image column (default: ``images``, else ``image``).
 
     Raises:
-        ImageError: Images without a processor, or an image that cannot be read.
+        ImageError: Images without a processor, an image that cannot be read, or a video column.
         ValueError: Placeholders and images that differ in number, or columns of no SFT format.
     """
     encode_chat_example, encode_chat_completion = encoders
     prompt_key, response_key, messages_key = keys
+    if processor is not None:  # a vision-language model: its rows' videos must not be dropped silently
+        refuse_videos(item, where.rstrip(": "))
     images = row_images(item, image_key)
     messages = item.get(messages_key)
     completion_key = response_key if response_key in item else "completion"
