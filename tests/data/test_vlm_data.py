@@ -119,6 +119,9 @@ def test_bad_images_and_placeholders_are_named(processor, tmp_path):
         load([{**ok, "images": [{"bytes": None, "path": None}]}], processor=processor)
     with pytest.raises(ImageError, match="prompt row 0 has a 'videos' column: videos are not supported"):
         load([{**ok, "videos": ["clip.mp4"]}], processor=processor)
+    video_part = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "?"}]}]
+    with pytest.raises(ValueError, match="prompt row 0: message 0 has a 'video' content part"):
+        load([{**ok, "prompt": video_part}], processor=processor)
     with pytest.raises(ImageError, match="prompt row 0 has 1 image.*without an image processor"):
         load([ok])
     with pytest.raises(ValueError, match="prompt row 0: the prompt has 2 image placeholders .* for 1 images"):

@@ -25,7 +25,12 @@ import torch
 from verl_trainer.data import schema
 from verl_trainer.data.vision import pad_vision
 from verl_trainer.data.vlm_images import ImageError, load_images, refuse_videos, row_images
-from verl_trainer.data.vlm_processor import VisionProcessor, count_placeholders, with_images_first
+from verl_trainer.data.vlm_processor import (
+    VisionProcessor,
+    check_part_types,
+    count_placeholders,
+    with_images_first,
+)
 
 if TYPE_CHECKING:
     from verl_trainer.data.sft import TokenMask, TokenPair
@@ -43,6 +48,7 @@ class VisionSFTExample(NamedTuple):
 
 def _placed(messages: Any, images: int, where: str) -> list[Any]:
     """Chat messages with one image placeholder per image (images in front when there are none)."""
+    check_part_types(messages, where.rstrip(": "))
     placed = count_placeholders(messages)
     if images and not placed:
         return with_images_first(list(messages), images)
