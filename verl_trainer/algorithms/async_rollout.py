@@ -69,7 +69,7 @@ from tensordict import TensorDict
 
 from verl_trainer.algorithms.partial_rollout import ChunkedSampler, place_token_versions
 from verl_trainer.algorithms.stages import StepMetrics
-from verl_trainer.algorithms.stages.rollout import RolloutStage
+from verl_trainer.algorithms.stages.rollout import RolloutStage, WeightSnapshot
 from verl_trainer.data import schema
 from verl_trainer.data.schema import prompt_token_lists
 from verl_trainer.metrics import Metric
@@ -172,7 +172,7 @@ class AsyncRollout:
         self.dp_rank = dp_rank
         self.queue: deque[_Group] = deque()
         """Admitted groups in step order; the thread generates them front to back."""
-        self.published: dict[int, dict[str, torch.Tensor]] = {}
+        self.published: dict[int, WeightSnapshot] = {}
         self.published_at: int | None = None
         """Version of the newest snapshot (``None``: none yet)."""
         self.loaded: int | None = None
@@ -195,9 +195,7 @@ class AsyncRollout:
         if self.published_at == step and not weights.stale:
             return 0.0
         start = time.perf_counter()
-        with weights.actor.eval_mode():
-            snapshot = {name: t.detach().to("cpu", copy=True)
-                        for name, t in weights.actor.get_per_tensor_param()}
+        snapshot = weights.export()  # the merged model, or the adapters alone (rollout.lora_sync)
         with self._lock:
             self.published[step] = snapshot
             self.published_at = step
@@ -211,7 +209,7 @@ class AsyncRollout:
         if self.loaded != version:
             with self._lock:
                 snapshot = self.published[version]
-            self.stage.rollout.update_weights(snapshot.items())
+            self.stage.weights.load(snapshot)
             self.loaded = version
         with self._lock:
             for old in [v for v in self.published if v < version]:

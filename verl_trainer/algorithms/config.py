@@ -28,6 +28,7 @@ from verl_trainer.evaluate.samples import default_ks
 from verl_trainer.models.moe_config import check_router_replay_rollout
 from verl_trainer.rewards.failures import DEFAULT_TIMEOUT_S, check_on_error, check_timeout
 from verl_trainer.rollout.config import RolloutConfig
+from verl_trainer.rollout.lora_sync import resolve_lora_sync
 
 __all__ = [
     "ActorConfig",
@@ -369,6 +370,7 @@ class RLConfig:
                 "between those and the trainer's: set algorithm.rollout_correction.level=token (truncated "
                 "IS, threshold 2) or sequence, or max_staleness=0"
             )
+        resolve_lora_sync(self.rollout, self.actor.engine)
         check_router_replay_rollout(self.actor.engine.moe, self.rollout.name, self.rollout.multi_turn.enable,
                                     bool(self.rollout.max_staleness))
         buffer = self.reward.overlong_buffer

@@ -1,0 +1,174 @@
+"""LoRA adapter-only weight sync (``algorithm.rollout.lora_sync``): settings, checks, and vLLM's versions.
+
+With LoRA on the actor the rollout can receive either the merged model (``merged``: every base tensor with
+``W + lora_alpha/r · B·A`` folded in, streamed into the rollout's weights; any backend) or the adapters
+alone (``adapter``: the ``lora_A`` / ``lora_B`` tensors under peft's file names, a few MB instead of the
+whole model, served by vLLM as a LoRA request on top of the checkpoint's base weights, which never change).
+``auto`` (the default) is ``adapter`` where it runs (the vLLM rollout, LoRA on linear layers only) and
+``merged`` elsewhere. :func:`resolve_lora_sync` decides when the algorithm's config is built, before any
+model loads.
+
+:class:`AdapterVersions` holds the vLLM side: each synced adapter becomes a version (a directory with
+``adapter_config.json`` + ``adapter_model.safetensors`` and a ``LoRARequest`` with its own id, since vLLM
+caches an adapter by id; a version is one export of the actor's adapters, numbered in order); the newest
+``keep`` versions stay registered (``max_staleness + 1``: a queued group of the asynchronous rollout may
+still need the oldest), older ones are removed from the engine and their files deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from verl_trainer.engine.config import EngineConfig
+    from verl_trainer.rollout.config import RolloutConfig
+
+__all__ = ["LORA_SYNCS", "VLLM_LORA_RANKS", "AdapterVersions", "resolve_lora_sync", "vllm_lora_rank"]
+
+LORA_SYNCS = ("auto", "merged", "adapter")
+"""``algorithm.rollout.lora_sync`` values."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM's ``LoRAConfig`` accepts (vllm 0.32)."""
+ADAPTER_BACKENDS = ("vllm",)
+"""Rollout backends that serve an adapter as a LoRA request."""
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of rank ``rank``.
+
+    Raises:
+        ValueError: ``rank`` above vLLM's largest (512).
+    """
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}; use "
+                     "algorithm.rollout.lora_sync=merged")
+
+
+def _adapter_rank(engine: EngineConfig) -> int:
+    """The actor's adapter rank: ``lora_rank``, else the rank saved in ``lora_adapter_path``."""
+    if engine.lora_rank > 0:
+        return engine.lora_rank
+    from verl_trainer.engine.lora_files import read_adapter_config  # lazy: only with a saved adapter
+
+    return int(read_adapter_config(engine.lora_adapter_path)["r"])
+
+
+def resolve_lora_sync(rollout: RolloutConfig, engine: EngineConfig) -> None:
+    """Check ``rollout.lora_sync`` against the actor and resolve ``auto``; sets ``max_lora_rank``; in place.
+
+    ``auto`` becomes ``adapter`` with LoRA on linear layers and ``rollout.name=vllm``, else ``merged``.
+    With ``adapter``, ``rollout.max_lora_rank`` becomes the actor's rank when it is 0.
+
+    Raises:
+        ValueError: ``adapter`` without LoRA on the actor, with a backend other than vllm, with LoRA on
+            parameters (``target_parameters``: fused MoE experts), or a ``max_lora_rank`` below the actor's
+            rank; each naming the value and the fix.
+    """
+    lora = engine.lora_enabled
+    linear_only = engine.target_parameters is None
+    if rollout.lora_sync == "auto":
+        served = lora and linear_only and rollout.name in ADAPTER_BACKENDS
+        rollout.lora_sync = "adapter" if served else "merged"
+    if rollout.lora_sync != "adapter":
+        return
+    if not lora:
+        raise ValueError(
+            "algorithm.rollout.lora_sync=adapter sends only the LoRA adapters to the rollout, but the actor "
+            "has none (actor.engine.lora_rank=0, no lora_adapter_path); set actor.engine.lora_rank > 0, or "
+            "lora_sync=merged (or auto)"
+        )
+    if rollout.name not in ADAPTER_BACKENDS:
+        raise ValueError(
+            f"algorithm.rollout.lora_sync=adapter with rollout.name={rollout.name!r}: only "
+            f"{ADAPTER_BACKENDS} serves an adapter as a LoRA request; set algorithm.rollout.name=vllm, or "
+            "lora_sync=merged (or auto, which picks merged here)"
+        )
+    if not linear_only:
+        raise ValueError(
+            f"algorithm.rollout.lora_sync=adapter with actor.engine.target_parameters="
+            f"{engine.target_parameters}: LoRA on parameters (fused MoE experts) is not served as a vLLM "
+            "LoRA request here; set lora_sync=merged (or auto)"
+        )
+    rank = _adapter_rank(engine)
+    if rollout.max_lora_rank == 0:
+        rollout.max_lora_rank = rank
+    elif rollout.max_lora_rank < rank:
+        raise ValueError(f"algorithm.rollout.max_lora_rank={rollout.max_lora_rank} is below the actor's LoRA "
+                         f"rank {rank}; set it to >= {rank}, or 0 (the actor's)")
+
+
+def peft_config_dict(peft_model: Any) -> dict[str, Any]:
+    """The active adapter's config as ``adapter_config.json`` holds it (inference mode, JSON types)."""
+    config = peft_model.peft_config[peft_model.active_adapter]
+    out = config.to_dict()
+    out["inference_mode"] = True
+    as_json = json.dumps(out, default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v))
+    return json.loads(as_json)
+
+
+class AdapterVersions:
+    """The adapter versions registered with one vLLM engine (see the module docstring).
+
+    Args:
+        keep: Versions kept registered (``>= 1``; the engine's ``max_loras``).
+        remove: Unregisters a LoRA id from the engine (``llm.llm_engine.remove_lora``).
+        root: Where the version directories go (``None``: a new temporary directory, deleted by
+            :meth:`close`).
+    """
+
+    def __init__(self, keep: int, remove: Callable[[int], Any], root: str | Path | None = None) -> None:
+        if keep < 1:
+            raise ValueError(f"AdapterVersions keep={keep} must be >= 1")
+        self.keep = keep
+        self.remove = remove
+        self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="vllm_lora_"))
+        self.requests: OrderedDict[int, Any] = OrderedDict()
+        """``{version: LoRARequest}``, oldest first."""
+        self.active: int | None = None
+        """The version generation uses (``None``: the base model)."""
+
+    def add(self, version: int, tensors: Mapping[str, torch.Tensor], peft_config: Mapping[str, Any],
+            request_class: Callable[..., Any]) -> None:
+        """Write version ``version`` and make it the active one; drop the oldest beyond :attr:`keep`.
+
+        A version already registered is only made active.
+
+        Args:
+            version: The adapter's serial number (``>= 0``, one per export, increasing; ``lora_int_id`` is
+                ``version + 1``).
+            tensors: The adapter under peft's file names (``...q_proj.lora_A.weight``).
+            peft_config: Its ``adapter_config.json`` content.
+            request_class: ``vllm.lora.request.LoRARequest``.
+        """
+        if version not in self.requests:
+            from safetensors.torch import save_file  # lazy: only where adapters are synced
+
+            directory = self.root / f"v{version}"
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "adapter_config.json").write_text(json.dumps(dict(peft_config)))
+            save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()},
+                      str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+            self.requests[version] = request_class(f"policy_v{version}", version + 1, str(directory))
+        self.active = version
+        while len(self.requests) > self.keep:
+            old, _ = self.requests.popitem(last=False)
+            self.remove(old + 1)
+            shutil.rmtree(self.root / f"v{old}", ignore_errors=True)
+
+    def request(self) -> Any:
+        """The active version's ``LoRARequest`` (``None`` before the first :meth:`add`)."""
+        return None if self.active is None else self.requests[self.active]
+
+    def close(self) -> None:
+        """Delete the version directories."""
+        shutil.rmtree(self.root, ignore_errors=True)
