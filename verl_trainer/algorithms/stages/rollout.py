@@ -33,6 +33,9 @@ from verl_trainer.rollout.lora_sync import peft_config_dict
 
 __all__ = ["RolloutPart", "RolloutStage", "WeightSnapshot", "WeightSync", "unique_uids"]
 
+_SERIALS = itertools.count()
+"""Export numbers, unique in the process: a rollout outlives the stages (a second fit builds new ones)."""
+
 
 def unique_uids(prompt_batch: TensorDict, dp_rank: int) -> TensorDict:
     """Give this rank's prompts uids unique over the DP ranks (a repeated prompt is a new group); in place."""
@@ -56,7 +59,7 @@ class WeightSnapshot:
     Attributes:
         tensors: ``{hf_name: tensor}`` (merged), or the adapters under peft's file names (``adapter``).
         peft_config: The adapter's ``adapter_config.json`` content; ``None`` for merged weights.
-        serial: The export's number (increasing over the sync's life): the adapter's version in the rollout.
+        serial: The export's number (increasing, unique in the process): the adapter's version in the rollout.
     """
 
     tensors: dict[str, torch.Tensor]
@@ -88,7 +91,6 @@ class WeightSync:
         self.adapter = config.lora_sync == "adapter"
         """Adapter-only sync (``rollout.lora_sync=adapter``): the rollout serves the adapters as a LoRA
         request over its base weights (:mod:`verl_trainer.rollout.lora_sync`)."""
-        self._serials = itertools.count()
 
     def sync(self) -> None:
         """The actor's weights into the rollout (a collective: call on every rank).
@@ -126,7 +128,7 @@ class WeightSync:
             stream = self.actor.get_per_tensor_param(adapters_only=self.adapter)
             tensors = {name: t.detach().to("cpu", copy=True) for name, t in stream}
         config = peft_config_dict(self.actor.peft_model) if self.adapter else None
-        return WeightSnapshot(tensors, config, next(self._serials))
+        return WeightSnapshot(tensors, config, next(_SERIALS))
 
     def load(self, snapshot: WeightSnapshot) -> None:
         """Write ``snapshot`` into the rollout (no collective: any thread, between generations).
