@@ -98,9 +98,9 @@ def check_async_rollout(rollout: BaseRollout) -> None:
     if not type(rollout).one_step_off or rollout.agent_loop is not None:  # declared by the backend class
         raise ValueError(
             f"rollout max_staleness>=1 needs a single-turn rollout whose backend declares one_step_off "
-            f"(hf does), got {type(rollout).__name__}"
-            f"{' with a multi-turn agent loop' if rollout.agent_loop is not None else ''} (name='auto' may "
-            "pick vllm): set algorithm.rollout.name=hf, or max_staleness=0"
+            f"(hf and vllm do), got {type(rollout).__name__}"
+            f"{' with a multi-turn agent loop' if rollout.agent_loop is not None else ''}: set "
+            "algorithm.rollout.name=hf or vllm (single-turn), or max_staleness=0"
         )
 
 

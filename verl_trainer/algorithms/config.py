@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_trainer.algorithms.non_finite import NonFiniteConfig
+from verl_trainer.algorithms.rollout_lora import resolve_lora_sync
 from verl_trainer.core_algos import RolloutCorrectionConfig, validate_kl_penalty
 from verl_trainer.core_algos.advantages import ADV_ESTIMATOR_REGISTRY, estimator_inputs
 from verl_trainer.core_algos.losses import PPOLossConfig, ValueLossConfig
@@ -28,7 +29,6 @@ from verl_trainer.evaluate.samples import default_ks
 from verl_trainer.models.moe_config import check_router_replay_rollout
 from verl_trainer.rewards.failures import DEFAULT_TIMEOUT_S, check_on_error, check_timeout
 from verl_trainer.rollout.config import RolloutConfig
-from verl_trainer.rollout.lora_sync import resolve_lora_sync
 
 __all__ = [
     "ActorConfig",

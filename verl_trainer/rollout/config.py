@@ -66,8 +66,8 @@ class RolloutConfig:
         max_staleness: ``0``: synchronous (generate, then train, every step). ``k >= 1``: asynchronous
             rollout — a background thread generates the next ``k`` steps' responses while this step trains;
             a step trains on responses sampled by weights at most ``k`` updates older (admission control;
-            ``1`` is verl's one-step-off) (:mod:`verl_trainer.algorithms.async_rollout`; hf rollout,
-            single-turn, and ``rollout_correction`` on; ``docs/rollout.md``).
+            ``1`` is verl's one-step-off) (:mod:`verl_trainer.algorithms.async_rollout`; hf or vllm
+            rollout, single-turn, and ``rollout_correction`` on; ``docs/rollout.md``).
         partial_rollout: With ``max_staleness >= 1``: responses are generated ``partial_chunk_tokens``
             at a time and each chunk uses the newest weights its step may use, so a generation in flight
             at a weight update continues under the new weights, its prefix and behaviour log-probs kept
@@ -184,7 +184,7 @@ class RolloutConfig:
                 f"rollout max_staleness={self.max_staleness} with name={self.name!r}: the "
                 f"{backend.__name__} backend cannot generate while the actor trains (it does not declare "
                 "one_step_off: a backend with its own weights that may generate on a background thread); use "
-                f"name='hf' for the asynchronous rollout, or max_staleness=0 with {self.name}"
+                f"name='hf' or name='vllm' for the asynchronous rollout, or max_staleness=0 with {self.name}"
             )
         if self.multi_turn.enable:
             raise ValueError(

@@ -5,8 +5,8 @@ With LoRA on the actor the rollout can receive either the merged model (``merged
 alone (``adapter``: the ``lora_A`` / ``lora_B`` tensors under peft's file names, a few MB instead of the
 whole model, served by vLLM as a LoRA request on top of the checkpoint's base weights, which never change).
 ``auto`` (the default) is ``adapter`` where it runs (the vLLM rollout, LoRA on linear layers only) and
-``merged`` elsewhere. :func:`resolve_lora_sync` decides when the algorithm's config is built, before any
-model loads.
+``merged`` elsewhere; :func:`verl_trainer.algorithms.rollout_lora.resolve_lora_sync` decides when the
+algorithm's config is built, before any model loads.
 
 :class:`AdapterVersions` holds the vLLM side: each synced adapter becomes a version (a directory with
 ``adapter_config.json`` + ``adapter_model.safetensors`` and a ``LoRARequest`` with its own id, since vLLM
@@ -23,15 +23,12 @@ import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from verl_trainer.engine.config import EngineConfig
-    from verl_trainer.rollout.config import RolloutConfig
-
-__all__ = ["LORA_SYNCS", "VLLM_LORA_RANKS", "AdapterVersions", "resolve_lora_sync", "vllm_lora_rank"]
+__all__ = ["ADAPTER_BACKENDS", "LORA_SYNCS", "VLLM_LORA_RANKS", "AdapterVersions", "peft_config_dict",
+           "vllm_lora_rank"]
 
 LORA_SYNCS = ("auto", "merged", "adapter")
 """``algorithm.rollout.lora_sync`` values."""
@@ -52,59 +49,6 @@ def vllm_lora_rank(rank: int) -> int:
             return allowed
     raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}; use "
                      "algorithm.rollout.lora_sync=merged")
-
-
-def _adapter_rank(engine: EngineConfig) -> int:
-    """The actor's adapter rank: ``lora_rank``, else the rank saved in ``lora_adapter_path``."""
-    if engine.lora_rank > 0:
-        return engine.lora_rank
-    from verl_trainer.engine.lora_files import read_adapter_config  # lazy: only with a saved adapter
-
-    return int(read_adapter_config(engine.lora_adapter_path)["r"])
-
-
-def resolve_lora_sync(rollout: RolloutConfig, engine: EngineConfig) -> None:
-    """Check ``rollout.lora_sync`` against the actor and resolve ``auto``; sets ``max_lora_rank``; in place.
-
-    ``auto`` becomes ``adapter`` with LoRA on linear layers and ``rollout.name=vllm``, else ``merged``.
-    With ``adapter``, ``rollout.max_lora_rank`` becomes the actor's rank when it is 0.
-
-    Raises:
-        ValueError: ``adapter`` without LoRA on the actor, with a backend other than vllm, with LoRA on
-            parameters (``target_parameters``: fused MoE experts), or a ``max_lora_rank`` below the actor's
-            rank; each naming the value and the fix.
-    """
-    lora = engine.lora_enabled
-    linear_only = engine.target_parameters is None
-    if rollout.lora_sync == "auto":
-        served = lora and linear_only and rollout.name in ADAPTER_BACKENDS
-        rollout.lora_sync = "adapter" if served else "merged"
-    if rollout.lora_sync != "adapter":
-        return
-    if not lora:
-        raise ValueError(
-            "algorithm.rollout.lora_sync=adapter sends only the LoRA adapters to the rollout, but the actor "
-            "has none (actor.engine.lora_rank=0, no lora_adapter_path); set actor.engine.lora_rank > 0, or "
-            "lora_sync=merged (or auto)"
-        )
-    if rollout.name not in ADAPTER_BACKENDS:
-        raise ValueError(
-            f"algorithm.rollout.lora_sync=adapter with rollout.name={rollout.name!r}: only "
-            f"{ADAPTER_BACKENDS} serves an adapter as a LoRA request; set algorithm.rollout.name=vllm, or "
-            "lora_sync=merged (or auto, which picks merged here)"
-        )
-    if not linear_only:
-        raise ValueError(
-            f"algorithm.rollout.lora_sync=adapter with actor.engine.target_parameters="
-            f"{engine.target_parameters}: LoRA on parameters (fused MoE experts) is not served as a vLLM "
-            "LoRA request here; set lora_sync=merged (or auto)"
-        )
-    rank = _adapter_rank(engine)
-    if rollout.max_lora_rank == 0:
-        rollout.max_lora_rank = rank
-    elif rollout.max_lora_rank < rank:
-        raise ValueError(f"algorithm.rollout.max_lora_rank={rollout.max_lora_rank} is below the actor's LoRA "
-                         f"rank {rank}; set it to >= {rank}, or 0 (the actor's)")
 
 
 def peft_config_dict(peft_model: Any) -> dict[str, Any]:
