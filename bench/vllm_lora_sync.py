@@ -37,6 +37,7 @@ def main() -> None:
     from verl_trainer.models import make_tiny_model
     from verl_trainer.models.loading import load_causal_lm
     from verl_trainer.rollout import RolloutConfig, build_rollout
+    from verl_trainer.rollout.vllm_support import model_config
 
     root = Path(tempfile.mkdtemp(prefix="bench_vllm_lora_"))
     heads = args.hidden // 64
@@ -56,7 +57,9 @@ def main() -> None:
     merged = WeightSync(engine, rollout, RolloutConfig(**settings, lora_sync="merged"))
     base = load_causal_lm(path).state_dict()
     g = torch.Generator().manual_seed(0)
-    items = [{"input_ids": torch.randint(4, 200, (12,), generator=g).tolist(), "index": i} for i in range(16)]
+    vocab = model_config(path)["vocab_size"]
+    items = [{"input_ids": torch.randint(4, vocab, (12,), generator=g).tolist(), "index": i}
+             for i in range(16)]
     keys = ("sync merged", "sync adapter", "gen merged", "gen adapter")
     times: dict[str, list[float]] = {k: [] for k in keys}
 

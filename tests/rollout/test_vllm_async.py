@@ -8,7 +8,9 @@ actor's initial weights into it first), built with LoRA enabled so the adapter r
   (step 1 trained meanwhile, the engine driven from the rollout thread); two runs from the same seed give
   the same tokens and bitwise the same weights;
 * LoRA with ``lora_sync=adapter`` and ``max_staleness=1``: the same schedule on adapter versions; step 1's
-  sampled log-probs equal the actor's recompute, step 2 is sampled by the initial (zero) adapter.
+  sampled log-probs equal the actor's recompute, step 2 is sampled by the initial (zero) adapter;
+* partial rollouts at ``max_staleness=1`` (2-token chunks): every response token's version is within
+  ``[s - 1, s]`` and never decreases along a response.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def _fit(assets: Path, rollout, root: Path, *overrides: str) -> dict:
 
     cfg = _config(assets, *overrides)
     rollout.adapters.active = None  # the engine serves one run at a time: no adapter left from another
+    rollout.config = cfg.algorithm.rollout  # this run's sampling settings (the engine's are fixed at build)
     record = Record()
     trainer = Trainer(devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, default_root_dir=str(root), val_check_interval=None,
@@ -144,3 +147,17 @@ def test_lora_adapter_sync_at_staleness_one(assets, rollout, tmp_path):
     trained = run["record"].rollouts[1][schema.INPUT_IDS]
     rollout.update_weights(load_causal_lm(str(assets / "model")).state_dict().items())
     assert torch.equal(_fresh_step_two(rollout, run), trained)
+
+
+def test_partial_rollout_with_vllm(assets, rollout, tmp_path):
+    run = _fit(assets, rollout, tmp_path / "partial", "algorithm.rollout.max_staleness=1",
+               "algorithm.rollout.partial_rollout=true", "algorithm.rollout.partial_chunk_tokens=2")
+    assert run["record"].metrics[0]["rollout_corr/log_prob_abs_diff_max"] < 1e-4
+    for step, batch in enumerate(run["record"].rollouts):
+        versions = batch["token_policy_version"]
+        tokens = versions[versions >= 0]
+        assert tokens.numel() == int(batch[schema.RESPONSE_LEN].sum())
+        assert tokens.min() >= step - 1 and tokens.max() <= step, step
+        for row in versions:
+            row = row[row >= 0]
+            assert torch.equal(row, row.sort().values)  # never older along a response
