@@ -1,7 +1,7 @@
 """``algorithm.rollout.lora_sync``: resolved and checked when the algorithm's config is built (no model
-loads): ``auto`` picks adapter only for vllm with LoRA on linear layers, ``adapter`` is refused without
-LoRA, with another backend, with LoRA on parameters, or with a too small ``max_lora_rank``; vLLM's rank
-rounding."""
+loads): ``auto`` picks adapter only for vllm on an accelerator with LoRA on linear layers, ``adapter`` is
+refused without LoRA, with another backend, with LoRA on parameters, or with a too small ``max_lora_rank``;
+vLLM's rank rounding."""
 
 import json
 
@@ -21,7 +21,7 @@ def _config(engine: EngineConfig, **rollout) -> GRPOConfig:
 
 @pytest.mark.parametrize(("engine", "rollout", "want"), [
     (EngineConfig(), {"name": "vllm"}, "merged"),
-    (EngineConfig(lora_rank=4), {"name": "vllm"}, "adapter"),
+    (EngineConfig(lora_rank=4), {"name": "vllm"}, "merged"),  # on CPU (vLLM's LoRA halves generation)
     (EngineConfig(lora_rank=4), {"name": "hf"}, "merged"),
     (EngineConfig(lora_rank=4), {"name": "auto"}, "merged"),
     (EngineConfig(lora_rank=4, target_parameters=["mlp.experts.down_proj"]), {"name": "vllm"}, "merged"),
@@ -30,7 +30,14 @@ def _config(engine: EngineConfig, **rollout) -> GRPOConfig:
 def test_auto_resolves_where_adapters_are_served(engine, rollout, want):
     config = _config(engine, **rollout)
     assert config.rollout.lora_sync == want
-    assert config.rollout.max_lora_rank == (4 if want == "adapter" else 0)
+    assert config.rollout.max_lora_rank == 0
+
+
+def test_auto_picks_adapter_with_vllm_on_an_accelerator(monkeypatch):
+    monkeypatch.setattr("verl_trainer.algorithms.rollout_lora.get_device_name", lambda: "cuda")
+    config = _config(EngineConfig(lora_rank=4), name="vllm")
+    assert (config.rollout.lora_sync, config.rollout.max_lora_rank) == ("adapter", 4)
+    assert _config(EngineConfig(lora_rank=4), name="hf").rollout.lora_sync == "merged"
 
 
 @pytest.mark.parametrize(("engine", "rollout", "match"), [
@@ -51,7 +58,7 @@ def test_bad_values_and_a_saved_adapters_rank(tmp_path):
     with pytest.raises(ValueError, match="max_lora_rank=-1 must be an int >= 0"):
         RolloutConfig(max_lora_rank=-1)
     (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 12, "target_modules": "all-linear"}))
-    config = _config(EngineConfig(lora_adapter_path=str(tmp_path)), name="vllm")
+    config = _config(EngineConfig(lora_adapter_path=str(tmp_path)), name="vllm", lora_sync="adapter")
     assert (config.rollout.lora_sync, config.rollout.max_lora_rank) == ("adapter", 12)
     assert [vllm_lora_rank(r) for r in (1, 2, 8, 12, 300, 512)] == [1, 8, 8, 16, 320, 512]
     with pytest.raises(ValueError, match="rank 600 exceeds vLLM's largest max_lora_rank 512"):

