@@ -98,7 +98,8 @@ class WeightSync:
         Where the actor holds its parameters whole on this rank (``engine.get_shareable_params()``) and
         ``rollout.share_weights`` is on, the rollout aliases them (no copy; a no-op after the first
         call); else every tensor is streamed into the rollout's copy (always with ``max_staleness >= 1``:
-        the rollout generates while the actor trains).
+        the rollout generates while the actor trains). With ``lora_sync=adapter`` only the adapters are
+        exported and become the rollout's newest LoRA version (:meth:`export`, :meth:`load`).
         """
         if self.adapter:
             self.load(self.export())
