@@ -277,7 +277,7 @@ def test_staleness_one_samples_with_the_weights_of_the_step_before(assets, tmp_p
 @pytest.mark.parametrize(("overrides", "match"), [
     ({"max_staleness": -1}, r"max_staleness=-1 must be an int >= 0"),
     ({"max_staleness": 1.5}, r"max_staleness=1.5 must be an int >= 0"),
-    ({"max_staleness": 1, "name": "vllm"}, "name='vllm'.*use name='hf'"),
+    ({"max_staleness": 1, "name": "verl_trainer.rollout.base:BaseRollout"}, "BaseRollout.*use name='hf'"),
     ({"max_staleness": 1, "multi_turn": {"enable": True}}, "multi_turn.enable=true"),
 ])
 def test_unsupported_rollouts_are_refused(overrides, match):

@@ -74,7 +74,7 @@ from tensordict import TensorDict
 from verl_trainer.algorithms.partial_rollout import ChunkedSampler, place_token_versions
 from verl_trainer.algorithms.rollout_queue_state import QUEUE_STATE_VERSION, batch_from_state, batch_state
 from verl_trainer.algorithms.stages import StepMetrics
-from verl_trainer.algorithms.stages.rollout import RolloutStage
+from verl_trainer.algorithms.stages.rollout import RolloutStage, WeightSnapshot
 from verl_trainer.data import schema
 from verl_trainer.data.schema import prompt_token_lists
 from verl_trainer.metrics import Metric
@@ -103,9 +103,9 @@ def check_async_rollout(rollout: BaseRollout) -> None:
     if not type(rollout).one_step_off or rollout.agent_loop is not None:  # declared by the backend class
         raise ValueError(
             f"rollout max_staleness>=1 needs a single-turn rollout whose backend declares one_step_off "
-            f"(hf does), got {type(rollout).__name__}"
-            f"{' with a multi-turn agent loop' if rollout.agent_loop is not None else ''} (name='auto' may "
-            "pick vllm): set algorithm.rollout.name=hf, or max_staleness=0"
+            f"(hf and vllm do), got {type(rollout).__name__}"
+            f"{' with a multi-turn agent loop' if rollout.agent_loop is not None else ''}: set "
+            "algorithm.rollout.name=hf or vllm (single-turn), or max_staleness=0"
         )
 
 
@@ -178,7 +178,7 @@ class AsyncRollout:
         self.dp_rank = dp_rank
         self.queue: deque[_Group] = deque()
         """Admitted groups in step order; the thread generates them front to back."""
-        self.published: dict[int, dict[str, torch.Tensor]] = {}
+        self.published: dict[int, WeightSnapshot] = {}
         self.published_at: int | None = None
         """Version of the newest snapshot (``None``: none yet)."""
         self.loaded: int | None = None
@@ -201,9 +201,7 @@ class AsyncRollout:
         if self.published_at == step and not weights.stale:
             return 0.0
         start = time.perf_counter()
-        with weights.actor.eval_mode():
-            snapshot = {name: t.detach().to("cpu", copy=True)
-                        for name, t in weights.actor.get_per_tensor_param()}
+        snapshot = weights.export()  # the merged model, or the adapters alone (rollout.lora_sync)
         with self._lock:
             self.published[step] = snapshot
             self.published_at = step
@@ -217,7 +215,7 @@ class AsyncRollout:
         if self.loaded != version:
             with self._lock:
                 snapshot = self.published[version]
-            self.stage.rollout.update_weights(snapshot.items())
+            self.stage.weights.load(snapshot)
             self.loaded = version
         with self._lock:
             for old in [v for v in self.published if v < version]:

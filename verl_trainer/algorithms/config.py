@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_trainer.algorithms.non_finite import NonFiniteConfig
+from verl_trainer.algorithms.rollout_lora import resolve_lora_sync
 from verl_trainer.core_algos import RolloutCorrectionConfig, validate_kl_penalty
 from verl_trainer.core_algos.advantages import ADV_ESTIMATOR_REGISTRY, estimator_inputs
 from verl_trainer.core_algos.losses import PPOLossConfig, ValueLossConfig
@@ -369,6 +370,7 @@ class RLConfig:
                 "between those and the trainer's: set algorithm.rollout_correction.level=token (truncated "
                 "IS, threshold 2) or sequence, or max_staleness=0"
             )
+        resolve_lora_sync(self.rollout, self.actor.engine)
         check_router_replay_rollout(self.actor.engine.moe, self.rollout.name, self.rollout.multi_turn.enable,
                                     bool(self.rollout.max_staleness))
         buffer = self.reward.overlong_buffer

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from verl_trainer.agents.config import MultiTurnConfig
+from verl_trainer.rollout.lora_sync import LORA_SYNCS
 from verl_trainer.rollout.registry import AUTO, backend_only_settings, rollout_class
 
 DECODINGS = ("auto", "generate", "drop_finished")
@@ -65,14 +66,21 @@ class RolloutConfig:
         max_staleness: ``0``: synchronous (generate, then train, every step). ``k >= 1``: asynchronous
             rollout — a background thread generates the next ``k`` steps' responses while this step trains;
             a step trains on responses sampled by weights at most ``k`` updates older (admission control;
-            ``1`` is verl's one-step-off) (:mod:`verl_trainer.algorithms.async_rollout`; hf rollout,
-            single-turn, and ``rollout_correction`` on; ``docs/rollout.md``).
+            ``1`` is verl's one-step-off) (:mod:`verl_trainer.algorithms.async_rollout`; hf or vllm
+            rollout, single-turn, and ``rollout_correction`` on; ``docs/rollout.md``).
         partial_rollout: With ``max_staleness >= 1``: responses are generated ``partial_chunk_tokens``
             at a time and each chunk uses the newest weights its step may use, so a generation in flight
             at a weight update continues under the new weights, its prefix and behaviour log-probs kept
             (:mod:`verl_trainer.algorithms.partial_rollout`). With ``max_staleness=0`` nothing is in flight
             at an update: no effect (the synchronous run, bitwise).
         partial_chunk_tokens: Tokens generated between two checks for newer weights (``>= 1``).
+        lora_sync: With LoRA on the actor: ``"adapter"`` sends only the adapters after each update and
+            vLLM serves them as a LoRA request on the checkpoint's base weights; ``"merged"`` streams the
+            whole model with the adapters merged (any backend); ``"auto"``: adapter with the vllm rollout
+            on an accelerator (LoRA on linear layers), else merged (on CPU vLLM's LoRA halves generation
+            speed) (:mod:`verl_trainer.rollout.lora_sync`).
+        max_lora_rank: vLLM with ``lora_sync=adapter``: the largest adapter rank the engine serves
+            (``0``: the actor's; rounded up to a rank vLLM accepts).
 
     """
 
@@ -101,6 +109,8 @@ class RolloutConfig:
     max_staleness: int = 0
     partial_rollout: bool = False
     partial_chunk_tokens: int = 16
+    lora_sync: str = "auto"
+    max_lora_rank: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -149,6 +159,12 @@ class RolloutConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"rollout dtype={self.dtype!r}; choose float32, bfloat16 or float16")
         self._check_staleness()
+        if self.lora_sync not in LORA_SYNCS:
+            raise ValueError(f"rollout lora_sync={self.lora_sync!r} is unknown; choose one of {LORA_SYNCS}")
+        if isinstance(self.max_lora_rank, bool) or not isinstance(self.max_lora_rank, int) \
+                or self.max_lora_rank < 0:
+            raise ValueError(f"rollout max_lora_rank={self.max_lora_rank!r} must be an int >= 0 (0: the "
+                             "actor's LoRA rank)")
 
     def _check_staleness(self) -> None:
         """``max_staleness`` is an int >= 0, and >= 1 only with the backends and modes built for it."""
@@ -169,7 +185,7 @@ class RolloutConfig:
                 f"rollout max_staleness={self.max_staleness} with name={self.name!r}: the "
                 f"{backend.__name__} backend cannot generate while the actor trains (it does not declare "
                 "one_step_off: a backend with its own weights that may generate on a background thread); use "
-                f"name='hf' for the asynchronous rollout, or max_staleness=0 with {self.name}"
+                f"name='hf' or name='vllm' for the asynchronous rollout, or max_staleness=0 with {self.name}"
             )
         if self.multi_turn.enable:
             raise ValueError(

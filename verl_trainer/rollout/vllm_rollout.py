@@ -14,12 +14,24 @@ only when an engine is built (:func:`import_vllm`). The same class runs on CPU (
   :func:`~verl_trainer.rollout.base.derive_sample_seed`.
 * ``RolloutConfig.free_cache_engine``: on CUDA the engine sleeps after each generate (level 1; after the
   last turn of a multi-turn rollout) and wakes its weights before a sync, its KV cache before the next
-  generate; no-ops on CPU, which has no sleep mode.
+  generate; no-ops on CPU, which has no sleep mode, and off with ``max_staleness >= 1`` (generation then
+  overlaps training).
+* ``RolloutConfig.lora_sync=adapter``: the engine is built with ``enable_lora`` (``max_loras =
+  max_staleness + 1``); :meth:`VLLMRollout.load_adapter` registers each synced adapter as a new version
+  and every request runs with the newest as its ``LoRARequest`` (:mod:`verl_trainer.rollout.lora_sync`).
+* Asynchronous rollout (``max_staleness >= 1``): the engine is driven from the rollout thread of
+  :mod:`verl_trainer.algorithms.async_rollout` (one call at a time: the queue's model lock). Calls from
+  that thread do not swap vLLM's process state in: the training thread owns the process's environment,
+  thread count and RNG meanwhile. They need none of it: vLLM reads its environment when the engine is
+  built, samples each request from its own seeded generator (never the global RNG) and, on CPU, runs its
+  kernels in the calling thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -31,6 +43,7 @@ from tensordict import TensorDict
 from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.rollout.base import BaseRollout, weight_mismatch_report
 from verl_trainer.rollout.config import RolloutConfig
+from verl_trainer.rollout.lora_sync import AdapterVersions, vllm_lora_rank
 from verl_trainer.rollout.registry import register_rollout
 from verl_trainer.rollout.vllm_support import (
     check_vllm_rollout,
@@ -83,8 +96,8 @@ class VLLMRollout(BaseRollout):
     """
 
     backend_settings = ("gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_model_len",
-                        "free_cache_engine")
-    one_step_off = False  # the engine reloads its weights in place and sleeps between rollouts
+                        "free_cache_engine", "max_lora_rank")
+    one_step_off = True  # its weights are written only between generations; calls run one at a time
 
     @classmethod
     def check(cls, config: RolloutConfig, model: str | Path | object) -> None:
@@ -112,10 +125,14 @@ class VLLMRollout(BaseRollout):
             if embed is not None:
                 self.expected.setdefault("lm_head.weight", embed)
         self.optional = {"lm_head.weight"} if hf_config.get("tie_word_embeddings") else set()
-        self.sleeps = bool(config.free_cache_engine and current_platform.is_sleep_mode_available())
+        self.sleeps = bool(config.free_cache_engine and current_platform.is_sleep_mode_available()
+                           and not config.max_staleness)
         self.asleep = False
         self.in_rollout = False  # inside generate(): awake between a multi-turn rollout's turns
         self.state = process_state()
+        self.owner = threading.get_ident()  # the thread that built the engine owns vLLM's process state
+        self.adapters: AdapterVersions | None = None
+        """The synced adapter versions (``lora_sync=adapter``); ``None``: merged weights are synced."""
         kwargs: dict[str, Any] = dict(
             model=str(model),
             dtype=config.dtype,
@@ -130,22 +147,38 @@ class VLLMRollout(BaseRollout):
             kwargs["max_model_len"] = config.max_model_len
         if not current_platform.is_cpu():
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        if config.lora_sync == "adapter":
+            keep = config.max_staleness + 1  # a queued group may use the oldest of k + 1 versions
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(max(config.max_lora_rank, 1)),
+                          max_loras=keep, max_cpu_loras=keep)
         with self.state.entered():
             self.llm = vllm.LLM(**kwargs)
         self.context_limit = int(self.llm.model_config.max_model_len)
+        if config.lora_sync == "adapter":
+            self.adapters = AdapterVersions(kwargs["max_loras"], self.llm.llm_engine.remove_lora)
+
+    def entered(self) -> contextlib.AbstractContextManager:
+        """The context of a call into vLLM.
+
+        On the thread that built the engine: vLLM's process state swapped in; on another thread (the
+        asynchronous rollout's) nothing (see the module docstring).
+        """
+        if threading.get_ident() == self.owner:
+            return self.state.entered()
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------------ sleep / wake
     def sleep(self) -> None:
         """Free the KV cache and offload the weights (CUDA); a no-op where vLLM has no sleep mode (CPU)."""
         if self.sleeps and not self.asleep:
-            with self.state.entered():
+            with self.entered():
                 self.llm.sleep(level=1)
             self.asleep = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back ``tags`` (``"weights"``, ``"kv_cache"``; ``None``: both); a no-op on CPU."""
         if self.sleeps and self.asleep:
-            with self.state.entered():
+            with self.entered():
                 self.llm.wake_up(tags=tags)
             self.asleep = tags is not None and "kv_cache" not in tags
 
@@ -204,8 +237,9 @@ class VLLMRollout(BaseRollout):
         self.wake_up()
         requests = [{"prompt_token_ids": p} for p in prompts]
         params = [self.sampling_params(config, s) for s in seeds]
-        with self.state.entered():
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        lora = self.adapters.request() if self.adapters is not None else None
+        with self.entered():
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
         results, log_probs = [], []
         for out in outputs:
             completion = out.outputs[0]
@@ -250,7 +284,7 @@ class VLLMRollout(BaseRollout):
 
         stream = checked()
         try:
-            with self.state.entered():
+            with self.entered():
                 # reload_weights, not model.load_weights: on CPU vLLM prepacks its linear weights, which a
                 # plain load_weights corrupts
                 self.llm.collective_rpc("reload_weights",
@@ -263,6 +297,29 @@ class VLLMRollout(BaseRollout):
         if unknown or missing or shapes:
             raise ValueError(weight_mismatch_report(unknown, missing, shapes))
         return len(seen)
+
+    def load_adapter(self, version: int, tensors: Mapping[str, torch.Tensor],
+                     peft_config: Mapping[str, Any]) -> None:
+        """Serve the adapter ``tensors`` as version ``version``: every later request runs with it.
+
+        The base weights are untouched (the checkpoint's, which the actor's adapters sit on); the newest
+        ``max_staleness + 1`` versions stay registered.
+
+        Args:
+            version: The export's serial number (increasing).
+            tensors: The adapter under peft's file names (from
+                ``engine.get_per_tensor_param(adapters_only=True)``).
+            peft_config: Its ``adapter_config.json`` content.
+
+        Raises:
+            RuntimeError: The engine was built without LoRA (``lora_sync`` is not ``adapter``).
+        """
+        if self.adapters is None:
+            raise RuntimeError(f"load_adapter: this vLLM engine was built with lora_sync="
+                               f"{self.config.lora_sync!r}; adapters are served only with lora_sync=adapter")
+        from vllm.lora.request import LoRARequest  # lazy: vllm is imported once the engine exists
+
+        self.adapters.add(version, tensors, peft_config, LoRARequest)
 
 
 __all__ = ["VLLMRollout", "checkpoint_shapes"]

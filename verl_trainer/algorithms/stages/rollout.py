@@ -14,8 +14,10 @@ index)``, so the responses of a step do not depend on the dp size (:mod:`verl_tr
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -27,8 +29,12 @@ from verl_trainer.engine.base import BaseEngine
 from verl_trainer.rollout import BaseRollout
 from verl_trainer.rollout.config import RolloutConfig
 from verl_trainer.rollout.divergence import DivergenceError
+from verl_trainer.rollout.lora_sync import peft_config_dict
 
-__all__ = ["RolloutPart", "RolloutStage", "WeightSync", "unique_uids"]
+__all__ = ["RolloutPart", "RolloutStage", "WeightSnapshot", "WeightSync", "unique_uids"]
+
+_SERIALS = itertools.count()
+"""Export numbers, unique in the process: a rollout outlives the stages (a second fit builds new ones)."""
 
 
 def unique_uids(prompt_batch: TensorDict, dp_rank: int) -> TensorDict:
@@ -44,6 +50,21 @@ class RolloutPart(Protocol):
     def after_rollout(self, rollout: BaseRollout, prompt_batch: TensorDict, step: int,
                       prompt_index: torch.Tensor, metrics: StepMetrics) -> None:
         """Generate what the part needs; ``metrics`` receives its timings."""
+
+
+@dataclass(frozen=True)
+class WeightSnapshot:
+    """The actor's weights as the rollout receives them, CPU copies (:meth:`WeightSync.export`).
+
+    Attributes:
+        tensors: ``{hf_name: tensor}`` (merged), or the adapters under peft's file names (``adapter``).
+        peft_config: The adapter's ``adapter_config.json`` content; ``None`` for merged weights.
+        serial: The export's number (increasing, unique in the process): the adapter's version in the rollout.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    peft_config: dict[str, Any] | None
+    serial: int
 
 
 class WeightSync:
@@ -67,6 +88,9 @@ class WeightSync:
         self.config = config
         self.dp_rank = dp_rank
         self.stale = True  # the actor may not be model_path's weights (e.g. saved LoRA adapters)
+        self.adapter = config.lora_sync == "adapter"
+        """Adapter-only sync (``rollout.lora_sync=adapter``): the rollout serves the adapters as a LoRA
+        request over its base weights (:mod:`verl_trainer.rollout.lora_sync`)."""
 
     def sync(self) -> None:
         """The actor's weights into the rollout (a collective: call on every rank).
@@ -74,8 +98,13 @@ class WeightSync:
         Where the actor holds its parameters whole on this rank (``engine.get_shareable_params()``) and
         ``rollout.share_weights`` is on, the rollout aliases them (no copy; a no-op after the first
         call); else every tensor is streamed into the rollout's copy (always with ``max_staleness >= 1``:
-        the rollout generates while the actor trains).
+        the rollout generates while the actor trains). With ``lora_sync=adapter`` only the adapters are
+        exported and become the rollout's newest LoRA version (:meth:`export`, :meth:`load`).
         """
+        if self.adapter:
+            self.load(self.export())
+            self._synced()
+            return
         share = self.config.share_weights and not self.config.max_staleness
         with self.actor.eval_mode():
             shareable = self.actor.get_shareable_params() if share else None
@@ -83,9 +112,35 @@ class WeightSync:
                 self.rollout.share_weights(shareable)
             else:
                 self.rollout.update_weights(self.actor.get_per_tensor_param())
+        self._synced()
+
+    def _synced(self) -> None:
         if self.dp_rank is not None:  # SP / TP ranks of one DP rank sample the same responses
             self.rollout.data_rank = self.dp_rank
         self.stale = False
+
+    def export(self) -> WeightSnapshot:
+        """The actor's weights as CPU copies: the merged model, or the adapters alone (a collective).
+
+        The asynchronous rollout keeps up to ``max_staleness + 1`` of them; with ``lora_sync=adapter`` each
+        is the adapters' size, not the model's.
+        """
+        with self.actor.eval_mode():
+            stream = self.actor.get_per_tensor_param(adapters_only=self.adapter)
+            tensors = {name: t.detach().to("cpu", copy=True) for name, t in stream}
+        config = peft_config_dict(self.actor.peft_model) if self.adapter else None
+        return WeightSnapshot(tensors, config, next(_SERIALS))
+
+    def load(self, snapshot: WeightSnapshot) -> None:
+        """Write ``snapshot`` into the rollout (no collective: any thread, between generations).
+
+        Merged weights are streamed into the rollout's copy; adapters become the rollout's newest LoRA
+        version (``rollout.load_adapter``).
+        """
+        if snapshot.peft_config is None:
+            self.rollout.update_weights(snapshot.tensors.items())
+        else:
+            self.rollout.load_adapter(snapshot.serial, snapshot.tensors, snapshot.peft_config)
 
     def refresh(self) -> None:
         """Sync when :attr:`stale` (before a generation)."""
