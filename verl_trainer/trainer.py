@@ -44,6 +44,7 @@ from verl_trainer.engine.config import EngineSpec
 from verl_trainer.engine.hooks import STEP_HOOK_NAMES, StepHooks
 from verl_trainer.metrics import Metric
 from verl_trainer.module import TrainingModule
+from verl_trainer.rollout_pool.world import split_world
 from verl_trainer.training import checkpoint, failure, launch, resume_check
 from verl_trainer.training.arguments import TrainerArgs, check_trainer_args
 from verl_trainer.training.evaluation import EVAL_STAGES, EvaluationLoop
@@ -449,7 +450,16 @@ class Trainer(LightningAttributes):
             )
             if self.accelerator == "cpu":
                 os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
-            return self._run_stage(stage, module, datamodule, ckpt_path)
+            pool = split_world(self.world, module, self.strategy.dist_backend(self.accelerator),
+                               self.strategy.timeout)  # placement=separate: trainer and rollout ranks
+            if pool is not None and pool.serves_rollout:
+                return pool.serve()
+            self.world = pool.world if pool is not None else self.world
+            try:
+                return self._run_stage(stage, module, datamodule, ckpt_path)
+            finally:
+                if pool is not None:
+                    pool.close()
 
     def _run_stage(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: CkptPath) -> Any:
         """Set up ``stage`` on this rank (module, engines, data, checkpoint) and run its loop."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 
 from verl_trainer.agents.config import MultiTurnConfig
 from verl_trainer.rollout.registry import AUTO, backend_only_settings, rollout_class
+from verl_trainer.rollout_pool.config import check_placement
 
 DECODINGS = ("auto", "generate", "drop_finished")
 CACHE_IMPLEMENTATIONS = ("auto", "dynamic", "static")
@@ -73,6 +74,14 @@ class RolloutConfig:
             (:mod:`verl_trainer.algorithms.partial_rollout`). With ``max_staleness=0`` nothing is in flight
             at an update: no effect (the synchronous run, bitwise).
         partial_chunk_tokens: Tokens generated between two checks for newer weights (``>= 1``).
+        placement: ``"colocated"``: every training process generates its own responses. ``"separate"``:
+            ``rollout_ranks`` processes of the run's ``devices`` generate, the others train; weights are
+            broadcast to them after each update (:mod:`verl_trainer.rollout_pool`; ``docs/rollout.md``).
+        rollout_ranks: With ``placement="separate"``: processes that generate (``>= 1``); the trainer ranks
+            (``devices - rollout_ranks``) must be a multiple of it.
+        weight_sync_bucket_mb: With ``placement="separate"``: size of one broadcast bucket, in MiB (``> 0``).
+        weight_sync_timeout_s: With ``placement="separate"``: seconds a rollout rank may stay silent (a
+            weight broadcast, a sample group) before the run fails naming it (``> 0``).
 
     """
 
@@ -101,6 +110,10 @@ class RolloutConfig:
     max_staleness: int = 0
     partial_rollout: bool = False
     partial_chunk_tokens: int = 16
+    placement: str = "colocated"
+    rollout_ranks: int = 1
+    weight_sync_bucket_mb: float = 64.0
+    weight_sync_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -149,6 +162,7 @@ class RolloutConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"rollout dtype={self.dtype!r}; choose float32, bfloat16 or float16")
         self._check_staleness()
+        check_placement(self)
 
     def _check_staleness(self) -> None:
         """``max_staleness`` is an int >= 0, and >= 1 only with the backends and modes built for it."""
