@@ -12,6 +12,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+import weakref
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -99,3 +104,133 @@ def test_staleness_two_with_a_separate_pool_is_reproducible(assets, tmp_path, fr
     _assert_same(one, two)
     assert one["staleness"] == [0.0, 1.0, 2.0]
     assert [v.unique().tolist() for v in one["versions"]] == [[0], [0], [0]]
+
+
+# ------------------------------------------------------------------------------------ the broadcast
+def _tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(7, 9, generator=gen), "b": torch.randn(9, generator=gen).to(torch.bfloat16),
+            "steps": torch.arange(5, dtype=torch.int64), "scalar": torch.tensor(3.5),
+            "empty": torch.empty(0, 4), "t": torch.randn(3, 4, generator=gen).t()}  # not contiguous
+
+
+def _stream(alive: list, most_alive: list):
+    """The tensors one at a time, each made fresh (as an FSDP gather gives them); counts those alive."""
+    for name in _tensors():
+        tensor = _tensors()[name]
+        alive.append(weakref.ref(tensor))
+        most_alive.append(sum(r() is not None for r in alive))
+        yield name, tensor
+        del tensor
+
+
+def _broadcast_in_buckets(bucket_sizes: list[int]) -> list[dict[str, torch.Tensor]] | list[int]:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from verl_trainer.rollout_pool.buckets import receive_weights, send_weights
+    from verl_trainer.rollout_pool.world import make_group
+
+    rank = dist.get_rank()
+    group = make_group(dist.PrefixStore("bucket_test", _get_default_store()), rank, 2, timedelta(seconds=60),
+                       "gloo")
+    out, most_alive = [], []
+    for size in bucket_sizes:
+        if rank == 0:
+            send_weights(_stream([], most_alive), group, size)
+        else:
+            out.append(dict(receive_weights(group)))
+    return out if rank else most_alive
+
+
+def test_bucketed_broadcast_is_bit_equal_at_any_bucket_size():
+    sizes = [16, 100, 10 * 2**20]  # smaller than most tensors (w: 252 bytes), between, larger than all
+    most_alive, received = run_distributed(_broadcast_in_buckets, 2, sizes, timeout=300)
+    assert max(most_alive) <= 2  # the sender holds the tensor in flight (and the one just sent), not all
+    expected = _tensors()
+    for got in received:
+        assert list(got) == list(expected)
+        for name, tensor in expected.items():
+            assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+            assert torch.equal(got[name], tensor), name
+
+
+# --------------------------------------------------------------------------------- a killed rollout rank
+def _killed_rank(rank: int, port: int, model: str, out) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from verl_trainer.rollout.config import RolloutConfig
+    from verl_trainer.rollout_pool.channel import RolloutPoolError
+    from verl_trainer.rollout_pool.world import Pool, make_group
+
+    config = RolloutConfig(name="hf", device="cpu", placement="separate", weight_sync_timeout_s=3.0)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=120))
+    group = make_group(dist.PrefixStore("weights", store), rank, 2, timedelta(seconds=3), "gloo")
+    pool = Pool(config, model, dist.PrefixStore("pool", store), rank, 1, group, "cpu")
+    if rank == 1:
+        store.set("test/pid", str(os.getpid()))
+        pool.serve()
+        return
+    params = AutoModelForCausalLM.from_pretrained(model).named_parameters
+    liveness = pool.liveness()
+    pool.broadcast_weights(params(), 0, liveness)  # rank 1 alive: received
+    os.kill(int(store.get("test/pid")), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        pool.broadcast_weights(params(), 1, liveness)
+        out.put(("no error", 0.0))
+    except RolloutPoolError as exc:
+        out.put((str(exc), time.monotonic() - start))
+
+
+def test_a_killed_rollout_rank_is_named(assets):
+    import multiprocessing as mp
+
+    from verl_trainer.testing.ranks import find_free_port
+
+    ctx, port = mp.get_context("spawn"), find_free_port()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_killed_rank, args=(r, port, str(assets / "model"), out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        message, seconds = out.get(timeout=240)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert "rollout rank(s) [1]" in message and "weight_sync_timeout_s=3.0" in message, message
+    print(f"killed rollout rank reported after {seconds:.1f} s (time-out 3 s)")
+
+
+# ---------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(("overrides", "match"), [
+    ({"placement": "apart"}, r"placement='apart' is unknown; choose one of \('colocated', 'separate'\)"),
+    ({"placement": "separate", "rollout_ranks": 0}, r"rollout_ranks=0 must be an int >= 1"),
+    ({"weight_sync_bucket_mb": 0}, r"weight_sync_bucket_mb=0 must be > 0"),
+    ({"weight_sync_timeout_s": -1}, r"weight_sync_timeout_s=-1 must be > 0"),
+    ({"placement": "separate", "name": "auto"}, r"name='auto'.*set algorithm.rollout.name=hf"),
+    ({"placement": "separate", "max_staleness": 1, "partial_rollout": True}, r"partial_rollout=true"),
+])
+def test_wrong_placement_settings_are_refused_at_build(overrides, match):
+    from verl_trainer.rollout.config import RolloutConfig
+
+    with pytest.raises(ValueError, match=match):
+        RolloutConfig(**overrides)
+
+
+@pytest.mark.parametrize(("world", "ranks", "match"), [
+    (2, 2, r"rollout_ranks=2 needs devices x num_nodes > 2 \(got 2\)"),
+    (5, 2, r"the 3 trainer ranks .* must be a multiple of rollout_ranks=2"),
+])
+def test_pool_sizes_are_checked_against_the_world(world, ranks, match):
+    from verl_trainer.rollout.config import RolloutConfig
+    from verl_trainer.rollout_pool.config import check_pool_world
+
+    with pytest.raises(ValueError, match=match):
+        check_pool_world(RolloutConfig(placement="separate", rollout_ranks=ranks), world)
+    assert check_pool_world(RolloutConfig(placement="separate", rollout_ranks=2), 6) == 4
