@@ -44,7 +44,7 @@ from verl_trainer.engine.config import EngineSpec
 from verl_trainer.engine.hooks import STEP_HOOK_NAMES, StepHooks
 from verl_trainer.metrics import Metric
 from verl_trainer.module import TrainingModule
-from verl_trainer.rollout_pool.world import split_world
+from verl_trainer.rollout_pool.world import current_pool, split_world
 from verl_trainer.training import checkpoint, failure, launch, resume_check
 from verl_trainer.training.arguments import TrainerArgs, check_trainer_args
 from verl_trainer.training.evaluation import EVAL_STAGES, EvaluationLoop
@@ -444,14 +444,16 @@ class Trainer(LightningAttributes):
 
     def _run_guarded(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: CkptPath) -> Any:
         with failure.guard():
-            self.world = launch.connect(
+            pool = current_pool()  # a later stage in a process whose world was split: its trainer world
+            self.world = pool.world if pool is not None else launch.connect(
                 self._env, self.devices, self.num_nodes,
                 self.strategy.dist_backend(self.accelerator), self.strategy.timeout,
             )
             if self.accelerator == "cpu":
                 os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
-            pool = split_world(self.world, module, self.strategy.dist_backend(self.accelerator),
-                               self.strategy.timeout)  # placement=separate: trainer and rollout ranks
+            if pool is None:  # placement=separate: split into trainer and rollout ranks
+                pool = split_world(self.world, module, self.strategy.dist_backend(self.accelerator),
+                                   self.strategy.timeout)
             if pool is not None and pool.serves_rollout:
                 return pool.serve()
             self.world = pool.world if pool is not None else self.world

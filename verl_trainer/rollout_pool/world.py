@@ -11,6 +11,8 @@ rank ``T + (r mod R)``.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
@@ -170,10 +172,28 @@ class Pool:
         return self._stopped or bool(self.store.check(["stop"]))
 
     def serve(self) -> None:
-        """Run this rollout rank until the trainers stop (:func:`~.worker.serve`)."""
-        from verl_trainer.rollout_pool.worker import serve
+        """Run this rollout rank until the trainers stop (:func:`~.worker.serve`).
 
+        A rank started by the Trainer's script launcher (a copy of the command: ``python recipe.py
+        trainer.devices=N``) then ends its process (exit code 0): what the script does after ``fit``
+        (validation, export) runs on the trainer ranks. Elsewhere (a process group made by the caller,
+        Ray Train) ``fit`` returns on the rollout rank; later stages there are refused.
+
+        Raises:
+            RuntimeError: Called again after it served (a second stage on a rollout rank).
+        """
+        from verl_trainer.rollout_pool.worker import serve
+        from verl_trainer.training.failure import LAUNCHER_PID_ENV
+
+        if self._stopped:
+            raise RuntimeError(f"global rank {self.rank} served the rollout pool of an earlier fit; a later "
+                               "stage (validate, a second fit) runs on the trainer ranks only: call it there")
         serve(self)
+        self._stopped = True
+        if os.environ.get(LAUNCHER_PID_ENV, str(os.getpid())) != str(os.getpid()):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)  # not SystemExit: the failure guard around the stage would report it as a failure
 
 
 def split_world(world: Any, module: Any, backend: str, timeout: timedelta) -> Pool | None:
