@@ -7,7 +7,8 @@ the trainer ranks it serves in a fixed order (``job/<r>/<n>`` for ``n = 0, 1, ..
 freed: jobs arrive in non-decreasing version order), generates with
 :meth:`~verl_trainer.algorithms.stages.rollout.RolloutStage.sample` (the colocated rollout's code: uids,
 per-response seeds), and posts the batch, or the error's text, as ``result/<r>/<n>``. Both stop when
-trainer rank 0 posts ``stop``. At most ``max_staleness + 1`` snapshots are alive.
+trainer rank 0 posts ``stop``. At most ``max_staleness + 2`` snapshots are alive (``k + 1`` once a group
+starts, one more between a version's arrival and the next group's start).
 """
 
 from __future__ import annotations
