@@ -454,8 +454,9 @@ class Trainer(LightningAttributes):
             if pool is None:  # placement=separate: split into trainer and rollout ranks
                 pool = split_world(self.world, module, self.strategy.dist_backend(self.accelerator),
                                    self.strategy.timeout)
-            if pool is not None and pool.serves_rollout:
-                return pool.serve()
+            if pool is not None and pool.serves_rollout:  # a launched copy of the script ends after serving
+                launched = os.environ.get(failure.LAUNCHER_PID_ENV, str(os.getpid())) != str(os.getpid())
+                return pool.serve(exit_process=launched)
             self.world = pool.world if pool is not None else self.world
             try:
                 return self._run_stage(stage, module, datamodule, ckpt_path)

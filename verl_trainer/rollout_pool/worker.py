@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from verl_trainer.algorithms.stages.rollout import RolloutStage
+from verl_trainer.rollout import build_rollout
 from verl_trainer.rollout_pool.buckets import receive_weights
 from verl_trainer.rollout_pool.channel import Heartbeat, PoolStoppedError, post, take
 
@@ -67,9 +69,6 @@ def _receive(pool: Any, versions: _Versions) -> None:
 
 def serve(pool: Any) -> None:
     """Serve the trainer ranks ``r`` with ``pool.server_of(r) == pool.rank`` until ``stop``."""
-    from verl_trainer.algorithms.stages.rollout import RolloutStage
-    from verl_trainer.rollout import build_rollout
-
     heartbeat = Heartbeat(pool.store, pool.rank)
     rollout = build_rollout(pool.config, pool.model_path)
     versions = _Versions()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
+from torch.distributed.distributed_c10d import _get_default_store
 
 from verl_trainer.rollout_pool.buckets import send_weights
 from verl_trainer.rollout_pool.channel import Liveness, PoolStoppedError, RolloutPoolError, post, take
@@ -171,26 +172,29 @@ class Pool:
         """Whether trainer rank 0 posted ``stop`` (rollout side)."""
         return self._stopped or bool(self.store.check(["stop"]))
 
-    def serve(self) -> None:
+    def serve(self, exit_process: bool = False) -> None:
         """Run this rollout rank until the trainers stop (:func:`~.worker.serve`).
 
-        A rank started by the Trainer's script launcher (a copy of the command: ``python recipe.py
-        trainer.devices=N``) then ends its process (exit code 0): what the script does after ``fit``
-        (validation, export) runs on the trainer ranks. Elsewhere (a process group made by the caller,
-        Ray Train) ``fit`` returns on the rollout rank; later stages there are refused.
+        Args:
+            exit_process: End the process after serving (exit code 0): the Trainer passes ``True`` on a
+                rank its script launcher started (a copy of the command: ``python recipe.py
+                trainer.devices=N``), so what the script does after ``fit`` (validation, export) runs on
+                the trainer ranks only. Elsewhere (a process group made by the caller, Ray Train) ``fit``
+                returns on the rollout rank; later stages there are refused.
 
         Raises:
             RuntimeError: Called again after it served (a second stage on a rollout rank).
         """
-        from verl_trainer.rollout_pool.worker import serve
-        from verl_trainer.training.failure import LAUNCHER_PID_ENV
+        from verl_trainer.rollout_pool.worker import (
+            serve,  # lazy: import cycle (worker -> algorithms -> stage)
+        )
 
         if self._stopped:
             raise RuntimeError(f"global rank {self.rank} served the rollout pool of an earlier fit; a later "
                                "stage (validate, a second fit) runs on the trainer ranks only: call it there")
         serve(self)
         self._stopped = True
-        if os.environ.get(LAUNCHER_PID_ENV, str(os.getpid())) != str(os.getpid()):
+        if exit_process:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)  # not SystemExit: the failure guard around the stage would report it as a failure
@@ -218,8 +222,6 @@ def split_world(world: Any, module: Any, backend: str, timeout: timedelta) -> Po
         return None
     config, model_path = settings
     trainers = check_pool_world(config, world.world_size)
-    from torch.distributed.distributed_c10d import _get_default_store
-
     base = _get_default_store()
     dist.barrier()  # every rank holds the store before the default group goes
     dist.destroy_process_group()
