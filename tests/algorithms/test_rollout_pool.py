@@ -261,3 +261,19 @@ def test_the_recipe_launches_trainer_and_rollout_ranks(tmp_path):
     assert "after training" in proc.stdout
     rows = [r for f in root.glob("**/metrics.csv") for r in csv.DictReader(open(f)) if r.get("timing/step_s")]
     assert [float(r["rollout/staleness"]) for r in rows] == [0.0, 1.0, 1.0]
+
+
+def test_algorithm_settings_the_pool_does_not_run_are_refused_at_build():
+    from verl_trainer.algorithms.config import ActorConfig, GRPOConfig
+    from verl_trainer.core_algos import RolloutCorrectionConfig
+    from verl_trainer.engine.config import EngineConfig
+    from verl_trainer.models.moe_config import MoEConfig
+    from verl_trainer.rollout.config import RolloutConfig
+
+    rollout, correction = RolloutConfig(n=2, placement="separate"), RolloutCorrectionConfig(level="token")
+    actor = ActorConfig(engine=EngineConfig(moe=MoEConfig(router_replay="rollout")))
+    with pytest.raises(ValueError, match=r"router_replay=rollout with rollout.placement=separate"):
+        GRPOConfig(actor=actor, rollout=rollout, rollout_correction=correction)
+    with pytest.raises(ValueError, match=r"placement=separate with an estimator that reads reward_baselines"):
+        GRPOConfig(rollout=rollout, adv_estimator="remax")
+    GRPOConfig(rollout=rollout)  # accepted

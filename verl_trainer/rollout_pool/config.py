@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PLACEMENTS", "check_placement", "check_pool_world"]
+__all__ = ["PLACEMENTS", "check_placement", "check_pool_algorithm", "check_pool_world"]
 
 PLACEMENTS = ("colocated", "separate")
 
@@ -82,3 +82,25 @@ def check_pool_world(config: Any, world_size: int) -> int:
             f"rollout_ranks divides by rollout_ranks (e.g. devices={2 * ranks} or {3 * ranks})"
         )
     return trainers
+
+
+def check_pool_algorithm(placement: str, router_replay: str, reads_baselines: bool) -> None:
+    """Refuse, at config build, the algorithm settings a separate pool does not run.
+
+    Args:
+        placement: ``rollout.placement``.
+        router_replay: ``actor.engine.moe.router_replay``.
+        reads_baselines: The advantage estimator reads ``reward_baselines`` (ReMax's greedy baseline).
+
+    Raises:
+        ValueError: Naming the setting and the fix.
+    """
+    if placement != "separate":
+        return
+    if router_replay == "rollout":
+        raise ValueError("actor.engine.moe.router_replay=rollout with rollout.placement=separate: the pool's "
+                         "ranks do not record the rollout's experts; use router_replay=old_policy, or "
+                         "placement=colocated")
+    if reads_baselines:
+        raise ValueError("rollout.placement=separate with an estimator that reads reward_baselines (ReMax): "
+                         "its greedy baseline responses sample on the training rank; use placement=colocated")
