@@ -2,12 +2,15 @@
 
 * staleness 0 with the pool (``devices=2``: 1 trainer rank + 1 rollout rank) is the colocated
   synchronous run bitwise: tokens, metrics (timings and the pool's own rollout metrics aside), weights;
-* staleness 2 with the pool: reproducible from the seed (two runs agree bitwise), staleness 0, 1, 2, 2,
+* (slow) ``devices=3``: one rollout rank serving two trainer ranks equals the colocated run at dp=2 bitwise;
+* (slow) the recipe launched with ``trainer.devices=2`` and a separate pool runs to its report;
+* (slow) staleness 2 with the pool: reproducible from the seed (two runs agree bitwise), staleness 0, 1, 2, 2,
   versions tagged;
 * the bucketed broadcast delivers tensors bit-equal to the sender's at bucket sizes smaller than a
   tensor, between, and larger than all of them, holding one gathered tensor at a time;
 * a killed rollout rank is reported with its rank within ``weight_sync_timeout_s`` (no hang);
-* wrong settings are refused when the config is built, naming value, choices and fix.
+* wrong settings (and the algorithm settings the pool does not run) are refused when the config is built,
+  naming value, choices and fix.
 """
 
 from __future__ import annotations
@@ -277,3 +280,15 @@ def test_algorithm_settings_the_pool_does_not_run_are_refused_at_build():
     with pytest.raises(ValueError, match=r"placement=separate with an estimator that reads reward_baselines"):
         GRPOConfig(rollout=rollout, adv_estimator="remax")
     GRPOConfig(rollout=rollout)  # accepted
+
+
+@pytest.mark.slow
+def test_one_rollout_rank_serves_two_trainer_ranks(assets, tmp_path, fresh_ranks):
+    """``devices=3``: trainer ranks 0 and 1 both served by rollout rank 2 (staleness 0) equal the colocated
+    synchronous run at ``devices=2`` bitwise, on both trainer ranks."""
+    plain = run_distributed(_grpo_fit_or_none, 2, assets, tmp_path / "plain", devices=2, timeout=900)
+    pooled = run_distributed(_grpo_fit_or_none, 3, assets, tmp_path / "pool", *SEPARATE, devices=3,
+                             timeout=900)
+    assert pooled[2] is None
+    for rank in (0, 1):
+        _assert_same(plain[rank], pooled[rank])
