@@ -6,9 +6,11 @@
 
 Runs ``recipes/grpo.py`` in paired rounds, each round one synchronous run (``max_staleness=0``) and one
 run per ``k`` of ``--staleness`` (``2p``: ``k = 2`` with ``partial_rollout``; ``2d``, long_tail only:
-``k = 2`` with the discarding baseline instead of admission control), in an order rotated every round,
-each in its own process from the same fresh directory (same tiny model, data and seed; no warm start,
-validation, checkpoints or export). All runs have ``rollout_correction.level=token``, so the sides
+``k = 2`` with the discarding baseline instead of admission control; ``0s``, ``2s``: ``k`` with a separate
+rollout pool, ``placement=separate``, one rollout rank beside the ``--devices`` trainer ranks, so one process
+more than the colocated sides), in an order rotated every round, each in its own process from the same
+fresh directory (same tiny model, data and seed; no warm start, validation, checkpoints or export). All
+runs have ``rollout_correction.level=token``, so the sides
 differ only in the overlap. Workloads:
 
 * ``default``: ``configs/grpo.yaml`` as it is (tiny Qwen2 hidden 64 / 2 layers, 32 prompts x 8, 4 new
@@ -59,14 +61,18 @@ TIMINGS = ("step_s", "rollout_s", "update_s", "idle_s")
 
 def run(workdir: Path, name: str, side: str, steps: int, devices: int,
         workload: tuple[str, ...]) -> dict:
-    """One recipe run (``side``: ``"k"``, or ``"kp"`` with partial rollouts); the medians over steps 3..N."""
+    """One recipe run (``side``: ``"k"``; ``"kp"`` with partial rollouts; ``"ks"`` with a separate pool); the
+    medians over steps 3..N."""
     root = workdir / f"{name}_{side}"
-    staleness, partial, discard = int(side.rstrip("pd")), side.endswith("p"), side.endswith("d")
+    staleness = int(side.rstrip("pds"))
+    partial, discard, separate = side.endswith("p"), side.endswith("d"), side.endswith("s")
     if discard:  # the bench-only baseline: the long responses cut at the deadline and dropped
         workload = (*workload, f"algorithm.rollout.name={ROOT / 'bench' / 'long_tail_rollout.py'}"
                                ":DiscardingLongTailRollout")
+    pool = ("algorithm.rollout.placement=separate", "algorithm.rollout.rollout_ranks=1") if separate else ()
     args = [sys.executable, str(ROOT / "recipes" / "grpo.py"), f"trainer.max_steps={steps}",
-            f"trainer.devices={devices}", "trainer.val_check_interval=null", "trainer.logger=[csv]",
+            f"trainer.devices={devices + int(separate)}", *pool,
+            "trainer.val_check_interval=null", "trainer.logger=[csv]",
             "trainer.enable_checkpointing=false", "trainer.export_hf=false",
             "trainer.validate_before_fit=false", "trainer.enable_progress_bar=false",
             f"trainer.default_root_dir={root}", "warm_start.enable=false",
@@ -119,7 +125,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="default", help=f"comma-separated, of {sorted(WORKLOADS)}")
     parser.add_argument("--staleness", default="1,2,4,2p",
-                        help="comma-separated k >= 1 to compare with k=0; 'kp': k with partial rollouts")
+                        help="comma-separated k >= 1 to compare with k=0; 'kp': k with partial rollouts; "
+                             "'ks': k >= 0 with a separate rollout pool (one more process)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--devices", type=int, default=1)

@@ -44,6 +44,7 @@ from verl_trainer.engine.config import EngineSpec
 from verl_trainer.engine.hooks import STEP_HOOK_NAMES, StepHooks
 from verl_trainer.metrics import Metric
 from verl_trainer.module import TrainingModule
+from verl_trainer.rollout_pool.world import current_pool, split_world
 from verl_trainer.training import checkpoint, failure, launch, resume_check
 from verl_trainer.training.arguments import TrainerArgs, check_trainer_args
 from verl_trainer.training.evaluation import EVAL_STAGES, EvaluationLoop
@@ -443,13 +444,25 @@ class Trainer(LightningAttributes):
 
     def _run_guarded(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: CkptPath) -> Any:
         with failure.guard():
-            self.world = launch.connect(
+            pool = current_pool()  # a later stage in a process whose world was split: its trainer world
+            self.world = pool.world if pool is not None else launch.connect(
                 self._env, self.devices, self.num_nodes,
                 self.strategy.dist_backend(self.accelerator), self.strategy.timeout,
             )
             if self.accelerator == "cpu":
                 os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
-            return self._run_stage(stage, module, datamodule, ckpt_path)
+            if pool is None:  # placement=separate: split into trainer and rollout ranks
+                pool = split_world(self.world, module, self.strategy.dist_backend(self.accelerator),
+                                   self.strategy.timeout)
+            if pool is not None and pool.serves_rollout:  # a launched copy of the script ends after serving
+                launched = os.environ.get(failure.LAUNCHER_PID_ENV, str(os.getpid())) != str(os.getpid())
+                return pool.serve(exit_process=launched)
+            self.world = pool.world if pool is not None else self.world
+            try:
+                return self._run_stage(stage, module, datamodule, ckpt_path)
+            finally:
+                if pool is not None:
+                    pool.close()
 
     def _run_stage(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: CkptPath) -> Any:
         """Set up ``stage`` on this rank (module, engines, data, checkpoint) and run its loop."""

@@ -29,6 +29,7 @@ from verl_trainer.evaluate.samples import default_ks
 from verl_trainer.models.moe_config import check_router_replay_rollout
 from verl_trainer.rewards.failures import DEFAULT_TIMEOUT_S, check_on_error, check_timeout
 from verl_trainer.rollout.config import RolloutConfig
+from verl_trainer.rollout_pool.config import check_pool_algorithm
 
 __all__ = [
     "ActorConfig",
@@ -373,6 +374,9 @@ class RLConfig:
         resolve_lora_sync(self.rollout, self.actor.engine)
         check_router_replay_rollout(self.actor.engine.moe, self.rollout.name, self.rollout.multi_turn.enable,
                                     bool(self.rollout.max_staleness))
+        estimator = getattr(self, "adv_estimator", None)
+        check_pool_algorithm(self.rollout.placement, self.actor.engine.moe.router_replay,
+                             estimator is not None and "reward_baselines" in estimator_inputs(estimator))
         buffer = self.reward.overlong_buffer
         if buffer.enable and buffer.len > self.rollout.max_new_tokens:
             raise ValueError(

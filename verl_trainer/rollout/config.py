@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from verl_trainer.agents.config import MultiTurnConfig
 from verl_trainer.rollout.lora_sync import LORA_SYNCS
 from verl_trainer.rollout.registry import AUTO, backend_only_settings, rollout_class
+from verl_trainer.rollout_pool.config import check_placement
 
 DECODINGS = ("auto", "generate", "drop_finished")
 CACHE_IMPLEMENTATIONS = ("auto", "dynamic", "static")
@@ -81,6 +82,14 @@ class RolloutConfig:
             speed) (:mod:`verl_trainer.rollout.lora_sync`).
         max_lora_rank: vLLM with ``lora_sync=adapter``: the largest adapter rank the engine serves
             (``0``: the actor's; rounded up to a rank vLLM accepts).
+        placement: ``"colocated"``: every training process generates its own responses. ``"separate"``:
+            ``rollout_ranks`` processes of the run's ``devices`` generate, the others train; weights are
+            broadcast to them after each update (:mod:`verl_trainer.rollout_pool`; ``docs/rollout.md``).
+        rollout_ranks: With ``placement="separate"``: processes that generate (``>= 1``); the trainer ranks
+            (``devices - rollout_ranks``) must be a multiple of it.
+        weight_sync_bucket_mb: With ``placement="separate"``: size of one broadcast bucket, in MiB (``> 0``).
+        weight_sync_timeout_s: With ``placement="separate"``: seconds a rollout rank may stay silent (a
+            weight broadcast, a sample group) before the run fails naming it (``> 0``).
 
     """
 
@@ -111,6 +120,10 @@ class RolloutConfig:
     partial_chunk_tokens: int = 16
     lora_sync: str = "auto"
     max_lora_rank: int = 0
+    placement: str = "colocated"
+    rollout_ranks: int = 1
+    weight_sync_bucket_mb: float = 64.0
+    weight_sync_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -165,6 +178,7 @@ class RolloutConfig:
                 or self.max_lora_rank < 0:
             raise ValueError(f"rollout max_lora_rank={self.max_lora_rank!r} must be an int >= 0 (0: the "
                              "actor's LoRA rank)")
+        check_placement(self)
 
     def _check_staleness(self) -> None:
         """``max_staleness`` is an int >= 0, and >= 1 only with the backends and modes built for it."""
