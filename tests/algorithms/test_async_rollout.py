@@ -341,7 +341,7 @@ def test_two_processes_one_step_off_train_the_demo_and_resume(tmp_path):
 def test_queued_groups_round_trip_through_a_pickle_free_file(tmp_path):
     from tensordict import NonTensorStack, TensorDict
 
-    from verl_trainer.algorithms.rollout_queue_state import batch_from_state, batch_state
+    from verl_trainer.data.batch_state import batch_from_state, batch_state
     from verl_trainer.utils.safe_load import safe_torch_load
 
     batch = TensorDict({"input_ids": torch.arange(6).view(2, 3), "rollout_log_probs": torch.rand(2, 3)}, [2])
@@ -352,5 +352,5 @@ def test_queued_groups_round_trip_through_a_pickle_free_file(tmp_path):
     assert torch.equal(back["rollout_log_probs"], batch["rollout_log_probs"])
     assert back["ground_truth"].tolist() == ["4", {"answer": [1, 2.5], "hint": None}]
     batch["extra_info"] = NonTensorStack.from_list([object(), object()])
-    with pytest.raises(ValueError, match="cannot checkpoint batch entry 'extra_info'.*not JSON data"):
+    with pytest.raises(ValueError, match="entry 'extra_info' cannot be stored as plain data.*not JSON data"):
         batch_state(batch)

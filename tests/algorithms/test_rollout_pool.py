@@ -292,3 +292,25 @@ def test_one_rollout_rank_serves_two_trainer_ranks(assets, tmp_path, fresh_ranks
     assert pooled[2] is None
     for rank in (0, 1):
         _assert_same(plain[rank], pooled[rank])
+
+
+def test_messages_are_plain_data_never_pickles():
+    from tensordict import NonTensorStack, TensorDict
+
+    from verl_trainer.rollout_pool.channel import decode, encode
+
+    batch = TensorDict({"input_ids": torch.arange(6).view(2, 3), "rollout_log_probs": torch.rand(2, 3)}, [2])
+    batch["ground_truth"] = NonTensorStack.from_list(["4", {"answer": [1, 2.5]}])
+    job = {"prompts": batch, "step": 3, "version": 2, "flags": (True, None, "x"), "t": torch.ones(2)}
+    back = decode(encode(job))
+    assert torch.equal(back["prompts"]["input_ids"], batch["input_ids"])
+    assert torch.equal(back["prompts"]["rollout_log_probs"], batch["rollout_log_probs"])
+    assert back["prompts"]["ground_truth"].tolist() == ["4", {"answer": [1, 2.5]}]
+    assert (back["step"], back["version"], back["flags"]) == (3, 2, [True, None, "x"])
+    assert torch.equal(back["t"], torch.ones(2))
+    with pytest.raises(TypeError, match="cannot carry a object"):
+        encode({"x": object()})
+    import pickle
+
+    with pytest.raises(Exception):  # noqa: B017, PT011 - a pickle is not a message: refused, never run
+        decode(pickle.dumps({"step": 1}))

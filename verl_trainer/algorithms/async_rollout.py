@@ -72,10 +72,11 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_trainer.algorithms.partial_rollout import ChunkedSampler, place_token_versions
-from verl_trainer.algorithms.rollout_queue_state import QUEUE_STATE_VERSION, batch_from_state, batch_state
+from verl_trainer.algorithms.rollout_queue_state import QUEUE_STATE_VERSION
 from verl_trainer.algorithms.stages import StepMetrics
 from verl_trainer.algorithms.stages.rollout import RolloutStage, WeightSnapshot
 from verl_trainer.data import schema
+from verl_trainer.data.batch_state import batch_from_state, batch_state
 from verl_trainer.data.schema import prompt_token_lists
 from verl_trainer.metrics import Metric
 from verl_trainer.rollout import BaseRollout

@@ -18,54 +18,14 @@ weights).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import torch
-from tensordict import NonTensorStack, TensorDict, is_non_tensor
-
-from verl_trainer.data.schema import non_tensor_list
 from verl_trainer.utils.distributed import all_gather_object, get_rank, get_world_size
 
-__all__ = ["QUEUE_STATE_VERSION", "batch_from_state", "batch_state", "gather_queue_states",
-           "own_queue_state"]
+__all__ = ["QUEUE_STATE_VERSION", "gather_queue_states", "own_queue_state"]
 
 QUEUE_STATE_VERSION = 1
 """The layout of one rank's queue state (:meth:`AsyncRollout.state_dict`)."""
-
-
-def batch_state(batch: TensorDict) -> dict[str, Any]:
-    """A flat rollout batch as ``{"size", "tensors", "objects"}`` (tensors and JSON strings only).
-
-    Raises:
-        ValueError: An entry is a nested TensorDict, or a non-tensor entry holds a value JSON cannot
-            encode (naming the key).
-    """
-    tensors: dict[str, torch.Tensor] = {}
-    objects: dict[str, str] = {}
-    for key in batch.keys():
-        value = batch.get(key)
-        if is_non_tensor(value):
-            try:
-                objects[key] = json.dumps(non_tensor_list(batch, key))
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"the async rollout queue cannot checkpoint batch entry {key!r}: its values "
-                                 f"are not JSON data ({exc}); keep reward fields to str/number/list/dict, "
-                                 f"or checkpoint with max_staleness=0") from exc
-        elif isinstance(value, torch.Tensor):
-            tensors[key] = value.detach().to("cpu", copy=True)
-        else:
-            raise ValueError(f"the async rollout queue cannot checkpoint batch entry {key!r} of type "
-                             f"{type(value).__name__} (tensors and per-sample JSON data only)")
-    return {"size": int(batch.batch_size[0]), "tensors": tensors, "objects": objects}
-
-
-def batch_from_state(state: dict[str, Any]) -> TensorDict:
-    """The batch :func:`batch_state` stored (non-tensor entries as ``NonTensorStack``)."""
-    batch = TensorDict(dict(state["tensors"]), batch_size=[int(state["size"])])
-    for key, text in state["objects"].items():
-        batch[key] = NonTensorStack.from_list(json.loads(text))
-    return batch
 
 
 def gather_queue_states(local: dict[str, Any]) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ is re-made over them, so the engines, the data sharding and every collective of 
 * :mod:`.config` — the settings' checks (at config build, and against the world size at launch);
 * :mod:`.world` — :func:`~.world.split_world`: the split, the pool's process group and message channel;
 * :mod:`.buckets` — the bucketed weight broadcast (trainer rank 0 -> every rollout rank);
-* :mod:`.channel` — sample groups and commands as pickled messages in the run's key-value store,
+* :mod:`.channel` — sample groups and commands as plain data (tensors + JSON) in the run's key-value store,
   rollout ranks' heartbeats, and the time-out that names a silent rank;
 * :mod:`.worker` — the rollout rank's loop (receive weights, generate the groups sent to it);
 * :mod:`.stage` — the trainer side: :class:`~.stage.PoolRollout`, the asynchronous rollout whose groups

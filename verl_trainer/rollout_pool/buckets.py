@@ -3,7 +3,7 @@
 Wire format, per bucket (three broadcasts from group rank 0 on the pool's weight group)::
 
     header  int64 [3]          (meta bytes, data bytes, 1 on the last bucket else 0)
-    meta    uint8 [meta bytes] pickled list of (name, dtype, shape, total bytes, offset)
+    meta    uint8 [meta bytes] JSON list of [name, dtype, shape, total bytes, offset]
     data    uint8 [data bytes] the entries' bytes, in order
 
 A tensor larger than a bucket is sent in bucket-size slices (``offset`` says where a slice goes); the
@@ -15,7 +15,7 @@ to the sender's (bytes are copied, no cast).
 
 from __future__ import annotations
 
-import pickle
+import json
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -38,7 +38,7 @@ def _broadcast(group: Any, tensor: torch.Tensor, timeout: timedelta | None) -> N
 
 def _flush(group: Any, meta: list[_Entry], data: torch.Tensor, used: int, last: bool,
            timeout: timedelta | None) -> None:
-    blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8).to(data.device)
+    blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).to(data.device)
     header = torch.tensor([blob.numel(), used, int(last)], dtype=torch.int64, device=data.device)
     _broadcast(group, header, timeout)
     _broadcast(group, blob, timeout)
@@ -102,7 +102,7 @@ def receive_weights(group: Any, device: torch.device | str = "cpu",
         if used:
             _broadcast(group, data, timeout)
         cursor = 0
-        for name, dtype, shape, total, offset in pickle.loads(blob.cpu().numpy().tobytes()):
+        for name, dtype, shape, total, offset in json.loads(blob.cpu().numpy().tobytes()):
             buffer, filled = partial.get(name) or (torch.empty(total, dtype=torch.uint8, device=device), 0)
             take = min(total - offset, used - cursor)
             buffer[offset:offset + take].copy_(data[cursor:cursor + take])

@@ -1,6 +1,8 @@
 """Messages between trainer ranks and rollout ranks, in the run's key-value store (c10d ``TCPStore``).
 
-A message is a pickled object under a key written once and deleted by its reader; keys are sequenced
+A message is plain data under a key written once and deleted by its reader: a safetensors blob whose tensors
+are the message's tensors and whose metadata is the rest as JSON (:func:`encode` / :func:`decode`; nothing is
+unpickled, so a peer that can reach the store cannot make a reader run code); keys are sequenced
 (``job/<trainer rank>/<n>``, ``result/<trainer rank>/<n>``, ``sync/<n>``), so no message is read twice and
 none depends on timing. Sample groups are small (token ids and log-probs), so the store carries them; the
 weights go over a process group (:mod:`.buckets`).
@@ -12,13 +14,21 @@ the rank whose counter stood still for ``timeout_s`` (no hang, no clock shared b
 
 from __future__ import annotations
 
-import pickle
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["HEARTBEAT_S", "Heartbeat", "Liveness", "PoolStoppedError", "RolloutPoolError", "post", "take"]
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+from tensordict import TensorDict
+
+from verl_trainer.data.batch_state import batch_from_state, batch_state
+
+__all__ = ["HEARTBEAT_S", "Heartbeat", "Liveness", "PoolStoppedError", "RolloutPoolError", "decode", "encode",
+           "post", "take"]
 
 HEARTBEAT_S = 0.2
 _POLL_S = (0.002, 0.05)
@@ -32,9 +42,69 @@ class PoolStoppedError(Exception):
     """The pool was closed while waiting for a message."""
 
 
+def encode(obj: Any) -> bytes:
+    """``obj`` as bytes, with the tensors and flat ``TensorDict`` batches nested in it.
+
+    ``obj`` is JSON data (None, bool, int, float, str, lists, tuples, str-keyed dicts) holding tensors and
+    batches whose non-tensor entries are per-sample JSON data.
+
+    Raises:
+        TypeError: a value of another type (named); ValueError: a batch entry JSON cannot encode.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, TensorDict):
+            state = batch_state(value)
+            ref = f"b{len(tensors)}"
+            for name, tensor in state["tensors"].items():
+                tensors[f"{ref}/{name}"] = tensor.contiguous().clone()
+            return {"batch": ref, "size": state["size"], "keys": list(state["tensors"]),
+                    "objects": state["objects"]}
+        if isinstance(value, torch.Tensor):
+            ref = f"t{len(tensors)}"
+            tensors[ref] = value.detach().to("cpu").contiguous().clone()
+            return {"tensor": ref}
+        if isinstance(value, dict):
+            if not all(isinstance(k, str) for k in value):
+                raise TypeError(f"a rollout-pool message's dict keys must be str, got {list(value)!r}")
+            return {"dict": {k: plain(v) for k, v in value.items()}}
+        if isinstance(value, (list, tuple)):
+            return {"list": [plain(v) for v in value]}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return {"value": value}
+        raise TypeError(f"a rollout-pool message cannot carry a {type(value).__name__} (JSON data, tensors "
+                        "and flat TensorDict batches only)")
+
+    meta = json.dumps(plain(obj))
+    return save_tensors(tensors, metadata={"message": meta})
+
+
+def decode(blob: bytes) -> Any:
+    """The object :func:`encode` wrote (tuples come back as lists; batches with ``NonTensorStack``s)."""
+    tensors = load_tensors(blob)
+    header_len = int.from_bytes(blob[:8], "little")
+    meta = json.loads(json.loads(blob[8:8 + header_len])["__metadata__"]["message"])
+
+    def value_of(node: dict[str, Any]) -> Any:
+        if "batch" in node:
+            ref = node["batch"]
+            return batch_from_state({"size": node["size"], "objects": node["objects"],
+                                     "tensors": {k: tensors[f"{ref}/{k}"] for k in node["keys"]}})
+        if "tensor" in node:
+            return tensors[node["tensor"]]
+        if "dict" in node:
+            return {k: value_of(v) for k, v in node["dict"].items()}
+        if "list" in node:
+            return [value_of(v) for v in node["list"]]
+        return node["value"]
+
+    return value_of(meta)
+
+
 def post(store: Any, key: str, obj: Any) -> None:
-    """Write ``obj`` under ``key`` (pickled)."""
-    store.set(key, pickle.dumps(obj))
+    """Write ``obj`` under ``key`` (:func:`encode`)."""
+    store.set(key, encode(obj))
 
 
 def take(store: Any, key: str, stopped: Callable[[], bool] = lambda: False,
@@ -56,7 +126,7 @@ def take(store: Any, key: str, stopped: Callable[[], bool] = lambda: False,
             last_check = time.monotonic()
         time.sleep(delay)
         delay = min(delay * 2, _POLL_S[1])
-    obj = pickle.loads(store.get(key))
+    obj = decode(store.get(key))
     store.delete_key(key)
     return obj
 
