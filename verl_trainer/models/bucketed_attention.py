@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from verl_trainer.models.varlen_kernels import sliding_window_mask
+from verl_trainer.models.varlen_kernels import reference_varlen_attention, sliding_window_mask
 
 if TYPE_CHECKING:
     from torch.autograd.function import FunctionCtx
@@ -33,6 +33,12 @@ if TYPE_CHECKING:
 _SOFTMAX_FAST_WIDTH = 16
 """Below this row width torch's CPU softmax is slower than max / exp / sum written out (measured)."""
 
+
+LOOP_ABOVE = 0.5
+"""Where a row's buckets would be more than this fraction of its segments (mostly lengths seen once), the
+row runs the per-segment sdpa loop instead: a bucket of one segment is the loop's call plus the bucketing's
+reads, writes and autograd nodes (``bench/attention.py --grid``, HF's layout: 0.74-0.97x of the loop on 64
+log-normal segments of median 48, 48 buckets)."""
 
 MATMUL_MAX_LENGTH = 64
 """Crossover of a layout nobody measured (fp32; tuned on 4 / 2 heads x 64): the constant rule."""
@@ -436,7 +442,8 @@ def bucketed_varlen_attention(
         matmul_max_length: Buckets of segments up to this length run batched matmuls
             (:func:`matmul_attention_forward`, in fp32: half-precision buckets are upcast) where that
             path applies (CPU, no dropout, no autocast); longer ones, and all others, one sdpa call.
-            0: sdpa everywhere. ``None``: the layout's crossover (:func:`matmul_crossover`).
+            0: sdpa everywhere. ``None``: the layout's crossover (:func:`matmul_crossover`), and the
+            per-segment loop for rows whose buckets would be more than :data:`LOOP_ABOVE` of the segments.
 
     Returns:
         ``[1, N, H, D_v]``.
@@ -456,6 +463,10 @@ def bucketed_varlen_attention(
         usable = use_matmul_attention(query.dtype, query.device, dropout, upcast=True)
         matmul_max = matmul_max_length if usable else 0
     plan = plan_buckets(lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
+    if matmul_max_length is None and len(plan.shapes) > LOOP_ABOVE * sum(1 for x in lengths if x > 0):
+        return reference_varlen_attention(
+            query, key, value, lengths, scaling=scale, dropout=dropout, is_causal=is_causal, window=window
+        )
     out, *parts = _Buckets.apply(query, key, value, plan, heads, scale, is_causal, window)
     n_sdpa = len(plan.sdpa)
     outs = []
