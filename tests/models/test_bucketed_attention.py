@@ -166,7 +166,7 @@ def test_varlen_attention_dispatch_on_cpu():
 def test_rows_of_distinct_lengths_run_the_segment_loop():
     """Buckets of one segment each batch nothing: such a row runs the per-segment loop (bitwise the
     reference), a row of repeated lengths the buckets (matmul round-off); a given crossover never loops."""
-    distinct, repeated = [5, 9, 2, 14, 7, 11], [5, 9, 5, 9, 5, 9]
+    distinct, repeated = [5, 9, 2, 14, 7, 11], [5, 9] * 4
     assert len(plan_buckets(distinct).shapes) > LOOP_ABOVE * len(distinct)
     assert len(plan_buckets(repeated).shapes) <= LOOP_ABOVE * len(repeated)
     for lengths, loops in ((distinct, True), (repeated, False)):
