@@ -9,6 +9,9 @@ causal (or sliding-window) one:
   runs them upcast to fp32 and rounds once at the end;
 * the others run as one ``scaled_dot_product_attention`` over ``[count, H, length, D]``.
 
+A row whose lengths are mostly distinct (more buckets than :data:`LOOP_ABOVE` of its segments) has nothing to
+batch; it runs the per-segment sdpa loop instead (``varlen_kernels.reference_varlen_attention``).
+
 Invariants: every packed token belongs to exactly one bucket, so each output and gradient row is written
 once (no scatter-add, no zero fill); no token attends across segments; the result equals a per-segment
 sdpa loop to fp32 round-off (sdpa buckets bitwise; matmul buckets sum in another order). How the
@@ -417,6 +420,14 @@ class _PutRows(torch.autograd.Function):
         return None, grad, *(_sdpa_layout(plan, i, _read(plan, units, i), ctx.heads) for i in plan.sdpa)
 
 
+def loops(plan: BucketPlan, lengths: Sequence[int]) -> bool:
+    """Whether a row of these ``lengths`` (planned as ``plan``) runs the per-segment loop.
+
+    True where the plan has more buckets than :data:`LOOP_ABOVE` of the row's non-empty segments.
+    """
+    return len(plan.shapes) > LOOP_ABOVE * sum(1 for n in lengths if n > 0)
+
+
 def bucketed_varlen_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -464,7 +475,7 @@ def bucketed_varlen_attention(
         usable = use_matmul_attention(query.dtype, query.device, dropout, upcast=True)
         matmul_max = matmul_max_length if usable else 0
     plan = plan_buckets(lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
-    if matmul_max_length is None and len(plan.shapes) > LOOP_ABOVE * sum(1 for x in lengths if x > 0):
+    if matmul_max_length is None and loops(plan, lengths):
         return reference_varlen_attention(
             query, key, value, lengths, scaling=scale, dropout=dropout, is_causal=is_causal, window=window
         )
