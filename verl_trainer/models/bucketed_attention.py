@@ -41,8 +41,7 @@ LOOP_ABOVE = 0.25
 """Where a row's buckets would be more than this fraction of its segments (fewer than 4 segments a call on
 average: long-tailed lengths), the row runs the per-segment sdpa loop instead: a bucket of one segment is
 the loop's call plus the bucketing's reads, writes and autograd nodes, and the few batched buckets do not
-pay for them (``bench/attention.py --grid``, HF's layout, log-normal sigma 0.8: 64 segments of median 48
-in 48 buckets 0.74-0.97x of the loop, 256 of median 24 in 82 buckets 0.83-0.99x)."""
+pay for them (measured: docs/benchmarks.md, *Packed attention on the model's layout*)."""
 
 MATMUL_MAX_LENGTH = 64
 """Crossover of a layout nobody measured (fp32; tuned on 4 / 2 heads x 64): the constant rule."""
