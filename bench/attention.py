@@ -28,13 +28,16 @@ Workloads (heads 4 x 64 and 2 KV heads by default: the Qwen2 of ``bench/vs_trl.p
 * 64 and 256 segments of long-tailed lengths (lognormal, median 128, sigma 1, in [1, 2048]): >= 0.95x;
 * 256 segments of long-tailed lengths with median 32 (the issue's "few dozen tokens"): >= 0.95x.
 
-``--grid`` runs every layout of the grid: MHA (4 query / 4 KV heads), GQA (4 / 2), MQA (4 / 1) x head dim
-32, 64, 128 x fp32, bf16, on the 1,024-short, 64 long-tailed and 256 long-tailed (median 32) workloads,
-timing the loop, the old constant rule (matmul up to ``MATMUL_MAX_LENGTH``) and the new per-shape rule
-(the crossover ``verl_trainer.models.attention_autotune`` measures for the layout, printed with the time
-the autotune took) in paired rounds. Where both rules pick the same crossover they are one path, timed
-once (``=`` in the new column). Under the old rule bf16 never takes the matmul path (sdpa buckets); the new
-rule may (the bucket upcast to fp32 for the matmuls) where its probe measured it faster.
+``--grid`` runs every layout of the grid: MHA 8 (8 query / 8 KV heads), MHA (4 / 4), GQA (4 / 2), MQA (4 / 1)
+x head dim 32, 64, 128 x fp32, bf16 (``--layouts`` / ``--dims`` / ``--dtypes`` pick a part), on 1,024
+segments of 8-16 tokens and two long-tailed workloads (log-normal, sigma 0.8: 64 segments of median 48,
+256 of median 24). Each layout's crossover is first chosen by ``attention_autotune.tune`` as the engine does
+at model build (its probe times HF's layout; the file cache is off, so every run measures it, and the time it
+took is printed); then the packed path (``bucketed_varlen_attention`` as the model calls it) and the loop are
+timed on q/k/v in HF's layout and, side by side in the same rounds, contiguous: each speed-up is against the
+loop on the same inputs; ``(loop)`` marks a row the packed path hands to the per-segment loop (mostly
+distinct lengths: ``bucketed_attention.LOOP_ABOVE``). Targets: >= 3x on the short workload where the
+matmul path is chosen, >= 0.95x on the long-tailed ones, in HF's layout.
 
 ``--workloads`` times only the named workloads (more rounds where they matter, on a shared machine);
 ``--profile`` adds, per workload, a ``torch.profiler`` table of the new path's operators (self CPU time
@@ -47,6 +50,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import statistics
 import sys
 import time
@@ -57,10 +61,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verl_trainer.models.attention_autotune import ShapeKey, choose_crossover  # noqa: E402
+from verl_trainer.models.attention_autotune import CACHE_ENV, ShapeKey, tune  # noqa: E402
 from verl_trainer.models.bucketed_attention import (  # noqa: E402
+    LAYOUT_CROSSOVERS,
     MATMUL_MAX_LENGTH,
     bucketed_varlen_attention,
+    loops,
+    plan_buckets,
 )
 from verl_trainer.models.varlen_kernels import reference_varlen_attention  # noqa: E402
 
@@ -73,12 +80,16 @@ def workloads(seed: int = 0) -> dict[str, list[int]]:
     g = torch.Generator().manual_seed(seed)
     short = torch.randint(8, 17, (1024,), generator=g).tolist()
 
-    def long_tailed(n: int, median: float = 128) -> list[int]:
-        lens = torch.exp(math.log(median) + torch.randn(n, generator=g)).round().clamp(1, 2048)
+    def log_normal(n: int, median: float, sigma: float) -> list[int]:
+        lens = torch.exp(math.log(median) + sigma * torch.randn(n, generator=g)).round().clamp(1, 2048)
         return [int(x) for x in lens]
 
+    def long_tailed(n: int, median: float = 128) -> list[int]:
+        return log_normal(n, median, 1.0)
+
     return {"1024 x 8-16": short, "64 long-tailed": long_tailed(64), "256 long-tailed": long_tailed(256),
-            "256 lt median 32": long_tailed(256, 32)}
+            "256 lt median 32": long_tailed(256, 32),
+            "64 lt median 48": log_normal(64, 48, 0.8), "256 lt median 24": log_normal(256, 24, 0.8)}
 
 
 def make_inputs(
@@ -145,10 +156,12 @@ def paired(sides: dict[str, Attention], inputs: Inputs, lens: list[int], reps: i
     return statistics.median(times["loop"]), result
 
 
-GRID_LAYOUTS = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}
+GRID_LAYOUTS = {"MHA 8": (8, 8), "MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}
 GRID_DIMS = (32, 64, 128)
 GRID_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-GRID_WORKLOADS = ("1024 x 8-16", "64 long-tailed", "256 lt median 32")
+GRID_WORKLOADS = ("1024 x 8-16", "64 lt median 48", "256 lt median 24")
+INPUT_LAYOUTS = {"hf": True, "contiguous": False}
+"""The grid's input layouts: ``hf`` is what the model's attention receives (transposed views)."""
 
 
 def profile_table(fn: Attention, inputs: Inputs, lens: list[int], rows: int = 15) -> str:
@@ -160,38 +173,69 @@ def profile_table(fn: Attention, inputs: Inputs, lens: list[int], rows: int = 15
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
-def grid(reps: int) -> None:
-    """Every layout x head dim x dtype x workload: loop vs the old constant rule vs the per-shape rule."""
+def paired_layouts(
+    fn: Attention, inputs: dict[str, Inputs], lens: list[int], reps: int
+) -> dict[str, tuple[float, float]]:
+    """Per input layout, ``(median loop time, median per-round loop / fn)``; all sides alternate per round."""
+    for x in inputs.values():  # warm-up (and the plans' caches)
+        fwd_bwd(fn, x, lens), fwd_bwd(reference_varlen_attention, x, lens)
+    times: dict[tuple[str, str], list[float]] = {}
+    for r in range(reps):
+        order = list(inputs) if r % 2 == 0 else list(inputs)[::-1]
+        for layout in order:
+            sides = (("loop", reference_varlen_attention), ("new", fn))
+            for side, f in sides if r % 2 == 0 else sides[::-1]:
+                times.setdefault((layout, side), []).append(fwd_bwd(f, inputs[layout], lens))
+    return {
+        layout: (
+            statistics.median(times[layout, "loop"]),
+            statistics.median(a / b for a, b in zip(times[layout, "loop"], times[layout, "new"])),
+        )
+        for layout in inputs
+    }
+
+
+def grid(reps: int, layouts: list[str], dims: list[int], dtypes: list[str]) -> None:
+    """Layouts x head dims x dtypes x workloads: the packed path vs the loop, on both input layouts.
+
+    The packed path runs as the engine runs it: the layout's crossover is first chosen by
+    ``attention_autotune.tune`` (its probe times HF's transposed layout), then
+    ``bucketed_varlen_attention`` reads it from the kernel's table. The autotune's file cache is off
+    (``VERL_TRAINER_ATTENTION_AUTOTUNE_CACHE=0``), so every run measures its own crossover.
+    """
+    os.environ[CACHE_ENV] = "0"
     lengths = workloads()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, HF (transposed) q/k/v, "
-          f"{reps} paired rounds; speed-up = median over rounds of loop / side; "
-          f"old = matmul up to {MATMUL_MAX_LENGTH}, new = the layout's measured crossover")
-    print("| layout | D | dtype | crossover old → new (tune ms) | " + " | ".join(
-        f"{w}: loop ms, old, new" for w in GRID_WORKLOADS) + " |")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {reps} paired rounds; speed-up = "
+          "median over rounds of loop / packed (the loop on the same inputs); hf = q/k/v as transposed views "
+          "of [1, N, H, D] (the model's layout), contiguous = [1, H, N, D]; crossover from "
+          "attention_autotune.tune")
+    print("| layout | D | dtype | crossover (tune ms) | " + " | ".join(
+        f"{w}: loop ms hf, hf, contiguous" for w in GRID_WORKLOADS) + " |")
     print("|---|---|---|---|" + "---|" * len(GRID_WORKLOADS))
-    for layout, (heads, kv_heads) in GRID_LAYOUTS.items():
-        for dim in GRID_DIMS:
-            for dtype_name, dtype in GRID_DTYPES.items():
+    for layout in layouts:
+        heads, kv_heads = GRID_LAYOUTS[layout]
+        for dim in dims:
+            for dtype_name in dtypes:
+                dtype = GRID_DTYPES[dtype_name]
                 key = ShapeKey.of(heads, kv_heads, dim, dtype, "cpu")
+                LAYOUT_CROSSOVERS.pop(key.layout, None)
                 start = time.perf_counter()
-                new = choose_crossover(key)
+                crossover = tune(key)
                 tune_ms = (time.perf_counter() - start) * 1e3
-                old = MATMUL_MAX_LENGTH if dtype == torch.float32 else 0  # the constant rule: fp32 only
-                maxes = {"old": old, "new": new}
-                sides = {f"m{m}": functools.partial(bucketed_varlen_attention, matmul_max_length=m)
-                         for m in sorted(set(maxes.values()))}
                 cells = []
                 for name in GRID_WORKLOADS:
                     lens = lengths[name]
-                    inputs = make_inputs(lens, heads, kv_heads, dim, True, dtype=dtype)
+                    inputs = {lay: make_inputs(lens, heads, kv_heads, dim, hf, dtype=dtype)
+                              for lay, hf in INPUT_LAYOUTS.items()}
                     tol = 1e-5 if dtype == torch.float32 else 1e-1
-                    for fn in sides.values():
-                        check_equal(fn, reference_varlen_attention, inputs, lens, tol)
-                    loop_s, result = paired(sides, inputs, lens, reps)
-                    ratio_old, ratio_new = result[f"m{old}"][1], result[f"m{new}"][1]
-                    same = "=" if old == new else ""
-                    cells.append(f"{loop_s * 1e3:.0f}, {ratio_old:.2f}x, {same}{ratio_new:.2f}x")
-                row = f"| {layout} {heads}/{kv_heads} | {dim} | {dtype_name} | {old} → {new} ({tune_ms:.0f}) "
+                    for x in inputs.values():
+                        check_equal(bucketed_varlen_attention, reference_varlen_attention, x, lens, tol)
+                    result = paired_layouts(bucketed_varlen_attention, inputs, lens, reps)
+                    plan = plan_buckets(lens, heads_kv=kv_heads, matmul_max_length=crossover)
+                    path = " (loop)" if loops(plan, lens) else ""
+                    cells.append(f"{result['hf'][0] * 1e3:.0f}, {result['hf'][1]:.2f}x, "
+                                 f"{result['contiguous'][1]:.2f}x{path}")
+                row = f"| {layout} {heads}/{kv_heads} | {dim} | {dtype_name} | {crossover} ({tune_ms:.0f}) "
                 print(row + "| " + " | ".join(cells) + " |", flush=True)
 
 
@@ -211,10 +255,15 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also print a torch.profiler table of the new path per workload")
     parser.add_argument("--grid", action="store_true",
-                        help="every layout (MHA/GQA/MQA x D 32/64/128 x fp32/bf16): old vs per-shape rule")
+                        help="layouts x D x dtypes: the tuned packed path vs the loop, both layouts")
+    parser.add_argument("--layouts", nargs="+", default=list(GRID_LAYOUTS), choices=list(GRID_LAYOUTS),
+                        help="--grid: only these attention layouts")
+    parser.add_argument("--dims", nargs="+", type=int, default=list(GRID_DIMS), help="--grid: head dims")
+    parser.add_argument("--dtypes", nargs="+", default=list(GRID_DTYPES), choices=list(GRID_DTYPES),
+                        help="--grid: dtypes")
     args = parser.parse_args()
     if args.grid:
-        grid(args.reps or 5)
+        grid(args.reps or 5, args.layouts, args.dims, args.dtypes)
         return
     reps = args.reps or 21
 

@@ -9,6 +9,9 @@ causal (or sliding-window) one:
   runs them upcast to fp32 and rounds once at the end;
 * the others run as one ``scaled_dot_product_attention`` over ``[count, H, length, D]``.
 
+A row whose lengths are mostly distinct (more buckets than :data:`LOOP_ABOVE` of its segments) has nothing to
+batch; it runs the per-segment sdpa loop instead (``varlen_kernels.reference_varlen_attention``).
+
 Invariants: every packed token belongs to exactly one bucket, so each output and gradient row is written
 once (no scatter-add, no zero fill); no token attends across segments; the result equals a per-segment
 sdpa loop to fp32 round-off (sdpa buckets bitwise; matmul buckets sum in another order). How the
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from verl_trainer.models.varlen_kernels import sliding_window_mask
+from verl_trainer.models.varlen_kernels import reference_varlen_attention, sliding_window_mask
 
 if TYPE_CHECKING:
     from torch.autograd.function import FunctionCtx
@@ -33,6 +36,12 @@ if TYPE_CHECKING:
 _SOFTMAX_FAST_WIDTH = 16
 """Below this row width torch's CPU softmax is slower than max / exp / sum written out (measured)."""
 
+
+LOOP_ABOVE = 0.25
+"""Where a row's buckets would be more than this fraction of its segments (fewer than 4 segments a call on
+average: long-tailed lengths), the row runs the per-segment sdpa loop instead: a bucket of one segment is
+the loop's call plus the bucketing's reads, writes and autograd nodes, and the few batched buckets do not
+pay for them (measured: docs/benchmarks.md, *Packed attention on the model's layout*)."""
 
 MATMUL_MAX_LENGTH = 64
 """Crossover of a layout nobody measured (fp32; tuned on 4 / 2 heads x 64): the constant rule."""
@@ -410,6 +419,14 @@ class _PutRows(torch.autograd.Function):
         return None, grad, *(_sdpa_layout(plan, i, _read(plan, units, i), ctx.heads) for i in plan.sdpa)
 
 
+def loops(plan: BucketPlan, lengths: Sequence[int]) -> bool:
+    """Whether a row of these ``lengths`` (planned as ``plan``) runs the per-segment loop.
+
+    True where the plan has more buckets than :data:`LOOP_ABOVE` of the row's non-empty segments.
+    """
+    return len(plan.shapes) > LOOP_ABOVE * sum(1 for n in lengths if n > 0)
+
+
 def bucketed_varlen_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -436,7 +453,8 @@ def bucketed_varlen_attention(
         matmul_max_length: Buckets of segments up to this length run batched matmuls
             (:func:`matmul_attention_forward`, in fp32: half-precision buckets are upcast) where that
             path applies (CPU, no dropout, no autocast); longer ones, and all others, one sdpa call.
-            0: sdpa everywhere. ``None``: the layout's crossover (:func:`matmul_crossover`).
+            0: sdpa everywhere. ``None``: the layout's crossover (:func:`matmul_crossover`), and the
+            per-segment loop for rows whose buckets would be more than :data:`LOOP_ABOVE` of the segments.
 
     Returns:
         ``[1, N, H, D_v]``.
@@ -456,6 +474,10 @@ def bucketed_varlen_attention(
         usable = use_matmul_attention(query.dtype, query.device, dropout, upcast=True)
         matmul_max = matmul_max_length if usable else 0
     plan = plan_buckets(lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
+    if matmul_max_length is None and loops(plan, lengths):
+        return reference_varlen_attention(
+            query, key, value, lengths, scaling=scale, dropout=dropout, is_causal=is_causal, window=window
+        )
     out, *parts = _Buckets.apply(query, key, value, plan, heads, scale, is_causal, window)
     n_sdpa = len(plan.sdpa)
     outs = []

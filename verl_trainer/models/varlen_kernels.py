@@ -5,7 +5,8 @@
   ``window_size=(-1, 0)``); both need CUDA tensors in fp16/bf16. Returns ``None`` where neither applies,
   and the caller takes the bucketed path (``verl_trainer.models.bucketed_attention``).
 * :func:`reference_varlen_attention`: one sdpa call per segment — the ground truth the tests and
-  ``bench/attention.py`` compare against, never the production path.
+  ``bench/attention.py`` compare against, and the CPU path for rows of mostly distinct lengths (where
+  bucketing would batch nothing: ``bucketed_attention.LOOP_ABOVE``).
 """
 
 from __future__ import annotations
