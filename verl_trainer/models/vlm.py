@@ -67,12 +67,20 @@ def mm_token_type_ids(input_ids: torch.Tensor, config: Any) -> torch.Tensor:
     return types
 
 
-def find_rope_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The submodule that owns ``get_rope_index`` (looks through FSDP, DeepSpeed and peft wrappers).
+def find_rope_module(model: Any) -> torch.nn.Module:
+    """The submodule that owns ``get_rope_index``.
+
+    Looks through FSDP, DeepSpeed and peft wrappers, and forward wrappers that keep the module in
+    ``ds_engine`` / ``module``.
 
     Raises:
         TypeError: ``model`` has no such submodule (not a multimodal-rope model).
     """
+    while not isinstance(model, torch.nn.Module):
+        inner = getattr(model, "ds_engine", None) or getattr(model, "module", None)
+        if inner is None:
+            break
+        model = inner
     for module in model.modules():
         if callable(getattr(module, "get_rope_index", None)):
             return module
