@@ -140,6 +140,8 @@ def test_vlm_settings_refused_at_config_build(vlm_path, tmp_path):
                            num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(ValueError, match="freeze_vision_tower=True but .* is not a vision-language model"):
         EngineConfig(model_path=text, freeze_vision_tower=True)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2 / pipeline_model_parallel_size=1"):
+        EngineConfig(model_path=vlm_path, tensor_model_parallel_size=2)
     EngineConfig(model_path=vlm_path, freeze_vision_tower=True)  # accepted
 
 
