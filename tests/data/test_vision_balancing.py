@@ -10,7 +10,6 @@ from verl_trainer.data.packing import make_batch
 from verl_trainer.data.vision import model_vision_inputs, pad_vision
 from verl_trainer.data.vision_cost import sample_sizes
 from verl_trainer.engine.micro_batch import prepare_micro_batches
-from verl_trainer.testing import run_distributed
 
 
 def _batch(rank: int, n: int):
@@ -36,7 +35,9 @@ def test_sample_sizes_count_patch_rows():
     assert len(micro) > 1 and sorted(idx) == [0, 1, 2, 3]
 
 
-def _balance(sizes):
+def balance_on_rank(sizes):
+    """Balance :func:`_batch` shards of ``sizes`` over the world; per received sample
+    ``(uid, seq_len, patch rows, pixel values)``. Runs inside ``tests/engine/test_vlm_engine.py``'s spawn."""
     rank = dist.get_rank()
     mine, _ = balance_batch(_batch(rank, sizes[rank]), batch_multiple=1)
     out = []
@@ -49,14 +50,16 @@ def _balance(sizes):
     return out
 
 
-def test_balancing_moves_images_with_their_samples():
-    sizes = [6, 2]
-    per_rank = run_distributed(_balance, 2, sizes)
+def check_balanced(per_rank):
+    """Every sample arrived once, with every patch row of its own images (and no other sample's)."""
     seen = [s for rank in per_rank for s in rank]
-    assert sorted(s[0] for s in seen) == sorted([i for i in range(6)] + [100, 101])
-    assert {s[0] // 100 for s in per_rank[1]} == {0, 1} or {s[0] // 100 for s in per_rank[0]} == {0, 1}
+    assert sorted(s[0] for s in seen) == sorted([*range(BALANCE_SIZES[0]), *(100 + i for i in range(2))])
     for uid, seq_len, rows, values in seen:
         i = uid % 100
         assert seq_len == 5 + i
-        assert rows == 4 * (i + 1) * (i % 3)  # every patch row of its own images
+        assert rows == 4 * (i + 1) * (i % 3)
         assert values == ([float(uid)] if rows else [])
+
+
+BALANCE_SIZES = [6, 2]
+"""Rank 0 holds 6 samples (images up to 48 patch rows), rank 1 two (8): different ``P`` and ``I``."""
