@@ -111,7 +111,7 @@ def load_value_model(
             f"{path!r} is a vision-language model: a value model (critic) of it is not supported "
             "(transformers has no token-classification head for it); train it with a critic-free "
             "estimator (GRPO, RLOO, ReMax: algorithm.adv_estimator) or give the critic a text-only model"
-            )
+        )
     config.num_labels = 1
     default_dropout = getattr(config, "classifier_dropout", None) or 0.0
     config.classifier_dropout = kwargs.pop("classifier_dropout", default_dropout)
