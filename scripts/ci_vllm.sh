@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export VENV=${VENV:-.venv-vllm} WANDB_MODE=offline OMP_NUM_THREADS=1
-EXTRAS=vllm bash scripts/setup_venv.sh
+[ "${VENV_READY:-0}" = 1 ] || EXTRAS=vllm bash scripts/setup_venv.sh  # VENV_READY=1: .ci/run built it
 files=$(grep -rl "pytest.mark.vllm" tests --include="test_*.py" | sort)
 if [ -z "$files" ]; then
   echo "ci_vllm: no test file carries the vllm marker" >&2

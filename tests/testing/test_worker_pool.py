@@ -86,8 +86,11 @@ def _hang_on_rank0():
     dist.barrier()
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _fresh_pools():
+    """No pool of another test file at the start or left at the end; within this file the tests share
+    pools as the suite's calls do (a pool that ran earlier tasks is what a later call gets): each process
+    start costs seconds of CPU (torch's import), and a test that needs new processes asserts it gets them."""
     close_worker_pools()
     yield
     close_worker_pools()
@@ -122,7 +125,8 @@ def test_a_name_registered_by_a_call_is_free_again_for_the_next():
 
 def test_what_a_module_registers_when_a_call_imports_it_stays_registered(tmp_path):
     """A registration made while a module is imported is the module's (it stays imported), even when a
-    decorator factory defined in another file makes it (as ``@register_rollout("hf")`` does)."""
+    decorator factory defined in another file makes it (as ``@register_rollout("hf")`` does) and the
+    registry was imported by an earlier call."""
     (tmp_path / "pool_test_plugin.py").write_text(
         "import torch\n"
         "from verl_trainer.engine.optimizers import OPTIMIZERS\n\n"
@@ -135,6 +139,7 @@ def test_what_a_module_registers_when_a_call_imports_it_stays_registered(tmp_pat
         "class PluginSGD(torch.optim.SGD):\n"
         "    pass\n"
     )
+    assert run_distributed(_still_registered, 2) == [False, False]  # the registry is imported, the name not
     assert run_distributed(_import_a_module_that_registers, 2, str(tmp_path)) == [True, True]
     assert run_distributed(_still_registered, 2) == [True, True]
 

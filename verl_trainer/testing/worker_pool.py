@@ -106,19 +106,25 @@ def _importing(frame: types.FrameType | None) -> bool:
     return False
 
 
-def _track_registrations(added: list[tuple[Registry, Hashable]]) -> None:
-    """Make every project registry append ``(registry, key)`` to ``added`` for a key a task registers.
+def _track_registrations(added: list[tuple[Registry, Hashable]],
+                         imported: list[tuple[Registry, Hashable, object]]) -> None:
+    """Make every project registry record what a task registers (``added``) and what a module registers.
 
+    ``added`` gets ``(registry, key)`` for a new key a task registers; ``imported`` gets
+    ``(registry, key, entry)`` for a key a module registers while it is imported.
     Registrations made while a module is imported (the import system's frames are on the stack, whichever
     decorator or helper registers: ``@register_rollout`` adds from a function of ``rollout/registry.py``) are
-    the module's and stay: the module stays imported. Only a task's own registrations are undone.
+    the module's and stay, also in a registry imported before the task: the module stays imported. Only a
+    task's own registrations are undone.
     """
     add = registry.Registry.add
 
     def tracked_add(self: Registry, key: Hashable, obj: object) -> object:
         new = key not in self._entries
         result = add(self, key, obj)
-        if new and not _importing(sys._getframe(1)):
+        if _importing(sys._getframe(1)):
+            imported.append((self, key, self._entries[key]))
+        elif new:
             added.append((self, key))
         return result
 
@@ -146,7 +152,8 @@ class _FreshState:
         self.had_deepspeed = "deepspeed" in sys.modules
         self.handlers = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS}
         self.added: list[tuple[Registry, Hashable]] = []
-        _track_registrations(self.added)
+        self.imported: list[tuple[Registry, Hashable, object]] = []
+        _track_registrations(self.added, self.imported)
 
     def before_task(self) -> None:
         """Remember the registries imported so far and their entries (a task may add, replace, remove).
@@ -155,6 +162,7 @@ class _FreshState:
         """
         self.registries = _registries()
         self.added.clear()
+        self.imported.clear()
 
     def restore(self) -> str | None:
         import torch
@@ -167,6 +175,9 @@ class _FreshState:
             if registry._entries != entries:
                 registry._entries.clear()
                 registry._entries.update(entries)
+        for registry, key, entry in self.imported:  # the modules the task imported keep theirs
+            registry._entries[key] = entry
+        self.imported.clear()
 
         if set(os.environ.items()) != set(self.environ.items()):
             os.environ.clear()
