@@ -14,7 +14,7 @@ from transformers import CompileConfig, GenerationConfig, PreTrainedModel, PreTr
 
 from verl_trainer.data import schema
 from verl_trainer.models.hf_files import to_dtype
-from verl_trainer.models.loading import load_causal_lm, load_tokenizer
+from verl_trainer.models.loading import load_tokenizer
 from verl_trainer.models.moe_routers import ROUTED_EXPERTS, capture_routers, find_routers
 from verl_trainer.models.router_replay import generation_routing, place_routing, row_routing
 from verl_trainer.rollout.base import BaseRollout, weight_mismatch_report
@@ -22,6 +22,7 @@ from verl_trainer.rollout.config import RolloutConfig
 from verl_trainer.rollout.divergence import DivergenceError, diverged, is_sampler_error
 from verl_trainer.rollout.registry import register_rollout
 from verl_trainer.rollout.sampling import RowSampler, logits_warpers, row_uniforms, sample_dropping_finished
+from verl_trainer.rollout.vision import PromptImages, chunk_vision_inputs, load_generation_model
 from verl_trainer.utils.device import get_torch_device
 
 
@@ -70,6 +71,7 @@ class HFRollout(BaseRollout):
 
     backend_settings = ("decoding", "cache_implementation", "compile_decoding", "share_weights")
     one_step_off = True  # its model is a private copy, written only between generations
+    accepts_images = True
 
     def __init__(self, config: RolloutConfig, model: str | Path | PreTrainedModel,
                  tokenizer: PreTrainedTokenizerBase | None = None) -> None:
@@ -81,7 +83,7 @@ class HFRollout(BaseRollout):
         self.device = resolve_device(config.device)
         dtype = to_dtype(config.dtype)
         if isinstance(model, (str, Path)):
-            self.model = load_causal_lm(
+            self.model = load_generation_model(
                 model, attn_implementation=config.attn_implementation, torch_dtype=dtype
             )
         else:
@@ -131,8 +133,10 @@ class HFRollout(BaseRollout):
             mask[i, width - len(p):] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def generate_token_ids(self, prompts: list[list[int]], config: RolloutConfig,
-                           seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+    def generate_token_ids(
+        self, prompts: list[list[int]], config: RolloutConfig, seeds: list[int],
+        images: list[PromptImages] | None = None,
+    ) -> tuple[list[list[int]], list[list[float]]]:
         """Sample one response per prompt, in chunks of ``config.generation_batch_size`` sequences.
 
         Each chunk is one :func:`sample_dropping_finished` loop or one ``model.generate`` call
@@ -145,6 +149,7 @@ class HFRollout(BaseRollout):
             prompts: ``N`` prompt id lists (each prompt already repeated ``n`` times).
             config: This call's sampling settings.
             seeds: ``N`` seeds, one per response.
+            images: ``N`` entries, prompt ``k``'s images (a vision-language policy), or ``None``.
 
         Returns:
             ``(ids, log_probs)``: ``N`` lists of generated ids (``[P + R]`` outputs with their prompt part
@@ -162,12 +167,15 @@ class HFRollout(BaseRollout):
             for start in range(0, len(prompts), chunk):
                 input_ids, attention_mask = self._left_pad(prompts[start: start + chunk])
                 chunk_seeds = seeds[start: start + chunk]
+                vision = None if images is None else chunk_vision_inputs(
+                    self.model, input_ids, images[start: start + chunk])
                 try:
                     if drop_finished:
                         out, lps = sample_dropping_finished(self.model, input_ids, attention_mask,
-                                                            gen_config, seeds=chunk_seeds)
+                                                            gen_config, seeds=chunk_seeds, vision=vision)
                     else:
-                        out, lps = self._generate(input_ids, attention_mask, gen_config, chunk_seeds)
+                        out, lps = self._generate(input_ids, attention_mask, gen_config, chunk_seeds,
+                                                  vision or {})
                 except RuntimeError as exc:  # NaN logits: a sampler error, unless it is said what it is
                     if isinstance(exc, DivergenceError) or is_sampler_error(exc):
                         raise diverged(self.model, exc) from exc
@@ -177,8 +185,12 @@ class HFRollout(BaseRollout):
         return ids, log_probs
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gen_config: GenerationConfig,
-                  seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
-        """One ``model.generate`` call, greedy over a :class:`RowSampler` (row-seeded draws, log-probs)."""
+                  seeds: list[int], vision: Mapping[str, torch.Tensor] | None = None,
+                  ) -> tuple[list[list[int]], list[list[float]]]:
+        """One ``model.generate`` call, greedy over a :class:`RowSampler` (row-seeded draws, log-probs).
+
+        ``vision``: the rows' image inputs (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``).
+        """
         width = input_ids.shape[1]
         sampled = gen_config.do_sample
         uniforms = row_uniforms(seeds, gen_config.max_new_tokens, self.device) if sampled else None
@@ -193,7 +205,7 @@ class HFRollout(BaseRollout):
         with capture_routers(routers) if routers else contextlib.nullcontext() as capture:
             sequences = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                             generation_config=greedy, logits_processor=[sampler],
-                                            synced_gpus=False)
+                                            synced_gpus=False, **(vision or {}))
         if routers:
             self._routing += row_routing(generation_routing(capture, len(seeds)), width,
                                          attention_mask.sum(-1).tolist())

@@ -22,7 +22,7 @@ generate)"):
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from transformers import (
@@ -37,6 +37,7 @@ from transformers import (
 )
 
 from verl_trainer.rollout.divergence import DivergenceError
+from verl_trainer.rollout.vision import mrope_positions
 
 
 def row_uniforms(seeds: Sequence[int], steps: int, device: torch.device) -> torch.Tensor:
@@ -184,6 +185,7 @@ def sample_dropping_finished(
     config: GenerationConfig,
     drop_at: float = DROP_AT,
     seeds: Sequence[int] | None = None,
+    vision: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample up to ``config.max_new_tokens`` tokens per row, removing finished rows as they pile up.
 
@@ -197,6 +199,9 @@ def sample_dropping_finished(
             ``float("inf")``: never, which samples token for token as ``generate``).
         seeds: One seed per row: row-seeded sampling (:func:`sample_rows`); ``None``:
             ``torch.multinomial`` on the global RNG, as ``generate``.
+        vision: A vision-language model's image inputs of the rows
+            (:func:`verl_trainer.rollout.vision.chunk_vision_inputs`): the prompt forward gets the images and
+            the model's 3-D mrope positions, later tokens one past each row's largest position.
 
     Returns:
         ``(ids, log_probs)``: ``B`` lists of generated ids, each ending at its first eos (kept) or at
@@ -223,10 +228,14 @@ def sample_dropping_finished(
     cache_arg = {_cache_kwarg(model): cache}
     positions = attention_mask.long().cumsum(-1) - 1
     positions.masked_fill_(attention_mask == 0, 1)  # as generate: padding positions hold 1
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                   use_cache=True, logits_to_keep=1, **cache_arg).logits
-    rows = torch.arange(batch, device=input_ids.device)  # original row of each live row
     next_pos = positions[:, -1:] + 1
+    images: dict[str, torch.Tensor] = {}
+    if vision is not None:
+        positions, next_pos = mrope_positions(model, input_ids, attention_mask, dict(vision))
+        images = {k: v for k, v in vision.items() if k in ("pixel_values", "image_grid_thw")}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                   use_cache=True, logits_to_keep=1, **cache_arg, **images).logits
+    rows = torch.arange(batch, device=input_ids.device)  # original row of each live row
     finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     for step in range(max_new):
         check_logits(logits[:, -1, :])  # diverged weights: named, not a sampler error (or, greedy, token 0)
