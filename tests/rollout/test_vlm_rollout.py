@@ -12,7 +12,7 @@ from verl_trainer.data import schema
 from verl_trainer.data.prompts import collate_prompts
 from verl_trainer.data.vision import model_vision_inputs, pad_vision
 from verl_trainer.models.tiny_vlm import IMAGE_PAD, VISION_END, VISION_START, make_tiny_vlm
-from verl_trainer.rollout import HFRollout, RolloutConfig
+from verl_trainer.rollout import HFRollout, RolloutConfig, build_rollout, resolve_rollout_name
 
 TEXTS = ("colour?", "how many dots", "shape")
 
@@ -135,3 +135,10 @@ def test_image_token_count_mismatch_is_named(vlm):
     rollout = HFRollout(_config(do_sample=False), path)
     with pytest.raises(ValueError, match="prompt row 0 holds 4 image tokens"):
         rollout.generate(batch, step=0)
+
+
+def test_vllm_refuses_a_vision_language_model_before_loading(vlm):
+    path = vlm[0]
+    with pytest.raises(ValueError, match=r"vision-language model.*torchvision.*rollout.name=hf"):
+        build_rollout(RolloutConfig(name="vllm"), path)
+    assert resolve_rollout_name("auto", path) == "hf"
