@@ -44,12 +44,20 @@ from verl_trainer.data import schema
 from verl_trainer.data.hub import parse_hub_dataset, read_hub_rows
 from verl_trainer.data.jsonl import read_json_rows
 from verl_trainer.data.schema import COLUMNS, DATA_SOURCE, EXTRA_INFO, GROUND_TRUTH
+from verl_trainer.data.vlm_prompts import (
+    collate_vision,
+    encode_vision_record,
+    vision_item,
+    vision_reward_data,
+)
 from verl_trainer.utils.registry import Registry
 
 if TYPE_CHECKING:
     from types import ModuleType
 
     from transformers import PreTrainedTokenizerBase
+
+    from verl_trainer.data.vlm_processor import VisionProcessor
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 """What a prompt longer than ``max_prompt_length`` becomes (verl's ``data.truncation``): an error, its last
@@ -112,6 +120,12 @@ def _ground_truth(row: Mapping[str, Any]) -> Any:
     return None
 
 
+def _is_parts(content: Any) -> bool:
+    """Whether a message's content is a list of typed parts (``{"type": "text" | "image", ...}``)."""
+    return isinstance(content, (list, tuple)) and bool(content) and all(
+        isinstance(p, Mapping) and "type" in p for p in content)
+
+
 def _check_prompt(prompt: Any, where: str) -> str | list[dict[str, str]]:
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -123,7 +137,9 @@ def _check_prompt(prompt: Any, where: str) -> str | list[dict[str, str]]:
         if not any(str(m["content"]).strip() for m in prompt):
             raise ValueError(f"{where}: the chat prompt has no content ({prompt!r}); remove the row or fill "
                              f"it")
-        return [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+        return [{"role": str(m["role"]),
+                 "content": [dict(c) for c in m["content"]] if _is_parts(m["content"]) else str(m["content"])}
+                for m in prompt]
     raise ValueError(
         f"{where}: prompt must be a string or a chat list of {{'role', 'content'}} dicts, got {prompt!r}"
     )
@@ -350,7 +366,8 @@ class PromptDataset(Dataset):
                  max_prompt_length: int = 512, truncation: str = "error",
                  chat_template: bool | None = None, filter_overlong_prompts: bool = False,
                  name: str | None = None, prompt_key: str = "prompt",
-                 tools: Sequence[Mapping[str, Any]] | None = None) -> None:
+                 tools: Sequence[Mapping[str, Any]] | None = None,
+                 processor: VisionProcessor | None = None, image_key: str | None = None) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation={truncation!r}; choose one of {TRUNCATION_MODES}")
         if tools:
@@ -364,8 +381,16 @@ class PromptDataset(Dataset):
         self.items: list[dict[str, Any]] = []
         for rec in records:
             _refuse_tools_column(rec, name)
-            ids = encode_prompt(tokenizer, rec["prompt"], chat_template, tools)
+            vision = encode_vision_record(rec, processor, image_key, chat_template, tools, name)
+            ids = (vision.input_ids if vision else
+                   encode_prompt(tokenizer, rec["prompt"], chat_template, tools))
             if len(ids) > max_prompt_length:
+                if vision and not filter_overlong_prompts:
+                    raise ValueError(
+                        f"{name}: prompt row {rec.get('index')} (with images) has {len(ids)} tokens > "
+                        f"max_prompt_length={max_prompt_length}; truncating would cut its image tokens: "
+                        "raise data.max_prompt_length or set data.filter_overlong_prompts=true"
+                    )
                 if filter_overlong_prompts:
                     self.num_filtered += 1
                     continue
@@ -378,6 +403,9 @@ class PromptDataset(Dataset):
                 ids = truncate(ids, max_prompt_length, truncation)
             reward_data = {GROUND_TRUTH: rec[GROUND_TRUTH], DATA_SOURCE: rec[DATA_SOURCE],
                            EXTRA_INFO: rec[EXTRA_INFO], COLUMNS: rec.get(COLUMNS, {"prompt": rec["prompt"]})}
+            if vision:
+                reward_data.update(vision_reward_data(rec, vision, image_key))
+                reward_data.update(vision_item(vision))
             self.items.append({"input_ids": ids, **reward_data, "index": rec["index"]})
         if records and not self.items:
             raise ValueError(
@@ -433,6 +461,7 @@ def collate_prompts(items: Sequence[Mapping[str, Any]], pad_token_id: int = 0) -
     defaults = {GROUND_TRUTH: None, DATA_SOURCE: "unknown", EXTRA_INFO: {}, COLUMNS: {}}
     for key, default in defaults.items():
         batch[key] = NonTensorStack.from_list([it.get(key, default) for it in items])
+    batch.update(collate_vision(items))
     return batch
 
 

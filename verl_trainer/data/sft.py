@@ -28,7 +28,7 @@ string prompt, a completion that is neither text nor messages) is refused, namin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -39,9 +39,12 @@ from torch.utils.data import Dataset, IterableDataset
 from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.data.prompts import encode_prompt, read_rows
+from verl_trainer.data.vlm_sft import VisionSFTExample, collate_vision_sft, encode_vision_sft_row
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from verl_trainer.data.vlm_processor import VisionProcessor
 
 __all__ = [
     "IterableSFTDataset", "SFTDataset", "TokenMask", "TokenPair", "collate_sft", "encode_chat_completion",
@@ -60,7 +63,10 @@ class TokenMask(NamedTuple):
 
 
 SFTExample = TokenPair | TokenMask
-"""What an SFT dataset item is."""
+"""What an SFT dataset item is (with images: :class:`verl_trainer.data.vlm_sft.VisionSFTExample`)."""
+
+ChatRenderer = Callable[[Sequence[Mapping[str, Any]], bool], list[int]]
+"""``(messages, add_generation_prompt) -> token ids`` of a chat (see :func:`encode_chat_example`)."""
 
 
 def encode_sft_example(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]], response: str,
@@ -76,13 +82,15 @@ def encode_sft_example(tokenizer: PreTrainedTokenizerBase, prompt: str | list[di
 
 
 def encode_chat_example(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]],
-                        where: str = "") -> TokenMask:
+                        where: str = "", render_ids: ChatRenderer | None = None) -> TokenMask:
     """Token ids of a multi-turn chat with the loss on the assistant turns only.
 
     Each assistant turn's tokens are what the chat template adds for that message after the conversation
     before it with the generation prompt (``apply_chat_template(messages[:i], add_generation_prompt=True)``
     → ``apply_chat_template(messages[:i + 1])``): the turn's content and its end-of-turn tokens, not the
     role header. The template must render each prefix of the conversation as a prefix of the whole.
+    ``render_ids(messages, add_generation_prompt)`` renders and tokenises (default: the tokenizer's chat
+    template; a chat with images: :meth:`verl_trainer.data.vlm_processor.VisionProcessor.chat_ids`).
 
     Raises:
         ValueError: No chat template, a malformed message, no assistant turn, or a template that does not
@@ -94,6 +102,8 @@ def encode_chat_example(tokenizer: PreTrainedTokenizerBase, messages: Sequence[M
                          f"{[m['role'] for m in messages]})")
 
     def render(upto: int, generation_prompt: bool) -> list[int]:
+        if render_ids is not None:
+            return render_ids(messages[:upto], generation_prompt) if upto else []
         return _render(tokenizer, messages[:upto], generation_prompt)
 
     ids = render(len(messages), False)
@@ -132,12 +142,13 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, 
 
 
 def encode_chat_completion(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[Mapping[str, str]],
-                           completion: Sequence[Mapping[str, str]], where: str = "") -> TokenMask:
+                           completion: Sequence[Mapping[str, str]], where: str = "",
+                           render_ids: ChatRenderer | None = None) -> TokenMask:
     """Token ids of TRL's conversational prompt-completion, with the loss on the completion only.
 
     The conversation ``prompt + completion`` goes through the chat template; the completion's tokens are
     what follows the prompt rendered with the generation prompt (so the assistant header is not trained),
-    its end-of-turn tokens included.
+    its end-of-turn tokens included. ``render_ids``: as for :func:`encode_chat_example`.
 
     Raises:
         ValueError: No chat template, a malformed message, an empty completion, or a template that does not
@@ -146,8 +157,13 @@ def encode_chat_completion(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[
     _check_messages(tokenizer, [*prompt, *completion], where)
     if not completion:
         raise ValueError(f"{where}the completion is an empty message list; nothing to train on")
-    ids = _render(tokenizer, [*prompt, *completion], False)
-    head = _render(tokenizer, prompt, True)
+    def render(messages: Sequence[Mapping[str, str]], generation_prompt: bool) -> list[int]:
+        if render_ids is not None:
+            return render_ids(messages, generation_prompt)
+        return _render(tokenizer, messages, generation_prompt)
+
+    ids = render([*prompt, *completion], False)
+    head = render(prompt, True)
     if ids[:len(head)] != head or len(head) >= len(ids):
         raise ValueError(
             f"{where}the chat template does not render the prompt (with the generation prompt) as a prefix "
@@ -200,7 +216,8 @@ def _is_token_pair(item: Any) -> bool:
 def encode_sft_row(item: Any, i: int, tokenizer: PreTrainedTokenizerBase | None, max_length: int,
                    chat_template: bool | None = None,
                    keys: tuple[str, str, str] = ("prompt", "response", "messages"),
-                   where: str = "") -> SFTExample:
+                   where: str = "", processor: VisionProcessor | None = None,
+                   image_key: str | None = None) -> SFTExample | VisionSFTExample:
     """One SFT example from a row (pair or chat), a ``TokenMask`` or an id pair (see the module docstring).
 
     Args:
@@ -211,26 +228,33 @@ def encode_sft_row(item: Any, i: int, tokenizer: PreTrainedTokenizerBase | None,
         chat_template: See :func:`verl_trainer.data.prompts.encode_prompt` (pair rows).
         keys: ``(prompt_key, response_key, messages_key)`` column names.
         where: Prefix of messages (the file).
+        processor: Encodes rows with images (:mod:`verl_trainer.data.vlm_sft`); ``None``: such a row raises.
+        image_key: The image column (default: ``images``, else ``image``).
 
     Raises:
         ValueError: A text row without a tokenizer, without the columns, or longer than ``max_length``.
     """
+    if isinstance(item, VisionSFTExample):
+        return item
     if isinstance(item, TokenMask):
         return TokenMask(list(item.ids), list(item.loss_mask))
     if _is_token_pair(item):
         return list(item[0]), list(item[1])
+    tokenizer = tokenizer if tokenizer is not None or processor is None else processor.tokenizer
     if tokenizer is None:
         raise ValueError(f"{where}SFT row {i} is text: pass tokenizer= to tokenise it, or give id pairs")
     if not isinstance(item, Mapping):
         raise ValueError(f"{where}SFT row {i} must be a mapping of columns, got {type(item).__name__}")
-    example = _encode_text_row(item, keys, tokenizer, chat_template, f"{where}SFT row {i}: ")
+    vision = encode_vision_sft_row(item, processor, chat_template, keys, f"{where}SFT row {i}: ", image_key)
+    example = vision.example if vision else _encode_text_row(item, keys, tokenizer, chat_template,
+                                                             f"{where}SFT row {i}: ")
     length = len(example.ids) if isinstance(example, TokenMask) else len(example[0]) + len(example[1])
     if length > max_length:
         raise ValueError(
             f"{where}SFT row {i} has {length} tokens > max_length={max_length}; raise data.max_length or "
             "shorten the row"
         )
-    return example
+    return vision or example
 
 
 class SFTDataset(Dataset):
@@ -247,6 +271,10 @@ class SFTDataset(Dataset):
         prompt_key: Column of the prompt (pair rows).
         response_key: Column of the response (pair rows).
         messages_key: Column of a multi-turn chat (chat rows; takes precedence when present).
+        processor: A vision-language model's :class:`~verl_trainer.data.vlm_processor.VisionProcessor`:
+            rows with images (:mod:`verl_trainer.data.vlm_sft`) become examples whose batches carry
+            ``pixel_values`` / ``image_grid_thw``; ``None``: a row with images raises.
+        image_key: The image column (default: ``images``, else ``image``).
 
     Raises:
         ValueError: A row without the columns, longer than ``max_length``, or text rows without a tokenizer.
@@ -255,13 +283,14 @@ class SFTDataset(Dataset):
     def __init__(self, source: str | Path | Sequence[Any], tokenizer: PreTrainedTokenizerBase | None = None,
                  max_length: int = 512, chat_template: bool | None = None, pad_token_id: int | None = None,
                  prompt_key: str = "prompt", response_key: str = "response",
-                 messages_key: str = "messages") -> None:
+                 messages_key: str = "messages", processor: VisionProcessor | None = None,
+                 image_key: str | None = None) -> None:
         items = read_rows(Path(source)) if isinstance(source, (str, Path)) else list(source)
         where = f"{source}: " if isinstance(source, (str, Path)) else ""
         self.pad_token_id = _pad_id(tokenizer, pad_token_id)
         keys = (prompt_key, response_key, messages_key)
-        self.examples: list[SFTExample] = [
-            encode_sft_row(item, i, tokenizer, max_length, chat_template, keys, where)
+        self.examples: list[SFTExample | VisionSFTExample] = [
+            encode_sft_row(item, i, tokenizer, max_length, chat_template, keys, where, processor, image_key)
             for i, item in enumerate(items)
         ]
 
@@ -291,14 +320,16 @@ class IterableSFTDataset(IterableDataset):
 
     Args:
         rows: An iterable of rows (re-iterated every epoch).
-        tokenizer, max_length, chat_template, pad_token_id, prompt_key, response_key, messages_key: As for
-            :class:`SFTDataset`.
+        tokenizer, max_length, chat_template, pad_token_id, prompt_key, response_key, messages_key,
+            processor, image_key: As for :class:`SFTDataset`.
     """
 
     def __init__(self, rows: Iterable[Any], tokenizer: PreTrainedTokenizerBase | None = None,
                  max_length: int = 512, chat_template: bool | None = None, pad_token_id: int | None = None,
                  prompt_key: str = "prompt", response_key: str = "response",
-                 messages_key: str = "messages") -> None:
+                 messages_key: str = "messages", processor: VisionProcessor | None = None,
+                 image_key: str | None = None) -> None:
+        self.processor, self.image_key = processor, image_key
         self.rows = rows
         self.tokenizer, self.max_length, self.chat_template = tokenizer, max_length, chat_template
         self.keys = (prompt_key, response_key, messages_key)
@@ -309,7 +340,8 @@ class IterableSFTDataset(IterableDataset):
         rank, shards = self.shard
         for i, item in enumerate(self.rows):
             if i % shards == rank:
-                yield encode_sft_row(item, i, self.tokenizer, self.max_length, self.chat_template, self.keys)
+                yield encode_sft_row(item, i, self.tokenizer, self.max_length, self.chat_template, self.keys,
+                                     processor=self.processor, image_key=self.image_key)
 
     def collate(self, items: Sequence[SFTExample]) -> TensorDict:
         """Schema batch of ``items`` (see :func:`collate_sft`)."""
@@ -321,7 +353,9 @@ def collate_sft(items: Sequence[SFTExample], pad_token_id: int = 0) -> TensorDic
 
     ``loss_mask`` is 1 on the response tokens of ``(prompt_ids, response_ids)`` pairs and follows the mask of
     :class:`TokenMask` examples (position 0 never: it has no prediction); every sample is its own uid.
+    Examples with images add ``pixel_values`` ``[B, P, D]`` and ``image_grid_thw`` ``[B, I, 3]``.
     """
+    items, vision = collate_vision_sft(items)
     prompts = [[] if isinstance(it, TokenMask) else list(it[0]) for it in items]
     responses = [list(it.ids) if isinstance(it, TokenMask) else list(it[1]) for it in items]
     batch = make_batch(prompts, responses, uids=torch.arange(len(items)), pad_token_id=pad_token_id)
@@ -334,4 +368,5 @@ def collate_sft(items: Sequence[SFTExample], pad_token_id: int = 0) -> TensorDic
             loss[i, 1:row.numel()] = row[1:]
         batch[schema.LOSS_MASK] = loss
         batch[schema.RESPONSE_MASK] = loss.clone()
+    batch.update(vision)
     return batch

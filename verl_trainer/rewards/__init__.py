@@ -11,7 +11,7 @@ arithmetic task; :mod:`verl_trainer.rewards.verifiable`). ``get_reward_fn("math"
 
 from typing import Any
 
-from verl_trainer.rewards import rule_based, verifiable
+from verl_trainer.rewards import rule_based, verifiable, vision
 from verl_trainer.rewards.registry import (
     REWARD_REGISTRY,
     RewardFn,
@@ -87,4 +87,5 @@ __all__ = [
     "score_responses",
     "token_level_scores",
     "verifiable",
+    "vision",
 ]
