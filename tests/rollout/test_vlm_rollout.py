@@ -51,12 +51,14 @@ def _config(**kw) -> RolloutConfig:
     return RolloutConfig(name="hf", max_new_tokens=6, seed=3, **kw)
 
 
-@pytest.mark.parametrize("decoding", ["drop_finished", "generate"])
+@pytest.mark.parametrize("decoding", [{"decoding": "drop_finished"}, {"decoding": "generate"},
+                                      {"decoding": "generate", "cache_implementation": "static"}],
+                         ids=["drop_finished", "generate", "generate_static_cache"])
 def test_greedy_equals_plain_generate_and_sees_the_image(vlm, decoding):
     path, _, tokenizer, processor = vlm
     images = [_image(0), _image(1, size=84), _image(2)]
     batch = _prompt_batch(tokenizer, processor, images)
-    rollout = HFRollout(_config(do_sample=False, decoding=decoding), path)
+    rollout = HFRollout(_config(do_sample=False, **decoding), path)
     out = rollout.generate(batch, step=0)
     assert out[schema.PIXEL_VALUES].shape[0] == 3 and out[schema.IMAGE_GRID_THW][1, 0].tolist() == [1, 6, 6]
 
