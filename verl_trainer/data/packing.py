@@ -22,6 +22,7 @@ from tensordict import TensorDict
 
 from verl_trainer.data import schema
 from verl_trainer.data.log_probs import chunked_log_probs_and_entropy
+from verl_trainer.data.vision import model_vision_inputs
 
 _STRUCTURAL_KEYS = (schema.INPUT_IDS, schema.ATTENTION_MASK, schema.POSITION_IDS)
 
@@ -116,6 +117,11 @@ def unpack_to_padded(
     return out
 
 
+def pack_token_values(values: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """The real tokens of a right-padded ``[B, T, ...]`` tensor, in packed order: ``[N, ...]``."""
+    return values[_valid_mask(seq_lens.to(values.device), values.shape[1])]
+
+
 def padded_to_jagged(x: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """Drop the right padding of a batch.
 
@@ -170,6 +176,11 @@ class PackedBatch:
         gather_ids: ``[N, k]`` long, the batch's ``teacher_topk_ids`` packed (whatever ``keys`` asked for),
             or ``None``: a language model then also returns its log-probs of these ids
             (``gathered_log_probs``, ``engine/heads.py``); like :attr:`output_mask`, an input of the forward.
+        vision: The model's image inputs of the micro-batch (``pixel_values`` ``[N_patches, D]``,
+            ``image_grid_thw`` ``[num_images, 3]``, sample order: ``data.vision.model_vision_inputs``), or
+            ``None`` when it carries no image.
+        mrope_position_ids: ``[3, 1, N]`` multimodal-rope positions of a vision-language model's row, each
+            sample's computed on its unpacked row (``models/vlm.py``), or ``None``: 1-D positions.
 
     """
 
@@ -182,6 +193,15 @@ class PackedBatch:
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     output_mask: torch.Tensor | None = None
     gather_ids: torch.Tensor | None = None
+    vision: dict[str, torch.Tensor] | None = None
+    mrope_position_ids: torch.Tensor | None = None
+
+    @property
+    def model_position_ids(self) -> torch.Tensor:
+        """What the model's ``position_ids`` gets: ``[1, N]``, or ``[4, 1, N]`` (1-D, then the mrope rows)."""
+        if self.mrope_position_ids is None:
+            return self.position_ids
+        return torch.cat([self.position_ids.unsqueeze(0), self.mrope_position_ids.to(self.position_ids)])
 
     @property
     def num_tokens(self) -> int:
@@ -209,6 +229,9 @@ class PackedBatch:
             fields={k: v.to(device) for k, v in self.fields.items()},
             output_mask=None if self.output_mask is None else self.output_mask.to(device),
             gather_ids=None if self.gather_ids is None else self.gather_ids.to(device),
+            vision=None if self.vision is None else {k: v.to(device) for k, v in self.vision.items()},
+            mrope_position_ids=(None if self.mrope_position_ids is None
+                                else self.mrope_position_ids.to(device)),
         )
 
 
@@ -217,7 +240,8 @@ def pack_batch(batch: TensorDict, keys: Sequence[str] | None = None) -> PackedBa
 
     Args:
         batch: ``TensorDict`` with ``input_ids [B, T]`` and ``seq_len [B]`` or ``attention_mask [B, T]``
-            (``loss_mask`` / ``response_mask [B, T]``, when present, give :attr:`PackedBatch.output_mask`).
+            (``loss_mask`` / ``response_mask [B, T]``, when present, give :attr:`PackedBatch.output_mask`;
+            ``pixel_values`` / ``image_grid_thw``, when present, :attr:`PackedBatch.vision`).
         keys: Token keys to pack into :attr:`PackedBatch.fields`. ``None``: every key of
             ``schema.TOKEN_KEYS`` present in the batch except input_ids / attention_mask / position_ids.
 
@@ -252,6 +276,7 @@ def pack_batch(batch: TensorDict, keys: Sequence[str] | None = None) -> PackedBa
             raise ValueError(f"{schema.TEACHER_TOPK_IDS!r} has shape {tuple(ids.shape)}, expected "
                              f"{(*input_ids.shape, 'k')} (aligned with input_ids)")
         gather_ids = ids[valid].to(torch.long)
+    vision = model_vision_inputs(batch) or None
     return PackedBatch(
         input_ids=input_ids[valid].unsqueeze(0),
         position_ids=position_ids_from_cu_seqlens(cu_seqlens),
@@ -262,6 +287,7 @@ def pack_batch(batch: TensorDict, keys: Sequence[str] | None = None) -> PackedBa
         fields=fields,
         output_mask=output_mask,
         gather_ids=gather_ids,
+        vision=vision,
     )
 
 

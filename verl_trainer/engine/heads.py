@@ -49,6 +49,7 @@ from verl_trainer.models.hf_files import MODEL_TYPES, to_dtype
 from verl_trainer.models.loading import load_causal_lm, load_value_model
 from verl_trainer.models.ulysses_attention import ULYSSES_ATTENTION, check_ulysses_compatible
 from verl_trainer.models.ulysses_forward import ulysses_packed_log_probs, ulysses_packed_values
+from verl_trainer.models.vlm import attach_mrope_positions
 from verl_trainer.utils.distributed import get_world_size, is_initialized
 
 if TYPE_CHECKING:
@@ -198,7 +199,11 @@ class LanguageModel(ModelType):
         return _checked(model, config)
 
     def forward_packed(self, model: ForwardModel, packed: PackedBatch) -> ModelOutput:
-        """Run ``model`` on one packed row; the LM head only at :func:`head_positions` (``None``: all)."""
+        """Run ``model`` on one packed row; the LM head only at :func:`head_positions` (``None``: all).
+
+        A row with images (a vision-language model) first gets its mrope positions (``models/vlm.py``).
+        """
+        packed = attach_mrope_positions(model, packed)
         positions = head_positions(packed)
         if positions is None:
             return packed_forward(model, packed)

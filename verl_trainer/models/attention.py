@@ -272,7 +272,11 @@ def ensure_varlen_attention(model: torch.nn.Module, name: str = VARLEN_ATTENTION
         inner = inner.module
     if not hasattr(inner, "set_attn_implementation"):
         raise TypeError(f"{type(model).__name__} is not a transformers PreTrainedModel")
-    inner.set_attn_implementation(name)
+    if getattr(getattr(inner, "config", None), "vision_config", None) is not None:  # models/vlm.py
+        inner.set_attn_implementation({"text_config": name, "vision_config": "sdpa"})
+        inner.config._attn_implementation = name
+    else:
+        inner.set_attn_implementation(name)
     return model
 
 
@@ -306,6 +310,9 @@ def packed_forward(model: ForwardModel, packed: PackedBatch, **kwargs: Any) -> M
         packed: The packed micro-batch.
         **kwargs: Extra forward keywords (e.g. ``logits_to_keep``).
 
+    A vision-language row also passes its images (:attr:`PackedBatch.vision`) and its ``[4, 1, N]``
+    positions (:attr:`PackedBatch.model_position_ids`, ``models/vlm.py``).
+
     Returns:
         The model output: ``logits [1, N, V]`` for a causal LM, ``[1, N, 1]`` for the value model.
 
@@ -319,10 +326,11 @@ def packed_forward(model: ForwardModel, packed: PackedBatch, **kwargs: Any) -> M
         )
     return model(
         input_ids=packed.input_ids,
-        position_ids=packed.position_ids,
+        position_ids=packed.model_position_ids,
         attention_mask=None,
         use_cache=False,
         **varlen_model_kwargs(packed.cu_seqlens, packed.max_seqlen),
+        **(packed.vision or {}),
         **kwargs,
     )
 

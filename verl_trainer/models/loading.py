@@ -15,6 +15,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForTokenClassification,
     AutoTokenizer,
     PreTrainedModel,
@@ -23,6 +24,7 @@ from transformers import (
 
 import verl_trainer.models.attention  # noqa: F401  (registers "verl_varlen" before any from_pretrained)
 from verl_trainer.models.source import resolve_model_path
+from verl_trainer.models.vlm import is_vision_language, vlm_attention
 from verl_trainer.models.weight_files import check_weight_dir
 
 __all__ = ["load_causal_lm", "load_reward_model", "load_tokenizer", "load_value_model"]
@@ -41,6 +43,10 @@ def load_causal_lm(
 ) -> PreTrainedModel:
     """Load a causal LM with ``AutoModelForCausalLM.from_pretrained`` from a local directory.
 
+    A vision-language checkpoint (its config has a ``vision_config``: ``models/vlm.py``) loads with
+    ``AutoModelForImageTextToText`` (both towers), ``attn_implementation`` on its language model and sdpa
+    on its vision tower.
+
     Args:
         path: An HF checkpoint directory (e.g. written by ``make_tiny_model``) or a cached hub id.
         attn_implementation: ``None`` (transformers' default, sdpa), ``"eager"``, ``"sdpa"``,
@@ -57,6 +63,14 @@ def load_causal_lm(
     """
     path = resolve_model_path(path)
     check_weight_dir(path)  # a truncated model.safetensors is named, not a deep safetensors error
+    config = kwargs.get("config") or AutoConfig.from_pretrained(path)
+    if is_vision_language(config):
+        model = AutoModelForImageTextToText.from_pretrained(
+            path, attn_implementation=vlm_attention(attn_implementation), dtype=torch_dtype, **kwargs
+        )
+        if attn_implementation is not None:
+            model.config._attn_implementation = attn_implementation
+        return model
     return AutoModelForCausalLM.from_pretrained(
         path, attn_implementation=attn_implementation, dtype=torch_dtype, **kwargs
     )
