@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader
+from transformers import AutoConfig
 
 from verl_trainer.data.hub import data_fingerprint, parse_hub_dataset, resolve_hub_split, with_default_split
 from verl_trainer.data.prompts import TRUNCATION_MODES, PromptDataset
@@ -24,7 +25,7 @@ from verl_trainer.data.sft import SFTDataset
 from verl_trainer.data.vlm_processor import VisionProcessor
 from verl_trainer.environments.reasoning_gym import check_source, is_reasoning_gym
 from verl_trainer.models.source import resolve_model_path
-from verl_trainer.rollout.vision import is_vision_language
+from verl_trainer.models.vlm import is_vision_language
 from verl_trainer.utils.distributed import get_world_size
 
 __all__ = ["DataConfig", "PromptDataModule", "SFTDataModule", "dp_size_now", "vision_processor"]
@@ -107,9 +108,10 @@ def vision_processor(model_path: str | Path) -> VisionProcessor | None:
 
     ``None`` for a text-only one (its ``config.json`` has no ``vision_config``).
     """
-    if not is_vision_language(model_path):
+    path = resolve_model_path(model_path)
+    if not is_vision_language(AutoConfig.from_pretrained(path)):
         return None
-    return VisionProcessor.from_pretrained(resolve_model_path(model_path))
+    return VisionProcessor.from_pretrained(path)
 
 
 class _DataModule:

@@ -14,7 +14,7 @@ from transformers import CompileConfig, GenerationConfig, PreTrainedModel, PreTr
 
 from verl_trainer.data import schema
 from verl_trainer.models.hf_files import to_dtype
-from verl_trainer.models.loading import load_tokenizer
+from verl_trainer.models.loading import load_causal_lm, load_tokenizer
 from verl_trainer.models.moe_routers import ROUTED_EXPERTS, capture_routers, find_routers
 from verl_trainer.models.router_replay import generation_routing, place_routing, row_routing
 from verl_trainer.rollout.base import BaseRollout, weight_mismatch_report
@@ -22,7 +22,7 @@ from verl_trainer.rollout.config import RolloutConfig
 from verl_trainer.rollout.divergence import DivergenceError, diverged, is_sampler_error
 from verl_trainer.rollout.registry import register_rollout
 from verl_trainer.rollout.sampling import RowSampler, logits_warpers, row_uniforms, sample_dropping_finished
-from verl_trainer.rollout.vision import PromptImages, chunk_vision_inputs, load_generation_model
+from verl_trainer.rollout.vision import PromptImages, chunk_vision_inputs
 from verl_trainer.utils.device import get_torch_device
 
 
@@ -83,7 +83,7 @@ class HFRollout(BaseRollout):
         self.device = resolve_device(config.device)
         dtype = to_dtype(config.dtype)
         if isinstance(model, (str, Path)):
-            self.model = load_generation_model(
+            self.model = load_causal_lm(
                 model, attn_implementation=config.attn_implementation, torch_dtype=dtype
             )
         else:

@@ -14,17 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tensordict import TensorDict
-from transformers import AutoConfig, AutoModelForImageTextToText, PreTrainedModel
-from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+from transformers import PreTrainedModel
 
 from verl_trainer.data import schema
 from verl_trainer.data.vision import has_vision, patch_counts
-from verl_trainer.models.loading import load_causal_lm
-from verl_trainer.models.source import resolve_model_path
 
 IMAGE_TOKEN_TYPE = 1
 """``mm_token_type_ids`` value of an image placeholder token (0: text, 2: video)."""
@@ -138,25 +134,5 @@ def mrope_positions(model: PreTrainedModel, input_ids: torch.Tensor, attention_m
     return positions, next_position
 
 
-def is_vision_language(path: str | Path) -> bool:
-    """Whether a checkpoint's ``config.json`` is an image-text-to-text model (transformers' auto mapping)."""
-    config = AutoConfig.from_pretrained(resolve_model_path(path))
-    mapped = config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-    return mapped and hasattr(config, "vision_config")
-
-
-def load_generation_model(path: str | Path, attn_implementation: str | None = None,
-                          torch_dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A checkpoint for generation.
-
-    ``AutoModelForImageTextToText`` for a vision-language model (both towers), else
-    :func:`~verl_trainer.models.loading.load_causal_lm`.
-    """
-    if is_vision_language(path):
-        return AutoModelForImageTextToText.from_pretrained(
-            resolve_model_path(path), attn_implementation=attn_implementation, dtype=torch_dtype)
-    return load_causal_lm(path, attn_implementation=attn_implementation, torch_dtype=torch_dtype)
-
-
-__all__ = ["IMAGE_TOKEN_TYPE", "PromptImages", "chunk_vision_inputs", "image_token_id", "is_vision_language",
-           "load_generation_model", "mrope_positions", "prompt_images"]
+__all__ = ["IMAGE_TOKEN_TYPE", "PromptImages", "chunk_vision_inputs", "image_token_id", "mrope_positions",
+           "prompt_images"]
