@@ -144,3 +144,19 @@ def test_vllm_refuses_a_vision_language_model_before_loading(vlm):
     with pytest.raises(ValueError, match=r"vision-language model.*torchvision.*rollout.name=hf"):
         build_rollout(RolloutConfig(name="vllm"), path)
     assert resolve_rollout_name("auto", path) == "hf"
+
+
+@pytest.mark.parametrize("decoding", ["drop_finished", "generate"])
+def test_image_placeholders_are_never_sampled(vlm, decoding):
+    """A policy that prefers ``<|image_pad|>`` (a +100 logit) still answers in text: a placeholder in a
+    response would be read as an image position by the training forward."""
+    path, _, tokenizer, processor = vlm
+    image_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    rollout = HFRollout(_config(do_sample=True, temperature=1.0, n=2, decoding=decoding), path)
+    bias = torch.zeros(len(tokenizer))
+    bias[image_id] = 100.0
+    rollout.model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
+    out = rollout.generate(_prompt_batch(tokenizer, processor, [_image(0), _image(1)], TEXTS[:2]), step=0)
+    for row in range(out.batch_size[0]):
+        start, n = int(out[schema.PROMPT_LEN][row]), int(out[schema.RESPONSE_LEN][row])
+        assert n > 0 and image_id not in out[schema.INPUT_IDS][row, start: start + n].tolist()

@@ -62,6 +62,10 @@ class HFLayout:
 
     def __init__(self, config: PretrainedConfig, model_type: str) -> None:
         cls = auto_model_class(model_type)
+        if model_type == "language_model" and getattr(config, "vision_config", None) is not None:
+            from transformers import AutoModelForImageTextToText  # a VLM: both towers (models/vlm.py)
+
+            cls = AutoModelForImageTextToText
         with torch.device("meta"):
             model = cls.from_config(copy.deepcopy(config))
         self.class_name = type(model).__name__
@@ -132,6 +136,10 @@ def _write(tmp: Path, layout: HFLayout, named: Iterator[tuple[str, torch.Tensor]
         if isinstance(tokenizer, (str, os.PathLike)):
             from verl_trainer.models.loading import load_tokenizer  # lazy: loads transformers only when used
 
+            if (Path(tokenizer) / "preprocessor_config.json").is_file():  # a VLM's image processor goes along
+                from transformers import AutoImageProcessor
+
+                AutoImageProcessor.from_pretrained(str(tokenizer)).save_pretrained(tmp)
             tokenizer = load_tokenizer(tokenizer)
         tokenizer.save_pretrained(tmp)
 

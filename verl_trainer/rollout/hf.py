@@ -22,7 +22,7 @@ from verl_trainer.rollout.config import RolloutConfig
 from verl_trainer.rollout.divergence import DivergenceError, diverged, is_sampler_error
 from verl_trainer.rollout.registry import register_rollout
 from verl_trainer.rollout.sampling import RowSampler, logits_warpers, row_uniforms, sample_dropping_finished
-from verl_trainer.rollout.vision import PromptImages, chunk_vision_inputs
+from verl_trainer.rollout.vision import PromptImages, chunk_vision_inputs, placeholder_ids
 from verl_trainer.utils.device import get_torch_device
 
 
@@ -90,6 +90,9 @@ class HFRollout(BaseRollout):
             self.model = copy.deepcopy(model).to(dtype)
         self.model.to(self.device).eval().requires_grad_(False)
         self.eos_token_ids = self._eos_ids(tokenizer, self.model.generation_config.eos_token_id)
+        self.suppressed_ids = placeholder_ids(self.model)
+        """Token ids never sampled: a vision-language model's image / video placeholders (a response holding
+        one would be read as an image by the training forward)."""
         self.record_routing = False
         """Router replay (``actor.engine.moe.router_replay=rollout``): record each token's experts and return
         them as the batch's ``routed_experts`` (``models/router_replay.py``); decodes with ``generate``."""
@@ -172,7 +175,8 @@ class HFRollout(BaseRollout):
                 try:
                     if drop_finished:
                         out, lps = sample_dropping_finished(self.model, input_ids, attention_mask,
-                                                            gen_config, seeds=chunk_seeds, vision=vision)
+                                                            gen_config, seeds=chunk_seeds, vision=vision,
+                                                            suppress=self.suppressed_ids)
                     else:
                         out, lps = self._generate(input_ids, attention_mask, gen_config, chunk_seeds,
                                                   vision or {})
@@ -194,7 +198,7 @@ class HFRollout(BaseRollout):
         width = input_ids.shape[1]
         sampled = gen_config.do_sample
         uniforms = row_uniforms(seeds, gen_config.max_new_tokens, self.device) if sampled else None
-        sampler = RowSampler(logits_warpers(gen_config), uniforms, width)
+        sampler = RowSampler(logits_warpers(gen_config), uniforms, width, self.suppressed_ids)
         greedy = copy.deepcopy(gen_config)
         greedy.do_sample = False
         greedy.temperature, greedy.top_p, greedy.top_k = None, None, None

@@ -100,11 +100,14 @@ class RowSampler(LogitsProcessor):
         warpers: The sampling warpers (``decoding.logits_warpers``).
         uniforms: ``[B, max_new_tokens]`` (:func:`row_uniforms`), or ``None`` for greedy decoding.
         prompt_width: Width of the left-padded prompt batch (step ``t`` sees ``prompt_width + t`` ids).
+        suppress: Token ids never drawn (their logits set to ``-inf`` before the warpers; a vision-language
+            model's image placeholders, :func:`verl_trainer.rollout.vision.placeholder_ids`).
     """
 
     def __init__(self, warpers: LogitsProcessorList, uniforms: torch.Tensor | None,
-                 prompt_width: int) -> None:
+                 prompt_width: int, suppress: Sequence[int] = ()) -> None:
         self.warpers = warpers
+        self.suppress = list(suppress)
         self.uniforms = uniforms
         self.prompt_width = prompt_width
         self.step_log_probs: list[torch.Tensor] = []
@@ -113,7 +116,7 @@ class RowSampler(LogitsProcessor):
         """Draw this step's tokens; return the one-hot (0 / ``-inf``) scores ``[B, V]``."""
         step = input_ids.shape[1] - self.prompt_width
         check_logits(scores)  # diverged weights: named (DivergenceError), not drawn from as if finite
-        warped = self.warpers(input_ids, scores.float())
+        warped = self.warpers(input_ids, suppressed(scores.float(), self.suppress))
         uniforms = None if self.uniforms is None else self.uniforms[:, step]
         tokens, log_probs = sample_rows(warped, uniforms)
         self.step_log_probs.append(log_probs)
@@ -165,6 +168,15 @@ def logits_warpers(config: GenerationConfig) -> LogitsProcessorList:
     return warpers
 
 
+def suppressed(scores: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
+    """``scores`` ``[b, V]`` with the columns ``ids`` at ``-inf`` (``scores`` itself for no ``ids``)."""
+    if not ids:
+        return scores
+    out = scores.clone()
+    out[:, list(ids)] = float("-inf")
+    return out
+
+
 def _cache_kwarg(model: PreTrainedModel) -> str:
     """``cache`` (transformers >= 5.24 names the KV cache argument so) or ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -186,6 +198,7 @@ def sample_dropping_finished(
     drop_at: float = DROP_AT,
     seeds: Sequence[int] | None = None,
     vision: Mapping[str, torch.Tensor] | None = None,
+    suppress: Sequence[int] = (),
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample up to ``config.max_new_tokens`` tokens per row, removing finished rows as they pile up.
 
@@ -202,6 +215,7 @@ def sample_dropping_finished(
         vision: A vision-language model's image inputs of the rows
             (:func:`verl_trainer.rollout.vision.chunk_vision_inputs`): the prompt forward gets the images and
             the model's 3-D mrope positions, later tokens one past each row's largest position.
+        suppress: Token ids never drawn (as :class:`RowSampler`'s ``suppress``).
 
     Returns:
         ``(ids, log_probs)``: ``B`` lists of generated ids, each ending at its first eos (kept) or at
@@ -239,7 +253,7 @@ def sample_dropping_finished(
     finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     for step in range(max_new):
         check_logits(logits[:, -1, :])  # diverged weights: named, not a sampler error (or, greedy, token 0)
-        scores = warpers(input_ids, logits[:, -1, :].to(dtype=torch.float32))
+        scores = warpers(input_ids, suppressed(logits[:, -1, :].to(dtype=torch.float32), suppress))
         if uniforms is not None:
             tokens, log_probs = sample_rows(scores, uniforms[rows, step])
         elif config.do_sample:
@@ -271,4 +285,4 @@ def sample_dropping_finished(
 
 
 __all__ = ["DROP_AT", "RowSampler", "check_logits", "logits_warpers", "row_uniforms",
-           "sample_dropping_finished", "sample_rows"]
+           "sample_dropping_finished", "sample_rows", "suppressed"]

@@ -74,6 +74,21 @@ def image_token_id(model: PreTrainedModel) -> int:
     return int(token)
 
 
+def placeholder_ids(model: PreTrainedModel) -> list[int]:
+    """A vision-language model's image and video placeholder ids; ``[]`` for a text model.
+
+    ``config.image_token_id`` / ``config.video_token_id``.
+
+    The rollout never samples them: the training forward reads every ``image_token_id`` in a sequence as an
+    image position (``mm_token_type_ids``, the placeholder mask), so one in a response would fail it or
+    take another image's features.
+    """
+    if getattr(model.config, "vision_config", None) is None:
+        return []
+    ids = (getattr(model.config, name, None) for name in ("image_token_id", "video_token_id"))
+    return sorted({int(i) for i in ids if i is not None})
+
+
 def chunk_vision_inputs(model: PreTrainedModel, input_ids: torch.Tensor,
                         images: Sequence[PromptImages]) -> dict[str, torch.Tensor]:
     """The model's vision keyword arguments for a left-padded chunk of prompts.
@@ -135,4 +150,4 @@ def mrope_positions(model: PreTrainedModel, input_ids: torch.Tensor, attention_m
 
 
 __all__ = ["IMAGE_TOKEN_TYPE", "PromptImages", "chunk_vision_inputs", "image_token_id", "mrope_positions",
-           "prompt_images"]
+           "placeholder_ids", "prompt_images"]
