@@ -421,7 +421,8 @@ def report(trainer: Trainer, before: dict[str, float] | None, after: dict[str, f
         if plot:
             lines.append(f"plot:      {plot_training_curves(csv_path)}")
     if exported:
-        auto = "AutoModelForImageTextToText" if vision_processor(exported) is not None else "AutoModelForCausalLM"
+        vlm = vision_processor(exported) is not None
+        auto = "AutoModelForImageTextToText" if vlm else "AutoModelForCausalLM"
         lines.append(f"HF model:  {exported}  ({auto}.from_pretrained loads it)")
     for uri in _mlflow_stores(trainer):
         lines.append(f"MLflow:    {uri}  (`mlflow ui --backend-store-uri {uri}` shows it)")
