@@ -178,3 +178,32 @@ def moe_batch(batch: TensorDict, seed: int = 5) -> TensorDict:
     out = batch.clone()
     out["routed_experts"] = torch.where(recorded[..., None, None], routed, torch.full_like(routed, -1))
     return out
+
+
+# ---------------------------------------------------------------- vision-language block (issue 44)
+VLM_IMAGE_SIZES = ((56, 56), (84, 56))
+"""16 or 24 patch rows (4 or 6 image tokens) per image: every sample's tokens + patch rows fit the VLM
+block's dynamic budget (``runner.VLM_DYNAMIC_BUDGET``)."""
+
+
+@torch.no_grad()
+def vlm_invariance_batch(model_path: str, seed: int = 3) -> TensorDict:
+    """12 samples with 0, 1 or 2 images each and the PPO fields, built as :func:`make_invariance_batch`
+    builds them (``old_log_probs`` around the initial VLM's own log-probs, per unpacked row with its mrope
+    positions); sample 5 has an all-zero loss mask."""
+    from transformers import AutoModelForImageTextToText
+
+    from verl_trainer.testing.vlm_batch import hf_reference_log_probs, vlm_batch
+
+    batch = vlm_batch(len(SEQ_LENS), seed=seed, sizes=VLM_IMAGE_SIZES)
+    batch["loss_mask"][ZERO_MASK_SAMPLE] = 0.0
+    g = torch.Generator().manual_seed(seed)
+    mask = batch["response_mask"]
+    shape = mask.shape
+    model = AutoModelForImageTextToText.from_pretrained(model_path, attn_implementation="sdpa").eval()
+    log_probs_0 = hf_reference_log_probs(model, batch)
+    batch["old_log_probs"] = (log_probs_0 + _choice((-1.5, -0.5, -0.05, 0.05, 0.5), shape, g)) * mask
+    batch["ref_log_prob"] = (log_probs_0 + 0.3 * torch.randn(shape, generator=g)) * mask
+    adv = torch.randn(len(SEQ_LENS), 1, generator=g) + 0.3 * torch.randn(shape, generator=g)
+    batch["advantages"] = adv * mask
+    return batch

@@ -321,6 +321,28 @@ def rm_cases() -> list[Case]:
     return cases
 
 
+# ---------------------------------------------------------------- vision-language model (issue 44)
+VLM_LOSS = "vlm_ppo"
+"""PPO (as ``"ppo"``) on a tiny Qwen2.5-VL with images in the batch (``batch.vlm_batch``: 12 samples with 0,
+1 or 2 images each; ``runner.vlm_model_path``): images ride with their samples through balancing and
+micro-batching, the mrope positions through packing."""
+VLM_LOSSES = (VLM_LOSS,)
+VLM_AGG_MODE = "token-mean"
+VLM_MICRO = ("one", "fixed2", "dynamic")
+VLM_STRATEGY_LAYOUTS = ((2, "dynamic", True), (2, "fixed2", False))
+"""(dp, micro, balance) on which fsdp and deepspeed run the VLM block."""
+
+
+def vlm_cases() -> list[Case]:
+    """The VLM block: dp in {1, 2} x micro one / fixed 2 / dynamic x balancing off / on with fsdp2, and fsdp
+    and deepspeed at dp=2 (dynamic + balancing, fixed 2 without); 15 cases in two spawns."""
+    cases = [Case(VLM_LOSS, VLM_AGG_MODE, dp, micro, bal, "fsdp2")
+             for dp, micro, bal in product((1, 2), VLM_MICRO, (False, True))]
+    cases += [Case(VLM_LOSS, VLM_AGG_MODE, dp, micro, bal, strategy)
+              for strategy in STRATEGIES[1:] for dp, micro, bal in VLM_STRATEGY_LAYOUTS]
+    return [c for c in cases if not c.is_reference]
+
+
 def all_cases() -> list[Case]:
     """The whole matrix (references excluded), in a stable order."""
     cases: set[Case] = set()
@@ -342,6 +364,7 @@ def all_cases() -> list[Case]:
     cases.update(objective_cases())
     cases.update(moe_cases())
     cases.update(rm_cases())
+    cases.update(vlm_cases())
     return sorted(c for c in cases if not c.is_reference)
 
 

@@ -14,9 +14,16 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from tests.invariance.cases import MOE_LOSSES, Case
+from tests.invariance.cases import MOE_LOSSES, VLM_LOSSES, Case
 from tests.invariance.compare import compare
-from tests.invariance.runner import backend_available, chunk_key, initial_params, moe_model_path, run_chunk
+from tests.invariance.runner import (
+    backend_available,
+    chunk_key,
+    initial_params,
+    moe_model_path,
+    run_chunk,
+    vlm_model_path,
+)
 
 
 class MatrixResults:
@@ -75,4 +82,7 @@ class MatrixResults:
         if case.loss in MOE_LOSSES:  # the MoE block: its own model's initial parameters
             return compare(self.result(case), self.result(case.reference()),
                            initial_params(moe_model_path(self.model_path), case.model_type))
+        if case.loss in VLM_LOSSES:  # the VLM block: its own model's initial parameters
+            return compare(self.result(case), self.result(case.reference()),
+                           initial_params(vlm_model_path(self.model_path), case.model_type))
         return compare(self.result(case), self.result(case.reference()), self.before(case.model_type))

@@ -33,6 +33,7 @@ from tests.invariance.cases import (
     PPO_LOSSES,
     PREFERENCE_LOSSES,
     RM_LOSS,
+    VLM_LOSSES,
     XFAIL,
     Case,
 )
@@ -112,6 +113,8 @@ def make_loss_fn(case: Case) -> Callable[..., Any]:
                                       **OBJECTIVE_LOSS_SETTINGS.get(case.loss[len("pl_"):], {})))
     if case.loss in MOE_LOSSES:  # the MoE block: the PPO loss (router losses added by the engine)
         return make_loss_fn(replace(case, loss="ppo"))
+    if case.loss in VLM_LOSSES:  # the VLM block: the PPO loss on the batch with images
+        return make_loss_fn(replace(case, loss="ppo"))
     if case.loss in PPO_LOSSES:
         correction = RolloutCorrectionConfig(level="token", threshold=2.0) if case.loss == CORRECTION_LOSS \
             else None
@@ -141,6 +144,10 @@ def engine_config(case: Case, model_path: str) -> EngineConfig:
         micro["moe"] = MoEConfig(aux_loss_coeff=0.01, z_loss_coeff=0.001,
                                  router_replay="rollout" if case.loss == MOE_REPLAY_LOSS else "off")
         model_path = moe_model_path(model_path)
+    if case.loss in VLM_LOSSES:  # the VLM block: its model; a budget counting tokens + image patch rows
+        model_path = vlm_model_path(model_path)
+        if case.micro == "dynamic":
+            micro["max_token_len_per_gpu"] = VLM_DYNAMIC_BUDGET
     return EngineConfig(model_path=model_path, ulysses_sequence_parallel_size=case.sp,
                         tensor_model_parallel_size=case.tp, pipeline_model_parallel_size=case.pp, **micro)
 
@@ -156,6 +163,38 @@ def moe_model_path(model_path: str) -> str:
     if dist.is_initialized():
         dist.barrier()
     return path
+
+
+# ---------------------------------------------------------------- vision-language block (issue 44)
+VLM_DYNAMIC_BUDGET = 96
+"""The VLM block's dynamic budget: tokens + image patch rows per micro-batch (the longest sample: ~80)."""
+
+
+def vlm_model_path(model_path: str) -> str:
+    """The VLM block's tiny Qwen2.5-VL (text hidden 64, 2 layers; vision hidden 32, depth 2) next to the dense
+    model: written once (by rank 0 under a process group)."""
+    from verl_trainer.models.tiny_vlm import make_tiny_vlm
+
+    path = model_path.rstrip("/") + "-qwen25vl"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
+        make_tiny_vlm(path, seed=1)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+_VLM_BATCHES: dict[str, TensorDict] = {}
+
+
+def vlm_batch_for(model_path: str) -> TensorDict:
+    """The VLM block's global batch (``batch.vlm_invariance_batch``), built once per process."""
+    from tests.invariance.batch import vlm_invariance_batch
+
+    path = vlm_model_path(model_path)
+    if path not in _VLM_BATCHES:
+        _VLM_BATCHES[path] = vlm_invariance_batch(path)
+    return _VLM_BATCHES[path]
 
 
 def outputs_by_uid(output: dict[str, torch.Tensor], batch: TensorDict) -> dict[int, dict[str, torch.Tensor]]:
@@ -197,7 +236,8 @@ def run_case_on_rank(case: Case, model_path: str, batch: TensorDict) -> dict[str
                          f"tp={topo.tp_size} x pp={topo.pp_size}")
     # every SP / TP rank of a DP group starts from (and, balanced, ends with) that DP rank's samples: the
     # starting shard is chosen by dp_rank and the exchange runs within the DP group
-    shard = shard_for(batch_for(case, batch), topo.dp_rank, case.dp, case.balance)
+    global_batch = vlm_batch_for(model_path) if case.loss in VLM_LOSSES else batch_for(case, batch)
+    shard = shard_for(global_batch, topo.dp_rank, case.dp, case.balance)
     balance_metrics: dict[str, float] = {}
     if case.balance:
         shard, balance_metrics = balance_batch(shard, engine.get_data_parallel_group(),
@@ -206,7 +246,7 @@ def run_case_on_rank(case: Case, model_path: str, batch: TensorDict) -> dict[str
     with engine.eval_mode():
         infer = engine.infer_batch(shard, **entropy)
     kwargs = {"calculate_entropy": True} if case.loss in PPO_LOSSES + OBJECTIVE_CASE_LOSSES else {}
-    if case.loss in MOE_LOSSES:  # the MoE block: PPO's entropy bonus
+    if case.loss in MOE_LOSSES + VLM_LOSSES:  # the MoE and VLM blocks: PPO's entropy bonus
         kwargs = {"calculate_entropy": True}
     loss_fn = make_loss_fn(case)
     if getattr(loss_fn, "needs_prepare", False):  # clip-cov / KL-cov: the step-wide selection (collective)
@@ -293,6 +333,8 @@ def chunk_key(case: Case) -> tuple:
         loss = f"objectives/{case.agg}"
     if case.loss in MOE_LOSSES:  # the MoE block: its own spawns (its own model)
         loss = "moe"
+    if case.loss in VLM_LOSSES:  # the VLM block: its own spawns (its own model and batch)
+        loss = "vlm"
     if case in XFAIL:
         return case.world, case.sp, loss, case.id
     if case.strategy in LIBRARY_BACKENDS:

@@ -245,7 +245,8 @@ def encode_sft_row(item: Any, i: int, tokenizer: PreTrainedTokenizerBase | None,
         raise ValueError(f"{where}SFT row {i} is text: pass tokenizer= to tokenise it, or give id pairs")
     if not isinstance(item, Mapping):
         raise ValueError(f"{where}SFT row {i} must be a mapping of columns, got {type(item).__name__}")
-    vision = encode_vision_sft_row(item, processor, chat_template, keys, f"{where}SFT row {i}: ", image_key)
+    vision = encode_vision_sft_row(item, processor, chat_template, keys, f"{where}SFT row {i}: ",
+                                   (encode_chat_example, encode_chat_completion), image_key)
     example = vision.example if vision else _encode_text_row(item, keys, tokenizer, chat_template,
                                                              f"{where}SFT row {i}: ")
     length = len(example.ids) if isinstance(example, TokenMask) else len(example[0]) + len(example[1])

@@ -22,10 +22,15 @@ from typing import Any
 
 from PIL import Image
 
-__all__ = ["IMAGE_KEYS", "ImageError", "image_column", "load_image", "load_images", "row_images"]
+__all__ = ["IMAGE_KEYS", "VIDEO_KEYS", "ImageError", "image_column", "load_image", "load_images",
+           "refuse_videos", "row_images"]
 
 IMAGE_KEYS = ("images", "image")
 """The image columns looked for, in order: verl's / TRL's ``images`` (a list), TRL's ``image`` (one)."""
+
+
+VIDEO_KEYS = ("videos", "video")
+"""Video columns (verl's and TRL's names), refused: only images are read (:func:`refuse_videos`)."""
 
 
 class ImageError(ValueError):
@@ -62,7 +67,8 @@ def load_image(value: Any, where: str = "image") -> Image.Image:
 
     Args:
         value: A ``PIL.Image.Image``; ``bytes``; a path (``str`` / ``PathLike``, ``file://`` allowed); or a
-            mapping with ``"bytes"`` (used when not ``None``) or ``"path"``.
+            mapping with ``"image"`` (any of these: qwen-vl-utils' form), ``"bytes"`` (used when not ``None``)
+            or ``"path"``.
         where: What the messages call the image (e.g. ``"prompt row 3, image 0"``).
 
     Raises:
@@ -74,6 +80,8 @@ def load_image(value: Any, where: str = "image") -> Image.Image:
         image = _bytes(bytes(value), where)
     elif isinstance(value, (str, os.PathLike)):
         image = _file(value, where)
+    elif isinstance(value, Mapping) and value.get("image") is not None:  # qwen-vl-utils' {"image": ...}
+        return load_image(value["image"], where)
     elif isinstance(value, Mapping) and (value.get("bytes") is not None or value.get("path")):
         image = _bytes(bytes(value["bytes"]), where) if value.get("bytes") is not None else _file(
             value["path"], where)
@@ -112,6 +120,19 @@ def row_images(row: Mapping[str, Any], image_key: str | None = None) -> list[Any
     if hasattr(value, "tolist") and not isinstance(value, Image.Image):  # a numpy object array (pandas)
         return list(value.tolist())
     return [value]
+
+
+def refuse_videos(row: Mapping[str, Any], where: str) -> None:
+    """Fail on a non-empty video column: videos are not read, so the row's videos would be silently lost.
+
+    Raises:
+        ImageError: Naming the row and the column.
+    """
+    for key in VIDEO_KEYS:
+        value = row.get(key)
+        if value is not None and not (hasattr(value, "__len__") and len(value) == 0):
+            raise ImageError(f"{where} has a {key!r} column: videos are not supported (only images: the "
+                             f"{IMAGE_KEYS} columns); drop the column or give frames as images")
 
 
 def load_images(values: Sequence[Any], where: str) -> list[Image.Image]:

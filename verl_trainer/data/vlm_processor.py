@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IMAGE_PLACEHOLDER", "VisionEncoding", "VisionProcessor", "count_placeholders", "mm_token_type_ids",
-    "with_images_first",
+    "PART_TYPES", "check_part_types", "with_images_first",
 ]
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -89,6 +89,21 @@ def count_placeholders(prompt: str | Sequence[Mapping[str, Any]]) -> int:
         for part in parts:
             total += 1 if part["type"] == "image" else len(block.findall(str(part.get("text", ""))))
     return total
+
+
+PART_TYPES = ("text", "image")
+"""The content parts a chat message may hold here (a ``video`` part, or any other, is refused)."""
+
+
+def check_part_types(prompt: str | Sequence[Mapping[str, Any]], where: str) -> None:
+    """Fail on a content part of a type other than :data:`PART_TYPES`, naming the message and the type."""
+    if isinstance(prompt, str):
+        return
+    for i, message in enumerate(prompt):
+        for part in _parts(message.get("content")) or []:
+            if part["type"] not in PART_TYPES:
+                raise ValueError(f"{where}: message {i} has a {part['type']!r} content part; the parts read "
+                                 f"here are {PART_TYPES} (videos are not supported)")
 
 
 def with_images_first(prompt: str | list[Mapping[str, Any]], n: int) -> str | list[dict[str, Any]]:
@@ -258,9 +273,11 @@ class VisionProcessor:
 
         Raises:
             ImageError: An image that cannot be read.
-            ValueError: Placeholders and images that differ in number, or a tokenizer that splits the
-                vision tokens (the image tokens counted in ``input_ids`` differ from the grids').
+            ValueError: Placeholders and images that differ in number, a content part other than text or
+                image, or a tokenizer that splits the vision tokens (the image tokens counted in
+                ``input_ids`` differ from the grids').
         """
+        check_part_types(prompt, where)
         decoded = load_images(images, where)
         placed = count_placeholders(prompt)
         if decoded and placed == 0:

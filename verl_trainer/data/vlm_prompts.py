@@ -26,7 +26,7 @@ import torch
 
 from verl_trainer.data import schema
 from verl_trainer.data.vision import pad_vision
-from verl_trainer.data.vlm_images import ImageError, image_column, row_images
+from verl_trainer.data.vlm_images import ImageError, image_column, refuse_videos, row_images
 from verl_trainer.data.vlm_processor import VisionEncoding, VisionProcessor, count_placeholders
 
 __all__ = ["REWARD_IMAGES_KEY", "collate_vision", "encode_vision_record", "vision_item", "vision_reward_data"]
@@ -40,16 +40,22 @@ def encode_vision_record(record: Mapping[str, Any], processor: VisionProcessor |
                          name: str) -> VisionEncoding | None:
     """The record's prompt and images encoded; ``None`` for a text-only record (the caller encodes it).
 
-    Text-only: no images and no image placeholder.
+    Text-only: no images and no image placeholder (a chat with typed content parts goes through ``processor``
+    when there is one, which renders or joins the parts).
 
     Raises:
-        ImageError: Images or image placeholders without a ``processor``, or an image that cannot be read.
+        ImageError: Images or image placeholders without a ``processor``, an image that cannot be read, or a
+            video column (not supported).
         ValueError: Placeholders and images that differ in number; tools with images (not supported).
     """
     where = f"{name}: prompt row {record.get('index')}"
+    if processor is not None:  # a vision-language model: its rows' videos must not be dropped silently
+        refuse_videos(record.get(schema.COLUMNS, {}), where)
     images = row_images(record.get(schema.COLUMNS, {}), image_key)
     placed = count_placeholders(record["prompt"])
-    if not images and not placed:
+    typed = not isinstance(record["prompt"], str) and any(
+        isinstance(m.get("content"), list) for m in record["prompt"])
+    if not images and not placed and not (typed and processor is not None):
         return None
     if processor is None:
         what = f"{len(images)} image(s)" if images else f"{placed} image placeholder(s) and no image column"
@@ -64,7 +70,12 @@ def encode_vision_record(record: Mapping[str, Any], processor: VisionProcessor |
 
 def vision_reward_data(record: Mapping[str, Any], encoding: VisionEncoding,
                        image_key: str | None) -> dict[str, Any]:
-    """The record's ``extra_info`` and ``columns`` with its decoded images (see the module docstring)."""
+    """The record's ``extra_info`` and ``columns`` with its decoded images (see the module docstring).
+
+    ``{}`` for an encoding without images.
+    """
+    if not encoding.images:
+        return {}
     columns = dict(record.get(schema.COLUMNS, {}))
     key = image_column(columns, image_key)
     if key is not None:
@@ -75,7 +86,12 @@ def vision_reward_data(record: Mapping[str, Any], encoding: VisionEncoding,
 
 
 def vision_item(encoding: VisionEncoding) -> dict[str, torch.Tensor]:
-    """A dataset item's vision tensors: ``pixel_values`` ``[n, D]``, ``image_grid_thw`` ``[I, 3]``."""
+    """A dataset item's vision tensors: ``pixel_values`` ``[n, D]``, ``image_grid_thw`` ``[I, 3]``.
+
+    ``{}`` for an encoding without images (its batch carries no vision fields unless another item's does).
+    """
+    if not encoding.images:
+        return {}
     return {schema.PIXEL_VALUES: encoding.pixel_values, schema.IMAGE_GRID_THW: encoding.image_grid_thw}
 
 

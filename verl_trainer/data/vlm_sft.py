@@ -17,15 +17,20 @@ Images without any placeholder go before the text (of the first user message), a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from verl_trainer.data import schema
 from verl_trainer.data.vision import pad_vision
-from verl_trainer.data.vlm_images import ImageError, load_images, row_images
-from verl_trainer.data.vlm_processor import VisionProcessor, count_placeholders, with_images_first
+from verl_trainer.data.vlm_images import ImageError, load_images, refuse_videos, row_images
+from verl_trainer.data.vlm_processor import (
+    VisionProcessor,
+    check_part_types,
+    count_placeholders,
+    with_images_first,
+)
 
 if TYPE_CHECKING:
     from verl_trainer.data.sft import TokenMask, TokenPair
@@ -43,6 +48,7 @@ class VisionSFTExample(NamedTuple):
 
 def _placed(messages: Any, images: int, where: str) -> list[Any]:
     """Chat messages with one image placeholder per image (images in front when there are none)."""
+    check_part_types(messages, where.rstrip(": "))
     placed = count_placeholders(messages)
     if images and not placed:
         return with_images_first(list(messages), images)
@@ -54,6 +60,7 @@ def _placed(messages: Any, images: int, where: str) -> list[Any]:
 
 def encode_vision_sft_row(item: Mapping[str, Any], processor: VisionProcessor | None,
                           chat_template: bool | None, keys: tuple[str, str, str], where: str,
+                          encoders: tuple[Callable[..., TokenMask], Callable[..., TokenMask]],
                           image_key: str | None = None) -> VisionSFTExample | None:
     """One SFT row with images encoded; ``None`` for a row without images or image placeholders.
 
@@ -63,15 +70,18 @@ def encode_vision_sft_row(item: Mapping[str, Any], processor: VisionProcessor | 
         chat_template: See :func:`verl_trainer.data.prompts.encode_prompt` (pair rows).
         keys: ``(prompt_key, response_key, messages_key)``.
         where: Prefix of messages (``"sft.parquet: SFT row 3: "``).
+        encoders: ``(encode_chat_example, encode_chat_completion)`` of :mod:`verl_trainer.data.sft` (its
+            caller), which tokenise chats with the images' ``render_ids``.
         image_key: The image column (default: ``images``, else ``image``).
 
     Raises:
-        ImageError: Images without a processor, or an image that cannot be read.
+        ImageError: Images without a processor, an image that cannot be read, or a video column.
         ValueError: Placeholders and images that differ in number, or columns of no SFT format.
     """
-    from verl_trainer.data.sft import encode_chat_completion, encode_chat_example
-
+    encode_chat_example, encode_chat_completion = encoders
     prompt_key, response_key, messages_key = keys
+    if processor is not None:  # a vision-language model: its rows' videos must not be dropped silently
+        refuse_videos(item, where.rstrip(": "))
     images = row_images(item, image_key)
     messages = item.get(messages_key)
     completion_key = response_key if response_key in item else "completion"

@@ -30,13 +30,13 @@ from typing import Any
 from PIL import Image, ImageDraw
 
 from verl_trainer.data.prompts import save_rows, to_verl_row
-from verl_trainer.rewards.vision import SHAPE_COLOURS
+from verl_trainer.data.vlm_colours import SHAPE_COLOURS
 
 __all__ = ["COLOURS", "LAYOUTS", "SHAPES", "VLMTaskConfig", "draw_shape", "make_vlm_rows", "vlm_sft_rows",
            "write_vlm_task"]
 
 COLOURS = SHAPE_COLOURS
-"""The colour names and their RGB values (:data:`verl_trainer.rewards.vision.SHAPE_COLOURS`)."""
+"""The colour names and their RGB values (:data:`verl_trainer.data.vlm_colours.SHAPE_COLOURS`)."""
 SHAPES = ("circle", "square", "triangle")
 LAYOUTS = ("verl", "trl")
 QUESTION = "colour?"

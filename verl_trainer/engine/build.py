@@ -17,6 +17,7 @@ from verl_trainer.engine.lora import LoRAAdapters, apply_lora, find_peft_model
 from verl_trainer.models.attention import ensure_varlen_attention
 from verl_trainer.models.attention_autotune import agree_on_model_attention
 from verl_trainer.models.ulysses_attention import check_ulysses_compatible
+from verl_trainer.models.vlm import check_vlm_settings, freeze_vision_tower, is_vision_language
 from verl_trainer.utils.device import get_torch_device
 from verl_trainer.utils.distributed import get_world_size, is_initialized
 
@@ -63,6 +64,11 @@ def build_model(
     else:
         model = _from_factory(factory, config)
     _agree_on_attention(model, config)
+    vision_language = is_vision_language(getattr(model, "config", None))
+    check_vlm_settings(config.model_path, vision_language, config.ulysses_sequence_parallel_size,
+                       config.freeze_vision_tower)  # a factory's model: known only now
+    if vision_language and config.freeze_vision_tower:
+        freeze_vision_tower(model)
     if factory is None and not config.lora_enabled:
         return model, None
     model = apply_lora(model, config, model_type.name)

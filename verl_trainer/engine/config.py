@@ -19,6 +19,7 @@ from verl_trainer.engine.optimizers import DEFAULT_IMPL, optimizer_kwargs, resol
 from verl_trainer.models.hf_files import DTYPES as DTYPES  # re-exported: the recipes' configs read it here
 from verl_trainer.models.hf_files import MODEL_TYPES, to_dtype
 from verl_trainer.models.moe_config import MoEConfig
+from verl_trainer.models.vlm import check_vlm_settings, directory_is_vision_language
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -224,6 +225,9 @@ class EngineConfig(_Validated):
             ``adapter_model.safetensors``) to start from; its own rank, alpha and targets apply.
         moe: Mixture-of-experts router losses, metrics and replay (``models/moe_config.py``,
             docs/moe.md); ignored by a dense model.
+        freeze_vision_tower: A vision-language model's vision tower is not trained (``requires_grad``
+            off before sharding; docs/vlm.md). ``True`` on a text-only checkpoint is refused here; with
+            LoRA the tower is frozen anyway (the adapters go on the language model only).
 
     """
 
@@ -256,9 +260,12 @@ class EngineConfig(_Validated):
     lora_dropout: float = 0.0
     lora_adapter_path: str | None = None
     moe: MoEConfig = field(default_factory=MoEConfig)
+    freeze_vision_tower: bool = False
 
     def __post_init__(self) -> None:
         self._check_lora()
+        check_vlm_settings(self.model_path, directory_is_vision_language(self.model_path),
+                           self.ulysses_sequence_parallel_size, self.freeze_vision_tower)
         _check(
             self.micro_batch_size_per_gpu >= 1,
             f"EngineConfig.micro_batch_size_per_gpu must be >= 1, got {self.micro_batch_size_per_gpu}",

@@ -51,8 +51,9 @@ class HFExport:
 
         ``config.json``, ``model.safetensors`` (sharded above ``max_shard_size``, with the index),
         ``generation_config.json`` and the tokenizer: ``AutoModelForCausalLM.from_pretrained(path)`` (a value
-        model: ``AutoModelForTokenClassification``, with its ``score`` head) loads it. Rank 0 holds at most
-        one shard and writes under a temporary name renamed to ``path`` when complete.
+        model: ``AutoModelForTokenClassification``, with its ``score`` head; a vision-language model:
+        ``AutoModelForImageTextToText``, both towers, its image processor files copied along) loads it.
+        Rank 0 holds at most one shard and writes under a temporary name renamed to ``path`` when complete.
 
         Args:
             named_tensors: ``(hf_name, full_tensor)``, one at a time (consumed on every rank).
@@ -74,5 +75,5 @@ class HFExport:
         return save_hf_model(
             named_tensors, path, self.model_config, self.model_type, tokenizer=tokenizer,
             generation_config=generation_config_of(self.model_path), max_shard_size=max_shard_size,
-            dtype=dtype,
+            dtype=dtype, processor_dir=tokenizer_dir(self.model_path),
         )

@@ -35,6 +35,7 @@ from verl_trainer.engine.lora_export import (
 from verl_trainer.engine.lora_files import check_adapter_dir
 from verl_trainer.engine.lora_params import is_param_wrapper, param_targets
 from verl_trainer.models.moe_lora import refuse_expert_lora
+from verl_trainer.models.vlm import lora_exclusions
 from verl_trainer.utils.distributed import barrier, get_rank
 
 if TYPE_CHECKING:
@@ -61,11 +62,13 @@ def value_heads(model: torch.nn.Module) -> list[str]:
 def build_lora_config(config: EngineConfig, model_type: str, model: torch.nn.Module) -> LoraConfig:
     """The peft ``LoraConfig`` of ``config`` for ``model``.
 
-    A value model's head is excluded from the adapters and trained in full (``modules_to_save``).
+    A value model's head is excluded from the adapters and trained in full (``modules_to_save``); a
+    vision-language model's vision tower gets no adapters (it stays frozen with the base weights).
     """
     from peft import LoraConfig
 
     heads = value_heads(model) if model_type == "value_model" else []
+    vision = lora_exclusions(model)  # a VLM: adapters on the language model only (models/vlm.py)
     return LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.lora_alpha,
@@ -74,7 +77,7 @@ def build_lora_config(config: EngineConfig, model_type: str, model: torch.nn.Mod
         lora_dropout=config.lora_dropout,
         bias="none",
         task_type=_task_type(model_type),
-        exclude_modules=heads or None,
+        exclude_modules=vision or heads or None,
         modules_to_save=heads or None,
         base_model_name_or_path=config.model_path or None,
     )

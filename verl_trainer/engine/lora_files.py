@@ -94,7 +94,7 @@ def _expected_names(directory: Path, model_config: PretrainedConfig, model_type:
     if model_type == "value_model":
         config.num_labels = 1
     with torch.device("meta"):
-        model = auto_model_class(model_type).from_config(config)
+        model = auto_model_class(model_type, config).from_config(config)
     peft_config = LoraConfig.from_pretrained(str(directory))  # local: the file exists
     peft_config.inference_mode = False
     peft_model = get_peft_model(model, peft_config)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from verl_trainer.models.hf_files import MODEL_TYPES
+from verl_trainer.models.hf_files import MODEL_TYPES, PROCESSOR_FILES
 from verl_trainer.models.safetensors_shards import SafetensorsShardWriter, parse_size
 from verl_trainer.utils.distributed import all_gather_object, get_rank
 from verl_trainer.utils.fs import ensure_replaceable, replace_dir_atomically
@@ -38,12 +39,21 @@ HF_MODEL_KINDS = ("hf_export", "warm_start")
 _NOT_SAVED = ("_attn_implementation_internal", "_attn_implementation", "attn_implementation")
 
 
-def auto_model_class(model_type: str) -> Any:
-    """``AutoModelForCausalLM`` (language_model) or ``AutoModelForTokenClassification`` (value_model)."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+def auto_model_class(model_type: str, config: PretrainedConfig | None = None) -> Any:
+    """``AutoModelForCausalLM`` (language_model) or ``AutoModelForTokenClassification`` (value_model).
+
+    ``AutoModelForImageTextToText`` for a language model whose ``config`` has a ``vision_config``.
+    """
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForTokenClassification,
+    )
 
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type={model_type!r} is not one of {MODEL_TYPES}")
+    if model_type == "language_model" and getattr(config, "vision_config", None) is not None:
+        return AutoModelForImageTextToText
     return AutoModelForCausalLM if model_type == "language_model" else AutoModelForTokenClassification
 
 
@@ -61,11 +71,7 @@ class HFLayout:
     """
 
     def __init__(self, config: PretrainedConfig, model_type: str) -> None:
-        cls = auto_model_class(model_type)
-        if model_type == "language_model" and getattr(config, "vision_config", None) is not None:
-            from transformers import AutoModelForImageTextToText  # a VLM: both towers (models/vlm.py)
-
-            cls = AutoModelForImageTextToText
+        cls = auto_model_class(model_type, config)
         with torch.device("meta"):
             model = cls.from_config(copy.deepcopy(config))
         self.class_name = type(model).__name__
@@ -118,7 +124,8 @@ class HFLayout:
 def _write(tmp: Path, layout: HFLayout, named: Iterator[tuple[str, torch.Tensor]], config: PretrainedConfig,
            max_shard_size: int, dtype: torch.dtype | None,
            tokenizer: PreTrainedTokenizerBase | str | os.PathLike | None,
-           generation_config: GenerationConfig | None, model_type: str) -> None:
+           generation_config: GenerationConfig | None, model_type: str,
+           processor_dir: str | os.PathLike | None = None) -> None:
     writer = SafetensorsShardWriter(tmp, max_shard_size, dtype)
     saved_dtype = dtype
     for name, tensor in named:
@@ -136,12 +143,11 @@ def _write(tmp: Path, layout: HFLayout, named: Iterator[tuple[str, torch.Tensor]
         if isinstance(tokenizer, (str, os.PathLike)):
             from verl_trainer.models.loading import load_tokenizer  # lazy: loads transformers only when used
 
-            if (Path(tokenizer) / "preprocessor_config.json").is_file():  # a VLM's image processor goes along
-                from transformers import AutoImageProcessor
-
-                AutoImageProcessor.from_pretrained(str(tokenizer)).save_pretrained(tmp)
             tokenizer = load_tokenizer(tokenizer)
         tokenizer.save_pretrained(tmp)
+    for name in PROCESSOR_FILES if processor_dir is not None else ():  # a VLM's image processor
+        if (Path(processor_dir) / name).is_file():
+            shutil.copyfile(Path(processor_dir) / name, tmp / name)
 
 
 def save_hf_model(
@@ -154,6 +160,7 @@ def save_hf_model(
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
     what: str = "path",
+    processor_dir: str | os.PathLike | None = None,
 ) -> str:
     """Write ``named_tensors`` as an HF model directory at ``path``; a collective when distributed.
 
@@ -173,6 +180,8 @@ def save_hf_model(
         max_shard_size: Bytes per safetensors file (int, or e.g. ``"5GB"``); larger models are sharded.
         dtype: Save floating-point tensors in this dtype (default: as they arrive).
         what: How the caller names ``path`` in errors (e.g. ``"export_dir"``).
+        processor_dir: A directory whose processor files (``hf_files.PROCESSOR_FILES``: a VLM's image
+            processor) are copied along; ``None``: none.
 
     Returns:
         ``str(path)``.
@@ -192,7 +201,7 @@ def save_hf_model(
             replace_dir_atomically(
                 path,
                 lambda tmp: _write(tmp, layout, named, config, shard_bytes, dtype, tokenizer,
-                                   generation_config, model_type),
+                                   generation_config, model_type, processor_dir),
                 "hf_export", what, replaces=HF_MODEL_KINDS,
             )
         except ValueError:

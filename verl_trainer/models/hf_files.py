@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "CONFIG_NAME", "DTYPES", "GENERATION_CONFIG_NAME", "MODEL_TYPES", "SAFE_WEIGHTS_INDEX_NAME",
-    "SAFE_WEIGHTS_NAME", "TOKENIZER_FILES", "to_dtype",
+    "CONFIG_NAME", "DTYPES", "GENERATION_CONFIG_NAME", "MODEL_TYPES", "PROCESSOR_FILES",
+    "SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_NAME", "TOKENIZER_FILES", "to_dtype",
 ]
 
 CONFIG_NAME = "config.json"
@@ -25,6 +25,10 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 """A directory holding one of these has a tokenizer."""
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json",
+                   "chat_template.jinja")
+"""A vision-language model's processor files (``AutoImageProcessor.from_pretrained`` reads the first); an
+export copies them from the model it was trained from."""
 
 MODEL_TYPES = ("language_model", "value_model")
 """``language_model``: ``*ForCausalLM``; ``value_model``: ``*ForTokenClassification`` (``num_labels=1``)."""

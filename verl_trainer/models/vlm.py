@@ -17,6 +17,9 @@ to 1-D positions when ``mm_token_type_ids`` is absent; the engine never relies o
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +28,13 @@ from verl_trainer.data.packing import PackedBatch, pack_token_values
 
 __all__ = [
     "VISION_ATTENTION",
+    "VISION_TOWER_NAMES",
     "attach_mrope_positions",
+    "check_vlm_settings",
+    "directory_is_vision_language",
+    "freeze_vision_tower",
+    "lora_exclusions",
+    "vision_tower_name",
     "find_rope_module",
     "is_vision_language",
     "mm_token_type_ids",
@@ -58,12 +67,20 @@ def mm_token_type_ids(input_ids: torch.Tensor, config: Any) -> torch.Tensor:
     return types
 
 
-def find_rope_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The submodule that owns ``get_rope_index`` (looks through FSDP, DeepSpeed and peft wrappers).
+def find_rope_module(model: Any) -> torch.nn.Module:
+    """The submodule that owns ``get_rope_index``.
+
+    Looks through FSDP, DeepSpeed and peft wrappers, and forward wrappers that keep the module in
+    ``ds_engine`` / ``module``.
 
     Raises:
         TypeError: ``model`` has no such submodule (not a multimodal-rope model).
     """
+    while not isinstance(model, torch.nn.Module):
+        inner = getattr(model, "ds_engine", None) or getattr(model, "module", None)
+        if inner is None:
+            break
+        model = inner
     for module in model.modules():
         if callable(getattr(module, "get_rope_index", None)):
             return module
@@ -99,3 +116,70 @@ def attach_mrope_positions(model: torch.nn.Module, packed: PackedBatch) -> Packe
         return packed
     packed.mrope_position_ids = mrope_position_ids(find_rope_module(model), packed)
     return packed
+
+
+VISION_TOWER_NAMES = ("visual", "vision_tower", "vision_model")
+"""Attribute names transformers gives a VLM's vision tower (Qwen2/2.5/3-VL: ``visual``)."""
+
+
+def vision_tower_name(model: torch.nn.Module) -> str:
+    """The qualified name of ``model``'s vision tower (e.g. ``"model.visual"``).
+
+    Raises:
+        ValueError: ``model`` has no submodule named like a vision tower (:data:`VISION_TOWER_NAMES`).
+    """
+    for name, _ in model.named_modules():
+        if name.rsplit(".", 1)[-1] in VISION_TOWER_NAMES:
+            return name
+    raise ValueError(f"{type(model).__name__} has no vision tower (a submodule named one of "
+                     f"{VISION_TOWER_NAMES}); freeze_vision_tower and VLM LoRA need one")
+
+
+def lora_exclusions(model: torch.nn.Module) -> str | None:
+    """Peft ``exclude_modules`` (a regex) keeping LoRA off a VLM's vision tower; ``None`` for a text model."""
+    if not is_vision_language(getattr(model, "config", None)):
+        return None
+    return re.escape(vision_tower_name(model)) + r"(\..*)?"
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> int:
+    """Set ``requires_grad=False`` on every vision-tower parameter (before sharding); returns their count."""
+    tower = model.get_submodule(vision_tower_name(model))
+    tower.requires_grad_(False)
+    return sum(p.numel() for p in tower.parameters())
+
+
+def directory_is_vision_language(model_path: str | None) -> bool | None:
+    """Whether the local checkpoint at ``model_path`` is a VLM (``config.json`` has a ``vision_config``).
+
+    ``None`` when there is no local ``config.json`` to read (a hub id, a factory model).
+    """
+    if not model_path:
+        return None
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("vision_config") is not None
+
+
+def check_vlm_settings(model_path: str | None, vision_language: bool | None, sp: int,
+                       freeze: bool) -> None:
+    """Refuse VLM settings that cannot run, when the model is known to be (or not be) a VLM.
+
+    Raises:
+        ValueError: ``sp > 1`` on a VLM (Ulysses splits the packed row by position after the image
+            embeddings were scattered into it, and the vision tower would run whole on every SP rank: not
+            supported), or ``freeze_vision_tower`` on a text-only model.
+    """
+    if vision_language is None:
+        return
+    if vision_language and sp > 1:
+        raise ValueError(
+            f"ulysses_sequence_parallel_size={sp} with the vision-language model {model_path!r} is not "
+            "supported: the image embeddings are placed into the packed row before Ulysses would split it, "
+            "and the vision tower would run on every SP rank's whole set of images (its patch rows are not "
+            "sharded); set ulysses_sequence_parallel_size=1 (dp over the ranks instead)")
+    if freeze and not vision_language:
+        raise ValueError(
+            f"freeze_vision_tower=True but {model_path!r} is not a vision-language model (its config has no "
+            "vision_config); set freeze_vision_tower=False")

@@ -12,15 +12,10 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from verl_trainer.data.vlm_colours import SHAPE_COLOURS
 from verl_trainer.rewards.registry import register_reward
 
-__all__ = ["SHAPE_COLOURS", "colour_of", "shape_colour"]
-
-SHAPE_COLOURS: dict[str, tuple[int, int, int]] = {
-    "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 40),
-    "purple": (140, 50, 170), "orange": (240, 130, 20),
-}
-"""The task's colour names and RGB values: far apart, and saturated against its grey backgrounds."""
+__all__ = ["colour_of", "shape_colour"]
 
 _SATURATED = 60
 """A pixel whose channels differ by more than this is the shape's (the backgrounds are grey)."""

@@ -28,11 +28,12 @@ SIZES = ((56, 56), (84, 56), (56, 112))
 """Image (width, height) choices: 4, 6 and 8 image tokens."""
 
 
-def vlm_batch(batch_size: int = 8, seed: int = 0, max_images: int = 2) -> TensorDict:
+def vlm_batch(batch_size: int = 8, seed: int = 0, max_images: int = 2,
+              sizes: tuple[tuple[int, int], ...] = SIZES) -> TensorDict:
     """A schema batch (``make_batch``) with ``pixel_values`` / ``image_grid_thw`` per sample.
 
     Sample ``i`` has ``i % (max_images + 1)`` images placed in its prompt between random characters,
-    random sizes from :data:`SIZES`, and a random response of 2..8 characters.
+    random sizes from ``sizes`` (width, height), and a random response of 2..8 characters.
     """
     tok, proc = build_vlm_tokenizer(), build_image_processor()
     rng = np.random.default_rng(seed)
@@ -42,7 +43,7 @@ def vlm_batch(batch_size: int = 8, seed: int = 0, max_images: int = 2) -> Tensor
         text = "".join(rng.choice(chars, int(rng.integers(1, 4))))
         sample_pixels, sample_grids = [], []
         for _ in range(i % (max_images + 1)):
-            w, h = SIZES[int(rng.integers(len(SIZES)))]
+            w, h = sizes[int(rng.integers(len(sizes)))]
             image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
             out = proc(images=[image], return_tensors="pt")
             sample_pixels.append(out["pixel_values"])
