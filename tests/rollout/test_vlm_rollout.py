@@ -11,7 +11,7 @@ from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTo
 from verl_trainer.data import schema
 from verl_trainer.data.prompts import collate_prompts
 from verl_trainer.data.vision import model_vision_inputs, pad_vision
-from verl_trainer.models.tiny_vlm import IMAGE_PAD, VISION_END, VISION_START, make_tiny_vlm
+from verl_trainer.models.tiny_vlm import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, make_tiny_vlm
 from verl_trainer.rollout import HFRollout, RolloutConfig, build_rollout, resolve_rollout_name
 
 TEXTS = ("colour?", "how many dots", "shape")
@@ -78,19 +78,25 @@ def test_greedy_equals_plain_generate_and_sees_the_image(vlm, decoding):
         kept = model_vision_inputs(out[row: row + 1])
         assert torch.equal(kept["pixel_values"], pixels) and torch.equal(kept["image_grid_thw"], grid)
 
-    # the log-probs are the model's with 3-D mrope positions (the silent 1-D fallback would differ)
+    # the log-probs are the model's with 3-D mrope positions (the silent 1-D fallback would differ), over
+    # the vocabulary without the image / video placeholders (never sampled)
     row, start = 0, int(out[schema.PROMPT_LEN][0])
     n = int(out[schema.RESPONSE_LEN][0])
     seq = out[schema.INPUT_IDS][:1, : start + n]
     vision = model_vision_inputs(out[:1])
+    placeholders = [image_id, tokenizer.convert_tokens_to_ids(VIDEO_PAD)]
+
+    def log_probs(logits):
+        kept = logits[0, start - 1: start + n - 1].index_fill(-1, torch.tensor(placeholders), float("-inf"))
+        return torch.log_softmax(kept, -1)
+
     with torch.no_grad():
-        lp = torch.log_softmax(model(input_ids=seq, mm_token_type_ids=(seq == image_id).int(), **vision)
-                               .logits[0, start - 1: start + n - 1], -1)
-        fallback = torch.log_softmax(model(input_ids=seq, **vision).logits[0, start - 1: start + n - 1], -1)
+        lp = log_probs(model(input_ids=seq, mm_token_type_ids=(seq == image_id).int(), **vision).logits)
+        fallback = log_probs(model(input_ids=seq, **vision).logits)
     tokens = seq[0, start: start + n]
     got = out[schema.ROLLOUT_LOG_PROBS][0, start: start + n]
     torch.testing.assert_close(got, lp.gather(-1, tokens[:, None])[:, 0], atol=1e-5, rtol=0)
-    assert (fallback - lp).abs().max() > 1e-4
+    assert (fallback - lp).nan_to_num().abs().max() > 1e-4  # (-inf - -inf at the placeholders: 0)
 
     # another image in the same prompt gives another response: the image reaches generation
     swapped = rollout.generate(_prompt_batch(tokenizer, processor, [_image(5), images[1], images[2]]), step=0)
