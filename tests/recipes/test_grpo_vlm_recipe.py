@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import csv
 import json
-import runpy
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,22 +34,23 @@ def _val_rewards(root: Path) -> list[float]:
         return [float(r["val/reward/mean"]) for r in csv.DictReader(f) if r.get("val/reward/mean")]
 
 
-@pytest.mark.slow
-def test_sft_then_grpo_raises_the_greedy_reward_and_the_export_evaluates(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    argv = ["trainer.max_steps=12", "trainer.val_check_interval=12", "warm_start.max_steps=30",
-            "data.val_files=outputs/data/shape_colour/val.parquet"]
-    monkeypatch.setattr(sys, "argv", [str(RECIPE), *argv])
-    runpy.run_path(str(RECIPE), run_name="recipe")["main"](argv=argv)
-    rewards = _val_rewards(Path("outputs/grpo_vlm"))
-    assert len(rewards) >= 2 and rewards[-1] > rewards[0] + 0.1, rewards
+def _command(cwd: Path, *args: str) -> None:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, f"{args[0]} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
-    from verl_trainer.evaluate.__main__ import main as evaluate
+
+@pytest.mark.slow
+def test_sft_then_grpo_raises_the_greedy_reward_and_the_export_evaluates(tmp_path):
+    _command(tmp_path, str(RECIPE), "trainer.max_steps=40", "trainer.val_check_interval=40")  # YAML, short
+    rewards = _val_rewards(tmp_path / "outputs" / "grpo_vlm")
+    assert len(rewards) >= 2 and rewards[-1] > rewards[0] + 0.15, rewards  # 0.36 -> 0.64 measured
 
     out = tmp_path / "eval.json"
-    assert evaluate(["outputs/grpo_vlm/hf", "data.val_files=outputs/data/shape_colour/val.parquet",
-                     "reward.name=shape_colour", f"eval.output={out}", "eval.n=1",
-                     "eval.rollout.do_sample=false", "eval.rollout.max_new_tokens=8",
-                     "eval.logger=null"]) == 0
+    _command(tmp_path, "-m", "verl_trainer.evaluate", "outputs/grpo_vlm/hf",
+             "data.val_files=outputs/data/shape_colour/val.parquet", "reward.name=shape_colour",
+             f"eval.output={out}", "eval.n=1", "eval.rollout.do_sample=false",
+             "eval.rollout.max_new_tokens=8", "eval.logger=null")
     report = json.loads(out.read_text())
     assert abs(report["metrics"]["mean@1"] - rewards[-1]) < 1e-6, (report["metrics"], rewards)
