@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForImageTextToText
 
+from tests.data.test_vision_balancing import BALANCE_SIZES, balance_on_rank, check_balanced
 from verl_trainer.data.packing import next_token_log_probs_and_entropy, pack_batch
 from verl_trainer.data.vision import model_vision_inputs
 from verl_trainer.engine.heads import LanguageModel
@@ -82,7 +83,7 @@ VARIANTS = {
 def _engine_rank(vlm_path, batch, export_dir):
     rank, world = dist.get_rank(), dist.get_world_size()
     shard = rank_shard(batch, rank, world)
-    out = {}
+    out = {"balanced": balance_on_rank(BALANCE_SIZES)}  # images through balancing (tests/data), same spawn
     for name, (backend, fields) in VARIANTS.items():
         engine = build_engine(backend, "language_model", vlm_path, OPTIM, micro_batch_size_per_gpu=2,
                               **fields)
@@ -110,6 +111,7 @@ def test_engine_forward_with_images_matches_hf(vlm_path, reference, tmp_path):
     batch, ref, _ = reference
     export_dir = str(tmp_path / "export")
     results = run_distributed(_engine_rank, 2, vlm_path, batch, export_dir, env={"OMP_NUM_THREADS": "1"})
+    check_balanced([results[r]["balanced"] for r in range(2)])
     used = _used(batch)
     for name in VARIANTS:
         lp = torch.cat([results[r][name]["log_probs"] for r in range(2)])
@@ -140,7 +142,13 @@ def test_vlm_settings_refused_at_config_build(vlm_path, tmp_path):
                            num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(ValueError, match="freeze_vision_tower=True but .* is not a vision-language model"):
         EngineConfig(model_path=text, freeze_vision_tower=True)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2 / pipeline_model_parallel_size=1"):
+        EngineConfig(model_path=vlm_path, tensor_model_parallel_size=2)
     EngineConfig(model_path=vlm_path, freeze_vision_tower=True)  # accepted
+    from verl_trainer.models.loading import load_value_model
+
+    with pytest.raises(ValueError, match="a value model \\(critic\\) of it is not supported"):
+        load_value_model(vlm_path)
 
 
 def _check_export(export_dir, policy, batch):

@@ -66,7 +66,8 @@ def build_model(
     _agree_on_attention(model, config)
     vision_language = is_vision_language(getattr(model, "config", None))
     check_vlm_settings(config.model_path, vision_language, config.ulysses_sequence_parallel_size,
-                       config.freeze_vision_tower)  # a factory's model: known only now
+                       config.freeze_vision_tower, config.tensor_model_parallel_size,
+                       config.pipeline_model_parallel_size)  # a factory's model: known only now
     if vision_language and config.freeze_vision_tower:
         freeze_vision_tower(model)
     if factory is None and not config.lora_enabled:

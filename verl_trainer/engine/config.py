@@ -265,7 +265,8 @@ class EngineConfig(_Validated):
     def __post_init__(self) -> None:
         self._check_lora()
         check_vlm_settings(self.model_path, directory_is_vision_language(self.model_path),
-                           self.ulysses_sequence_parallel_size, self.freeze_vision_tower)
+                           self.ulysses_sequence_parallel_size, self.freeze_vision_tower,
+                           self.tensor_model_parallel_size, self.pipeline_model_parallel_size)
         _check(
             self.micro_batch_size_per_gpu >= 1,
             f"EngineConfig.micro_batch_size_per_gpu must be >= 1, got {self.micro_batch_size_per_gpu}",

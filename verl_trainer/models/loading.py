@@ -99,10 +99,19 @@ def load_value_model(
     Returns:
         The model; its output ``logits`` are ``[B, T, 1]``.
 
+    Raises:
+        ValueError: ``path`` is a vision-language model (no value head for it).
+
     """
     path = resolve_model_path(path)
     check_weight_dir(path)
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(path)
+    if is_vision_language(config):
+        raise ValueError(
+            f"{path!r} is a vision-language model: a value model (critic) of it is not supported "
+            "(transformers has no token-classification head for it); train it with a critic-free "
+            "estimator (GRPO, RLOO, ReMax: algorithm.adv_estimator) or give the critic a text-only model"
+        )
     config.num_labels = 1
     default_dropout = getattr(config, "classifier_dropout", None) or 0.0
     config.classifier_dropout = kwargs.pop("classifier_dropout", default_dropout)

@@ -163,13 +163,13 @@ def directory_is_vision_language(model_path: str | None) -> bool | None:
 
 
 def check_vlm_settings(model_path: str | None, vision_language: bool | None, sp: int,
-                       freeze: bool) -> None:
+                       freeze: bool, tp: int = 1, pp: int = 1) -> None:
     """Refuse VLM settings that cannot run, when the model is known to be (or not be) a VLM.
 
     Raises:
         ValueError: ``sp > 1`` on a VLM (Ulysses splits the packed row by position after the image
             embeddings were scattered into it, and the vision tower would run whole on every SP rank: not
-            supported), or ``freeze_vision_tower`` on a text-only model.
+            supported), ``tp > 1`` / ``pp > 1`` on a VLM, or ``freeze_vision_tower`` on a text-only model.
     """
     if vision_language is None:
         return
@@ -179,6 +179,11 @@ def check_vlm_settings(model_path: str | None, vision_language: bool | None, sp:
             "supported: the image embeddings are placed into the packed row before Ulysses would split it, "
             "and the vision tower would run on every SP rank's whole set of images (its patch rows are not "
             "sharded); set ulysses_sequence_parallel_size=1 (dp over the ranks instead)")
+    if vision_language and (tp > 1 or pp > 1):
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} / pipeline_model_parallel_size={pp} with the vision-language "
+            f"model {model_path!r} is not supported (their plans split the language model's layers only); "
+            "set both to 1 and use data parallelism")
     if freeze and not vision_language:
         raise ValueError(
             f"freeze_vision_tower=True but {model_path!r} is not a vision-language model (its config has no "
