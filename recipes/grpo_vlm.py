@@ -39,14 +39,16 @@ def prepare_demo(cfg: GRPORecipeConfig) -> None:
     from verl_trainer.data.vlm_task import write_vlm_task
     from verl_trainer.models.tiny_vlm import make_tiny_vlm
 
-    if common.launch_rank() != 0:
+    train, model = Path(cfg.data.train_files), Path(cfg.model.path)
+    if common.launch_rank() != 0:  # launched by torchrun: rank 0 writes, the others wait for its last files
+        if train.suffix == ".parquet":
+            common._wait_for(train.parent / "sft_val.parquet")
+        common._wait_for(model / "preprocessor_config.json")
         return
-    train = Path(cfg.data.train_files)
     if not train.exists() and train.suffix == ".parquet":
         written = write_vlm_task(train.parent)
         print(f"wrote the colour task to {train.parent} ({', '.join(p.name for p in written.values())})",
               flush=True)
-    model = Path(cfg.model.path)
     if not (model / "config.json").exists():
         make_tiny_vlm(model)
         print(f"made a tiny Qwen2.5-VL at {model}", flush=True)
