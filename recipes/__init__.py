@@ -8,4 +8,4 @@ as :mod:`verl_trainer.recipes.configs`)::
     python -m verl_trainer.recipes.grpo key=value ...
 """
 
-RECIPES = ("sft", "ppo", "grpo", "dr_grpo", "dpo", "distill", "rm", "online_dpo")
+RECIPES = ("sft", "ppo", "grpo", "dr_grpo", "dpo", "distill", "rm", "online_dpo", "grpo_vlm")

@@ -20,7 +20,7 @@ import torch
 
 from verl_trainer.agents import prompt_tool_schemas
 from verl_trainer.algorithms.config import GRPOConfig, PPOConfig
-from verl_trainer.algorithms.data import DataConfig, PromptDataModule, SFTDataModule
+from verl_trainer.algorithms.data import DataConfig, PromptDataModule, SFTDataModule, vision_processor
 from verl_trainer.algorithms.sft import SFT, SFTConfig
 from verl_trainer.callbacks import ProgressBar
 from verl_trainer.data.hub import data_fingerprint
@@ -233,7 +233,10 @@ def prepare(cfg: RecipeConfig, trainer: Trainer, module_cls: Callable[[Algorithm
         print(f"note: the {backend} rollout does not read {names} (settings of the other backend; "
               f"algorithm.rollout.name={rollout.name})", flush=True)
     tools = prompt_tool_schemas(rollout.multi_turn) if rollout is not None else None
-    data = data_cls(cfg.data, load_tokenizer(explicit or base), **({"tools": tools} if tools else {}))
+    extra = {"tools": tools} if tools else {}
+    if (processor := vision_processor(explicit or base)) is not None:  # a vision-language policy
+        extra["processor"] = processor
+    data = data_cls(cfg.data, load_tokenizer(explicit or base), **extra)
     dp_size = trainer.check(module, datamodule=data)
     if cfg.trainer.max_epochs is not None:  # the epochs' step count, as verl counts it
         module = module_cls(_set_run_length(cfg, trainer, module.config, data.batches_per_epoch(dp_size)))
@@ -297,7 +300,7 @@ def checkpoint_lock(trainer: Trainer) -> DirectoryLock | None:
 def _warm_start_run(cfg: WarmStartConfig, model_path: str) -> tuple[SFT, SFTDataModule]:
     module = SFT(SFTConfig(model_path=model_path, engine=cfg.engine, optim=cfg.optim))
     data_cfg = DataConfig(train_files=cfg.train_files, train_batch_size=cfg.batch_size, val_files=None)
-    return module, SFTDataModule(data_cfg, load_tokenizer(model_path))
+    return module, SFTDataModule(data_cfg, load_tokenizer(model_path), processor=vision_processor(model_path))
 
 
 def warm_start(cfg: WarmStartConfig, model_path: str, trainer_cfg: TrainerConfig) -> str:
@@ -418,7 +421,9 @@ def report(trainer: Trainer, before: dict[str, float] | None, after: dict[str, f
         if plot:
             lines.append(f"plot:      {plot_training_curves(csv_path)}")
     if exported:
-        lines.append(f"HF model:  {exported}  (AutoModelForCausalLM.from_pretrained loads it)")
+        vlm = vision_processor(exported) is not None
+        auto = "AutoModelForImageTextToText" if vlm else "AutoModelForCausalLM"
+        lines.append(f"HF model:  {exported}  ({auto}.from_pretrained loads it)")
     for uri in _mlflow_stores(trainer):
         lines.append(f"MLflow:    {uri}  (`mlflow ui --backend-store-uri {uri}` shows it)")
     runs = sorted((Path(trainer.default_root_dir) / "wandb").glob("offline-run-*"), key=os.path.getmtime)

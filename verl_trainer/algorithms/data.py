@@ -17,14 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader
+from transformers import AutoConfig
 
 from verl_trainer.data.hub import data_fingerprint, parse_hub_dataset, resolve_hub_split, with_default_split
 from verl_trainer.data.prompts import TRUNCATION_MODES, PromptDataset
 from verl_trainer.data.sft import SFTDataset
+from verl_trainer.data.vlm_processor import VisionProcessor
 from verl_trainer.environments.reasoning_gym import check_source, is_reasoning_gym
+from verl_trainer.models.source import resolve_model_path
+from verl_trainer.models.vlm import is_vision_language
 from verl_trainer.utils.distributed import get_world_size
 
-__all__ = ["DataConfig", "PromptDataModule", "SFTDataModule", "dp_size_now"]
+__all__ = ["DataConfig", "PromptDataModule", "SFTDataModule", "dp_size_now", "vision_processor"]
 
 
 @dataclass
@@ -49,6 +53,8 @@ class DataConfig:
         response_key: SFT: the response column of pair rows.
         messages_key: SFT: the column of multi-turn chats (loss on the assistant turns only); a row that has
             it is a chat, any other a pair.
+        image_key: The image column of rows with images (a vision-language policy; ``None``: ``images``,
+            else ``image``; ``data/vlm_prompts.py``).
     """
 
     train_files: str = ""
@@ -64,6 +70,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     response_key: str = "response"
     messages_key: str = "messages"
+    image_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.train_batch_size < 1:
@@ -96,15 +103,29 @@ def per_rank(global_size: int, dp: int, what: str) -> int:
     return global_size // dp
 
 
+def vision_processor(model_path: str | Path) -> VisionProcessor | None:
+    """The :class:`VisionProcessor` (tokenizer + image processor) of a vision-language checkpoint.
+
+    ``None`` for a text-only one (its ``config.json`` has no ``vision_config``).
+    """
+    path = resolve_model_path(model_path)
+    if not is_vision_language(AutoConfig.from_pretrained(path)):
+        return None
+    return VisionProcessor.from_pretrained(path)
+
+
 class _DataModule:
     def __init__(self, config: DataConfig, tokenizer: Any, sp_size: int = 1, train_dataset: Any = None,
-                 val_dataset: Any = None) -> None:
+                 val_dataset: Any = None, processor: VisionProcessor | None = None) -> None:
         if not config.train_files and train_dataset is None:
             raise ValueError("data.train_files is empty; point it at a .jsonl or .parquet file, or pass "
                              "train_dataset= (a datasets.Dataset or a list of rows)")
         self.config = config
         self.tokenizer = tokenizer
         self.sp_size = sp_size
+        self.processor = processor
+        """A vision-language policy's :class:`VisionProcessor` (:func:`vision_processor`): rows with images
+        are encoded with their images; ``None``: such a row is an error naming it."""
         self.trainer: Any = None  # set by Trainer.fit / validate (Lightning's attribute)
         self._rows = {"data.train_files": train_dataset, "data.val_files": val_dataset}
         self._train: Any = None
@@ -221,8 +242,9 @@ class PromptDataModule(_DataModule):
     """
 
     def __init__(self, config: DataConfig, tokenizer: Any, sp_size: int = 1, train_dataset: Any = None,
-                 val_dataset: Any = None, tools: list[dict[str, Any]] | None = None) -> None:
-        super().__init__(config, tokenizer, sp_size, train_dataset, val_dataset)
+                 val_dataset: Any = None, tools: list[dict[str, Any]] | None = None,
+                 processor: VisionProcessor | None = None) -> None:
+        super().__init__(config, tokenizer, sp_size, train_dataset, val_dataset, processor)
         self.tools = tools
 
     def _dataset(self, source: Any) -> PromptDataset:
@@ -230,7 +252,7 @@ class PromptDataModule(_DataModule):
         return PromptDataset(source, self.tokenizer, cfg.max_prompt_length, truncation=cfg.truncation,
                              chat_template=cfg.chat_template,
                              filter_overlong_prompts=cfg.filter_overlong_prompts, prompt_key=cfg.prompt_key,
-                             tools=self.tools)
+                             tools=self.tools, processor=self.processor, image_key=cfg.image_key)
 
 
     def data_sources(self) -> set[str]:
@@ -256,4 +278,4 @@ class SFTDataModule(_DataModule):
         cfg = self.config
         return SFTDataset(source, self.tokenizer, cfg.max_length, chat_template=cfg.chat_template,
                           prompt_key=cfg.prompt_key, response_key=cfg.response_key,
-                          messages_key=cfg.messages_key)
+                          messages_key=cfg.messages_key, processor=self.processor, image_key=cfg.image_key)

@@ -28,9 +28,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from verl_trainer.agents import prompt_tool_schemas
+from verl_trainer.algorithms.data import vision_processor
 from verl_trainer.data.hub import parse_hub_dataset, resolve_hub_split, with_default_split
 from verl_trainer.data.prompts import PromptDataset
 from verl_trainer.data.schema import NON_TENSOR_KEYS, UID, non_tensor_lists
+from verl_trainer.data.vlm_processor import VisionProcessor
 from verl_trainer.evaluate.config import EvaluateConfig
 from verl_trainer.evaluate.samples import PromptSamples, metric_names, prompt_samples, summarize
 from verl_trainer.models.loading import load_tokenizer
@@ -84,8 +86,12 @@ def hf_model_dir(model: str) -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)  # made by mkdtemp above: ours
 
 
-def prompt_dataset(cfg: EvaluateConfig, tokenizer: PreTrainedTokenizerBase) -> PromptDataset:
+def prompt_dataset(cfg: EvaluateConfig, tokenizer: PreTrainedTokenizerBase,
+                   processor: VisionProcessor | None = None) -> PromptDataset:
     """The prompts of ``data.val_files``, encoded as training encodes them.
+
+    ``processor``: a vision-language model's (:func:`~verl_trainer.algorithms.data.vision_processor`):
+    rows with images are encoded with them (``data.image_key``), and the rollout generates from them.
 
     With ``eval.rollout.multi_turn`` on (and ``tools_in_prompt``), the chat template renders the tools'
     schemas into every prompt, as in the run that trained the model.
@@ -105,7 +111,8 @@ def prompt_dataset(cfg: EvaluateConfig, tokenizer: PreTrainedTokenizerBase) -> P
     dataset = PromptDataset(prompts, tokenizer, data.max_prompt_length, truncation=data.truncation,
                             chat_template=data.chat_template, prompt_key=data.prompt_key,
                             filter_overlong_prompts=data.filter_overlong_prompts,
-                            tools=prompt_tool_schemas(cfg.eval.rollout.multi_turn))
+                            tools=prompt_tool_schemas(cfg.eval.rollout.multi_turn), processor=processor,
+                            image_key=data.image_key)
     if len(dataset) == 0:
         raise ValueError(f"data.val_files={data.val_files!r} has no prompts to evaluate")
     return dataset
@@ -114,7 +121,7 @@ def prompt_dataset(cfg: EvaluateConfig, tokenizer: PreTrainedTokenizerBase) -> P
 def _sample_and_score(cfg: EvaluateConfig, model_dir: str) -> list[PromptSamples]:
     rewards = RewardFunctions(cfg.reward.name, cfg.reward.weights, cfg.reward.on_error, cfg.reward.timeout_s)
     tokenizer = load_tokenizer(model_dir)
-    dataset = prompt_dataset(cfg, tokenizer)
+    dataset = prompt_dataset(cfg, tokenizer, vision_processor(model_dir))
     rewards.check_data_sources(dataset.data_sources())  # before the model loads
     rollout = build_rollout(dataclasses.replace(cfg.eval.rollout, n=cfg.eval.n), model_dir, tokenizer)
     size = cfg.data.val_batch_size or len(dataset)

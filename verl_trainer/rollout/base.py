@@ -38,6 +38,7 @@ from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.data.prompts import collate_prompts
 from verl_trainer.data.schema import NON_TENSOR_KEYS, non_tensor_lists, prompt_token_lists
+from verl_trainer.rollout.vision import prompt_images
 from verl_trainer.utils.listing import first_of
 
 if TYPE_CHECKING:  # the config reads the backend registry, which holds BaseRollout classes
@@ -138,6 +139,10 @@ class BaseRollout(ABC):
     """The :class:`RolloutConfig` fields only this backend reads (a run with another backend is told it
     ignores them when they differ from their defaults: ``RolloutConfig.ignored_by``)."""
     one_step_off: ClassVar[bool] = False
+    accepts_images: ClassVar[bool] = False
+    """Whether :meth:`generate_token_ids` takes ``images=`` (one
+    :class:`~verl_trainer.rollout.vision.PromptImages` per prompt): prompt batches carrying
+    ``schema.PIXEL_VALUES`` / ``schema.IMAGE_GRID_THW`` are refused by a backend without it."""
     """Whether :meth:`generate` may run on a background thread while the actor trains
     (``max_staleness=1``): the backend keeps its own weights, written only between generations, and runs
     no collective while it generates."""
@@ -260,7 +265,11 @@ class BaseRollout(ABC):
                  for i in prompt_index.tolist() for j in range(n)]
         prompts = [p for p in prompt_token_lists(prompt_batch) for _ in range(n)]
         trajectories = None
-        if self.agent_loop is not None and prompts:
+        images = self._prompt_images(prompt_batch, n)
+        if images is not None:  # a vision-language policy: single-turn, the backend's own sampler
+            generated, log_probs = self.generate_token_ids(prompts, config, seeds, images=images)
+            responses = [truncate_at_eos(g, self.eos_token_ids)[: config.max_new_tokens] for g in generated]
+        elif self.agent_loop is not None and prompts:
             columns = non_tensor_lists(prompt_batch)
             rows = [{k: v[i] for k, v in columns.items()} for i in range(len(prompt_batch)) for _ in range(n)]
             trajectories = self.agent_loop.run(
@@ -287,9 +296,32 @@ class BaseRollout(ABC):
             schema.mark_padding(batch, prompt_batch[schema.IS_PADDING].to(torch.bool).repeat_interleave(n))
         for key, values in non_tensor_lists(prompt_batch).items():
             batch[key] = NonTensorStack.from_list([v for v in values for _ in range(n)])
+        if images is not None:  # each sample keeps its prompt's images, for the training forward
+            for key in (schema.PIXEL_VALUES, schema.IMAGE_GRID_THW):
+                batch[key] = prompt_batch[key].repeat_interleave(n, dim=0)
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
         batch[RESPONSE_TEXT] = NonTensorStack.from_list(texts)
         return batch
+
+    def _prompt_images(self, prompt_batch: TensorDict, n: int) -> list[Any] | None:
+        """Each of the ``B * n`` prompts' images, or ``None`` for a batch without images.
+
+        Raises:
+            NotImplementedError: images with a backend that does not take them, a multi-turn rollout or
+                a partial rollout (``token_sampler``).
+        """
+        images = prompt_images(prompt_batch)
+        if images is None:
+            return None
+        if not self.accepts_images:
+            raise NotImplementedError(
+                f"the prompt batch carries images but the rollout backend {type(self).__name__} does not "
+                "generate from images; use rollout.name=hf for a vision-language policy (docs/vlm.md)")
+        if self.agent_loop is not None or self.token_sampler is not None:
+            raise NotImplementedError(
+                "prompts with images are generated single-turn and in one piece: set "
+                "multi_turn.enable=false and turn the partial rollout off for a vision-language policy")
+        return [im for im in images for _ in range(n)]
 
     @property
     def num_generate_calls(self) -> int:

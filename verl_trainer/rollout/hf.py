@@ -22,6 +22,7 @@ from verl_trainer.rollout.config import RolloutConfig
 from verl_trainer.rollout.divergence import DivergenceError, diverged, is_sampler_error
 from verl_trainer.rollout.registry import register_rollout
 from verl_trainer.rollout.sampling import RowSampler, logits_warpers, row_uniforms, sample_dropping_finished
+from verl_trainer.rollout.vision import PromptImages, chunk_vision_inputs, placeholder_ids
 from verl_trainer.utils.device import get_torch_device
 
 
@@ -70,6 +71,7 @@ class HFRollout(BaseRollout):
 
     backend_settings = ("decoding", "cache_implementation", "compile_decoding", "share_weights")
     one_step_off = True  # its model is a private copy, written only between generations
+    accepts_images = True
 
     def __init__(self, config: RolloutConfig, model: str | Path | PreTrainedModel,
                  tokenizer: PreTrainedTokenizerBase | None = None) -> None:
@@ -88,6 +90,9 @@ class HFRollout(BaseRollout):
             self.model = copy.deepcopy(model).to(dtype)
         self.model.to(self.device).eval().requires_grad_(False)
         self.eos_token_ids = self._eos_ids(tokenizer, self.model.generation_config.eos_token_id)
+        self.suppressed_ids = placeholder_ids(self.model)
+        """Token ids never sampled: a vision-language model's image / video placeholders (a response holding
+        one would be read as an image by the training forward)."""
         self.record_routing = False
         """Router replay (``actor.engine.moe.router_replay=rollout``): record each token's experts and return
         them as the batch's ``routed_experts`` (``models/router_replay.py``); decodes with ``generate``."""
@@ -131,8 +136,10 @@ class HFRollout(BaseRollout):
             mask[i, width - len(p):] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def generate_token_ids(self, prompts: list[list[int]], config: RolloutConfig,
-                           seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+    def generate_token_ids(
+        self, prompts: list[list[int]], config: RolloutConfig, seeds: list[int],
+        images: list[PromptImages] | None = None,
+    ) -> tuple[list[list[int]], list[list[float]]]:
         """Sample one response per prompt, in chunks of ``config.generation_batch_size`` sequences.
 
         Each chunk is one :func:`sample_dropping_finished` loop or one ``model.generate`` call
@@ -145,6 +152,7 @@ class HFRollout(BaseRollout):
             prompts: ``N`` prompt id lists (each prompt already repeated ``n`` times).
             config: This call's sampling settings.
             seeds: ``N`` seeds, one per response.
+            images: ``N`` entries, prompt ``k``'s images (a vision-language policy), or ``None``.
 
         Returns:
             ``(ids, log_probs)``: ``N`` lists of generated ids (``[P + R]`` outputs with their prompt part
@@ -162,12 +170,16 @@ class HFRollout(BaseRollout):
             for start in range(0, len(prompts), chunk):
                 input_ids, attention_mask = self._left_pad(prompts[start: start + chunk])
                 chunk_seeds = seeds[start: start + chunk]
+                vision = None if images is None else chunk_vision_inputs(
+                    self.model, input_ids, images[start: start + chunk])
                 try:
                     if drop_finished:
                         out, lps = sample_dropping_finished(self.model, input_ids, attention_mask,
-                                                            gen_config, seeds=chunk_seeds)
+                                                            gen_config, seeds=chunk_seeds, vision=vision,
+                                                            suppress=self.suppressed_ids)
                     else:
-                        out, lps = self._generate(input_ids, attention_mask, gen_config, chunk_seeds)
+                        out, lps = self._generate(input_ids, attention_mask, gen_config, chunk_seeds,
+                                                  vision or {})
                 except RuntimeError as exc:  # NaN logits: a sampler error, unless it is said what it is
                     if isinstance(exc, DivergenceError) or is_sampler_error(exc):
                         raise diverged(self.model, exc) from exc
@@ -177,12 +189,16 @@ class HFRollout(BaseRollout):
         return ids, log_probs
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gen_config: GenerationConfig,
-                  seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
-        """One ``model.generate`` call, greedy over a :class:`RowSampler` (row-seeded draws, log-probs)."""
+                  seeds: list[int], vision: Mapping[str, torch.Tensor] | None = None,
+                  ) -> tuple[list[list[int]], list[list[float]]]:
+        """One ``model.generate`` call, greedy over a :class:`RowSampler` (row-seeded draws, log-probs).
+
+        ``vision``: the rows' image inputs (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``).
+        """
         width = input_ids.shape[1]
         sampled = gen_config.do_sample
         uniforms = row_uniforms(seeds, gen_config.max_new_tokens, self.device) if sampled else None
-        sampler = RowSampler(logits_warpers(gen_config), uniforms, width)
+        sampler = RowSampler(logits_warpers(gen_config), uniforms, width, self.suppressed_ids)
         greedy = copy.deepcopy(gen_config)
         greedy.do_sample = False
         greedy.temperature, greedy.top_p, greedy.top_k = None, None, None
@@ -193,7 +209,7 @@ class HFRollout(BaseRollout):
         with capture_routers(routers) if routers else contextlib.nullcontext() as capture:
             sequences = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                             generation_config=greedy, logits_processor=[sampler],
-                                            synced_gpus=False)
+                                            synced_gpus=False, **(vision or {}))
         if routers:
             self._routing += row_routing(generation_routing(capture, len(seeds)), width,
                                          attention_mask.sum(-1).tolist())

