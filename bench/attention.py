@@ -68,8 +68,8 @@ from verl_trainer.models.bucketed_attention import (  # noqa: E402
     bucketed_varlen_attention,
     loops,
     plan_buckets,
+    reference_varlen_attention,  # noqa: E402
 )
-from verl_trainer.models.varlen_kernels import reference_varlen_attention  # noqa: E402
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 Attention = Callable[..., torch.Tensor]

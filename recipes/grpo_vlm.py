@@ -20,6 +20,8 @@ from verl_trainer.utils.threads import apply_thread_env_defaults
 
 apply_thread_env_defaults()  # before torch loads: OpenMP threads sleep when idle (utils/threads.py)
 
+from verl_trainer.data.vlm_task import write_vlm_task  # noqa: E402
+from verl_trainer.models.tiny_vlm import make_tiny_vlm  # noqa: E402
 from verl_trainer.recipe_config import GRPORecipeConfig, parse_recipe_args  # noqa: E402
 from verl_trainer.recipes import common, grpo  # noqa: E402
 from verl_trainer.recipes.configs import config_path  # noqa: E402
@@ -36,9 +38,6 @@ def prepare_demo(cfg: GRPORecipeConfig) -> None:
     together: :func:`~verl_trainer.data.vlm_task.write_vlm_task`); the model to ``model.path`` when it holds
     no ``config.json``. Anything already there is used as it is.
     """
-    from verl_trainer.data.vlm_task import write_vlm_task
-    from verl_trainer.models.tiny_vlm import make_tiny_vlm
-
     train, model = Path(cfg.data.train_files), Path(cfg.model.path)
     if common.launch_rank() != 0:  # launched by torchrun: rank 0 writes, the others wait for its last files
         if train.suffix == ".parquet":

@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 
 from verl_trainer.core_algos.balancing import balance_batch
+from verl_trainer.data import schema
 from verl_trainer.data.packing import make_batch
 from verl_trainer.data.vision import model_vision_inputs, pad_vision
-from verl_trainer.data.vision_cost import sample_sizes
 from verl_trainer.engine.micro_batch import prepare_micro_batches
 
 
@@ -28,9 +28,9 @@ def _batch(rank: int, n: int):
 def test_sample_sizes_count_patch_rows():
     batch = _batch(0, 4)
     patches = torch.tensor([0, 8, 24, 0])
-    assert sample_sizes(batch).tolist() == (batch["seq_len"] + patches).tolist()
+    assert schema.sample_sizes(batch).tolist() == (batch["seq_len"] + patches).tolist()
     micro, idx = prepare_micro_batches(batch, use_dynamic_bsz=True, max_token_len_per_gpu=32)
-    assert all(int(sample_sizes(m).sum()) <= 32 for m in micro)  # the budget holds tokens + patch rows
+    assert all(int(schema.sample_sizes(m).sum()) <= 32 for m in micro)  # the budget holds tokens + patch rows
     assert sum(int(m["seq_len"].sum()) for m in micro) == int(batch["seq_len"].sum())
     assert len(micro) > 1 and sorted(idx) == [0, 1, 2, 3]
 

@@ -13,9 +13,10 @@ from verl_trainer.models.bucketed_attention import (
     MATMUL_MAX_LENGTH,
     bucketed_varlen_attention,
     plan_buckets,
+    reference_varlen_attention,
     use_matmul_attention,
 )
-from verl_trainer.models.varlen_kernels import fused_varlen_attention, reference_varlen_attention
+from verl_trainer.models.varlen_kernels import fused_varlen_attention
 
 MIXES = {
     "ones": [1] * 7,

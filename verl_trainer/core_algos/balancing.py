@@ -35,7 +35,6 @@ from tensordict import TensorDict
 
 from verl_trainer.core_algos.karmarkar_karp import kk_partition, stable_argsort
 from verl_trainer.data import schema
-from verl_trainer.data.vision_cost import pad_vision_to_group, sample_sizes, vision_keys
 from verl_trainer.utils.distributed import all_reduce
 
 __all__ = [
@@ -298,10 +297,31 @@ def upsample_batch_to_multiple(batch: TensorDict, multiple: int) -> TensorDict:
 def _is_token_key(batch: TensorDict, key: str) -> bool:
     """True for ``[B, T, ...]`` fields aligned with ``input_ids`` (``T``: its padded width)."""
     value = batch[key]
-    if key in vision_keys(batch):  # per-sample image rows: [B, P, D] / [B, I, 3], never tokens
+    if key in schema.VISION_KEYS:  # per-sample image rows: [B, P, D] / [B, I, 3], never tokens
         return False
     width = batch[schema.INPUT_IDS].shape[1] if schema.INPUT_IDS in batch.keys() else None
     return key in schema.TOKEN_KEYS or (width is not None and value.ndim >= 2 and value.shape[1] == width)
+
+
+def _pad_vision_to_group(batch: TensorDict, group: dist.ProcessGroup | None) -> TensorDict:
+    """``batch`` with its vision fields zero-padded to the group's widest (``P`` rows, ``I`` images).
+
+    Sending samples between ranks needs the same row shape everywhere; a collective over ``group``
+    (one all-reduce, also with no vision field: then nothing changes).
+    """
+    keys = tuple(k for k in schema.VISION_KEYS if k in batch.keys())
+    widths = torch.tensor([batch[k].shape[1] if k in keys else 0
+                           for k in schema.VISION_KEYS], dtype=torch.long)
+    dist.all_reduce(widths, op=dist.ReduceOp.MAX, group=group)
+    if not keys:
+        return batch
+    out = batch.clone(recurse=False)
+    for key, width in zip(schema.VISION_KEYS, widths.tolist(), strict=True):
+        if key in keys and batch[key].shape[1] < width:
+            value = batch[key]
+            pad = value.new_zeros((value.shape[0], width - value.shape[1], *value.shape[2:]))
+            out.set(key, torch.cat([value, pad], dim=1))
+    return out
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -330,7 +350,7 @@ def exchange_samples(
     """
     world = dist.get_world_size(group)
     dest = dest.long()
-    batch = pad_vision_to_group(batch, group)  # images: the same [P, D] / [I, 3] rows on every rank
+    batch = _pad_vision_to_group(batch, group)  # images: the same [P, D] / [I, 3] rows on every rank
     if dest.numel() and (dest.min() < 0 or dest.max() >= world):
         raise ValueError(f"destination ranks must be in [0, {world}), got {dest.tolist()}")
     order = torch.argsort(dest, stable=True)
@@ -418,7 +438,7 @@ def _balance_groups(
 ) -> tuple[TensorDict, dict[str, float]]:
     """:func:`balance_batch` by whole groups (``group_id`` over the DP group): a group ends on one rank."""
     world, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-    per_rank = _all_gather_lengths(sample_sizes(batch), dp_group)
+    per_rank = _all_gather_lengths(schema.sample_sizes(batch), dp_group)
     per_rank_keys = _all_gather_lengths(_group_keys(batch), dp_group)
     offsets = [sum(p.numel() for p in per_rank[:r]) for r in range(world)]
     keys = torch.cat([torch.where(k < 0, k - off, k) for k, off in zip(per_rank_keys, offsets)])
@@ -500,7 +520,7 @@ def balance_batch(
     if schema.GROUP_ID in batch.keys():
         return _balance_groups(batch, dp_group, hidden_size, batch_multiple, equal_size, prefix)
     world, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-    per_rank = _all_gather_lengths(sample_sizes(batch), dp_group)
+    per_rank = _all_gather_lengths(schema.sample_sizes(batch), dp_group)
     lengths = torch.cat(per_rank)
     n_real = lengths.numel()
     multiple = math.lcm(world, max(int(batch_multiple), 1))

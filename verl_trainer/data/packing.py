@@ -276,7 +276,8 @@ def pack_batch(batch: TensorDict, keys: Sequence[str] | None = None) -> PackedBa
             raise ValueError(f"{schema.TEACHER_TOPK_IDS!r} has shape {tuple(ids.shape)}, expected "
                              f"{(*input_ids.shape, 'k')} (aligned with input_ids)")
         gather_ids = ids[valid].to(torch.long)
-    vision = model_vision_inputs(batch) or None
+    has_images = any(k in batch.keys() for k in schema.VISION_KEYS)
+    vision = (model_vision_inputs(batch) or None) if has_images else None
     return PackedBatch(
         input_ids=input_ids[valid].unsqueeze(0),
         position_ids=position_ids_from_cu_seqlens(cu_seqlens),

@@ -126,6 +126,9 @@ TOKEN_KEYS = (
 )
 """Keys whose tensors are ``[B, T]`` and aligned with ``input_ids``."""
 
+VISION_KEYS = (PIXEL_VALUES, IMAGE_GRID_THW)
+"""Per-sample image fields, ``[B, P, D]`` / ``[B, I, 3]``: never token fields, whatever their widths."""
+
 SAMPLE_KEYS = (UID, SEQ_LEN, PROMPT_LEN, RESPONSE_LEN, IS_PADDING)
 """Per-sample tags, ``[B]``."""
 
@@ -155,6 +158,19 @@ def sequence_lengths(batch: TensorDict) -> torch.Tensor:
         "with verl_trainer.data.packing.make_batch so per-sample lengths are known"
     )
 
+
+
+def sample_sizes(batch: TensorDict) -> torch.Tensor:
+    """A sample's compute size for balancing and dynamic micro-batching, ``[B]`` long.
+
+    Its :func:`sequence_lengths` plus, for a vision-language sample, its images' patch rows (``t * h * w`` per
+    row of ``image_grid_thw``, before the vision tower's 2x2 merge): the vision blocks run on every patch row,
+    the language model on every token.
+    """
+    lens = sequence_lengths(batch)
+    if IMAGE_GRID_THW not in batch.keys():
+        return lens
+    return lens + batch[IMAGE_GRID_THW].prod(-1).sum(-1).to(lens)
 
 def real_mask(batch: TensorDict) -> torch.Tensor:
     """``[B]`` bool: True for real samples, False for synthetic ``is_padding`` ones (all True untagged)."""

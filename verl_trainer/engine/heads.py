@@ -203,7 +203,8 @@ class LanguageModel(ModelType):
 
         A row with images (a vision-language model) first gets its mrope positions (``models/vlm.py``).
         """
-        packed = attach_mrope_positions(model, packed)
+        if packed.vision is not None:
+            packed = attach_mrope_positions(model, packed)
         positions = head_positions(packed)
         if positions is None:
             return packed_forward(model, packed)

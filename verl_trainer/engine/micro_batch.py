@@ -39,7 +39,6 @@ from tensordict import TensorDict
 from verl_trainer.core_algos.balancing import calculate_workload
 from verl_trainer.core_algos.karmarkar_karp import kk_partition, stable_argsort
 from verl_trainer.data import schema
-from verl_trainer.data.vision_cost import sample_sizes
 from verl_trainer.utils.distributed import all_reduce
 
 __all__ = [
@@ -235,7 +234,7 @@ def rearrange_micro_batches(
     """
     if not isinstance(max_token_len, (int, np.integer)) or max_token_len < 1:
         raise ValueError(f"max_token_len must be a positive integer, got {max_token_len!r}")
-    lens = sample_sizes(batch).detach().cpu().numpy()
+    lens = schema.sample_sizes(batch).detach().cpu().numpy()
     n = lens.size
     local_max = int(lens.max()) if n else 0
     packing = min_micro_batches(lens, max_token_len) if local_max <= max_token_len else []
@@ -358,7 +357,7 @@ def _grouped_micro_batches(
 ) -> tuple[list[TensorDict], list[int]]:
     """Micro-batches of whole groups (module docstring): fixed (``size``) or dynamic (``budget``)."""
     groups = schema.sample_groups(data)
-    lens = sample_sizes(data).detach().cpu().numpy()
+    lens = schema.sample_sizes(data).detach().cpu().numpy()
     group_lens = np.asarray([int(lens[g].sum()) for g in groups], dtype=np.int64)
     n = len(groups)
     local_max = int(group_lens.max()) if n else 0

@@ -10,7 +10,8 @@ causal (or sliding-window) one:
 * the others run as one ``scaled_dot_product_attention`` over ``[count, H, length, D]``.
 
 A row whose lengths are mostly distinct (more buckets than :data:`LOOP_ABOVE` of its segments) has nothing to
-batch; it runs the per-segment sdpa loop instead (``varlen_kernels.reference_varlen_attention``).
+batch; it runs the per-segment sdpa loop instead (:func:`reference_varlen_attention`, also the ground truth
+the tests and ``bench/attention.py`` compare against).
 
 Invariants: every packed token belongs to exactly one bucket, so each output and gradient row is written
 once (no scatter-add, no zero fill); no token attends across segments; the result equals a per-segment
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from verl_trainer.models.varlen_kernels import reference_varlen_attention, sliding_window_mask
+from verl_trainer.models.varlen_kernels import sliding_window_mask
 
 if TYPE_CHECKING:
     from torch.autograd.function import FunctionCtx
@@ -417,6 +418,51 @@ class _PutRows(torch.autograd.Function):
         plan: BucketPlan = ctx.plan
         units = _units(grad.contiguous(), plan.heads_kv)
         return None, grad, *(_sdpa_layout(plan, i, _read(plan, units, i), ctx.heads) for i in plan.sdpa)
+
+
+def reference_varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lengths: Sequence[int],
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    is_causal: bool = True,
+    window: int | None = None,
+) -> torch.Tensor:
+    """One sdpa call per segment (inputs split with ``torch.split``): the reference, O(S) Python calls.
+
+    Args:
+        query: ``[1, H, N, D]``.
+        key: ``[1, H_kv, N, D]``.
+        value: ``[1, H_kv, N, D_v]``.
+        lengths: The ``S`` segment lengths (zeros allowed).
+        scaling: Softmax scale.
+        dropout: Attention dropout probability.
+        is_causal: Causal attention within each segment.
+        window: Sliding window (keys ``i - window < j <= i``, causal) or ``None``.
+
+    Returns:
+        ``[1, N, H, D_v]``.
+
+    """
+    lengths = [int(n) for n in lengths]
+    gqa = query.shape[1] != key.shape[1]
+    outs = []
+    for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2)):
+        if q.shape[2] == 0:
+            outs.append(q.new_zeros(*q.shape[:3], value.shape[3]))
+            continue
+        mask = None if window is None else sliding_window_mask(q.shape[2], window, q.device)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal and mask is None,
+                scale=scaling, enable_gqa=gqa,
+            )
+        )
+    out = torch.cat(outs, 2) if len(outs) > 1 else outs[0]  # [1, H, N, D_v]
+    return out.transpose(1, 2)
 
 
 def loops(plan: BucketPlan, lengths: Sequence[int]) -> bool:

@@ -310,6 +310,8 @@ class BaseRollout(ABC):
             NotImplementedError: images with a backend that does not take them, a multi-turn rollout or
                 a partial rollout (``token_sampler``).
         """
+        if schema.IMAGE_GRID_THW not in prompt_batch.keys():  # a text batch never enters rollout/vision.py
+            return None
         images = prompt_images(prompt_batch)
         if images is None:
             return None
