@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.trainer.common import tiny_model
+from verl_trainer.callbacks import Callback
 from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,3 +31,21 @@ def short_grpo_config(model: str, data: str, *overrides: str) -> Any:
         "algorithm.rollout.max_new_tokens=4", "algorithm.actor.ppo_mini_batch_size=4",
         "algorithm.rollout_correction.level=token", "algorithm.actor.optim.lr=1e-2", *overrides,
     ])
+
+
+class StepRecord(Callback):
+    """Per step of a fit: the prompt batch, the rollout batch and the logged metrics (copies)."""
+
+    def __init__(self) -> None:
+        self.prompts: list = []
+        self.rollouts: list = []
+        self.metrics: list[dict[str, float]] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.prompts.append(batch.clone())
+
+    def on_rollout_end(self, trainer, module, batch) -> None:
+        self.rollouts.append(batch.clone())
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.metrics.append(dict(trainer.callback_metrics))

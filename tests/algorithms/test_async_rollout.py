@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.algorithms.short_grpo import ROOT, make_assets, short_grpo_config
+from tests.algorithms.short_grpo import ROOT, StepRecord, make_assets, short_grpo_config
 from verl_trainer.testing import run_distributed
 
 STEPS = 3
@@ -43,24 +43,13 @@ def _grpo_fit(model: str, data: str, root: str, *overrides: str, devices: int = 
     """A short GRPO fit; per step: the prompt batch, the rollout batch and the logged metrics."""
     from verl_trainer import Trainer
     from verl_trainer.algorithms import GRPO, PromptDataModule
-    from verl_trainer.callbacks import Callback, ModelCheckpoint
+    from verl_trainer.callbacks import ModelCheckpoint
     from verl_trainer.models.loading import load_tokenizer
 
-    class Record(Callback):
+    class Record(StepRecord):
         def __init__(self) -> None:
-            self.prompts: list = []
-            self.rollouts: list = []
-            self.metrics: list[dict[str, float]] = []
+            super().__init__()
             self.micro: list = []
-
-        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-            self.prompts.append(batch.clone())
-
-        def on_rollout_end(self, trainer, module, batch) -> None:
-            self.rollouts.append(batch.clone())
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-            self.metrics.append(dict(trainer.callback_metrics))
 
         def on_micro_batches(self, trainer, module, micro_batches) -> None:  # after balancing and splitting
             keys = (*VERSION_KEYS, "prompt_len", "response_len")

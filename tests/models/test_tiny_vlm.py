@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from verl_trainer.models.tiny_vlm import IMAGE_PAD, VISION_END, VISION_START, make_tiny_vlm
-
-
-def _image(seed: int, size: int = 56) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+from verl_trainer.testing.vlm_batch import random_image
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +31,11 @@ def _inputs(tokenizer, processor, image):
     )
 
 
-def test_loads_and_sees_the_image(vlm):
+def test_loads_and_sees_therandom_image(vlm):
     model, tokenizer, processor = vlm
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
     assert "torchvision" not in type(processor).__module__ and "Pil" in type(processor).__name__
-    a, b = _inputs(tokenizer, processor, _image(0)), _inputs(tokenizer, processor, _image(1))
+    a, b = _inputs(tokenizer, processor, random_image(0)), _inputs(tokenizer, processor, random_image(1))
     assert a["image_grid_thw"].tolist() == [[1, 4, 4]] and a["pixel_values"].shape[0] == 16
     assert int(a["mm_token_type_ids"].sum()) == 4
     with torch.no_grad():
@@ -52,7 +46,7 @@ def test_loads_and_sees_the_image(vlm):
 
 def test_mrope_positions_and_generation(vlm):
     model, tokenizer, processor = vlm
-    inputs = _inputs(tokenizer, processor, _image(0))
+    inputs = _inputs(tokenizer, processor, random_image(0))
     pos, _ = model.model.get_rope_index(
         inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"]
     )

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.algorithms.short_grpo import short_grpo_config
+from tests.algorithms.short_grpo import StepRecord, short_grpo_config
 from verl_trainer.algorithms.stages.rollout import WeightSync
 from verl_trainer.data import schema
 from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
@@ -72,26 +72,12 @@ def rollout(assets):
 def _fit(assets: Path, rollout, root: Path, *overrides: str) -> dict:
     from verl_trainer import Trainer
     from verl_trainer.algorithms import GRPO, PromptDataModule
-    from verl_trainer.callbacks import Callback
     from verl_trainer.models.loading import load_tokenizer
-
-    class Record(Callback):
-        def __init__(self) -> None:
-            self.prompts, self.rollouts, self.metrics = [], [], []
-
-        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-            self.prompts.append(batch.clone())
-
-        def on_rollout_end(self, trainer, module, batch) -> None:
-            self.rollouts.append(batch.clone())
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-            self.metrics.append(dict(trainer.callback_metrics))
 
     cfg = _config(assets, *overrides)
     rollout.adapters.active = None  # the engine serves one run at a time: no adapter left from another
     rollout.config = cfg.algorithm.rollout  # this run's sampling settings (the engine's are fixed at build)
-    record = Record()
+    record = StepRecord()
     trainer = Trainer(devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, default_root_dir=str(root), val_check_interval=None,
                       callbacks=[record], seed=7)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -13,13 +12,9 @@ from verl_trainer.data.prompts import collate_prompts
 from verl_trainer.data.vision import model_vision_inputs, pad_vision
 from verl_trainer.models.tiny_vlm import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, make_tiny_vlm
 from verl_trainer.rollout import HFRollout, RolloutConfig, build_rollout, resolve_rollout_name
+from verl_trainer.testing.vlm_batch import random_image
 
 TEXTS = ("colour?", "how many dots", "shape")
-
-
-def _image(seed: int, size: int = 56) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +49,9 @@ def _config(**kw) -> RolloutConfig:
 @pytest.mark.parametrize("decoding", [{"decoding": "drop_finished"}, {"decoding": "generate"},
                                       {"decoding": "generate", "cache_implementation": "static"}],
                          ids=["drop_finished", "generate", "generate_static_cache"])
-def test_greedy_equals_plain_generate_and_sees_the_image(vlm, decoding):
+def test_greedy_equals_plain_generate_and_sees_therandom_image(vlm, decoding):
     path, _, tokenizer, processor = vlm
-    images = [_image(0), _image(1, size=84), _image(2)]
+    images = [random_image(0), random_image(1, size=84), random_image(2)]
     batch = _prompt_batch(tokenizer, processor, images)
     rollout = HFRollout(_config(do_sample=False, **decoding), path)
     out = rollout.generate(batch, step=0)
@@ -99,13 +94,14 @@ def test_greedy_equals_plain_generate_and_sees_the_image(vlm, decoding):
     assert (fallback - lp).nan_to_num().abs().max() > 1e-4  # (-inf - -inf at the placeholders: 0)
 
     # another image in the same prompt gives another response: the image reaches generation
-    swapped = rollout.generate(_prompt_batch(tokenizer, processor, [_image(5), images[1], images[2]]), step=0)
+    swapped_batch = _prompt_batch(tokenizer, processor, [random_image(5), images[1], images[2]])
+    swapped = rollout.generate(swapped_batch, step=0)
     assert not torch.equal(swapped[schema.ROLLOUT_LOG_PROBS][0], out[schema.ROLLOUT_LOG_PROBS][0])
 
 
 def test_seeded_samples_do_not_depend_on_the_batch(vlm):
     path, _, tokenizer, processor = vlm
-    images = [_image(0), None, _image(2)]  # a text-only prompt among image prompts
+    images = [random_image(0), None, random_image(2)]  # a text-only prompt among image prompts
     rollout = HFRollout(_config(do_sample=True, temperature=1.0, n=2, generation_batch_size=3), path)
     full = rollout.generate(_prompt_batch(tokenizer, processor, images), step=4)
     assert full.batch_size[0] == 6 and int(full[schema.IMAGE_GRID_THW][2].abs().sum()) == 0
@@ -122,7 +118,7 @@ def test_seeded_samples_do_not_depend_on_the_batch(vlm):
 
 def test_weight_sync_reaches_both_towers(vlm):
     path, other, tokenizer, processor = vlm
-    batch = _prompt_batch(tokenizer, processor, [_image(0), _image(1), _image(2)])
+    batch = _prompt_batch(tokenizer, processor, [random_image(0), random_image(1), random_image(2)])
     rollout = HFRollout(_config(do_sample=False), path)
     state = AutoModelForImageTextToText.from_pretrained(other).state_dict()
     assert any(".visual." in k or k.startswith("visual.") for k in rollout.model.state_dict())
@@ -137,7 +133,7 @@ def test_weight_sync_reaches_both_towers(vlm):
 
 def test_image_token_count_mismatch_is_named(vlm):
     path, _, tokenizer, processor = vlm
-    batch = _prompt_batch(tokenizer, processor, [_image(0), _image(1, size=84)], TEXTS[:2])
+    batch = _prompt_batch(tokenizer, processor, [random_image(0), random_image(1, size=84)], TEXTS[:2])
     batch[schema.IMAGE_GRID_THW] = batch[schema.IMAGE_GRID_THW].flip(0)  # row 0 gets row 1's 36-patch grid
     batch[schema.PIXEL_VALUES] = torch.zeros_like(batch[schema.PIXEL_VALUES])
     rollout = HFRollout(_config(do_sample=False), path)
@@ -162,7 +158,8 @@ def test_image_placeholders_are_never_sampled(vlm, decoding):
     bias = torch.zeros(len(tokenizer))
     bias[image_id] = 100.0
     rollout.model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
-    out = rollout.generate(_prompt_batch(tokenizer, processor, [_image(0), _image(1)], TEXTS[:2]), step=0)
+    batch = _prompt_batch(tokenizer, processor, [random_image(0), random_image(1)], TEXTS[:2])
+    out = rollout.generate(batch, step=0)
     for row in range(out.batch_size[0]):
         start, n = int(out[schema.PROMPT_LEN][row]), int(out[schema.RESPONSE_LEN][row])
         assert n > 0 and image_id not in out[schema.INPUT_IDS][row, start: start + n].tolist()

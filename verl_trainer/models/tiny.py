@@ -177,9 +177,19 @@ def make_tiny_model(
         max_position_embeddings=max_position_embeddings,
         **config_overrides,
     )
+    save_initialised(path, AutoModelForCausalLM, config, tokenizer, seed)
+    return str(path)
+
+
+def save_initialised(path: Path, auto_class: Any, config: PretrainedConfig, tokenizer: Any,
+                     seed: int) -> None:
+    """Initialise ``auto_class.from_config(config)`` (fp32) under ``seed`` and save it with ``tokenizer``.
+
+    The global RNG state is left untouched; the generation config carries the tokenizer's special ids.
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_class.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -187,4 +197,3 @@ def make_tiny_model(
     )
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    return str(path)

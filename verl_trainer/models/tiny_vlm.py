@@ -16,11 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForImageTextToText, PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from verl_trainer.models.tiny import build_tokenizer
+from verl_trainer.models.tiny import build_tokenizer, save_initialised
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
     "<|vision_start|>",
@@ -143,15 +142,6 @@ def make_tiny_vlm(
         vision_end_token_id=ids[VISION_END],
         tie_word_embeddings=False,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_initialised(path, AutoModelForImageTextToText, config, tokenizer, seed)
     build_image_processor().save_pretrained(path)
     return str(path)

@@ -28,6 +28,13 @@ SIZES = ((56, 56), (84, 56), (56, 112))
 """Image (width, height) choices: 4, 6 and 8 image tokens."""
 
 
+def random_image(seed: int | np.random.Generator, size: int | tuple[int, int] = 56) -> Image.Image:
+    """An RGB image of uniform random pixels (``size``: a side, or (width, height)); ``seed``: int or RNG."""
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    w, h = (size, size) if isinstance(size, int) else size
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
 def vlm_batch(batch_size: int = 8, seed: int = 0, max_images: int = 2,
               sizes: tuple[tuple[int, int], ...] = SIZES) -> TensorDict:
     """A schema batch (``make_batch``) with ``pixel_values`` / ``image_grid_thw`` per sample.
@@ -43,8 +50,7 @@ def vlm_batch(batch_size: int = 8, seed: int = 0, max_images: int = 2,
         text = "".join(rng.choice(chars, int(rng.integers(1, 4))))
         sample_pixels, sample_grids = [], []
         for _ in range(i % (max_images + 1)):
-            w, h = sizes[int(rng.integers(len(sizes)))]
-            image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+            image = random_image(rng, sizes[int(rng.integers(len(sizes)))])
             out = proc(images=[image], return_tensors="pt")
             sample_pixels.append(out["pixel_values"])
             sample_grids.append(out["image_grid_thw"])
