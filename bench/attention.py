@@ -35,9 +35,8 @@ segments of 8-16 tokens and two long-tailed workloads (log-normal, sigma 0.8: 64
 at model build (its probe times HF's layout; the file cache is off, so every run measures it, and the time it
 took is printed); then the packed path (``bucketed_varlen_attention`` as the model calls it) and the loop are
 timed on q/k/v in HF's layout and, side by side in the same rounds, contiguous: each speed-up is against the
-loop on the same inputs; ``(loop)`` marks a row the packed path hands to the per-segment loop (mostly
-distinct lengths: ``bucketed_attention.LOOP_ABOVE``). Targets: >= 3x on the short workload where the
-matmul path is chosen, >= 0.95x on the long-tailed ones, in HF's layout.
+loop on the same inputs. Targets: >= 3x on the short workload where the matmul path is chosen, >= 0.95x on
+the long-tailed ones, in HF's layout.
 
 ``--workloads`` times only the named workloads (more rounds where they matter, on a shared machine);
 ``--profile`` adds, per workload, a ``torch.profiler`` table of the new path's operators (self CPU time
@@ -66,10 +65,8 @@ from verl_trainer.models.bucketed_attention import (  # noqa: E402
     LAYOUT_CROSSOVERS,
     MATMUL_MAX_LENGTH,
     bucketed_varlen_attention,
-    loops,
-    plan_buckets,
-    reference_varlen_attention,  # noqa: E402
 )
+from verl_trainer.models.varlen_kernels import reference_varlen_attention  # noqa: E402
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 Attention = Callable[..., torch.Tensor]
@@ -231,10 +228,8 @@ def grid(reps: int, layouts: list[str], dims: list[int], dtypes: list[str]) -> N
                     for x in inputs.values():
                         check_equal(bucketed_varlen_attention, reference_varlen_attention, x, lens, tol)
                     result = paired_layouts(bucketed_varlen_attention, inputs, lens, reps)
-                    plan = plan_buckets(lens, heads_kv=kv_heads, matmul_max_length=crossover)
-                    path = " (loop)" if loops(plan, lens) else ""
                     cells.append(f"{result['hf'][0] * 1e3:.0f}, {result['hf'][1]:.2f}x, "
-                                 f"{result['contiguous'][1]:.2f}x{path}")
+                                 f"{result['contiguous'][1]:.2f}x")
                 row = f"| {layout} {heads}/{kv_heads} | {dim} | {dtype_name} | {crossover} ({tune_ms:.0f}) "
                 print(row + "| " + " | ".join(cells) + " |", flush=True)
 

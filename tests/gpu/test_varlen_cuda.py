@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from verl_trainer.models.attention import varlen_attention
-from verl_trainer.models.bucketed_attention import reference_varlen_attention
 from verl_trainer.models.varlen_kernels import (
     flash_attn_varlen_func,
     fused_varlen_attention,
+    reference_varlen_attention,
     torch_varlen_attn,
 )
 

@@ -28,8 +28,8 @@ from verl_trainer.models.bucketed_attention import (
     MATMUL_MAX_LENGTH,
     bucketed_varlen_attention,
     matmul_crossover,
-    reference_varlen_attention,
 )
+from verl_trainer.models.varlen_kernels import reference_varlen_attention
 from verl_trainer.testing import run_distributed
 
 FP32 = ShapeKey.of(4, 2, 64, torch.float32, "cpu")

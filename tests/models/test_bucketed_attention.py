@@ -9,14 +9,12 @@ import torch
 
 from verl_trainer.models.attention import varlen_attention
 from verl_trainer.models.bucketed_attention import (
-    LOOP_ABOVE,
     MATMUL_MAX_LENGTH,
     bucketed_varlen_attention,
     plan_buckets,
-    reference_varlen_attention,
     use_matmul_attention,
 )
-from verl_trainer.models.varlen_kernels import fused_varlen_attention
+from verl_trainer.models.varlen_kernels import fused_varlen_attention, reference_varlen_attention
 
 MIXES = {
     "ones": [1] * 7,
@@ -162,21 +160,3 @@ def test_varlen_attention_dispatch_on_cpu():
         got = varlen_attention(q, k, v, cu, sliding_window=window)
         want = reference_varlen_attention(q, k, v, lengths, window=None if window == 10**6 else window)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
-def test_rows_of_distinct_lengths_run_the_segment_loop():
-    """Buckets of one segment each batch nothing: such a row runs the per-segment loop (bitwise the
-    reference), a row of repeated lengths the buckets (matmul round-off); a given crossover never loops."""
-    distinct, repeated = [5, 9, 2, 14, 7, 11], [5, 9] * 4
-    assert len(plan_buckets(distinct).shapes) > LOOP_ABOVE * len(distinct)
-    assert len(plan_buckets(repeated).shapes) <= LOOP_ABOVE * len(repeated)
-    for lengths, loops in ((distinct, True), (repeated, False)):
-        inputs = _inputs(lengths, 4, 2, True)
-        got = _run(bucketed_varlen_attention, inputs, lengths)
-        forced = _run(bucketed_varlen_attention, inputs, lengths, matmul_max_length=MATMUL_MAX_LENGTH)
-        want = _run(reference_varlen_attention, inputs, lengths)
-        bitwise = [torch.equal(a, b) for a, b in zip(got, want)]
-        assert all(bitwise) if loops else not all(bitwise), (lengths, bitwise)
-        assert not all(torch.equal(a, b) for a, b in zip(forced, want))  # the matmul buckets' round-off
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -374,9 +374,10 @@ class RLConfig:
         resolve_lora_sync(self.rollout, self.actor.engine)
         check_router_replay_rollout(self.actor.engine.moe, self.rollout.name, self.rollout.multi_turn.enable,
                                     bool(self.rollout.max_staleness))
-        estimator = getattr(self, "adv_estimator", None)
-        check_pool_algorithm(self.rollout.placement, self.actor.engine.moe.router_replay,
-                             estimator is not None and "reward_baselines" in estimator_inputs(estimator))
+        estimator = getattr(self, "adv_estimator", None)  # read only with a pool: the estimator's own check
+        check_pool_algorithm(self.rollout.placement, self.actor.engine.moe.router_replay,  # names a bad one
+                             estimator is not None and self.rollout.placement == "separate"
+                             and "reward_baselines" in estimator_inputs(estimator))
         buffer = self.reward.overlong_buffer
         if buffer.enable and buffer.len > self.rollout.max_new_tokens:
             raise ValueError(

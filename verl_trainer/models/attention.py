@@ -6,8 +6,7 @@ run on the packed row and :func:`varlen_attention` runs attention within the seg
 
 * CUDA fp16/bf16: ``flash_attn_varlen_func`` when flash-attn is installed, else PyTorch's ``varlen_attn``
   (``verl_trainer.models.varlen_kernels``);
-* otherwise (CPU, fp32): one call per segment length (``verl_trainer.models.bucketed_attention``), or
-  one per segment where the lengths are mostly distinct.
+* otherwise (CPU, fp32): one call per segment length (``verl_trainer.models.bucketed_attention``).
 
 Sliding-window layers run their window inside the same paths.
 

@@ -9,10 +9,6 @@ causal (or sliding-window) one:
   runs them upcast to fp32 and rounds once at the end;
 * the others run as one ``scaled_dot_product_attention`` over ``[count, H, length, D]``.
 
-A row whose lengths are mostly distinct (more buckets than :data:`LOOP_ABOVE` of its segments) has nothing to
-batch; it runs the per-segment sdpa loop instead (:func:`reference_varlen_attention`, also the ground truth
-the tests and ``bench/attention.py`` compare against).
-
 Invariants: every packed token belongs to exactly one bucket, so each output and gradient row is written
 once (no scatter-add, no zero fill); no token attends across segments; the result equals a per-segment
 sdpa loop to fp32 round-off (sdpa buckets bitwise; matmul buckets sum in another order). How the
@@ -37,12 +33,6 @@ if TYPE_CHECKING:
 _SOFTMAX_FAST_WIDTH = 16
 """Below this row width torch's CPU softmax is slower than max / exp / sum written out (measured)."""
 
-
-LOOP_ABOVE = 0.25
-"""Where a row's buckets would be more than this fraction of its segments (fewer than 4 segments a call on
-average: long-tailed lengths), the row runs the per-segment sdpa loop instead: a bucket of one segment is
-the loop's call plus the bucketing's reads, writes and autograd nodes, and the few batched buckets do not
-pay for them (measured: docs/benchmarks.md, *Packed attention on the model's layout*)."""
 
 MATMUL_MAX_LENGTH = 64
 """Crossover of a layout nobody measured (fp32; tuned on 4 / 2 heads x 64): the constant rule."""
@@ -420,59 +410,6 @@ class _PutRows(torch.autograd.Function):
         return None, grad, *(_sdpa_layout(plan, i, _read(plan, units, i), ctx.heads) for i in plan.sdpa)
 
 
-def reference_varlen_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    lengths: Sequence[int],
-    *,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    is_causal: bool = True,
-    window: int | None = None,
-) -> torch.Tensor:
-    """One sdpa call per segment (inputs split with ``torch.split``): the reference, O(S) Python calls.
-
-    Args:
-        query: ``[1, H, N, D]``.
-        key: ``[1, H_kv, N, D]``.
-        value: ``[1, H_kv, N, D_v]``.
-        lengths: The ``S`` segment lengths (zeros allowed).
-        scaling: Softmax scale.
-        dropout: Attention dropout probability.
-        is_causal: Causal attention within each segment.
-        window: Sliding window (keys ``i - window < j <= i``, causal) or ``None``.
-
-    Returns:
-        ``[1, N, H, D_v]``.
-
-    """
-    lengths = [int(n) for n in lengths]
-    gqa = query.shape[1] != key.shape[1]
-    outs = []
-    for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2)):
-        if q.shape[2] == 0:
-            outs.append(q.new_zeros(*q.shape[:3], value.shape[3]))
-            continue
-        mask = None if window is None else sliding_window_mask(q.shape[2], window, q.device)
-        outs.append(
-            F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal and mask is None,
-                scale=scaling, enable_gqa=gqa,
-            )
-        )
-    out = torch.cat(outs, 2) if len(outs) > 1 else outs[0]  # [1, H, N, D_v]
-    return out.transpose(1, 2)
-
-
-def loops(plan: BucketPlan, lengths: Sequence[int]) -> bool:
-    """Whether a row of these ``lengths`` (planned as ``plan``) runs the per-segment loop.
-
-    True where the plan has more buckets than :data:`LOOP_ABOVE` of the row's non-empty segments.
-    """
-    return len(plan.shapes) > LOOP_ABOVE * sum(1 for n in lengths if n > 0)
-
-
 def bucketed_varlen_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -499,8 +436,7 @@ def bucketed_varlen_attention(
         matmul_max_length: Buckets of segments up to this length run batched matmuls
             (:func:`matmul_attention_forward`, in fp32: half-precision buckets are upcast) where that
             path applies (CPU, no dropout, no autocast); longer ones, and all others, one sdpa call.
-            0: sdpa everywhere. ``None``: the layout's crossover (:func:`matmul_crossover`), and the
-            per-segment loop for rows whose buckets would be more than :data:`LOOP_ABOVE` of the segments.
+            0: sdpa everywhere. ``None``: the layout's crossover (:func:`matmul_crossover`).
 
     Returns:
         ``[1, N, H, D_v]``.
@@ -520,10 +456,6 @@ def bucketed_varlen_attention(
         usable = use_matmul_attention(query.dtype, query.device, dropout, upcast=True)
         matmul_max = matmul_max_length if usable else 0
     plan = plan_buckets(lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
-    if matmul_max_length is None and loops(plan, lengths):
-        return reference_varlen_attention(
-            query, key, value, lengths, scaling=scale, dropout=dropout, is_causal=is_causal, window=window
-        )
     out, *parts = _Buckets.apply(query, key, value, plan, heads, scale, is_causal, window)
     n_sdpa = len(plan.sdpa)
     outs = []

@@ -4,20 +4,18 @@
   else PyTorch's ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10; causal is
   ``window_size=(-1, 0)``); both need CUDA tensors in fp16/bf16. Returns ``None`` where neither applies,
   and the caller takes the bucketed path (``verl_trainer.models.bucketed_attention``).
-* :func:`sliding_window_mask`: the causal sliding-window mask the CPU paths apply.
-
-The per-segment reference (one sdpa call per segment) is
-``bucketed_attention.reference_varlen_attention``: it is also the CPU path for rows of mostly distinct
-lengths.
+* :func:`reference_varlen_attention`: one sdpa call per segment — the ground truth the tests and
+  ``bench/attention.py`` compare against, never the production path.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -117,3 +115,48 @@ def fused_varlen_attention(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
     return out.unsqueeze(0)
+
+
+def reference_varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lengths: Sequence[int],
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    is_causal: bool = True,
+    window: int | None = None,
+) -> torch.Tensor:
+    """One sdpa call per segment (inputs split with ``torch.split``): the reference, O(S) Python calls.
+
+    Args:
+        query: ``[1, H, N, D]``.
+        key: ``[1, H_kv, N, D]``.
+        value: ``[1, H_kv, N, D_v]``.
+        lengths: The ``S`` segment lengths (zeros allowed).
+        scaling: Softmax scale.
+        dropout: Attention dropout probability.
+        is_causal: Causal attention within each segment.
+        window: Sliding window (keys ``i - window < j <= i``, causal) or ``None``.
+
+    Returns:
+        ``[1, N, H, D_v]``.
+
+    """
+    lengths = [int(n) for n in lengths]
+    gqa = query.shape[1] != key.shape[1]
+    outs = []
+    for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2)):
+        if q.shape[2] == 0:
+            outs.append(q.new_zeros(*q.shape[:3], value.shape[3]))
+            continue
+        mask = None if window is None else sliding_window_mask(q.shape[2], window, q.device)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal and mask is None,
+                scale=scaling, enable_gqa=gqa,
+            )
+        )
+    out = torch.cat(outs, 2) if len(outs) > 1 else outs[0]  # [1, H, N, D_v]
+    return out.transpose(1, 2)
