@@ -456,7 +456,9 @@ class Trainer(LightningAttributes):
                                    self.strategy.timeout)
             if pool is not None and pool.serves_rollout:  # a launched copy of the script ends after serving
                 launched = os.environ.get(failure.LAUNCHER_PID_ENV, str(os.getpid())) != str(os.getpid())
-                return pool.serve(exit_process=launched)
+                mirrors = {kind: handler for cb in self.callbacks
+                           for kind, handler in getattr(cb, "rollout_rank_mirrors", dict)().items()}
+                return pool.serve(exit_process=launched, mirrors=mirrors)
             self.world = pool.world if pool is not None else self.world
             try:
                 return self._run_stage(stage, module, datamodule, ckpt_path)
