@@ -37,8 +37,10 @@ def current_pool() -> Pool | None:
 
 
 def is_rollout_rank() -> bool:
-    """Whether this process served a separate pool as a rollout rank (its ``fit`` returned ``None``; a
-    script's later stages, validation and export, belong to the trainer ranks)."""
+    """Whether this process is a rollout rank of a separate pool.
+
+    Its ``fit`` returned ``None``; a script's later stages (validation, export) belong to the trainer ranks.
+    """
     return _CURRENT is not None and _CURRENT.serves_rollout
 
 
