@@ -204,3 +204,27 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes(one_node, ray_cluster,
     assert "resuming from this Ray run's latest checkpoint" in out, out[-6000:]
     assert "ray run done: 2 workers" in out, out[-3000:]
     assert_same_run(tmp_path, one_node)
+
+
+POOL = ("algorithm.rollout.placement=separate", "algorithm.rollout.rollout_ranks=1",
+        "algorithm.rollout.max_staleness=1", "algorithm.rollout_correction.level=token")
+
+
+def test_a_separate_rollout_pool_under_ray_equals_the_plain_launch(ray_cluster, assets, tmp_path):  # noqa: F811
+    """2 Ray workers, the second one a rollout worker (``placement=separate``), one step off, a checkpoint
+    reported each step (the rollout worker mirrors each report, else Ray's barrier blocks the first): the
+    same metrics, staleness and weights as ``recipes/grpo.py trainer.devices=2`` with the same pool."""
+    from tests.recipes.test_multinode import run_nodes
+    from tests.trainer.common import read_csv_metrics
+
+    plain = tmp_path / "plain"
+    run_nodes([([sys.executable, *grpo_args(assets, plain, "trainer.devices=2", *POOL)], clean_env())])
+    ray_root = tmp_path / "ray"
+    out = run_watched(ray_cluster, ray_command(ray_cluster, assets, ray_root, *POOL))
+    assert "ray run done: 2 workers" in out, out[-3000:]
+    assert_same_run(ray_root, plain)
+    for root in (ray_root, plain):  # step 1 sampled by version 0, steps 2 and 3 by the version before theirs
+        metrics = read_csv_metrics(root)
+        assert [metrics[s]["rollout/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0], metrics
+    stored = sorted(p.name for p in (ray_root / "ray_results" / "grpo_test").glob("step_*"))
+    assert stored == ["step_000001", "step_000002", "step_000003"], stored
