@@ -13,6 +13,7 @@ starts, one more between a version's arrival and the next group's start).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
@@ -87,6 +88,7 @@ def serve(pool: Any, mirrors: Mapping[str, Handler] | None = None) -> None:
                                 daemon=True)
     receiver.start()
     served = [r for r in range(pool.trainers) if pool.server_of(r) == pool.rank]
+    print(f"rollout rank {pool.rank} (pid {os.getpid()}) serves trainer ranks {served}", flush=True)
     loaded: int | None = None
     seq = 0
     try:
