@@ -243,7 +243,8 @@ def test_pool_sizes_are_checked_against_the_world(world, ranks, match):
 @pytest.mark.slow
 def test_the_recipe_launches_trainer_and_rollout_ranks(tmp_path):
     """``recipes/grpo.py trainer.devices=2`` with a separate pool: the script launcher starts both ranks, the
-    rollout rank exits 0 after the fit, validation and the report run on the trainer rank."""
+    rollout rank exits 0 after the fit, validation (before the fit too: the rollout rank waits for the fit)
+    and the report run on the trainer rank."""
     import csv
     import subprocess
     import sys
@@ -257,11 +258,13 @@ def test_the_recipe_launches_trainer_and_rollout_ranks(tmp_path):
          "algorithm.rollout.placement=separate", "algorithm.rollout.max_staleness=1",
          "algorithm.rollout_correction.level=token", "trainer.val_check_interval=null",
          "trainer.logger=[csv]",
-         "trainer.enable_checkpointing=false", "trainer.export_hf=false", "trainer.validate_before_fit=false",
+         "trainer.enable_checkpointing=false", "trainer.export_hf=false",
          "trainer.enable_progress_bar=false", f"trainer.default_root_dir={root}", "warm_start.enable=false"],
         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "after training" in proc.stdout
+    before = [line for line in proc.stdout.splitlines() if line.startswith("val/reward/mean")]
+    assert before and "before training:      n/a" not in before[0], proc.stdout[-3000:]
     rows = [r for f in root.glob("**/metrics.csv") for r in csv.DictReader(open(f)) if r.get("timing/step_s")]
     assert [float(r["rollout/staleness"]) for r in rows] == [0.0, 1.0, 1.0]
 

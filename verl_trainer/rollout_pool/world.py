@@ -190,20 +190,21 @@ class Pool:
                 rank its script launcher started (a copy of the command: ``python recipe.py
                 trainer.devices=N``), so what the script does after ``fit`` (validation, export) runs on
                 the trainer ranks only. Elsewhere (a process group made by the caller, Ray Train) ``fit``
-                returns on the rollout rank; later stages there are refused.
+                returns on the rollout rank; a second fit there is refused (the Trainer runs no other
+                stage on a rollout rank: it returns ``None`` from validate / test / predict).
             mirrors: Kind -> handler of the calls trainer rank 0 asks the rollout ranks to mirror
                 (:mod:`.mirror`; e.g. Ray Train's report).
 
         Raises:
-            RuntimeError: Called again after it served (a second stage on a rollout rank).
+            RuntimeError: Called again after it served (a second fit on a rollout rank).
         """
         from verl_trainer.rollout_pool.worker import (
             serve,  # lazy: import cycle (worker -> algorithms -> stage)
         )
 
         if self._stopped:
-            raise RuntimeError(f"global rank {self.rank} served the rollout pool of an earlier fit; a later "
-                               "stage (validate, a second fit) runs on the trainer ranks only: call it there")
+            raise RuntimeError(f"global rank {self.rank} served the rollout pool of an earlier fit; a second "
+                               "fit with a separate pool needs a fresh launch (one fit per process)")
         serve(self, mirrors or {})
         self._stopped = True
         if exit_process:
