@@ -8,7 +8,7 @@ fit start. :func:`check_callback` rejects Lightning's own callback instances, na
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from verl_trainer.callbacks.contract import CallbackModule, CallbackTrainer
@@ -38,6 +38,14 @@ class Callback:
 
     def setup(self, trainer: CallbackTrainer, module: CallbackModule, stage: str) -> None:
         """Called when fit or validate begins, before anything runs."""
+
+    def rollout_rank_mirrors(self) -> dict[str, Callable[[dict[str, Any]], None]]:
+        """Kind -> handler of the calls a separate rollout pool's ranks make on trainer rank 0's word.
+
+        With ``placement=separate`` a rollout rank runs no hook; it runs these handlers when this callback's
+        trainer-side hooks post their kind (:mod:`verl_trainer.rollout_pool.mirror`). Default: none.
+        """
+        return {}
 
     def teardown(self, trainer: CallbackTrainer, module: CallbackModule, stage: str) -> None:
         """Called when fit or validate ends."""

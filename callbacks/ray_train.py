@@ -8,7 +8,9 @@ initialises the process group, which the Trainer joins as it is. Two things need
   worker must call it the same number of times. After each complete save of the Trainer's
   :class:`~verl_trainer.callbacks.ModelCheckpoint`, every rank reports: global rank 0 with the checkpoint
   directory (written by all ranks, so one report holds every shard; the ranks share that directory as
-  they do for any multi-node checkpoint), the others with metrics only.
+  they do for any multi-node checkpoint), the others with metrics only. With a separate rollout pool
+  (``algorithm.rollout.placement=separate``) the rollout workers run no hook: trainer rank 0 asks them to
+  report too (:mod:`verl_trainer.rollout_pool.mirror`), so the report's barrier over all workers passes.
 * Ray Train 2 has no ``resume_from_checkpoint``: when Ray restarts the workers (a worker died, up to
   ``FailureConfig(max_failures)``) or a run is started again under the same ``RunConfig(name)``,
   ``ray.train.get_checkpoint()`` is the latest checkpoint Ray registered. A worker that dies after a save
@@ -25,6 +27,7 @@ initialises the process group, which the Trainer joins as it is. Two things need
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,10 @@ from verl_trainer.callbacks.base import Callback
 from verl_trainer.callbacks.contract import CallbackModule, CallbackTrainer
 from verl_trainer.callbacks.model_checkpoint import ModelCheckpoint
 from verl_trainer.engine.checkpoint_dirs import checkpoint_run_id, list_checkpoints
+from verl_trainer.rollout_pool.mirror import post_mirror
+from verl_trainer.rollout_pool.world import current_pool
+
+MIRROR_KIND = "ray_train_report"
 
 
 def _ray_train() -> Any:
@@ -122,8 +129,22 @@ class RayTrainReport(Callback):
             if name in logged:
                 metrics[name] = float(logged[name])
         checkpoint = train.Checkpoint.from_directory(str(path)) if trainer.is_global_zero else None
+        # a separate pool's rollout workers must report too (Ray's report is a barrier): ask them first
+        post_mirror(current_pool(), MIRROR_KIND, {"step": int(metrics["step"]), "dir_name": path.name})
         train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=path.name)
         self.reported.append(path)
+
+    def rollout_rank_mirrors(self) -> dict[str, Callable[[dict[str, Any]], None]]:
+        """A separate pool's rollout worker reports each checkpoint too (``placement=separate``).
+
+        It reports ``{"step": ...}`` and no checkpoint (global rank 0 attaches it).
+        """
+        return {MIRROR_KIND: self._report_on_rollout_rank}
+
+    @staticmethod
+    def _report_on_rollout_rank(payload: dict[str, Any]) -> None:
+        _ray_train().report({"step": payload["step"]}, checkpoint=None,
+                            checkpoint_dir_name=payload["dir_name"])
 
     @staticmethod
     def resume_path(checkpoint_dir: str | Path | None = None) -> str | None:

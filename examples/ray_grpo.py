@@ -18,6 +18,10 @@ reported to Ray Train (:class:`~verl_trainer.callbacks.RayTrainReport`) and stor
 the run resumes from its latest checkpoint (the newer of Ray's latest registered one and the newest this
 run wrote into the Trainer's checkpoint directory); running the script again with the same ``--name`` and
 ``--storage-path`` resumes the same way.
+
+A separate rollout pool (``algorithm.rollout.placement=separate algorithm.rollout.rollout_ranks=R``): the
+last ``R`` workers generate, the others train; the rollout workers report each checkpoint too, and their
+``grpo.main`` ends after the fit (``docs/rollout.md``, "A separate rollout pool").
 """
 
 from __future__ import annotations

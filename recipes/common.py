@@ -47,6 +47,7 @@ from verl_trainer.recipe_config.demo_scope import apply_demo_scope
 from verl_trainer.recipe_config.run_length import run_length, with_schedule_length
 from verl_trainer.recipes.plotting import plot_training_curves
 from verl_trainer.rollout import resolve_rollout_name, rollout_class
+from verl_trainer.rollout_pool.world import is_rollout_rank
 from verl_trainer.trainer import Trainer
 from verl_trainer.utils.cached_dir import fingerprint, is_current, normalize, settings_difference
 from verl_trainer.utils.dir_lock import DirectoryLock
@@ -369,10 +370,11 @@ def export_policy(engine: BaseEngine, out_dir: str | os.PathLike, kind: str = "h
 
 def validate(trainer: Trainer, module: TrainingModule, data: DataModule) -> dict[str, float]:
     """``trainer.validate`` once; its reduced metrics (the same on every rank); ``{}`` without
-    ``data.val_files``."""
+    ``data.val_files``; ``{}`` on a separate pool's rollout rank (it validates nothing)."""
     if not data.config.val_files:
         return {}
-    return dict(trainer.validate(module, datamodule=data)[0])
+    results = trainer.validate(module, datamodule=data)
+    return {} if is_rollout_rank() else dict(results[0])
 
 
 def validate_after_fit(trainer: Trainer, module: TrainingModule, data: DataModule) -> dict[str, float]:

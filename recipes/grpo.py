@@ -25,6 +25,7 @@ from verl_trainer.callbacks import Callback, ProgressBar  # noqa: E402
 from verl_trainer.recipe_config import GRPORecipeConfig, parse_recipe_args  # noqa: E402
 from verl_trainer.recipes import common  # noqa: E402
 from verl_trainer.recipes.configs import config_path  # noqa: E402
+from verl_trainer.rollout_pool.world import is_rollout_rank  # noqa: E402
 from verl_trainer.user_errors import run_command, user_setup  # noqa: E402
 
 CONFIG = config_path("grpo")
@@ -44,6 +45,8 @@ def main(algorithm_cls: type[GRPO] = GRPO, default_config: Path = CONFIG, argv: 
     module, data = run.module, run.data
     before = common.validate(trainer, module, data) if cfg.trainer.validates_before_fit else None
     trainer.fit(module, datamodule=data, ckpt_path=cfg.trainer.ckpt_path)
+    if is_rollout_rank():  # a separate pool's rollout worker under Ray Train: the rest is the trainers'
+        return
     after = common.validate_after_fit(trainer, module, data)
     actor = module.engines["actor"]
     if actor.has_adapters:  # LoRA: the adapters as a peft directory (PeftModel.from_pretrained loads it)

@@ -455,13 +455,17 @@ class Trainer(LightningAttributes):
                 pool = split_world(self.world, module, self.strategy.dist_backend(self.accelerator),
                                    self.strategy.timeout)
             if pool is not None and pool.serves_rollout:  # a launched copy of the script ends after serving
+                if stage != "fit":  # validation before the fit samples on the trainer ranks: nothing to serve
+                    return None
                 launched = os.environ.get(failure.LAUNCHER_PID_ENV, str(os.getpid())) != str(os.getpid())
-                return pool.serve(exit_process=launched)
+                mirrors = {kind: handler for cb in self.callbacks
+                           for kind, handler in getattr(cb, "rollout_rank_mirrors", dict)().items()}
+                return pool.serve(exit_process=launched, mirrors=mirrors)
             self.world = pool.world if pool is not None else self.world
             try:
                 return self._run_stage(stage, module, datamodule, ckpt_path)
             finally:
-                if pool is not None:
+                if pool is not None and stage == "fit":  # the pool serves one fit (a stage before it: kept)
                     pool.close()
 
     def _run_stage(self, stage: str, module: TrainingModule, datamodule: Any, ckpt_path: CkptPath) -> Any:

@@ -243,7 +243,8 @@ def test_pool_sizes_are_checked_against_the_world(world, ranks, match):
 @pytest.mark.slow
 def test_the_recipe_launches_trainer_and_rollout_ranks(tmp_path):
     """``recipes/grpo.py trainer.devices=2`` with a separate pool: the script launcher starts both ranks, the
-    rollout rank exits 0 after the fit, validation and the report run on the trainer rank."""
+    rollout rank exits 0 after the fit, validation (before the fit too: the rollout rank waits for the fit)
+    and the report run on the trainer rank."""
     import csv
     import subprocess
     import sys
@@ -257,11 +258,13 @@ def test_the_recipe_launches_trainer_and_rollout_ranks(tmp_path):
          "algorithm.rollout.placement=separate", "algorithm.rollout.max_staleness=1",
          "algorithm.rollout_correction.level=token", "trainer.val_check_interval=null",
          "trainer.logger=[csv]",
-         "trainer.enable_checkpointing=false", "trainer.export_hf=false", "trainer.validate_before_fit=false",
+         "trainer.enable_checkpointing=false", "trainer.export_hf=false",
          "trainer.enable_progress_bar=false", f"trainer.default_root_dir={root}", "warm_start.enable=false"],
         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "after training" in proc.stdout
+    before = [line for line in proc.stdout.splitlines() if line.startswith("val/reward/mean")]
+    assert before and "before training:      n/a" not in before[0], proc.stdout[-3000:]
     rows = [r for f in root.glob("**/metrics.csv") for r in csv.DictReader(open(f)) if r.get("timing/step_s")]
     assert [float(r["rollout/staleness"]) for r in rows] == [0.0, 1.0, 1.0]
 
@@ -314,3 +317,42 @@ def test_messages_are_plain_data_never_pickles():
 
     with pytest.raises(Exception):  # noqa: B017, PT011 - a pickle is not a message: refused, never run
         decode(pickle.dumps({"step": 1}))
+
+
+def test_mirrored_calls_run_in_order_on_each_rollout_rank_and_failures_surface():
+    """``rollout_pool/mirror.py`` (Ray Train's report on rollout workers): trainer rank 0's posts run on
+    every rollout rank in order; a kind without a handler and a raising handler are raised when serving
+    ends, and the calls after them still run (a trainer-side barrier would otherwise wait for ever)."""
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+
+    from verl_trainer.rollout_pool.mirror import Mirrors, post_mirror
+    from verl_trainer.rollout_pool.world import Pool
+    from verl_trainer.testing.ranks import find_free_port
+
+    store = TCPStore("127.0.0.1", find_free_port(), is_master=True, wait_for_workers=False)
+    config = SimpleNamespace(rollout_ranks=2, weight_sync_timeout_s=10)
+    trainer = Pool(config, "", store, rank=0, trainers=1, weight_group=None, device="cpu")
+    seen: dict[int, list] = {1: [], 2: []}
+
+    def failing(payload: dict) -> None:
+        raise ValueError(f"bad {payload['step']}")
+
+    mirrors = [Mirrors(Pool(config, "", store, rank=r, trainers=1, weight_group=None, device="cpu"),
+                       {"report": seen[r].append, "fail": failing}) for r in (1, 2)]
+    for kind, step in [("report", 1), ("unknown", 2), ("fail", 3), ("report", 4)]:
+        post_mirror(trainer, kind, {"step": step, "dir_name": f"step_{step}"})
+    deadline = time.monotonic() + 30
+    while any(m.done < 4 for m in mirrors) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    trainer.close()
+    for rank, mirror in zip((1, 2), mirrors):
+        assert seen[rank] == [{"step": 1, "dir_name": "step_1"}, {"step": 4, "dir_name": "step_4"}]
+        with pytest.raises(RuntimeError) as err:
+            mirror.finish(10)
+        unknown = f"rollout rank {rank}: no handler for the mirrored call 'unknown'"
+        assert f"{unknown} (known: ['fail', 'report'])" in str(err.value)
+        assert "mirrored call 'fail' failed" in str(err.value) and "ValueError: bad 3" in str(err.value)
+    post_mirror(Pool(config, "", store, rank=1, trainers=1, weight_group=None, device="cpu"), "report", {})
+    assert not store.check(["mirror/1/4"]), "only trainer rank 0 posts"

@@ -11,6 +11,11 @@ to an address other than 127.0.0.1.
   Ray's storage.
 * A worker SIGKILLed once a checkpoint is reported: Ray restarts both workers, the run resumes from Ray's
   latest checkpoint and ends with bitwise the weights of the uninterrupted run.
+* A separate rollout pool (``algorithm.rollout.placement=separate``: 1 trainer + 1 rollout worker, one step
+  off, a checkpoint reported each step, which the rollout worker mirrors) equals ``recipes/grpo.py
+  trainer.devices=2`` with the same pool: metrics, staleness ``0, 1, 1``, weights bitwise.
+* The rollout worker SIGKILLed once a checkpoint is reported: Ray names rank 1, restarts both workers (a new
+  rollout worker) and the run resumes and ends.
 
 Needs the ``ray`` extra: ``scripts/ci_ray.sh`` installs it and runs these tests (``-m ray``; the marker
 keeps them out of the other stages).
@@ -204,3 +209,56 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes(one_node, ray_cluster,
     assert "resuming from this Ray run's latest checkpoint" in out, out[-6000:]
     assert "ray run done: 2 workers" in out, out[-3000:]
     assert_same_run(tmp_path, one_node)
+
+
+POOL = ("algorithm.rollout.placement=separate", "algorithm.rollout.rollout_ranks=1",
+        "algorithm.rollout.max_staleness=1", "algorithm.rollout_correction.level=token")
+
+
+def test_a_separate_rollout_pool_under_ray_equals_the_plain_launch(ray_cluster, assets, tmp_path):  # noqa: F811
+    """2 Ray workers, the second one a rollout worker (``placement=separate``), one step off, a checkpoint
+    reported each step (the rollout worker mirrors each report, else Ray's barrier blocks the first): the
+    same metrics, staleness and weights as ``recipes/grpo.py trainer.devices=2`` with the same pool."""
+    from tests.recipes.test_multinode import run_nodes
+    from tests.trainer.common import read_csv_metrics
+
+    plain = tmp_path / "plain"
+    run_nodes([([sys.executable, *grpo_args(assets, plain, "trainer.devices=2", *POOL)], clean_env())])
+    ray_root = tmp_path / "ray"
+    out = run_watched(ray_cluster, ray_command(ray_cluster, assets, ray_root, *POOL))
+    assert "ray run done: 2 workers" in out, out[-3000:]
+    assert_same_run(ray_root, plain)
+    for root in (ray_root, plain):  # step 1 sampled by version 0, steps 2 and 3 by the version before theirs
+        metrics = read_csv_metrics(root)
+        assert [metrics[s]["rollout/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0], metrics
+    stored = sorted(p.name for p in (ray_root / "ray_results" / "grpo_test").glob("step_*"))
+    assert stored == ["step_000001", "step_000002", "step_000003"], stored
+
+
+def test_a_killed_rollout_worker_is_restarted_and_the_run_resumes(ray_cluster, assets, tmp_path):  # noqa: F811
+    """The rollout worker (world rank 1) SIGKILLed once the first checkpoint is reported: Ray names the rank
+    that failed, restarts both workers with the same split, and the run resumes from a checkpoint and ends
+    (Ray sees the actor die before the pool's weight_sync_timeout_s check would fire)."""
+    import re
+
+    from tests.trainer.common import read_csv_metrics
+
+    ray_root = tmp_path / "ray"
+    stored = ray_root / "ray_results" / "grpo_test"
+    serving = re.compile(r"rollout rank 1 \(pid (\d+)\) serves trainer ranks \[0\]")
+
+    def kill_the_rollout_worker() -> int | None:
+        if not (stored / "step_000001" / "trainer_state.pt").is_file():
+            return None
+        logs = sorted(Path(ray_cluster.temp_dir).glob("driver_*.log"))
+        found = serving.findall(logs[-1].read_text()) if logs else []
+        return int(found[-1]) if found else None
+
+    out = run_watched(ray_cluster, ray_command(ray_cluster, assets, ray_root, *POOL),
+                      kill_when=kill_the_rollout_worker)
+    assert "[Rank 1 Error Snippet]" in out and "The actor died unexpectedly" in out, out[-6000:]
+    assert len(set(serving.findall(out))) == 2, out[-6000:]  # a second rollout worker after the restart
+    assert "resuming from this Ray run's latest checkpoint" in out, out[-6000:]
+    assert "ray run done: 2 workers" in out, out[-3000:]
+    assert (stored / "step_000003" / "trainer_state.pt").is_file()
+    assert sorted(read_csv_metrics(ray_root)) == [1, 2, 3]

@@ -13,9 +13,11 @@ starts, one more between a version's arrival and the next group's start).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ from verl_trainer.algorithms.stages.rollout import RolloutStage
 from verl_trainer.rollout import build_rollout
 from verl_trainer.rollout_pool.buckets import receive_weights
 from verl_trainer.rollout_pool.channel import Heartbeat, PoolStoppedError, post, take
+from verl_trainer.rollout_pool.mirror import Handler, Mirrors
 
 __all__ = ["serve"]
 
@@ -67,15 +70,25 @@ def _receive(pool: Any, versions: _Versions) -> None:
             versions.cond.notify_all()
 
 
-def serve(pool: Any) -> None:
-    """Serve the trainer ranks ``r`` with ``pool.server_of(r) == pool.rank`` until ``stop``."""
+def serve(pool: Any, mirrors: Mapping[str, Handler] | None = None) -> None:
+    """Serve the trainer ranks ``r`` with ``pool.server_of(r) == pool.rank`` until ``stop``.
+
+    Args:
+        pool: This rollout rank's pool.
+        mirrors: Kind -> handler of the mirrored calls (:mod:`.mirror`), run on a thread of their own.
+
+    Raises:
+        RuntimeError: A mirrored call failed or had no handler (after serving ended).
+    """
     heartbeat = Heartbeat(pool.store, pool.rank)
+    mirrored = Mirrors(pool, mirrors or {})
     rollout = build_rollout(pool.config, pool.model_path)
     versions = _Versions()
     receiver = threading.Thread(target=_receive, args=(pool, versions), name="rollout-pool-receiver",
                                 daemon=True)
     receiver.start()
     served = [r for r in range(pool.trainers) if pool.server_of(r) == pool.rank]
+    print(f"rollout rank {pool.rank} (pid {os.getpid()}) serves trainer ranks {served}", flush=True)
     loaded: int | None = None
     seq = 0
     try:
@@ -104,3 +117,4 @@ def serve(pool: Any) -> None:
     finally:
         heartbeat.stop()
         receiver.join(timeout=pool.config.weight_sync_timeout_s)
+    mirrored.finish(pool.config.weight_sync_timeout_s)

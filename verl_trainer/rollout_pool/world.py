@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -26,7 +26,7 @@ from verl_trainer.rollout_pool.buckets import send_weights
 from verl_trainer.rollout_pool.channel import Liveness, PoolStoppedError, RolloutPoolError, post, take
 from verl_trainer.rollout_pool.config import check_pool_world
 
-__all__ = ["Pool", "current_pool", "make_group", "pool_settings", "split_world"]
+__all__ = ["Pool", "current_pool", "is_rollout_rank", "make_group", "pool_settings", "split_world"]
 
 _CURRENT: Pool | None = None
 
@@ -34,6 +34,14 @@ _CURRENT: Pool | None = None
 def current_pool() -> Pool | None:
     """This process's pool (``None``: colocated, or not launched by the Trainer)."""
     return _CURRENT
+
+
+def is_rollout_rank() -> bool:
+    """Whether this process is a rollout rank of a separate pool.
+
+    Its ``fit`` returned ``None``; a script's later stages (validation, export) belong to the trainer ranks.
+    """
+    return _CURRENT is not None and _CURRENT.serves_rollout
 
 
 def pool_settings(module: Any) -> tuple[Any, str] | None:
@@ -67,6 +75,7 @@ class Pool:
         weight_group: Trainer rank 0 and the rollout ranks (``None`` on other trainer ranks).
         device: Where broadcast buckets live (``cuda`` with NCCL).
         world: The trainer world (:class:`~verl_trainer.training.launch.World`) on trainer ranks.
+        mirrors_posted: Mirrored calls posted so far (trainer rank 0; :mod:`.mirror`).
     """
 
     config: Any
@@ -77,6 +86,7 @@ class Pool:
     weight_group: Any
     device: str
     world: Any = None
+    mirrors_posted: int = 0
     _syncs: int = 0
     _jobs: dict[int, int] = dataclasses.field(default_factory=dict)
     _stopped: bool = False
@@ -172,7 +182,7 @@ class Pool:
         """Whether trainer rank 0 posted ``stop`` (rollout side)."""
         return self._stopped or bool(self.store.check(["stop"]))
 
-    def serve(self, exit_process: bool = False) -> None:
+    def serve(self, exit_process: bool = False, mirrors: Mapping[str, Any] | None = None) -> None:
         """Run this rollout rank until the trainers stop (:func:`~.worker.serve`).
 
         Args:
@@ -180,19 +190,22 @@ class Pool:
                 rank its script launcher started (a copy of the command: ``python recipe.py
                 trainer.devices=N``), so what the script does after ``fit`` (validation, export) runs on
                 the trainer ranks only. Elsewhere (a process group made by the caller, Ray Train) ``fit``
-                returns on the rollout rank; later stages there are refused.
+                returns on the rollout rank; a second fit there is refused (the Trainer runs no other
+                stage on a rollout rank: it returns ``None`` from validate / test / predict).
+            mirrors: Kind -> handler of the calls trainer rank 0 asks the rollout ranks to mirror
+                (:mod:`.mirror`; e.g. Ray Train's report).
 
         Raises:
-            RuntimeError: Called again after it served (a second stage on a rollout rank).
+            RuntimeError: Called again after it served (a second fit on a rollout rank).
         """
         from verl_trainer.rollout_pool.worker import (
             serve,  # lazy: import cycle (worker -> algorithms -> stage)
         )
 
         if self._stopped:
-            raise RuntimeError(f"global rank {self.rank} served the rollout pool of an earlier fit; a later "
-                               "stage (validate, a second fit) runs on the trainer ranks only: call it there")
-        serve(self)
+            raise RuntimeError(f"global rank {self.rank} served the rollout pool of an earlier fit; a second "
+                               "fit with a separate pool needs a fresh launch (one fit per process)")
+        serve(self, mirrors or {})
         self._stopped = True
         if exit_process:
             sys.stdout.flush()
