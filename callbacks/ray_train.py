@@ -35,8 +35,8 @@ from verl_trainer.callbacks.base import Callback
 from verl_trainer.callbacks.contract import CallbackModule, CallbackTrainer
 from verl_trainer.callbacks.model_checkpoint import ModelCheckpoint
 from verl_trainer.engine.checkpoint_dirs import checkpoint_run_id, list_checkpoints
+from verl_trainer.rollout_pool.current import current_pool
 from verl_trainer.rollout_pool.mirror import post_mirror
-from verl_trainer.rollout_pool.world import current_pool
 
 MIRROR_KIND = "ray_train_report"
 

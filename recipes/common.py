@@ -47,7 +47,7 @@ from verl_trainer.recipe_config.demo_scope import apply_demo_scope
 from verl_trainer.recipe_config.run_length import run_length, with_schedule_length
 from verl_trainer.recipes.plotting import plot_training_curves
 from verl_trainer.rollout import resolve_rollout_name, rollout_class
-from verl_trainer.rollout_pool.world import is_rollout_rank
+from verl_trainer.rollout_pool.current import is_rollout_rank
 from verl_trainer.trainer import Trainer
 from verl_trainer.utils.cached_dir import fingerprint, is_current, normalize, settings_difference
 from verl_trainer.utils.dir_lock import DirectoryLock

@@ -25,7 +25,7 @@ from verl_trainer.callbacks import Callback, ProgressBar  # noqa: E402
 from verl_trainer.recipe_config import GRPORecipeConfig, parse_recipe_args  # noqa: E402
 from verl_trainer.recipes import common  # noqa: E402
 from verl_trainer.recipes.configs import config_path  # noqa: E402
-from verl_trainer.rollout_pool.world import is_rollout_rank  # noqa: E402
+from verl_trainer.rollout_pool.current import is_rollout_rank  # noqa: E402
 from verl_trainer.user_errors import run_command, user_setup  # noqa: E402
 
 CONFIG = config_path("grpo")

@@ -44,7 +44,8 @@ from verl_trainer.engine.config import EngineSpec
 from verl_trainer.engine.hooks import STEP_HOOK_NAMES, StepHooks
 from verl_trainer.metrics import Metric
 from verl_trainer.module import TrainingModule
-from verl_trainer.rollout_pool.world import current_pool, split_world
+from verl_trainer.rollout_pool.current import current_pool
+from verl_trainer.rollout_pool.world import split_world
 from verl_trainer.training import checkpoint, failure, launch, resume_check
 from verl_trainer.training.arguments import TrainerArgs, check_trainer_args
 from verl_trainer.training.evaluation import EVAL_STAGES, EvaluationLoop

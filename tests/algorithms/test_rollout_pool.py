@@ -62,7 +62,7 @@ def _summary(run: dict | None) -> dict | None:
 
 
 def _fit(assets: Path, root: Path, *overrides: str, devices: int = 1) -> dict | None:
-    from verl_trainer.rollout_pool.world import current_pool
+    from verl_trainer.rollout_pool.current import current_pool
 
     run = _grpo_fit(str(assets / "model"), str(assets / "data"), str(root), *overrides, devices=devices)
     pool = current_pool()
@@ -73,7 +73,7 @@ def _grpo_fit_or_none(*args, **kwargs):
     try:
         return _fit(*args, **kwargs)
     except RuntimeError:  # the rollout rank's module has no actor: it never trained
-        from verl_trainer.rollout_pool.world import current_pool
+        from verl_trainer.rollout_pool.current import current_pool
 
         if current_pool() is not None and current_pool().serves_rollout:
             return None

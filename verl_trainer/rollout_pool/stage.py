@@ -24,7 +24,8 @@ from tensordict import TensorDict
 
 from verl_trainer.algorithms.async_rollout import AsyncRollout, _Group, tag_versions
 from verl_trainer.algorithms.stages.rollout import RolloutStage
-from verl_trainer.rollout_pool.world import Pool, current_pool
+from verl_trainer.rollout_pool.current import current_pool
+from verl_trainer.rollout_pool.world import Pool
 
 __all__ = ["PoolRollout", "check_pool_stage", "pool_rollout"]
 

@@ -25,24 +25,9 @@ from torch.distributed.distributed_c10d import _get_default_store
 from verl_trainer.rollout_pool.buckets import send_weights
 from verl_trainer.rollout_pool.channel import Liveness, PoolStoppedError, RolloutPoolError, post, take
 from verl_trainer.rollout_pool.config import check_pool_world
+from verl_trainer.rollout_pool.current import set_current_pool
 
-__all__ = ["Pool", "current_pool", "is_rollout_rank", "make_group", "pool_settings", "split_world"]
-
-_CURRENT: Pool | None = None
-
-
-def current_pool() -> Pool | None:
-    """This process's pool (``None``: colocated, or not launched by the Trainer)."""
-    return _CURRENT
-
-
-def is_rollout_rank() -> bool:
-    """Whether this process is a rollout rank of a separate pool.
-
-    Its ``fit`` returned ``None``; a script's later stages (validation, export) belong to the trainer ranks.
-    """
-    return _CURRENT is not None and _CURRENT.serves_rollout
-
+__all__ = ["Pool", "make_group", "pool_settings", "split_world"]
 
 def pool_settings(module: Any) -> tuple[Any, str] | None:
     """``(rollout config, model path)`` of a module whose rollout is placed separately; else ``None``."""
@@ -229,7 +214,6 @@ def split_world(world: Any, module: Any, backend: str, timeout: timedelta) -> Po
     Raises:
         ValueError: From :func:`~.config.check_pool_world` (on every rank alike).
     """
-    global _CURRENT
     settings = pool_settings(module)
     if settings is None:
         return None
@@ -250,6 +234,5 @@ def split_world(world: Any, module: Any, backend: str, timeout: timedelta) -> Po
     group = (make_group(dist.PrefixStore("verl_pool_weights", base), group_rank, config.rollout_ranks + 1,
                         timedelta(seconds=config.weight_sync_timeout_s), backend) if in_group else None)
     device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
-    _CURRENT = Pool(config, model_path, dist.PrefixStore("verl_pool", base), rank, trainers, group, device,
-                    trainer_world)
-    return _CURRENT
+    return set_current_pool(Pool(config, model_path, dist.PrefixStore("verl_pool", base), rank, trainers,
+                                 group, device, trainer_world))
