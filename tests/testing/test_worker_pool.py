@@ -175,6 +175,7 @@ def test_a_hanging_rank_times_out_with_its_rank_named_and_its_processes_end():
 
 
 def test_off_runs_every_call_on_fresh_processes(monkeypatch):
+    close_worker_pools()  # as when the pool is off for a whole run: no pooled world alive beside the new ones
     monkeypatch.setenv(POOL_ENV, "0")
     assert set(run_distributed(_pid, 2)).isdisjoint(run_distributed(_pid, 2))
 
