@@ -1,6 +1,6 @@
 """recipes/rm.py and recipes/online_dpo.py: configs, errors before any model loads, the reward model's export
 loaded by ``algorithm.reward.model``; (slow) the documented pipeline — train the reward model, then GRPO with
-it as the only reward — and the online-DPO demo, their metrics moving the right way."""
+it as the only reward — its metrics moving the right way (the online-DPO demo: tests/recipes)."""
 
 from __future__ import annotations
 
@@ -93,18 +93,6 @@ def _subprocess(recipe: Path, cwd: Path, *overrides: str) -> Path:
     root = next(o.split("=", 1)[1] for o in overrides if o.startswith("trainer.default_root_dir="))
     (csv_path,) = (cwd / root).rglob("metrics.csv")
     return csv_path
-
-
-@pytest.mark.slow  # ~3 min on one process
-def test_online_dpo_demo_raises_the_held_out_reward(tmp_path):
-    """The demo as shipped (200 steps): measured greedy validation reward 0.235 -> 0.505."""
-    csv_path = _subprocess(ONLINE_DPO, tmp_path, "trainer.default_root_dir=outputs/online_dpo",
-                           "trainer.export_hf=false")
-    reward = _metrics(csv_path, "val/reward/mean")
-    assert reward[-1] > reward[0] + 0.1
-    ties = _metrics(csv_path, "online_dpo/tied_prompt_frac")
-    assert ties and all(0.0 <= t < 1.0 for t in ties)
-    assert max(_metrics(csv_path, "rewards/accuracies")) > 0.5
 
 
 @pytest.mark.slow  # ~2 min (reward model) + ~5 min (GRPO) on one process
