@@ -18,7 +18,7 @@ from verl_trainer.engine.heads import LanguageModel
 from verl_trainer.models.attention import packed_forward
 from verl_trainer.models.loading import load_causal_lm
 from verl_trainer.models.tiny_vlm import make_tiny_vlm
-from verl_trainer.models.vlm import mm_token_type_ids
+from verl_trainer.models.vlm import token_types
 from verl_trainer.testing.ranks import run_distributed
 from verl_trainer.testing.vlm_batch import hf_reference_log_probs, vlm_batch
 
@@ -50,7 +50,7 @@ def test_packed_equals_padded_equals_hf(vlm_path, reference):
         vision = model_vision_inputs(batch)
         ids = batch["input_ids"]
         logits = hf_model(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False,
-                          mm_token_type_ids=mm_token_type_ids(ids, hf_model.config), **vision).logits
+                          mm_token_type_ids=token_types(ids, hf_model.config), **vision).logits
         padded = torch.zeros_like(ref)
         padded[:, 1:] = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
     model = load_causal_lm(vlm_path, attn_implementation="verl_varlen").eval()
@@ -168,7 +168,7 @@ def _check_export(export_dir, policy, batch):
         n = int(row["prompt_len"][0])
         ids = row["input_ids"][:, :n]
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                  "mm_token_type_ids": mm_token_type_ids(ids, exported.config), **model_vision_inputs(row)}
+                  "mm_token_type_ids": token_types(ids, exported.config), **model_vision_inputs(row)}
         with torch.no_grad():
             want = live.generate(**inputs, max_new_tokens=6, do_sample=False)
             got = exported.generate(**inputs, max_new_tokens=6, do_sample=False)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from verl_trainer.data.packing import PackedBatch, pack_token_values
+from verl_trainer.data.vlm_processor import mm_token_type_ids
 
 __all__ = [
     "VISION_ATTENTION",
@@ -37,7 +38,7 @@ __all__ = [
     "vision_tower_name",
     "find_rope_module",
     "is_vision_language",
-    "mm_token_type_ids",
+    "token_types",
     "mrope_position_ids",
     "vlm_attention",
 ]
@@ -57,14 +58,14 @@ def vlm_attention(text_attention: str | None) -> dict[str, str | None]:
     return {"": text, "text_config": text, "vision_config": VISION_ATTENTION}
 
 
-def mm_token_type_ids(input_ids: torch.Tensor, config: Any) -> torch.Tensor:
-    """Token modality ``[B, T]`` int32: 0 text, 1 image (``image_token_id``), 2 video (``video_token_id``)."""
-    types = torch.zeros_like(input_ids, dtype=torch.int32)
-    types[input_ids == config.image_token_id] = 1
+def token_types(input_ids: torch.Tensor, config: Any) -> torch.Tensor:
+    """``mm_token_type_ids`` ``[B, T]`` int32 from a VLM config's placeholder ids.
+
+    0 text, 1 image (``image_token_id``), 2 video (``video_token_id``), as
+    ``data.vlm_processor.mm_token_type_ids`` computes them.
+    """
     video = getattr(config, "video_token_id", None)
-    if video is not None:
-        types[input_ids == video] = 2
-    return types
+    return mm_token_type_ids(input_ids, config.image_token_id, video).to(torch.int32)
 
 
 def find_rope_module(model: Any) -> torch.nn.Module:
@@ -105,7 +106,7 @@ def mrope_position_ids(rope_module: torch.nn.Module, packed: PackedBatch) -> tor
     mask = torch.arange(ids.shape[1], device=ids.device)[None, :] < packed.seq_lens.to(ids.device)[:, None]
     grids = packed.vision.get("image_grid_thw")
     positions, _ = rope_module.get_rope_index(
-        ids, mm_token_type_ids(ids, rope_module.config), image_grid_thw=grids, attention_mask=mask.long()
+        ids, token_types(ids, rope_module.config), image_grid_thw=grids, attention_mask=mask.long()
     )  # [3, B, T]
     return pack_token_values(positions.permute(1, 2, 0), packed.seq_lens).permute(1, 0).unsqueeze(1)
 

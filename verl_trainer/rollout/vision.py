@@ -21,9 +21,7 @@ from transformers import PreTrainedModel
 
 from verl_trainer.data import schema
 from verl_trainer.data.vision import has_vision, patch_counts
-
-IMAGE_TOKEN_TYPE = 1
-"""``mm_token_type_ids`` value of an image placeholder token (0: text, 2: video)."""
+from verl_trainer.models.vlm import token_types
 
 
 @dataclass(frozen=True)
@@ -118,7 +116,7 @@ def chunk_vision_inputs(model: PreTrainedModel, input_ids: torch.Tensor,
                 f"prompt row {row} holds {found} image tokens but its {im.image_grid_thw.shape[0]} image(s) "
                 f"(image_grid_thw {im.image_grid_thw.tolist()}) need {expected} (t*h*w / {merge}**2 each): "
                 "expand each image placeholder by the image processor's grid (the VLM data pipeline does)")
-    out = {"mm_token_type_ids": is_image.to(torch.int) * IMAGE_TOKEN_TYPE}
+    out = {"mm_token_type_ids": token_types(input_ids, model.config)}
     with_rows = [im for im in images if im.image_grid_thw.shape[0]]
     if with_rows:
         out["pixel_values"] = torch.cat([im.pixel_values for im in with_rows]).to(input_ids.device)
@@ -149,5 +147,5 @@ def mrope_positions(model: PreTrainedModel, input_ids: torch.Tensor, attention_m
     return positions, next_position
 
 
-__all__ = ["IMAGE_TOKEN_TYPE", "PromptImages", "chunk_vision_inputs", "image_token_id", "mrope_positions",
+__all__ = ["PromptImages", "chunk_vision_inputs", "image_token_id", "mrope_positions",
            "placeholder_ids", "prompt_images"]

@@ -22,7 +22,7 @@ from verl_trainer.models.tiny_vlm import (
     build_image_processor,
     build_vlm_tokenizer,
 )
-from verl_trainer.models.vlm import mm_token_type_ids
+from verl_trainer.models.vlm import token_types
 
 SIZES = ((56, 56), (84, 56), (56, 112))
 """Image (width, height) choices: 4, 6 and 8 image tokens."""
@@ -80,7 +80,7 @@ def hf_reference_log_probs(model: torch.nn.Module, batch: TensorDict) -> torch.T
         ids = batch["input_ids"][i : i + 1, :n]
         row = batch[i : i + 1]
         vision = model_vision_inputs(row)
-        logits = model(input_ids=ids, mm_token_type_ids=mm_token_type_ids(ids, model.config),
+        logits = model(input_ids=ids, mm_token_type_ids=token_types(ids, model.config),
                        use_cache=False, **vision).logits.float()
         log_probs = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
         out[i, 1:n] = log_probs
