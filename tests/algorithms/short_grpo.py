@@ -21,6 +21,16 @@ def make_assets(base: Path, num_train: int = 24) -> Path:
     return base
 
 
+def make_varied_reward_assets(base: Path) -> Path:
+    """:func:`make_assets` (40 prompts) plus ``base/reward.py:length``, a reward that varies on a random
+    model (the task's own reward is 0 everywhere there), so advantages and updates are non-zero."""
+    make_assets(base, num_train=40)
+    (base / "reward.py").write_text(
+        "def length(prompts, completions, **kwargs):\n"
+        "    return [float(sum(map(ord, c)) % 7) for c in completions]\n")
+    return base
+
+
 def short_grpo_config(model: str, data: str, *overrides: str) -> Any:
     """``configs/grpo.yaml`` with the small batch above and ``overrides`` (a ``GRPORecipeConfig``)."""
     from verl_trainer.recipe_config import GRPORecipeConfig, load_config

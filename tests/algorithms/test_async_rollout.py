@@ -22,7 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.algorithms.short_grpo import ROOT, StepRecord, make_assets, short_grpo_config
+from tests.algorithms.short_grpo import (
+    ROOT,
+    StepRecord,
+    make_varied_reward_assets,
+    short_grpo_config,
+)
 from verl_trainer.testing import run_distributed
 
 STEPS = 3
@@ -31,11 +36,7 @@ VERSION_KEYS = ("policy_version", "token_policy_version")
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    base = make_assets(tmp_path_factory.mktemp("one_step_off"), num_train=40)
-    (base / "reward.py").write_text(  # varies on a random model (the task's reward is 0 everywhere there)
-        "def length(prompts, completions, **kwargs):\n"
-        "    return [float(sum(map(ord, c)) % 7) for c in completions]\n")
-    return base
+    return make_varied_reward_assets(tmp_path_factory.mktemp("one_step_off"))
 
 
 def _grpo_fit(model: str, data: str, root: str, *overrides: str, devices: int = 1, steps: int = STEPS,

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.algorithms.short_grpo import make_assets
+from tests.algorithms.short_grpo import make_varied_reward_assets
 from tests.algorithms.test_async_rollout import _grpo_fit, _without_timing
 from verl_trainer.testing import run_distributed
 
@@ -36,11 +36,7 @@ POOL_ONLY = ("rollout/staleness", "rollout/tokens_at_staleness_", "rollout/queue
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    base = make_assets(tmp_path_factory.mktemp("rollout_pool"), num_train=40)
-    (base / "reward.py").write_text(  # varies on a random model (the task's reward is 0 everywhere there)
-        "def length(prompts, completions, **kwargs):\n"
-        "    return [float(sum(map(ord, c)) % 7) for c in completions]\n")
-    return base
+    return make_varied_reward_assets(tmp_path_factory.mktemp("rollout_pool"))
 
 
 @pytest.fixture
