@@ -61,9 +61,25 @@ def pad_vision(
     return {schema.PIXEL_VALUES: pixels, schema.IMAGE_GRID_THW: grids}
 
 
-def has_vision(batch: TensorDict) -> bool:
-    """Whether ``batch`` carries per-sample vision fields."""
-    return schema.PIXEL_VALUES in batch.keys() and schema.IMAGE_GRID_THW in batch.keys()
+def sample_images(batch: TensorDict) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Each sample's own images: ``(pixel_values [n_i, D], image_grid_thw [I_i, 3])`` (zero rows dropped).
+
+    Returns ``None`` when the batch carries no vision fields.
+
+    Raises:
+        schema.BatchSchemaError: one of the two vision fields is missing.
+    """
+    keys = batch.keys()
+    if (schema.PIXEL_VALUES in keys) != (schema.IMAGE_GRID_THW in keys):
+        raise schema.BatchSchemaError(
+            f"a batch with images needs both {schema.PIXEL_VALUES!r} and {schema.IMAGE_GRID_THW!r}; it has "
+            "only one (build them together with data.vision.pad_vision)"
+        )
+    if schema.PIXEL_VALUES not in keys:
+        return None
+    grids = batch[schema.IMAGE_GRID_THW]
+    return [(batch[schema.PIXEL_VALUES][i, : int(n)], grids[i][grids[i].prod(-1) > 0])
+            for i, n in enumerate(patch_counts(grids).tolist())]
 
 
 def model_vision_inputs(batch: TensorDict) -> dict[str, torch.Tensor]:
@@ -74,19 +90,8 @@ def model_vision_inputs(batch: TensorDict) -> dict[str, torch.Tensor]:
     Raises:
         schema.BatchSchemaError: one of the two vision fields is missing.
     """
-    keys = batch.keys()
-    if (schema.PIXEL_VALUES in keys) != (schema.IMAGE_GRID_THW in keys):
-        raise schema.BatchSchemaError(
-            f"a batch with images needs both {schema.PIXEL_VALUES!r} and "
-            f"{schema.IMAGE_GRID_THW!r}; it has only one"
-        )
-    if schema.PIXEL_VALUES not in keys:
+    images = sample_images(batch)
+    if not images or all(g.shape[0] == 0 for _, g in images):
         return {}
-    grids = batch[schema.IMAGE_GRID_THW]
-    counts = patch_counts(grids)
-    pixels = [batch[schema.PIXEL_VALUES][i, : int(n)] for i, n in enumerate(counts)]
-    rows = grids.reshape(-1, 3)
-    rows = rows[rows.prod(-1) > 0]
-    if rows.shape[0] == 0:
-        return {}
-    return {"pixel_values": torch.cat(pixels), "image_grid_thw": rows}
+    return {"pixel_values": torch.cat([p for p, _ in images]),
+            "image_grid_thw": torch.cat([g for _, g in images])}

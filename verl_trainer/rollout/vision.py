@@ -19,8 +19,7 @@ import torch
 from tensordict import TensorDict
 from transformers import PreTrainedModel
 
-from verl_trainer.data import schema
-from verl_trainer.data.vision import has_vision, patch_counts
+from verl_trainer.data.vision import sample_images
 from verl_trainer.models.vlm import token_types
 
 
@@ -37,24 +36,13 @@ class PromptImages:
 
 
 def prompt_images(batch: TensorDict) -> list[PromptImages] | None:
-    """Each prompt's images from the per-sample vision fields; ``None`` when the batch carries none.
+    """Each prompt's images (``data.vision.sample_images``); ``None`` when the batch carries none.
 
     Raises:
         schema.BatchSchemaError: only one of the two vision fields is present.
     """
-    keys = batch.keys()
-    if (schema.PIXEL_VALUES in keys) != (schema.IMAGE_GRID_THW in keys):
-        raise schema.BatchSchemaError(
-            f"a prompt batch with images needs both {schema.PIXEL_VALUES!r} and {schema.IMAGE_GRID_THW!r}; "
-            "it has only one (build them together with data.vision.pad_vision)")
-    if not has_vision(batch):
-        return None
-    grids = batch[schema.IMAGE_GRID_THW]
-    out = []
-    for i, n in enumerate(patch_counts(grids).tolist()):
-        rows = grids[i][grids[i].prod(-1) > 0]
-        out.append(PromptImages(batch[schema.PIXEL_VALUES][i, : int(n)], rows))
-    return out
+    images = sample_images(batch)
+    return None if images is None else [PromptImages(pixels, grids) for pixels, grids in images]
 
 
 def image_token_id(model: PreTrainedModel) -> int:
