@@ -212,7 +212,7 @@ def test_a_killed_rollout_rank_is_named(assets):
     ({"placement": "separate", "rollout_ranks": 0}, r"rollout_ranks=0 must be an int >= 1"),
     ({"weight_sync_bucket_mb": 0}, r"weight_sync_bucket_mb=0 must be > 0"),
     ({"weight_sync_timeout_s": -1}, r"weight_sync_timeout_s=-1 must be > 0"),
-    ({"placement": "separate", "name": "auto"}, r"name='auto'.*set algorithm.rollout.name=hf"),
+    ({"placement": "separate", "name": "auto"}, r"name='auto'.*backends \('hf', 'vllm'\)"),
     ({"placement": "separate", "max_staleness": 1, "partial_rollout": True}, r"partial_rollout=true"),
 ])
 def test_wrong_placement_settings_are_refused_at_build(overrides, match):

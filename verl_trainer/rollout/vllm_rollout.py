@@ -167,6 +167,16 @@ class VLLMRollout(BaseRollout):
             return self.state.entered()
         return contextlib.nullcontext()
 
+    def shutdown_engine(self) -> None:
+        """End the engine now (its executor and the process groups vLLM made), not at interpreter exit.
+
+        vLLM's teardown also destroys ``torch.distributed``'s default group: call it only where that group
+        is vLLM's own — a rollout rank of a separate pool (:mod:`verl_trainer.rollout_pool.worker`), whose
+        default group was given up when the world split — never in a training process.
+        """
+        with self.entered():
+            self.llm.llm_engine.engine_core.shutdown()
+
     # ------------------------------------------------------------------------------------ sleep / wake
     def sleep(self) -> None:
         """Free the KV cache and offload the weights (CUDA); a no-op where vLLM has no sleep mode (CPU)."""

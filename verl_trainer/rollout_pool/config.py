@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PLACEMENTS", "check_placement", "check_pool_algorithm", "check_pool_world"]
+__all__ = ["PLACEMENTS", "POOL_BACKENDS", "check_placement", "check_pool_algorithm", "check_pool_world"]
 
 PLACEMENTS = ("colocated", "separate")
+POOL_BACKENDS = ("hf", "vllm")
+"""Rollout backends a rollout rank serves (``name``; ``auto`` is refused: the rollout ranks and the trainer
+ranks must agree on one backend when the config is built)."""
 
 
 def check_placement(config: Any) -> None:
@@ -37,12 +40,11 @@ def check_placement(config: Any) -> None:
                          "a rollout rank may stay silent before the run fails naming it)")
     if config.placement != "separate":
         return
-    if config.name != "hf":
+    if config.name not in POOL_BACKENDS:
         raise ValueError(
-            f"rollout placement='separate' with name={config.name!r}: the pool's ranks run the hf rollout "
-            "only (the vLLM rollout is built as one engine inside each training process, synced by "
-            "tensor; serving it from pool ranks is not built); set algorithm.rollout.name=hf, or "
-            "placement=colocated"
+            f"rollout placement='separate' with name={config.name!r}: the pool's ranks run the backends "
+            f"{POOL_BACKENDS} (each rollout rank builds one engine and loads the broadcast weight versions "
+            "into it); set algorithm.rollout.name to one of them, or placement=colocated"
         )
     if config.partial_rollout:
         raise ValueError("rollout placement='separate' with partial_rollout=true: chunked generation under "

@@ -24,6 +24,7 @@ from tensordict import TensorDict
 
 from verl_trainer.algorithms.async_rollout import AsyncRollout, _Group, tag_versions
 from verl_trainer.algorithms.stages.rollout import RolloutStage
+from verl_trainer.rollout.lora_sync import peft_config_dict
 from verl_trainer.rollout_pool.current import current_pool
 from verl_trainer.rollout_pool.world import Pool
 
@@ -80,8 +81,10 @@ class PoolRollout(AsyncRollout):
         if self.published_at == step and not weights.stale:
             return 0.0
         start = time.perf_counter()
+        adapter = peft_config_dict(weights.actor.peft_model) if weights.adapter else None  # lora_sync=adapter
         with weights.actor.eval_mode():
-            self.pool.broadcast_weights(weights.actor.get_per_tensor_param(), step, self.liveness)
+            stream = weights.actor.get_per_tensor_param(adapters_only=weights.adapter)
+            self.pool.broadcast_weights(stream, step, self.liveness, adapter)
         with self._lock:
             self.published_at = step
         weights.stale = False

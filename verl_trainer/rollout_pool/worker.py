@@ -1,10 +1,13 @@
 """A rollout rank's loop (``placement="separate"``): receive weight versions, generate the groups sent.
 
-Two threads: the receiver takes ``sync/<n>`` (a version number) and joins that version's broadcast
-(:func:`~.buckets.receive_weights`) into a snapshot kept by version; the main thread takes the jobs of
-the trainer ranks it serves in a fixed order (``job/<r>/<n>`` for ``n = 0, 1, ...`` and each served
-``r``), loads the job's version into the rollout model when it is not loaded (versions older than it are
-freed: jobs arrive in non-decreasing version order), generates with
+The rollout is built here from ``algorithm.rollout`` (``name``: ``hf`` or ``vllm``; one engine per rollout
+rank, built on the main thread, which makes every call into it). Two threads: the receiver takes
+``sync/<n>`` (the version and, with ``lora_sync=adapter``, the adapters' config) and joins that version's
+broadcast (:func:`~.buckets.receive_weights`) into a snapshot kept by version; the main thread takes the
+jobs of the trainer ranks it serves in a fixed order (``job/<r>/<n>`` for ``n = 0, 1, ...`` and each served
+``r``), loads the job's version into the rollout when it is not loaded — merged weights through
+``rollout.update_weights``, adapters as the rollout's LoRA version ``n`` (``rollout.load_adapter``) —
+(versions older than it are freed: jobs arrive in non-decreasing version order), generates with
 :meth:`~verl_trainer.algorithms.stages.rollout.RolloutStage.sample` (the colocated rollout's code: uids,
 per-response seeds), and posts the batch, or the error's text, as ``result/<r>/<n>``. Both stop when
 trainer rank 0 posts ``stop``. At most ``max_staleness + 2`` snapshots are alive (``k + 1`` once a group
@@ -18,7 +21,7 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,15 +34,21 @@ from verl_trainer.rollout_pool.mirror import Handler, Mirrors
 __all__ = ["serve"]
 
 
+class _Snapshot(NamedTuple):
+    tensors: dict[str, torch.Tensor]
+    adapter_config: dict[str, Any] | None
+    """``None``: the model's (merged) tensors; else the adapters' ``adapter_config.json`` content."""
+
+
 class _Versions:
     """Snapshots by version, filled by the receiver thread."""
 
     def __init__(self) -> None:
-        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self.snapshots: dict[int, _Snapshot] = {}
         self.error: BaseException | None = None
         self.cond = threading.Condition()
 
-    def wait_for(self, version: int, stopped: Any) -> dict[str, torch.Tensor]:
+    def wait_for(self, version: int, stopped: Any) -> _Snapshot:
         with self.cond:
             while version not in self.snapshots:
                 if self.error is not None:
@@ -56,8 +65,10 @@ def _receive(pool: Any, versions: _Versions) -> None:
     count = 0
     try:
         while True:
-            version = take(pool.store, f"sync/{count}", pool.stopped)
-            snapshot = dict(receive_weights(pool.weight_group, "cpu", pool.timeout))
+            sync = take(pool.store, f"sync/{count}", pool.stopped)
+            version = sync["version"]
+            snapshot = _Snapshot(dict(receive_weights(pool.weight_group, "cpu", pool.timeout)),
+                                 sync["adapter_config"])
             with versions.cond:
                 versions.snapshots[version] = snapshot
                 versions.cond.notify_all()
@@ -68,6 +79,14 @@ def _receive(pool: Any, versions: _Versions) -> None:
         with versions.cond:
             versions.error = exc
             versions.cond.notify_all()
+
+
+def _load(rollout: Any, version: int, snapshot: _Snapshot) -> None:
+    """Version ``version`` into the rollout: merged tensors in place, or adapters as its LoRA version."""
+    if snapshot.adapter_config is None:
+        rollout.update_weights(snapshot.tensors.items())
+    else:
+        rollout.load_adapter(version, snapshot.tensors, snapshot.adapter_config)
 
 
 def serve(pool: Any, mirrors: Mapping[str, Handler] | None = None) -> None:
@@ -99,7 +118,7 @@ def serve(pool: Any, mirrors: Mapping[str, Handler] | None = None) -> None:
                 try:
                     snapshot = versions.wait_for(job["version"], pool.stopped)
                     if loaded != job["version"]:
-                        rollout.update_weights(snapshot.items())
+                        _load(rollout, job["version"], snapshot)
                         loaded = job["version"]
                     rollout.data_rank = job["dp_rank"]
                     stage = RolloutStage(rollout, None, job["dp_rank"])
@@ -117,4 +136,6 @@ def serve(pool: Any, mirrors: Mapping[str, Handler] | None = None) -> None:
     finally:
         heartbeat.stop()
         receiver.join(timeout=pool.config.weight_sync_timeout_s)
+        if hasattr(rollout, "shutdown_engine"):  # vLLM: its groups go now, not in a finalizer at exit
+            rollout.shutdown_engine()
     mirrored.finish(pool.config.weight_sync_timeout_s)

@@ -101,8 +101,12 @@ class Pool:
 
     # -------------------------------------------------------------------------------- trainer side
     def broadcast_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                          liveness: Liveness) -> None:
+                          liveness: Liveness, adapter_config: Mapping[str, Any] | None = None) -> None:
         """Send version ``version`` to every rollout rank (trainer ranks: all call; rank 0 sends).
+
+        ``adapter_config``: ``None`` for the model's (merged) tensors; with ``lora_sync=adapter`` the
+        adapters' ``adapter_config.json`` content (``named_tensors`` are then the adapters under peft's
+        names), posted with the version: the rollout rank serves them as a LoRA request (:mod:`.worker`).
 
         Raises:
             RolloutPoolError: A rollout rank is silent for ``weight_sync_timeout_s`` (named), before or
@@ -113,7 +117,7 @@ class Pool:
                 pass
             return
         liveness.check(doing=f"waiting to receive weights version {version}")
-        post(self.store, f"sync/{self._syncs}", version)
+        post(self.store, f"sync/{self._syncs}", {"version": version, "adapter_config": adapter_config})
         self._syncs += 1
         try:
             send_weights(named_tensors, self.weight_group, int(self.config.weight_sync_bucket_mb * 2**20),
