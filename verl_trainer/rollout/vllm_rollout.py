@@ -19,6 +19,9 @@ only when an engine is built (:func:`import_vllm`). The same class runs on CPU (
 * ``RolloutConfig.lora_sync=adapter``: the engine is built with ``enable_lora`` (``max_loras =
   max_staleness + 1``); :meth:`VLLMRollout.load_adapter` registers each synced adapter as a new version
   and every request runs with the newest as its ``LoRARequest`` (:mod:`verl_trainer.rollout.lora_sync`).
+* A separate rollout pool (``placement=separate``): each rollout rank builds one engine
+  (:mod:`verl_trainer.rollout_pool.worker`); a trainer rank's own copy (validation) builds its engine only
+  when first used (:func:`defers_engine`, :meth:`VLLMRollout.build_engine`).
 * Asynchronous rollout (``max_staleness >= 1``): the engine is driven from the rollout thread of
   :mod:`verl_trainer.algorithms.async_rollout` (one call at a time: the queue's model lock). Calls from
   that thread do not swap vLLM's process state in: the training thread owns the process's environment,
@@ -51,6 +54,7 @@ from verl_trainer.rollout.vllm_support import (
     model_config,
     process_state,
 )
+from verl_trainer.rollout_pool.current import current_pool
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -78,6 +82,12 @@ def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     return shapes
+
+
+def defers_engine() -> bool:
+    """Whether this process is a trainer rank of a separate rollout pool (engine built at first use)."""
+    pool = current_pool()
+    return pool is not None and not pool.serves_rollout
 
 
 @register_rollout("vllm")
@@ -151,11 +161,28 @@ class VLLMRollout(BaseRollout):
             keep = config.max_staleness + 1  # a queued group may use the oldest of k + 1 versions
             kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(max(config.max_lora_rank, 1)),
                           max_loras=keep, max_cpu_loras=keep)
+        self.llm: Any = None
+        """The ``vllm.LLM`` (``None`` until :meth:`build_engine`)."""
+        self.engine_kwargs = kwargs
+        if not defers_engine():
+            self.build_engine()
+
+    def build_engine(self) -> None:
+        """Build the engine now, on this thread (its owner), unless built; every call into it builds first.
+
+        A trainer rank of a separate pool (:func:`defers_engine`) builds it only when validation first
+        samples there: its training groups are generated on the rollout ranks. In a training process vLLM
+        joins the default group (one-rank groups made on every rank together), so the first use must come
+        on every trainer rank alike: validation does.
+        """
+        if self.llm is not None:
+            return
+        self.owner = threading.get_ident()
         with self.state.entered():
-            self.llm = vllm.LLM(**kwargs)
+            self.llm = self.vllm.LLM(**self.engine_kwargs)
         self.context_limit = int(self.llm.model_config.max_model_len)
-        if config.lora_sync == "adapter":
-            self.adapters = AdapterVersions(kwargs["max_loras"], self.llm.llm_engine.remove_lora)
+        if self.config.lora_sync == "adapter":
+            self.adapters = AdapterVersions(self.engine_kwargs["max_loras"], self.llm.llm_engine.remove_lora)
 
     def entered(self) -> contextlib.AbstractContextManager:
         """The context of a call into vLLM.
@@ -174,20 +201,21 @@ class VLLMRollout(BaseRollout):
         is vLLM's own — a rollout rank of a separate pool (:mod:`verl_trainer.rollout_pool.worker`), whose
         default group was given up when the world split — never in a training process.
         """
-        with self.entered():
-            self.llm.llm_engine.engine_core.shutdown()
+        if self.llm is not None:
+            with self.entered():
+                self.llm.llm_engine.engine_core.shutdown()
 
     # ------------------------------------------------------------------------------------ sleep / wake
     def sleep(self) -> None:
         """Free the KV cache and offload the weights (CUDA); a no-op where vLLM has no sleep mode (CPU)."""
-        if self.sleeps and not self.asleep:
+        if self.sleeps and not self.asleep and self.llm is not None:
             with self.entered():
                 self.llm.sleep(level=1)
             self.asleep = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back ``tags`` (``"weights"``, ``"kv_cache"``; ``None``: both); a no-op on CPU."""
-        if self.sleeps and self.asleep:
+        if self.sleeps and self.asleep and self.llm is not None:
             with self.entered():
                 self.llm.wake_up(tags=tags)
             self.asleep = tags is not None and "kv_cache" not in tags
@@ -200,6 +228,7 @@ class VLLMRollout(BaseRollout):
         free the KV cache (the earlier turns' prefix-cache blocks with it) and move the weights to CPU and
         back every turn.
         """
+        self.build_engine()
         self.wake_up()
         self.in_rollout = True
         try:
@@ -237,6 +266,7 @@ class VLLMRollout(BaseRollout):
         Raises:
             ValueError: A prompt that already fills ``max_model_len`` (naming the keys to change).
         """
+        self.build_engine()
         full = next((p for p in prompts if len(p) >= self.context_limit), None)
         if full is not None:
             raise ValueError(
@@ -276,6 +306,7 @@ class VLLMRollout(BaseRollout):
         Raises:
             ValueError: Unknown names, names never sent, or shape mismatches (after the stream ends).
         """
+        self.build_engine()
         self.wake_up(tags=["weights"])
         unknown: list[str] = []
         shapes: list[str] = []
@@ -324,6 +355,7 @@ class VLLMRollout(BaseRollout):
         Raises:
             RuntimeError: The engine was built without LoRA (``lora_sync`` is not ``adapter``).
         """
+        self.build_engine()
         if self.adapters is None:
             raise RuntimeError(f"load_adapter: this vLLM engine was built with lora_sync="
                                f"{self.config.lora_sync!r}; adapters are served only with lora_sync=adapter")
@@ -332,4 +364,4 @@ class VLLMRollout(BaseRollout):
         self.adapters.add(version, tensors, peft_config, LoRARequest)
 
 
-__all__ = ["VLLMRollout", "checkpoint_shapes"]
+__all__ = ["VLLMRollout", "checkpoint_shapes", "defers_engine"]
