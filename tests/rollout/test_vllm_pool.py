@@ -59,19 +59,30 @@ def _pooled(assets: Path, root: Path, *overrides: str) -> dict:
     return runs[0]
 
 
-def test_a_separate_vllm_pool_is_the_colocated_vllm_run(assets, tmp_path, fresh_ranks):
-    plain = _colocated(assets, tmp_path / "plain")
+@pytest.fixture(scope="module")
+def synchronous(assets, tmp_path_factory) -> dict:
+    """The colocated synchronous vLLM run (fresh ranks: the module's tests set no worker pool either)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VERL_TRAINER_TEST_WORKER_POOL", "0")
+        return _colocated(assets, tmp_path_factory.mktemp("plain"))
+
+
+def test_staleness_zero_with_a_vllm_pool_is_the_colocated_synchronous_run(assets, synchronous, tmp_path,
+                                                                         fresh_ranks):
     pooled = _pooled(assets, tmp_path / "pool")
-    assert all(m["actor/grad_norm"] > 0 for m in plain["metrics"])  # every step changed the weights
-    _assert_same(plain, pooled)
+    assert all(m["actor/grad_norm"] > 0 for m in synchronous["metrics"])  # every step changed the weights
+    _assert_same(synchronous, pooled)
     assert pooled["staleness"] == [0.0] * 3
     assert [v.unique().tolist() for v in pooled["versions"]] == [[0], [1], [2]]
 
+
+def test_staleness_one_with_adapter_sync_on_a_vllm_pool_is_the_colocated_run(assets, synchronous, tmp_path,
+                                                                             fresh_ranks):
     colocated = _colocated(assets, tmp_path / "lora", *ADAPTER_K1)
     adapter = _pooled(assets, tmp_path / "lora_pool", *ADAPTER_K1)
     _assert_same(colocated, adapter)
     assert adapter["staleness"] == colocated["staleness"] == [0.0, 1.0, 1.0]
     assert [v.unique().tolist() for v in adapter["versions"]] == [[0], [0], [1]]
-    assert torch.equal(adapter["tokens"][0], plain["tokens"][0])  # the zero adapter: the base model's samples
+    assert torch.equal(adapter["tokens"][0], synchronous["tokens"][0])  # the zero adapter: base tokens
     corr = [m["rollout_corr/log_prob_abs_diff_max"] for m in adapter["metrics"]]
     assert corr[0] < 1e-4 < corr[1]  # step 2 sampled by the adapter one update older than the actor's
