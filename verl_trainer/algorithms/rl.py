@@ -69,6 +69,7 @@ from verl_trainer.rewards import RewardFunctions
 from verl_trainer.rewards.trl_kwargs import trl_run_kwargs
 from verl_trainer.rollout import AGENT_INFO, BaseRollout, build_rollout
 from verl_trainer.rollout.agent_loop import agent_rewards_and_metrics
+from verl_trainer.rollout_pool.config import check_pool_world
 from verl_trainer.rollout_pool.stage import pool_rollout
 
 __all__ = ["ActorDueOverride", "RLModule", "response_length_metrics", "with_on_policy_old_log_probs"]
@@ -170,6 +171,16 @@ class RLModule(TrainingModule):
         if self.reward_model is not None:
             specs[REWARD_MODEL_ENGINE] = self.reward_model.engine_spec()
         return specs
+
+    def training_world_size(self, world_size: int) -> int:
+        """``world_size`` less the rollout ranks of a separate placement (``rollout.placement``).
+
+        Raises:
+            ValueError: From :func:`~verl_trainer.rollout_pool.config.check_pool_world`.
+        """
+        if self.config.rollout.placement != "separate":
+            return world_size
+        return check_pool_world(self.config.rollout, world_size)
 
     def check_data(self, datamodule: Any) -> None:
         """``actor.ppo_mini_batch_size`` must divide the datamodule's ``train_batch_size`` (both in prompts).
