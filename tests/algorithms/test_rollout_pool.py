@@ -57,10 +57,11 @@ def _summary(run: dict | None) -> dict | None:
             "params": run["params"]}
 
 
-def _fit(assets: Path, root: Path, *overrides: str, devices: int = 1) -> dict | None:
+def _fit(assets: Path, root: Path, *overrides: str, devices: int = 1, **fit_args) -> dict | None:
     from verl_trainer.rollout_pool.current import current_pool
 
-    run = _grpo_fit(str(assets / "model"), str(assets / "data"), str(root), *overrides, devices=devices)
+    run = _grpo_fit(str(assets / "model"), str(assets / "data"), str(root), *overrides, devices=devices,
+                    **fit_args)
     pool = current_pool()
     return None if pool is not None and pool.serves_rollout else _summary(run)
 
@@ -98,11 +99,23 @@ def test_staleness_zero_with_a_separate_pool_is_the_synchronous_run(assets, tmp_
 @pytest.mark.slow
 def test_staleness_two_with_a_separate_pool_is_reproducible(assets, tmp_path, fresh_ranks):
     args = (*SEPARATE, "algorithm.rollout.max_staleness=2")
-    one = run_distributed(_grpo_fit_or_none, 2, assets, tmp_path / "a", *args, devices=2, timeout=600)[0]
+    one = run_distributed(_grpo_fit_or_none, 2, assets, tmp_path / "a", *args, devices=2, timeout=600,
+                          checkpoint_every=2)[0]
     two = run_distributed(_grpo_fit_or_none, 2, assets, tmp_path / "b", *args, devices=2, timeout=600)[0]
     _assert_same(one, two)
     assert one["staleness"] == [0.0, 1.0, 2.0]
     assert [v.unique().tolist() for v in one["versions"]] == [[0], [0], [0]]
+    # resumed from step 2, whose checkpoint holds the queued group of step 3 (sampled by version 0): step 3
+    # trains those samples at staleness 2, with the same metrics and weights as the uninterrupted run
+    step2 = str(tmp_path / "a" / "checkpoints" / "step_000002")
+    resumed = run_distributed(_grpo_fit_or_none, 2, assets, tmp_path / "resumed", *args, devices=2,
+                              timeout=600, ckpt_path=step2)[0]
+    assert resumed["staleness"] == [2.0]
+    assert torch.equal(resumed["tokens"][0], one["tokens"][2])
+    assert torch.equal(resumed["versions"][0], one["versions"][2])
+    assert resumed["metrics"] == one["metrics"][2:]
+    for name, tensor in one["params"].items():
+        assert torch.equal(resumed["params"][name], tensor), name
 
 
 # ------------------------------------------------------------------------------------ the broadcast
