@@ -171,6 +171,18 @@ class TrainingModule:
             ValueError: A combination of settings that cannot run, naming both and the fix.
         """
 
+    def training_world_size(self, world_size: int) -> int:
+        """How many of a ``world_size``-process run's processes train; default: all of them.
+
+        A module whose settings give some processes another role (an RL module's separate rollout pool)
+        returns fewer. :meth:`Trainer.check <verl_trainer.Trainer.check>` sizes data parallelism (batch
+        divisibility, the steps of an epoch) from it; it must depend on the settings only.
+
+        Raises:
+            ValueError: ``world_size`` cannot be split as the settings ask, naming the setting and the fix.
+        """
+        return world_size
+
     def configure_engines(self) -> Mapping[str, EngineSpec | BaseEngine]:
         """Name the engines of this module, in a fixed order (the same on every rank).
 

@@ -40,7 +40,8 @@ def assets(tmp_path_factory) -> Path:
 
 
 def _grpo_fit(model: str, data: str, root: str, *overrides: str, devices: int = 1, steps: int = STEPS,
-              checkpoint_every: int | None = None, ckpt_path: str | None = None) -> dict:
+              checkpoint_every: int | None = None, ckpt_path: str | None = None,
+              val_every: int | None = None) -> dict:
     """A short GRPO fit; per step: the prompt batch, the rollout batch and the logged metrics."""
     from verl_trainer import Trainer
     from verl_trainer.algorithms import GRPO, PromptDataModule
@@ -62,7 +63,7 @@ def _grpo_fit(model: str, data: str, root: str, *overrides: str, devices: int = 
     every = checkpoint_every
     checkpoints = [ModelCheckpoint(every_n_train_steps=every, keep_last_k=None)] if every else []
     trainer = Trainer(devices=devices, max_steps=steps, logger=False, enable_checkpointing=bool(checkpoints),
-                      enable_progress_bar=False, default_root_dir=root, val_check_interval=None,
+                      enable_progress_bar=False, default_root_dir=root, val_check_interval=val_every,
                       callbacks=[record, *checkpoints], seed=7)
     module = GRPO(cfg.algorithm)
     trainer.fit(module, datamodule=PromptDataModule(cfg.data, load_tokenizer(model)), ckpt_path=ckpt_path)

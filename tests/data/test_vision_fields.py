@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_trainer.data import schema
-from verl_trainer.data.vision import model_vision_inputs, pad_vision, patch_counts
+from verl_trainer.data.vision import model_vision_inputs, pad_vision
 
 
 def _sample(grids: list[list[int]], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,7 +20,7 @@ def test_round_trip_through_indexing():
     fields = pad_vision([p for p, _ in samples], [g for _, g in samples])
     assert fields[schema.PIXEL_VALUES].shape == (3, 12, 6)
     assert fields[schema.IMAGE_GRID_THW].shape == (3, 2, 3)
-    assert patch_counts(fields[schema.IMAGE_GRID_THW]).tolist() == [4, 0, 12]
+    assert schema.patch_counts(fields[schema.IMAGE_GRID_THW]).tolist() == [4, 0, 12]
     batch = TensorDict(fields, batch_size=[3])
     picked = batch[torch.tensor([2, 0])]  # balancing / micro-batching select rows like this
     inputs = model_vision_inputs(picked)

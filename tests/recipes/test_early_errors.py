@@ -56,11 +56,17 @@ def _no_model_loaded(capfd: pytest.CaptureFixture[str]) -> None:
          r"algorithm.actor.ppo_mini_batch_size=3 does not divide data.train_batch_size=4 \(both in prompts "
          r"per step\).*a divisor of 4 \(1, 2, 4; null: the whole batch\), or data.train_batch_size to a "
          r"multiple of 3"),
+        ("grpo", ["trainer.devices=3", "algorithm.rollout.placement=separate",
+                  "algorithm.rollout.rollout_ranks=2"], ValueError,
+         r"the 1 trainer ranks .* must be a multiple of rollout_ranks=2"),
+        ("grpo", ["trainer.devices=4", "algorithm.rollout.placement=separate"], ValueError,
+         r"data.train_batch_size=4 is not divisible by the data-parallel size 3"),  # 4 - 1 rollout rank
         ("ppo", ["trainer.logger=[nope]"], ValueError, r"nope"),
         ("sft", ["data.train_files=${task.dir}/train.jsonl"], ValueError,
          r"train.jsonl: SFT row 0: a prompt-only row has nothing to train on \(it is RL data\)"),
     ],
-    ids=["missing-file", "long-prompt", "batch-vs-devices", "mini-batch-vs-batch", "logger", "sft-columns"],
+    ids=["missing-file", "long-prompt", "batch-vs-devices", "mini-batch-vs-batch", "pool-vs-devices",
+         "batch-vs-trainer-ranks", "logger", "sft-columns"],
 )
 def test_recipe_errors_before_any_model_loads(assets, tmp_path, monkeypatch, capfd, recipe, overrides, error,
                                               match):

@@ -170,7 +170,13 @@ def sample_sizes(batch: TensorDict) -> torch.Tensor:
     lens = sequence_lengths(batch)
     if IMAGE_GRID_THW not in batch.keys():
         return lens
-    return lens + batch[IMAGE_GRID_THW].prod(-1).sum(-1).to(lens)
+    return lens + patch_counts(batch[IMAGE_GRID_THW]).to(lens)
+
+
+def patch_counts(image_grid_thw: torch.Tensor) -> torch.Tensor:
+    """Patch rows per sample, ``[B]`` long, from a per-sample ``[B, I, 3]`` grid (zero rows count 0)."""
+    return image_grid_thw.prod(-1).sum(-1)
+
 
 def real_mask(batch: TensorDict) -> torch.Tensor:
     """``[B]`` bool: True for real samples, False for synthetic ``is_padding`` ones (all True untagged)."""

@@ -17,11 +17,6 @@ from tensordict import TensorDict
 from verl_trainer.data import schema
 
 
-def patch_counts(image_grid_thw: torch.Tensor) -> torch.Tensor:
-    """Patch rows per sample, ``[B]`` long, from a per-sample ``[B, I, 3]`` grid (zero rows count 0)."""
-    return image_grid_thw.prod(-1).sum(-1)
-
-
 def pad_vision(
     pixel_values: Sequence[torch.Tensor], image_grid_thw: Sequence[torch.Tensor]
 ) -> dict[str, torch.Tensor]:
@@ -79,7 +74,7 @@ def sample_images(batch: TensorDict) -> list[tuple[torch.Tensor, torch.Tensor]] 
         return None
     grids = batch[schema.IMAGE_GRID_THW]
     return [(batch[schema.PIXEL_VALUES][i, : int(n)], grids[i][grids[i].prod(-1) > 0])
-            for i, n in enumerate(patch_counts(grids).tolist())]
+            for i, n in enumerate(schema.patch_counts(grids).tolist())]
 
 
 def model_vision_inputs(batch: TensorDict) -> dict[str, torch.Tensor]:

@@ -9,9 +9,11 @@ jobs of the trainer ranks it serves in a fixed order (``job/<r>/<n>`` for ``n = 
 ``rollout.update_weights``, adapters as the rollout's LoRA version ``n`` (``rollout.load_adapter``) —
 (versions older than it are freed: jobs arrive in non-decreasing version order), generates with
 :meth:`~verl_trainer.algorithms.stages.rollout.RolloutStage.sample` (the colocated rollout's code: uids,
-per-response seeds), and posts the batch, or the error's text, as ``result/<r>/<n>``. Both stop when
-trainer rank 0 posts ``stop``. At most ``max_staleness + 2`` snapshots are alive (``k + 1`` once a group
-starts, one more between a version's arrival and the next group's start).
+per-response seeds) — or, for a validation job, with ``BaseRollout.generate`` on the validation seed
+stream and the job's sampling overrides — and posts the batch, or the error's text, as
+``result/<r>/<n>``. Both stop when trainer rank 0 posts ``stop``. At most ``max_staleness + 2`` snapshots
+are alive (``k + 1`` once a group starts, one more between a version's arrival and the next group's
+start).
 """
 
 from __future__ import annotations
@@ -121,9 +123,13 @@ def serve(pool: Any, mirrors: Mapping[str, Handler] | None = None) -> None:
                         _load(rollout, job["version"], snapshot)
                         loaded = job["version"]
                     rollout.data_rank = job["dp_rank"]
-                    stage = RolloutStage(rollout, None, job["dp_rank"])
                     with torch.no_grad():
-                        batch = stage.sample(job["prompts"], job["step"], {})
+                        if "validation" in job:  # a validation batch: the validation seed stream
+                            batch = rollout.generate(job["prompts"], step=job["step"], stream=1,
+                                                     **job["validation"])
+                        else:
+                            batch = RolloutStage(rollout, None, job["dp_rank"]).sample(job["prompts"],
+                                                                                     job["step"], {})
                     result = ("ok", batch, time.perf_counter() - start)
                 except PoolStoppedError:
                     raise

@@ -22,13 +22,16 @@ def preflight_check(strategy: Strategy, precision: str, seed: int | None, world_
         strategy: The run's engine backend and topology.
         precision: The run's precision (``"32-true"``, ...).
         seed: The run's seed (``None``: unseeded).
-        world_size: Processes of the run.
+        world_size: Processes of the run (of which ``module.training_world_size`` train, where the module
+            has that method).
         module: The module whose ``configure_engines`` and ``check_data`` are checked.
         datamodule: Checked with ``check(dp_size)`` when it has one.
 
     Raises:
         ValueError: The first problem found, naming the setting, its value and the fix.
     """
+    sizer = getattr(module, "training_world_size", None)
+    world_size = sizer(world_size) if callable(sizer) else world_size
     specs = module.configure_engines()
     strategy.check_mesh_sizes(specs, precision, seed)  # one (dp, sp | tp) mesh for all
     configs = [strategy.engine_config(spec.config, precision, seed)
