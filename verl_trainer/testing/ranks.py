@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from verl_trainer.testing.gc_freeze import imports_without_gc
 from verl_trainer.testing.worker_pool import (
     PoolTaskError,
     close_worker_pools,
@@ -111,7 +112,8 @@ def _worker(
 ) -> None:
     out = Path(out_dir) / f"rank{rank}.pkl"
     try:
-        start_rank(rank, world_size, port, env, backend, collective_timeout_s)
+        with imports_without_gc():  # the test module is imported: what exists now lives as long as the rank
+            start_rank(rank, world_size, port, env, backend, collective_timeout_s)
         import torch.distributed as dist
 
         try:
