@@ -1,6 +1,13 @@
 import os
+from contextlib import ExitStack
 
+from verl_trainer.testing.gc_freeze import imports_without_gc
 from verl_trainer.utils.threads import apply_thread_env_defaults
+
+# Collection imports every test module and, through them, torch, transformers and the project: with the
+# cyclic collector off until collection ends, then those objects frozen (verl_trainer.testing.gc_freeze).
+_COLLECTION_GC = ExitStack()
+_COLLECTION_GC.enter_context(imports_without_gc())
 
 # Before torch loads libgomp: idle OpenMP threads sleep instead of spinning, in this process and every rank
 # it spawns (the commands' default; the suite runs several processes per core).
@@ -66,6 +73,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # Distributed tests run on gloo ranks kept alive between tests (verl_trainer.testing.worker_pool):
     # starting fresh ranks for every test cost more than most of those tests ran.
     use_worker_pool(True)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _COLLECTION_GC.close()  # the collector back on; what collection imported is frozen
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from verl_trainer.testing.gc_freeze import imports_without_gc
 from verl_trainer.testing.worker_pool import (
     PoolTaskError,
     close_worker_pools,
@@ -102,16 +103,16 @@ def _worker(
     world_size: int,
     port: int,
     out_dir: str,
-    fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
+    task: bytes,
     env: dict[str, str],
     backend: str,
     collective_timeout_s: float,
 ) -> None:
     out = Path(out_dir) / f"rank{rank}.pkl"
     try:
-        start_rank(rank, world_size, port, env, backend, collective_timeout_s)
+        with imports_without_gc():  # the test module's imports: what they make lives as long as the rank
+            start_rank(rank, world_size, port, env, backend, collective_timeout_s)
+            fn, args, kwargs = pickle.loads(task)
         import torch.distributed as dist
 
         try:
@@ -187,11 +188,12 @@ def run_distributed(
             raise DistributedTestError(str(err)) from None
     ctx = mp.get_context("spawn")
     port = find_free_port()
+    task = pickle.dumps((fn, args, kwargs))  # unpickled (its module imported) by the rank, see _worker
     with tempfile.TemporaryDirectory(prefix="verl_dist_") as out_dir:
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, out_dir, fn, args, kwargs, dict(env or {}), backend,
+                args=(rank, world_size, port, out_dir, task, dict(env or {}), backend,
                       max(timeout, 1.0)),
                 name=f"rank{rank}",
             )

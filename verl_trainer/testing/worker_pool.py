@@ -20,7 +20,6 @@ caller with the rank's traceback; no process outlives :func:`close_worker_pools`
 from __future__ import annotations
 
 import atexit
-import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -34,6 +33,7 @@ from collections.abc import Callable, Hashable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 
+from verl_trainer.testing.gc_freeze import freeze_survivors, imports_without_gc
 from verl_trainer.utils import registry
 from verl_trainer.utils.registry import Registry
 
@@ -200,7 +200,7 @@ class _FreshState:
                     dist.destroy_process_group(group)
                 except Exception as err:  # noqa: BLE001 - the process is then replaced, not reused
                     return f"a process group the task created could not be destroyed: {err!r}"
-        gc.collect()
+        freeze_survivors()  # the task's garbage goes; what it imported is not walked again
         if "deepspeed" in sys.modules and not self.had_deepspeed:
             return "the task imported deepspeed (its process-wide set-up would reach later tasks)"
         failure = sys.modules.get("verl_trainer.training.failure")
@@ -224,7 +224,8 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection, env: dict[st
     (value: the result) or ``error`` (value: the traceback).
     """
     try:
-        start_rank(rank, world_size, port, env, backend, PROCESS_GROUP_TIMEOUT_S)
+        with imports_without_gc():
+            start_rank(rank, world_size, port, env, backend, PROCESS_GROUP_TIMEOUT_S)
         fresh = _FreshState()
         fresh.before_task()
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
@@ -237,7 +238,8 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection, env: dict[st
         except (EOFError, OSError):  # the caller is gone
             return
         try:
-            task = pickle.loads(message)
+            with imports_without_gc():  # a task's first call imports its test module
+                task = pickle.loads(message)
             if task is None:
                 return
             fn, args, kwargs = task
