@@ -9,6 +9,7 @@ from typing import Any
 from tests.trainer.common import tiny_model
 from verl_trainer.callbacks import Callback
 from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
+from verl_trainer.models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,10 +26,25 @@ def make_varied_reward_assets(base: Path) -> Path:
     """:func:`make_assets` (40 prompts) plus ``base/reward.py:length``, a reward that varies on a random
     model (the task's own reward is 0 everywhere there), so advantages and updates are non-zero."""
     make_assets(base, num_train=40)
+    return write_varied_reward(base)
+
+
+def write_varied_reward(base: Path) -> Path:
+    """``base/reward.py:length``: a reward that varies on a random model; returns ``base``."""
     (base / "reward.py").write_text(
         "def length(prompts, completions, **kwargs):\n"
         "    return [float(sum(map(ord, c)) % 7) for c in completions]\n")
     return base
+
+
+def make_vllm_grpo_assets(base: Path, num_train: int) -> Path:
+    """A tiny llama with head size 32 (vLLM CPU's smallest), the arithmetic task with ``num_train`` prompts
+    and 4 validation ones, and :func:`write_varied_reward`; returns ``base``."""
+    make_tiny_model(base / "model", arch="llama", hidden_size=64, num_attention_heads=2,
+                    num_key_value_heads=1, max_position_embeddings=128, seed=1)
+    write_arithmetic_task(base / "data", ArithmeticTaskConfig(num_train=num_train, num_val=4,
+                                                              holdout_fraction=0.2))
+    return write_varied_reward(base)
 
 
 def short_grpo_config(model: str, data: str, *overrides: str) -> Any:

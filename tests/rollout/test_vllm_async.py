@@ -26,12 +26,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.algorithms.short_grpo import StepRecord, short_grpo_config
+from tests.algorithms.short_grpo import StepRecord, make_vllm_grpo_assets, short_grpo_config
 from verl_trainer.algorithms.stages.rollout import WeightSync
 from verl_trainer.data import schema
-from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
-from verl_trainer.models import load_tokenizer, make_tiny_model
+from verl_trainer.models import load_tokenizer
 from verl_trainer.models.loading import load_causal_lm
 from verl_trainer.rollout import RolloutConfig
 
@@ -45,14 +44,7 @@ LORA = ("algorithm.actor.engine.lora_rank=8", "algorithm.actor.engine.lora_alpha
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("vllm_async")
-    make_tiny_model(base / "model", arch="llama", hidden_size=64, num_attention_heads=2,
-                    num_key_value_heads=1, max_position_embeddings=128, seed=1)  # head size 32 (vLLM CPU)
-    write_arithmetic_task(base / "data", ArithmeticTaskConfig(num_train=24, num_val=4, holdout_fraction=0.2))
-    (base / "reward.py").write_text(  # varies on a random model (the task's reward is 0 everywhere there)
-        "def length(prompts, completions, **kwargs):\n"
-        "    return [float(sum(map(ord, c)) % 7) for c in completions]\n")
-    return base
+    return make_vllm_grpo_assets(tmp_path_factory.mktemp("vllm_async"), num_train=24)
 
 
 def _config(assets: Path, *overrides: str):

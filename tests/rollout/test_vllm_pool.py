@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.algorithms.short_grpo import make_vllm_grpo_assets
 from tests.algorithms.test_rollout_pool import SEPARATE, _assert_same, _grpo_fit_or_none
-from verl_trainer.data.tasks import ArithmeticTaskConfig, write_arithmetic_task
-from verl_trainer.models import make_tiny_model
 from verl_trainer.testing import run_distributed
 
 pytestmark = pytest.mark.vllm
@@ -32,14 +31,7 @@ ADAPTER_K1 = ("algorithm.actor.engine.lora_rank=8", "algorithm.actor.engine.lora
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("vllm_pool")
-    make_tiny_model(base / "model", arch="llama", hidden_size=64, num_attention_heads=2,
-                    num_key_value_heads=1, max_position_embeddings=128, seed=1)  # head size 32 (vLLM CPU)
-    write_arithmetic_task(base / "data", ArithmeticTaskConfig(num_train=40, num_val=4, holdout_fraction=0.2))
-    (base / "reward.py").write_text(  # varies on a random model (the task's reward is 0 everywhere there)
-        "def length(prompts, completions, **kwargs):\n"
-        "    return [float(sum(map(ord, c)) % 7) for c in completions]\n")
-    return base
+    return make_vllm_grpo_assets(tmp_path_factory.mktemp("vllm_pool"), num_train=40)
 
 
 @pytest.fixture
