@@ -126,6 +126,7 @@ def matmul_attention_backward(
     value: torch.Tensor,
     probs: torch.Tensor,
     scale: float,
+    out: Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`matmul_attention_forward`: four matmuls, nothing recomputed.
 
@@ -136,59 +137,64 @@ def matmul_attention_backward(
         value: ``[B, L, D_v]``.
         probs: ``[B, L * g, L]`` from the forward.
         scale: Softmax scale.
+        out: ``(d_query, d_key, d_value)`` tensors to write into (contiguous, shaped like the inputs), or
+            ``None`` (new tensors).
 
     Returns:
         ``(d_query, d_key, d_value)`` shaped like the inputs.
 
     """
-    d_value = torch.bmm(probs.transpose(1, 2), grad_out)
+    d_query, d_key, d_value = out if out is not None else (None, None, None)
+    d_value = torch.bmm(probs.transpose(1, 2), grad_out, out=d_value)
     d_scores = torch.bmm(grad_out, value.transpose(1, 2))  # dP
     # dS = P * (dP - rowsum(P * dP)) * scale, where rowsum(P * dP) = rowsum(dout * out)
     d_scores.sub_((d_scores * probs).sum(-1, keepdim=True)).mul_(probs).mul_(scale)
-    return torch.bmm(d_scores, key), torch.bmm(d_scores.transpose(1, 2), query), d_value
+    d_query = torch.bmm(d_scores, key, out=d_query)
+    return d_query, torch.bmm(d_scores.transpose(1, 2), query, out=d_key), d_value
 
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """The segments of a packed row grouped by length, and where each bucket's rows come from.
+    """The segments of a packed row grouped by length, and the one permutation that lines the buckets up.
 
     Rows are addressed in units of ``[N * H_kv, F / H_kv]`` (a token is ``H_kv`` consecutive rows, one per
-    KV-head group), so a bucket can be read token-major (sdpa buckets: rows ``(segment, token, kv head)``)
-    or KV-head-major (matmul buckets: rows ``(segment, kv head, token)``, the matrices of
-    :func:`matmul_attention_forward`) with the same index.
+    KV-head group). ``order`` lists every row of the packed row, bucket after bucket, each bucket in its
+    kernel's order: token-major for sdpa buckets (rows ``(segment, token, kv head)``, read as
+    ``[count, H, length, D]`` views) and KV-head-major for matmul buckets (rows ``(segment, kv head, token)``,
+    the matrices of :func:`matmul_attention_forward`). So one ``index_select`` per tensor brings a row into
+    bucket order (every bucket is then a contiguous slice) and one with ``inverse`` takes it back: no gather
+    or scatter per bucket.
 
     Attributes:
         shapes: ``(count, length)`` of each bucket, shortest length first.
         matmul: Per bucket, whether it runs the matmul path (rows KV-head-major) rather than sdpa.
         heads_kv: ``H_kv``, the rows per token.
-        starts: Per bucket, the first token when its segments lie side by side in the row (it is read as a
-            view, or one transposing copy when KV-head-major), else ``None`` (its rows are gathered).
-        gather: ``[G]`` long, the rows of the gathered buckets, bucket after bucket.
-        offsets: Per bucket, where its rows start in ``gather`` (``None`` for a run).
+        bounds: Per bucket, its rows ``(start, end)`` in bucket order.
+        order: ``[N * H_kv]`` long, row ``r`` of the bucket-ordered tensor is row ``order[r]`` of the packed
+            row; ``None`` where that is the identity (a row already in bucket order).
+        inverse: ``[N * H_kv]`` long, the inverse permutation (``None`` with ``order``).
 
     """
 
     shapes: tuple[tuple[int, int], ...]
     matmul: tuple[bool, ...]
     heads_kv: int
-    starts: tuple[int | None, ...]
-    gather: torch.Tensor
-    offsets: tuple[int | None, ...]
-
-    def sizes(self) -> list[int]:
-        """Rows (``[N * H_kv]`` units) of each bucket."""
-        return [count * length * self.heads_kv for count, length in self.shapes]
+    bounds: tuple[tuple[int, int], ...]
+    order: torch.Tensor | None
+    inverse: torch.Tensor | None
 
     @property
     def sdpa(self) -> list[int]:
         """The buckets that run sdpa (not the matmul path), in bucket order."""
         return [i for i, kv_major in enumerate(self.matmul) if not kv_major]
 
-    def indices(self, i: int) -> torch.Tensor:
-        """``[count * length * H_kv]`` long, the rows of gathered bucket ``i`` (a view of ``gather``)."""
-        start = self.offsets[i]
-        assert start is not None, f"bucket {i} is a run of the row, not gathered"
-        return self.gather[start : start + self.sizes()[i]]
+    def to_buckets(self, units: torch.Tensor) -> torch.Tensor:
+        """``[N * H_kv, F']`` packed-row order -> bucket order (a view when ``order`` is the identity)."""
+        return units if self.order is None else units.index_select(0, self.order)
+
+    def to_row(self, units: torch.Tensor) -> torch.Tensor:
+        """Bucket order -> packed-row order (the inverse of :meth:`to_buckets`)."""
+        return units if self.inverse is None else units.index_select(0, self.inverse)
 
 
 @functools.lru_cache(maxsize=8)
@@ -202,7 +208,7 @@ def _cached_plan(
     for i, n in enumerate(lengths):
         if n > 0:
             by_length.setdefault(n, []).append(i)
-    shapes, matmul, starts, offsets, gathered = [], [], [], [], []
+    shapes, matmul, bounds, rows_of = [], [], [], []
     taken = 0
     heads = torch.arange(heads_kv)
     for length in sorted(by_length):
@@ -210,20 +216,18 @@ def _cached_plan(
         shapes.append((len(segments), length))
         kv_major = length <= matmul_max_length
         matmul.append(kv_major)
-        side_by_side = all(first[b] == first[a] + length for a, b in zip(segments, segments[1:]))
-        if side_by_side:
-            starts.append(first[segments[0]])
-            offsets.append(None)
-            continue
-        starts.append(None)
-        offsets.append(taken)
         tokens = torch.tensor([first[i] for i in segments])[:, None] + torch.arange(length)[None, :]
         rows = tokens[:, :, None] * heads_kv + heads  # [count, length, H_kv]
-        gathered.append((rows.transpose(1, 2) if kv_major else rows).reshape(-1))
-        taken += len(segments) * length * heads_kv
-    gather = torch.cat(gathered) if gathered else torch.zeros(0, dtype=torch.long)
+        rows_of.append((rows.transpose(1, 2) if kv_major else rows).reshape(-1))
+        bounds.append((taken, taken + rows_of[-1].numel()))
+        taken = bounds[-1][1]
+    order = torch.cat(rows_of) if rows_of else torch.zeros(0, dtype=torch.long)
+    identity = torch.equal(order, torch.arange(order.numel()))
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
     return BucketPlan(
-        tuple(shapes), tuple(matmul), heads_kv, tuple(starts), gather.to(device), tuple(offsets)
+        tuple(shapes), tuple(matmul), heads_kv, tuple(bounds),
+        None if identity else order.to(device), None if identity else inverse.to(device),
     )
 
 
@@ -238,7 +242,7 @@ def plan_buckets(
 
     Args:
         lengths: Length of each segment (0 allowed: empty segments are skipped).
-        device: Device of the index tensor.
+        device: Device of the index tensors.
         heads_kv: KV heads of the attention (rows per token).
         matmul_max_length: Buckets of segments up to this length run the matmul path (0: none).
 
@@ -251,55 +255,22 @@ def plan_buckets(
     return _cached_plan(tuple(int(n) for n in lengths), heads_kv, matmul_max_length, torch.device(device))
 
 
-def _read(plan: BucketPlan, units: torch.Tensor, i: int) -> torch.Tensor:
-    """The rows of bucket ``i`` from ``units`` ``[N * H_kv, F']``, in its order (``[rows, F']``).
+def _sdpa_view(plan: BucketPlan, units: torch.Tensor, i: int, heads: int) -> torch.Tensor:
+    """Sdpa bucket ``i`` of bucket-ordered ``units`` as ``[count, heads, length, D]`` (a view).
 
-    A run of the row is a view (token-major) or one transposing copy (KV-head-major); others a gather.
-    """
-    start = plan.starts[i]
-    if start is None:
-        return units.index_select(0, plan.indices(i))
-    first = start * plan.heads_kv
-    rows = units[first : first + plan.sizes()[i]]
-    if not plan.matmul[i] or plan.heads_kv == 1:
-        return rows
-    count, length = plan.shapes[i]
-    return rows.view(count, length, plan.heads_kv, -1).transpose(1, 2).reshape(rows.shape)
-
-
-def _write(plan: BucketPlan, units: torch.Tensor, i: int, part: torch.Tensor) -> None:
-    """Write the rows of bucket ``i`` (in its order, ``[rows, F']``) into ``units`` ``[N * H_kv, F']``."""
-    part = part.to(units.dtype)
-    start = plan.starts[i]
-    if start is None:
-        units.index_put_((plan.indices(i),), part)
-        return
-    first = start * plan.heads_kv
-    rows = units[first : first + part.shape[0]]
-    if not plan.matmul[i] or plan.heads_kv == 1:
-        rows.copy_(part)
-        return
-    count, length = plan.shapes[i]
-    kv_major = part.view(count, plan.heads_kv, length, -1)
-    rows.view(count, length, plan.heads_kv, -1).copy_(kv_major.transpose(1, 2))
-
-
-def _sdpa_layout(plan: BucketPlan, i: int, rows: torch.Tensor, heads: int) -> torch.Tensor:
-    """Token-major rows of sdpa bucket ``i`` ``[count * length * H_kv, F']`` as ``[count, heads, length, D]``.
-
-    A view: the sdpa inputs and output gradients cross the autograd functions in sdpa's layout, so the
-    per-bucket reshapes are not recorded (one autograd node per bucket: the sdpa call).
+    The sdpa inputs and output gradients cross the autograd functions in sdpa's layout, so the per-bucket
+    reshapes are not recorded (one autograd node per bucket: the sdpa call).
     """
     count, length = plan.shapes[i]
-    return rows.view(count, length, heads, -1).transpose(1, 2)
+    start, end = plan.bounds[i]
+    return units[start:end].view(count, length, heads, -1).transpose(1, 2)
 
 
-def _rows_layout(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
-    """``[count, h, length, D]`` (sdpa's layout) as token-major rows ``[count * length * H_kv, F']``.
-
-    The inverse of :func:`_sdpa_layout` (a copy unless already laid out as ``[count, length, h, D]``).
-    """
-    return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2] * heads_kv, -1)
+def _put_sdpa(plan: BucketPlan, units: torch.Tensor, i: int, part: torch.Tensor) -> None:
+    """Write ``part`` ``[count, h, length, D]`` (sdpa's layout) into sdpa bucket ``i`` of ``units``."""
+    count, length = plan.shapes[i]
+    start, end = plan.bounds[i]
+    units[start:end].view(count, length, part.shape[1], -1).copy_(part.transpose(1, 2))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -312,13 +283,18 @@ def _units(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return x.view(x.shape[0] * heads_kv, -1)
 
 
-class _Buckets(torch.autograd.Function):
-    """Runs the short buckets and reads the sdpa buckets' rows.
+def _store(target: torch.Tensor, result: torch.Tensor) -> None:
+    """Copy a bucket's fp32 result into its slice of a (possibly half-precision) tensor."""
+    target.view(result.shape).copy_(result)
 
-    Forward: ``(q [1, H, N, D], k [1, H_kv, N, D], v [1, H_kv, N, D_v])`` -> ``(out [N, H * D_v], *q_parts,
-    *k_parts, *v_parts)``: ``out`` holds the short buckets' rows (the sdpa buckets' rows are written
-    by :class:`_PutRows`); the parts are the sdpa buckets' inputs in sdpa's layout (views), q
-    ``[count, H, length, D]``, k and v ``[count, H_kv, length, D]``.
+
+class _Buckets(torch.autograd.Function):
+    """Brings q/k/v into bucket order, runs the matmul buckets and hands out the sdpa buckets' inputs.
+
+    Forward: ``(q [1, H, N, D], k [1, H_kv, N, D], v [1, H_kv, N, D_v])`` -> ``(out [N * H_kv, H * D_v /
+    H_kv], *q_parts, *k_parts, *v_parts)``: ``out`` is in bucket order and holds the matmul buckets' rows
+    (the sdpa buckets' rows are written by :class:`_PutRows`); the parts are the sdpa buckets' inputs in
+    sdpa's layout (views), q ``[count, H, length, D]``, k and v ``[count, H_kv, length, D]``.
     """
 
     @staticmethod
@@ -334,58 +310,69 @@ class _Buckets(torch.autograd.Function):
         window: int | None,
     ) -> tuple[torch.Tensor, ...]:
         ctx.shapes = (query.shape, key.shape, value.shape)
-        query, key, value = (_rows(x) for x in (query, key, value))
-        heads_kv, n = plan.heads_kv, query.shape[0]
+        heads_kv = plan.heads_kv
         group = heads // heads_kv
-        q, k, v = (_units(x, heads_kv) for x in (query, key, value))
-        out = query.new_empty(n, heads * value.shape[1] // heads_kv)
-        out_units = _units(out, heads_kv)
-        saved = []
+        q, k, v = (plan.to_buckets(_units(_rows(x), heads_kv)) for x in (query, key, value))
+        out = q.new_empty(q.shape[0], group * v.shape[1])
+        fp32 = q.dtype == torch.float32
+        probs_of = []
         for i, (count, length) in enumerate(plan.shapes):
             if not plan.matmul[i]:
                 continue
             batch = count * heads_kv
-            qb = _read(plan, q, i).view(batch, length * group, -1).float()  # half precision: in fp32
-            kb, vb = (_read(plan, x, i).view(batch, length, -1).float() for x in (k, v))
+            start, end = plan.bounds[i]
+            qb = q[start:end].view(batch, length * group, -1).float()  # half precision: in fp32
+            kb, vb = (x[start:end].view(batch, length, -1).float() for x in (k, v))
             mask = additive_mask(length, group, is_causal, window, query.device)
-            ob, probs = matmul_attention_forward(qb, kb, vb, mask, scale)
-            _write(plan, out_units, i, ob.view(count * length * heads_kv, -1))
-            saved += [qb, kb, vb, probs]
-        ctx.save_for_backward(*saved)
-        ctx.plan, ctx.scale = plan, scale
+            probs = _softmax_(torch.baddbmm(mask, qb, kb.transpose(1, 2), alpha=scale))
+            if fp32:
+                torch.bmm(probs, vb, out=out[start:end].view(batch, length * group, -1))
+            else:
+                _store(out[start:end], torch.bmm(probs, vb))
+            probs_of.append(probs)
+        ctx.save_for_backward(q, k, v, *probs_of)
+        ctx.plan, ctx.scale, ctx.group = plan, scale, group
         sources = zip((q, k, v), (heads, heads_kv, heads_kv))
-        return out, *(_sdpa_layout(plan, i, _read(plan, x, i), h) for x, h in sources for i in plan.sdpa)
+        return out, *(_sdpa_view(plan, x, i, h) for x, h in sources for i in plan.sdpa)
 
     @staticmethod
     def backward(
         ctx: FunctionCtx, grad_out: torch.Tensor, *grad_parts: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan
-        n = grad_out.shape[0]
-        grads = [grad_out.new_empty(n, h * d) for _, h, _, d in ctx.shapes]
-        units = [_units(g, plan.heads_kv) for g in grads]
-        dout = _units(grad_out.contiguous(), plan.heads_kv)
-        saved = iter(ctx.saved_tensors)
-        parts = iter(grad_parts)
-        for i, kv_major in enumerate(plan.matmul):
-            if not kv_major:
+        q, k, v, *probs_of = ctx.saved_tensors
+        grads = [torch.empty_like(x) for x in (q, k, v)]
+        fp32 = q.dtype == torch.float32
+        dout = grad_out.contiguous()
+        probs_iter = iter(probs_of)
+        for i, (count, length) in enumerate(plan.shapes):
+            if not plan.matmul[i]:
                 continue
-            qb, kb, vb, probs = next(saved), next(saved), next(saved), next(saved)
-            dob = _read(plan, dout, i).view(qb.shape[0], qb.shape[1], -1).float()
-            d = matmul_attention_backward(dob, qb, kb, vb, probs, ctx.scale)
-            for x, dx in zip(units, d):
-                _write(plan, x, i, dx.view(-1, x.shape[1]))
-        for x in units:
+            probs = next(probs_iter)
+            batch = count * plan.heads_kv
+            start, end = plan.bounds[i]
+            qb = q[start:end].view(batch, length * ctx.group, -1).float()
+            kb, vb = (x[start:end].view(batch, length, -1).float() for x in (k, v))
+            dob = dout[start:end].view(batch, length * ctx.group, -1).float()
+            targets = [g[start:end].view(x.shape) for g, x in zip(grads, (qb, kb, vb))] if fp32 else None
+            d = matmul_attention_backward(dob, qb, kb, vb, probs, ctx.scale, out=targets)
+            if not fp32:
+                for g, dx in zip(grads, d):
+                    _store(g[start:end], dx)
+        parts = iter(grad_parts)
+        for g in grads:
             for i in plan.sdpa:
-                _write(plan, x, i, _rows_layout(next(parts), plan.heads_kv))
-        as_inputs = (g.view(1, n, h, d).transpose(1, 2) for g, (_, h, _, d) in zip(grads, ctx.shapes))
+                _put_sdpa(plan, g, i, next(parts))
+        n = ctx.shapes[0][2]
+        as_inputs = (plan.to_row(g).view(1, n, h, d).transpose(1, 2)
+                     for g, (_, h, _, d) in zip(grads, ctx.shapes))
         return *as_inputs, None, None, None, None, None
 
 
 class _PutRows(torch.autograd.Function):
-    """Writes the sdpa buckets' outputs into ``out`` (in place) next to the short buckets' rows.
+    """Writes the sdpa buckets' outputs into bucket-ordered ``out`` (in place) next to the matmul buckets'.
 
-    Forward: ``(plan, out [N, H * D_v], *outs)`` with ``outs`` the sdpa outputs ``[count, H, length, D_v]``;
+    Forward: ``(plan, out [N * H_kv, F'], *outs)`` with ``outs`` the sdpa outputs ``[count, H, length, D_v]``;
     the backward hands their gradients back in that layout (views of the output gradient's rows).
     """
 
@@ -395,9 +382,8 @@ class _PutRows(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.plan = plan
         ctx.heads = parts[0].shape[1]
-        units = _units(out, plan.heads_kv)
         for i, part in zip(plan.sdpa, parts):
-            _write(plan, units, i, _rows_layout(part, plan.heads_kv))
+            _put_sdpa(plan, out, i, part)
         ctx.mark_dirty(out)
         return out
 
@@ -406,8 +392,21 @@ class _PutRows(torch.autograd.Function):
         ctx: FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan
-        units = _units(grad.contiguous(), plan.heads_kv)
-        return None, grad, *(_sdpa_layout(plan, i, _read(plan, units, i), ctx.heads) for i in plan.sdpa)
+        grad = grad.contiguous()
+        return None, grad, *(_sdpa_view(plan, grad, i, ctx.heads) for i in plan.sdpa)
+
+
+class _ToRow(torch.autograd.Function):
+    """Bucket order -> packed-row order (``[N * H_kv, F']``); the backward is the forward permutation."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, plan: BucketPlan, units: torch.Tensor) -> torch.Tensor:
+        ctx.plan = plan
+        return plan.to_row(units)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return None, ctx.plan.to_buckets(grad.contiguous())
 
 
 def bucketed_varlen_attention(
@@ -468,4 +467,6 @@ def bucketed_varlen_attention(
         ))  # [count, H, length, D_v], laid out as [count, length, H, D_v]
     if outs:
         out = _PutRows.apply(plan, out, *outs)
+    if plan.inverse is not None:
+        out = _ToRow.apply(plan, out)
     return out.view(1, n, heads, dim_v)
