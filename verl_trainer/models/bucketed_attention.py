@@ -170,6 +170,11 @@ class BucketPlan:
         matmul: Per bucket, whether it runs the matmul path (rows KV-head-major) rather than sdpa.
         heads_kv: ``H_kv``, the rows per token.
         bounds: Per bucket, its rows ``(start, end)`` in bucket order.
+        reads: Per bucket, where its inputs are read: ``(True, start)``, rows ``start:`` of the packed row
+            itself (a bucket of segments side by side, token-major: sdpa, or matmul with ``H_kv == 1``; no
+            copy), else ``(False, start)``, rows of the gathered tensor (:meth:`gathered`).
+        gather: ``[G]`` long, the packed-row rows of the buckets not read in place, bucket after bucket;
+            ``None`` when every bucket is.
         order: ``[N * H_kv]`` long, row ``r`` of the bucket-ordered tensor is row ``order[r]`` of the packed
             row; ``None`` where that is the identity (a row already in bucket order).
         inverse: ``[N * H_kv]`` long, the inverse permutation (``None`` with ``order``).
@@ -180,6 +185,8 @@ class BucketPlan:
     matmul: tuple[bool, ...]
     heads_kv: int
     bounds: tuple[tuple[int, int], ...]
+    reads: tuple[tuple[bool, int], ...]
+    gather: torch.Tensor | None
     order: torch.Tensor | None
     inverse: torch.Tensor | None
 
@@ -187,6 +194,16 @@ class BucketPlan:
     def sdpa(self) -> list[int]:
         """The buckets that run sdpa (not the matmul path), in bucket order."""
         return [i for i, kv_major in enumerate(self.matmul) if not kv_major]
+
+    def gathered(self, units: torch.Tensor) -> torch.Tensor:
+        """The rows of the buckets not read in place, bucket after bucket (``units`` itself if none)."""
+        return units if self.gather is None else units.index_select(0, self.gather)
+
+    def read(self, units: torch.Tensor, gathered: torch.Tensor, i: int) -> torch.Tensor:
+        """Bucket ``i``'s input rows, in its order, from packed-row ``units`` or ``gathered`` (a view)."""
+        in_place, start = self.reads[i]
+        size = self.bounds[i][1] - self.bounds[i][0]
+        return (units if in_place else gathered)[start : start + size]
 
     def to_buckets(self, units: torch.Tensor) -> torch.Tensor:
         """``[N * H_kv, F']`` packed-row order -> bucket order (a view when ``order`` is the identity)."""
@@ -208,8 +225,8 @@ def _cached_plan(
     for i, n in enumerate(lengths):
         if n > 0:
             by_length.setdefault(n, []).append(i)
-    shapes, matmul, bounds, rows_of = [], [], [], []
-    taken = 0
+    shapes, matmul, bounds, rows_of, reads, gathered = [], [], [], [], [], []
+    taken = read = 0
     heads = torch.arange(heads_kv)
     for length in sorted(by_length):
         segments = by_length[length]
@@ -221,12 +238,20 @@ def _cached_plan(
         rows_of.append((rows.transpose(1, 2) if kv_major else rows).reshape(-1))
         bounds.append((taken, taken + rows_of[-1].numel()))
         taken = bounds[-1][1]
+        side_by_side = all(first[b] == first[a] + length for a, b in zip(segments, segments[1:]))
+        if side_by_side and (not kv_major or heads_kv == 1):
+            reads.append((True, first[segments[0]] * heads_kv))
+        else:
+            reads.append((False, read))
+            gathered.append(rows_of[-1])
+            read += rows_of[-1].numel()
     order = torch.cat(rows_of) if rows_of else torch.zeros(0, dtype=torch.long)
     identity = torch.equal(order, torch.arange(order.numel()))
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel())
     return BucketPlan(
-        tuple(shapes), tuple(matmul), heads_kv, tuple(bounds),
+        tuple(shapes), tuple(matmul), heads_kv, tuple(bounds), tuple(reads),
+        torch.cat(gathered).to(device) if gathered else None,
         None if identity else order.to(device), None if identity else inverse.to(device),
     )
 
@@ -255,15 +280,14 @@ def plan_buckets(
     return _cached_plan(tuple(int(n) for n in lengths), heads_kv, matmul_max_length, torch.device(device))
 
 
-def _sdpa_view(plan: BucketPlan, units: torch.Tensor, i: int, heads: int) -> torch.Tensor:
-    """Sdpa bucket ``i`` of bucket-ordered ``units`` as ``[count, heads, length, D]`` (a view).
+def _sdpa_view(plan: BucketPlan, rows: torch.Tensor, i: int, heads: int) -> torch.Tensor:
+    """Sdpa bucket ``i``'s rows (token-major ``[count * length * H_kv, F']``) as ``[count, h, length, D]``.
 
     The sdpa inputs and output gradients cross the autograd functions in sdpa's layout, so the per-bucket
     reshapes are not recorded (one autograd node per bucket: the sdpa call).
     """
     count, length = plan.shapes[i]
-    start, end = plan.bounds[i]
-    return units[start:end].view(count, length, heads, -1).transpose(1, 2)
+    return rows.view(count, length, heads, -1).transpose(1, 2)
 
 
 def _put_sdpa(plan: BucketPlan, units: torch.Tensor, i: int, part: torch.Tensor) -> None:
@@ -312,17 +336,19 @@ class _Buckets(torch.autograd.Function):
         ctx.shapes = (query.shape, key.shape, value.shape)
         heads_kv = plan.heads_kv
         group = heads // heads_kv
-        q, k, v = (plan.to_buckets(_units(_rows(x), heads_kv)) for x in (query, key, value))
-        out = q.new_empty(q.shape[0], group * v.shape[1])
-        fp32 = q.dtype == torch.float32
+        rows = [_units(_rows(x), heads_kv) for x in (query, key, value)]
+        gathered = [plan.gathered(x) for x in rows]
+        q, k, v = (functools.partial(plan.read, x, g) for x, g in zip(rows, gathered))
+        out = rows[0].new_empty(rows[0].shape[0], group * rows[2].shape[1])
+        fp32 = out.dtype == torch.float32
         probs_of = []
         for i, (count, length) in enumerate(plan.shapes):
             if not plan.matmul[i]:
                 continue
             batch = count * heads_kv
             start, end = plan.bounds[i]
-            qb = q[start:end].view(batch, length * group, -1).float()  # half precision: in fp32
-            kb, vb = (x[start:end].view(batch, length, -1).float() for x in (k, v))
+            qb = q(i).view(batch, length * group, -1).float()  # half precision: in fp32
+            kb, vb = (x(i).view(batch, length, -1).float() for x in (k, v))
             mask = additive_mask(length, group, is_causal, window, query.device)
             probs = _softmax_(torch.baddbmm(mask, qb, kb.transpose(1, 2), alpha=scale))
             if fp32:
@@ -330,19 +356,21 @@ class _Buckets(torch.autograd.Function):
             else:
                 _store(out[start:end], torch.bmm(probs, vb))
             probs_of.append(probs)
-        ctx.save_for_backward(q, k, v, *probs_of)
+        ctx.save_for_backward(*rows, *gathered, *probs_of)
         ctx.plan, ctx.scale, ctx.group = plan, scale, group
         sources = zip((q, k, v), (heads, heads_kv, heads_kv))
-        return out, *(_sdpa_view(plan, x, i, h) for x, h in sources for i in plan.sdpa)
+        return out, *(_sdpa_view(plan, x(i), i, h) for x, h in sources for i in plan.sdpa)
 
     @staticmethod
     def backward(
         ctx: FunctionCtx, grad_out: torch.Tensor, *grad_parts: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan
-        q, k, v, *probs_of = ctx.saved_tensors
-        grads = [torch.empty_like(x) for x in (q, k, v)]
-        fp32 = q.dtype == torch.float32
+        saved = ctx.saved_tensors
+        rows, gathered, probs_of = saved[:3], saved[3:6], saved[6:]
+        q, k, v = (functools.partial(plan.read, x, g) for x, g in zip(rows, gathered))
+        grads = [torch.empty_like(x) for x in rows]
+        fp32 = grad_out.dtype == torch.float32
         dout = grad_out.contiguous()
         probs_iter = iter(probs_of)
         for i, (count, length) in enumerate(plan.shapes):
@@ -351,8 +379,8 @@ class _Buckets(torch.autograd.Function):
             probs = next(probs_iter)
             batch = count * plan.heads_kv
             start, end = plan.bounds[i]
-            qb = q[start:end].view(batch, length * ctx.group, -1).float()
-            kb, vb = (x[start:end].view(batch, length, -1).float() for x in (k, v))
+            qb = q(i).view(batch, length * ctx.group, -1).float()
+            kb, vb = (x(i).view(batch, length, -1).float() for x in (k, v))
             dob = dout[start:end].view(batch, length * ctx.group, -1).float()
             targets = [g[start:end].view(x.shape) for g, x in zip(grads, (qb, kb, vb))] if fp32 else None
             d = matmul_attention_backward(dob, qb, kb, vb, probs, ctx.scale, out=targets)
@@ -393,7 +421,8 @@ class _PutRows(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan
         grad = grad.contiguous()
-        return None, grad, *(_sdpa_view(plan, grad, i, ctx.heads) for i in plan.sdpa)
+        bounds = plan.bounds
+        return None, grad, *(_sdpa_view(plan, grad[slice(*bounds[i])], i, ctx.heads) for i in plan.sdpa)
 
 
 class _ToRow(torch.autograd.Function):
