@@ -155,39 +155,39 @@ def matmul_attention_backward(
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """The segments of a packed row grouped by length, and the one permutation that lines the buckets up.
+    """The segments of a packed row grouped by length, and where each bucket's rows are read and written.
 
     Rows are addressed in units of ``[N * H_kv, F / H_kv]`` (a token is ``H_kv`` consecutive rows, one per
-    KV-head group). ``order`` lists every row of the packed row, bucket after bucket, each bucket in its
-    kernel's order: token-major for sdpa buckets (rows ``(segment, token, kv head)``, read as
-    ``[count, H, length, D]`` views) and KV-head-major for matmul buckets (rows ``(segment, kv head, token)``,
-    the matrices of :func:`matmul_attention_forward`). So one ``index_select`` per tensor brings a row into
-    bucket order (every bucket is then a contiguous slice) and one with ``inverse`` takes it back: no gather
-    or scatter per bucket.
+    KV-head group). Each bucket's rows are in its kernel's order: token-major for sdpa buckets (rows
+    ``(segment, token, kv head)``, read as ``[count, H, length, D]`` views) and KV-head-major for matmul
+    buckets (rows ``(segment, kv head, token)``, the matrices of :func:`matmul_attention_forward`).
+
+    A bucket of segments side by side in the row whose order is token-major (sdpa, or matmul with one KV
+    head) is read and written *in place*, as a slice of the packed row; the others are *gathered*: one
+    ``index_select`` per tensor brings all their rows, bucket after bucket, into one tensor (each bucket a
+    slice of it), and one scatter takes them back (an ``index_select`` with the inverse permutation when
+    every row is gathered, else ``index_copy_`` of the gathered rows). Data movement only: which rows are
+    gathered never changes a result. Where more than half the rows would be gathered, all are (a gather
+    is cheaper than a scatter on CPU).
 
     Attributes:
         shapes: ``(count, length)`` of each bucket, shortest length first.
         matmul: Per bucket, whether it runs the matmul path (rows KV-head-major) rather than sdpa.
         heads_kv: ``H_kv``, the rows per token.
-        bounds: Per bucket, its rows ``(start, end)`` in bucket order.
-        reads: Per bucket, where its inputs are read: ``(True, start)``, rows ``start:`` of the packed row
-            itself (a bucket of segments side by side, token-major: sdpa, or matmul with ``H_kv == 1``; no
-            copy), else ``(False, start)``, rows of the gathered tensor (:meth:`gathered`).
-        gather: ``[G]`` long, the packed-row rows of the buckets not read in place, bucket after bucket;
-            ``None`` when every bucket is.
-        order: ``[N * H_kv]`` long, row ``r`` of the bucket-ordered tensor is row ``order[r]`` of the packed
-            row; ``None`` where that is the identity (a row already in bucket order).
-        inverse: ``[N * H_kv]`` long, the inverse permutation (``None`` with ``order``).
+        places: Per bucket ``(in_place, start)``: its rows are rows ``start : start + count * length *
+            H_kv`` of the packed row (``in_place``) or of the gathered tensor.
+        gather: ``[G]`` long, the packed-row rows of the gathered buckets, bucket after bucket; ``None``
+            when no bucket is gathered.
+        inverse: ``[N * H_kv]`` long, the inverse of ``gather`` when it is a permutation of every row,
+            else ``None``.
 
     """
 
     shapes: tuple[tuple[int, int], ...]
     matmul: tuple[bool, ...]
     heads_kv: int
-    bounds: tuple[tuple[int, int], ...]
-    reads: tuple[tuple[bool, int], ...]
+    places: tuple[tuple[bool, int], ...]
     gather: torch.Tensor | None
-    order: torch.Tensor | None
     inverse: torch.Tensor | None
 
     @property
@@ -196,22 +196,24 @@ class BucketPlan:
         return [i for i, kv_major in enumerate(self.matmul) if not kv_major]
 
     def gathered(self, units: torch.Tensor) -> torch.Tensor:
-        """The rows of the buckets not read in place, bucket after bucket (``units`` itself if none)."""
-        return units if self.gather is None else units.index_select(0, self.gather)
+        """The gathered buckets' rows of packed-row ``units`` ``[N * H_kv, F']``, bucket after bucket."""
+        if self.gather is None:
+            return units.new_empty(0, units.shape[1])
+        return units.index_select(0, self.gather)
 
-    def read(self, units: torch.Tensor, gathered: torch.Tensor, i: int) -> torch.Tensor:
-        """Bucket ``i``'s input rows, in its order, from packed-row ``units`` or ``gathered`` (a view)."""
-        in_place, start = self.reads[i]
-        size = self.bounds[i][1] - self.bounds[i][0]
-        return (units if in_place else gathered)[start : start + size]
+    def part(self, units: torch.Tensor, gathered: torch.Tensor, i: int) -> torch.Tensor:
+        """Bucket ``i``'s rows, in its order: a slice of packed-row ``units`` or of ``gathered``."""
+        in_place, start = self.places[i]
+        count, length = self.shapes[i]
+        return (units if in_place else gathered)[start : start + count * length * self.heads_kv]
 
-    def to_buckets(self, units: torch.Tensor) -> torch.Tensor:
-        """``[N * H_kv, F']`` packed-row order -> bucket order (a view when ``order`` is the identity)."""
-        return units if self.order is None else units.index_select(0, self.order)
-
-    def to_row(self, units: torch.Tensor) -> torch.Tensor:
-        """Bucket order -> packed-row order (the inverse of :meth:`to_buckets`)."""
-        return units if self.inverse is None else units.index_select(0, self.inverse)
+    def scatter(self, units: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+        """Packed-row rows: ``units`` (in-place buckets written) with the ``gathered`` rows put back."""
+        if self.gather is None:
+            return units
+        if self.inverse is not None:
+            return gathered.index_select(0, self.inverse)
+        return units.index_copy_(0, self.gather, gathered)
 
 
 @functools.lru_cache(maxsize=8)
@@ -225,8 +227,7 @@ def _cached_plan(
     for i, n in enumerate(lengths):
         if n > 0:
             by_length.setdefault(n, []).append(i)
-    shapes, matmul, bounds, rows_of, reads, gathered = [], [], [], [], [], []
-    taken = read = 0
+    shapes, matmul, rows_of, in_place = [], [], [], []
     heads = torch.arange(heads_kv)
     for length in sorted(by_length):
         segments = by_length[length]
@@ -236,23 +237,28 @@ def _cached_plan(
         tokens = torch.tensor([first[i] for i in segments])[:, None] + torch.arange(length)[None, :]
         rows = tokens[:, :, None] * heads_kv + heads  # [count, length, H_kv]
         rows_of.append((rows.transpose(1, 2) if kv_major else rows).reshape(-1))
-        bounds.append((taken, taken + rows_of[-1].numel()))
-        taken = bounds[-1][1]
         side_by_side = all(first[b] == first[a] + length for a, b in zip(segments, segments[1:]))
-        if side_by_side and (not kv_major or heads_kv == 1):
-            reads.append((True, first[segments[0]] * heads_kv))
+        in_place.append(side_by_side and (not kv_major or heads_kv == 1))
+    total = sum(rows.numel() for rows in rows_of)
+    if 2 * sum(rows.numel() for rows, kept in zip(rows_of, in_place) if not kept) > total:
+        in_place = [False] * len(rows_of)
+    places, gathered, taken = [], [], 0
+    for rows, kept in zip(rows_of, in_place):
+        places.append((kept, int(rows[0]) if kept else taken))
+        if not kept:
+            gathered.append(rows)
+            taken += rows.numel()
+    gather = torch.cat(gathered) if gathered else None
+    inverse = None
+    if gather is not None and gather.numel() == total:
+        if torch.equal(gather, torch.arange(total)):  # already in bucket order: nothing to move
+            gather, places = None, [(True, start) for _, start in places]
         else:
-            reads.append((False, read))
-            gathered.append(rows_of[-1])
-            read += rows_of[-1].numel()
-    order = torch.cat(rows_of) if rows_of else torch.zeros(0, dtype=torch.long)
-    identity = torch.equal(order, torch.arange(order.numel()))
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel())
+            inverse = torch.empty_like(gather)
+            inverse[gather] = torch.arange(total)
     return BucketPlan(
-        tuple(shapes), tuple(matmul), heads_kv, tuple(bounds), tuple(reads),
-        torch.cat(gathered).to(device) if gathered else None,
-        None if identity else order.to(device), None if identity else inverse.to(device),
+        tuple(shapes), tuple(matmul), heads_kv, tuple(places),
+        None if gather is None else gather.to(device), None if inverse is None else inverse.to(device),
     )
 
 
@@ -283,18 +289,17 @@ def plan_buckets(
 def _sdpa_view(plan: BucketPlan, rows: torch.Tensor, i: int, heads: int) -> torch.Tensor:
     """Sdpa bucket ``i``'s rows (token-major ``[count * length * H_kv, F']``) as ``[count, h, length, D]``.
 
-    The sdpa inputs and output gradients cross the autograd functions in sdpa's layout, so the per-bucket
-    reshapes are not recorded (one autograd node per bucket: the sdpa call).
+    A view: the sdpa inputs and output gradients cross the autograd functions in sdpa's layout, so the
+    per-bucket reshapes are not recorded (one autograd node per bucket: the sdpa call).
     """
     count, length = plan.shapes[i]
     return rows.view(count, length, heads, -1).transpose(1, 2)
 
 
-def _put_sdpa(plan: BucketPlan, units: torch.Tensor, i: int, part: torch.Tensor) -> None:
-    """Write ``part`` ``[count, h, length, D]`` (sdpa's layout) into sdpa bucket ``i`` of ``units``."""
-    count, length = plan.shapes[i]
-    start, end = plan.bounds[i]
-    units[start:end].view(count, length, part.shape[1], -1).copy_(part.transpose(1, 2))
+def _put_sdpa(rows: torch.Tensor, part: torch.Tensor) -> None:
+    """Write ``part`` ``[count, h, length, D]`` (sdpa's layout) into a bucket's token-major ``rows``."""
+    count, heads, length = part.shape[:3]
+    rows.view(count, length, heads, -1).copy_(part.transpose(1, 2))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -313,12 +318,13 @@ def _store(target: torch.Tensor, result: torch.Tensor) -> None:
 
 
 class _Buckets(torch.autograd.Function):
-    """Brings q/k/v into bucket order, runs the matmul buckets and hands out the sdpa buckets' inputs.
+    """Gathers q/k/v, runs the matmul buckets and hands out the sdpa buckets' inputs.
 
-    Forward: ``(q [1, H, N, D], k [1, H_kv, N, D], v [1, H_kv, N, D_v])`` -> ``(out [N * H_kv, H * D_v /
-    H_kv], *q_parts, *k_parts, *v_parts)``: ``out`` is in bucket order and holds the matmul buckets' rows
-    (the sdpa buckets' rows are written by :class:`_PutRows`); the parts are the sdpa buckets' inputs in
-    sdpa's layout (views), q ``[count, H, length, D]``, k and v ``[count, H_kv, length, D]``.
+    Forward: ``(q [1, H, N, D], k [1, H_kv, N, D], v [1, H_kv, N, D_v])`` -> ``(out [N * H_kv, F'],
+    out_gathered [G, F'], *q_parts, *k_parts, *v_parts)`` with ``F' = H * D_v / H_kv``: the matmul
+    buckets' output rows, in place or gathered (:class:`BucketPlan`; the sdpa buckets' rows are written by
+    :class:`_PutRows`); the parts are the sdpa buckets' inputs in sdpa's layout (views), q ``[count, H,
+    length, D]``, k and v ``[count, H_kv, length, D]``.
     """
 
     @staticmethod
@@ -333,109 +339,106 @@ class _Buckets(torch.autograd.Function):
         is_causal: bool,
         window: int | None,
     ) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
         ctx.shapes = (query.shape, key.shape, value.shape)
         heads_kv = plan.heads_kv
         group = heads // heads_kv
         rows = [_units(_rows(x), heads_kv) for x in (query, key, value)]
         gathered = [plan.gathered(x) for x in rows]
-        q, k, v = (functools.partial(plan.read, x, g) for x, g in zip(rows, gathered))
+        q, k, v = (functools.partial(plan.part, x, g) for x, g in zip(rows, gathered))
         out = rows[0].new_empty(rows[0].shape[0], group * rows[2].shape[1])
+        out_gathered = out.new_empty(gathered[0].shape[0], out.shape[1])
         fp32 = out.dtype == torch.float32
         probs_of = []
         for i, (count, length) in enumerate(plan.shapes):
             if not plan.matmul[i]:
                 continue
             batch = count * heads_kv
-            start, end = plan.bounds[i]
             qb = q(i).view(batch, length * group, -1).float()  # half precision: in fp32
             kb, vb = (x(i).view(batch, length, -1).float() for x in (k, v))
             mask = additive_mask(length, group, is_causal, window, query.device)
             probs = _softmax_(torch.baddbmm(mask, qb, kb.transpose(1, 2), alpha=scale))
+            target = plan.part(out, out_gathered, i)
             if fp32:
-                torch.bmm(probs, vb, out=out[start:end].view(batch, length * group, -1))
+                torch.bmm(probs, vb, out=target.view(batch, length * group, -1))
             else:
-                _store(out[start:end], torch.bmm(probs, vb))
+                _store(target, torch.bmm(probs, vb))
             probs_of.append(probs)
         ctx.save_for_backward(*rows, *gathered, *probs_of)
         ctx.plan, ctx.scale, ctx.group = plan, scale, group
         sources = zip((q, k, v), (heads, heads_kv, heads_kv))
-        return out, *(_sdpa_view(plan, x(i), i, h) for x, h in sources for i in plan.sdpa)
+        return out, out_gathered, *(_sdpa_view(plan, x(i), i, h) for x, h in sources for i in plan.sdpa)
 
     @staticmethod
     def backward(
-        ctx: FunctionCtx, grad_out: torch.Tensor, *grad_parts: torch.Tensor
+        ctx: FunctionCtx, grad_out: torch.Tensor | None, grad_gathered: torch.Tensor,
+        *grad_parts: torch.Tensor,
     ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan
         saved = ctx.saved_tensors
         rows, gathered, probs_of = saved[:3], saved[3:6], saved[6:]
-        q, k, v = (functools.partial(plan.read, x, g) for x, g in zip(rows, gathered))
+        q, k, v = (functools.partial(plan.part, x, g) for x, g in zip(rows, gathered))
+        dout = functools.partial(plan.part, grad_out, grad_gathered)
         grads = [torch.empty_like(x) for x in rows]
-        fp32 = grad_out.dtype == torch.float32
-        dout = grad_out.contiguous()
+        grads_gathered = [torch.empty_like(x) for x in gathered]
+        fp32 = rows[0].dtype == torch.float32
         probs_iter = iter(probs_of)
         for i, (count, length) in enumerate(plan.shapes):
             if not plan.matmul[i]:
                 continue
             probs = next(probs_iter)
             batch = count * plan.heads_kv
-            start, end = plan.bounds[i]
             qb = q(i).view(batch, length * ctx.group, -1).float()
             kb, vb = (x(i).view(batch, length, -1).float() for x in (k, v))
-            dob = dout[start:end].view(batch, length * ctx.group, -1).float()
-            targets = [g[start:end].view(x.shape) for g, x in zip(grads, (qb, kb, vb))] if fp32 else None
-            d = matmul_attention_backward(dob, qb, kb, vb, probs, ctx.scale, out=targets)
-            if not fp32:
-                for g, dx in zip(grads, d):
-                    _store(g[start:end], dx)
+            dob = dout(i).view(batch, length * ctx.group, -1).float()
+            targets = [plan.part(g, gg, i) for g, gg in zip(grads, grads_gathered)]
+            if fp32:
+                shaped = [t.view(x.shape) for t, x in zip(targets, (qb, kb, vb))]
+                matmul_attention_backward(dob, qb, kb, vb, probs, ctx.scale, out=shaped)
+            else:
+                for t, dx in zip(targets, matmul_attention_backward(dob, qb, kb, vb, probs, ctx.scale)):
+                    _store(t, dx)
         parts = iter(grad_parts)
-        for g in grads:
+        for g, gg in zip(grads, grads_gathered):
             for i in plan.sdpa:
-                _put_sdpa(plan, g, i, next(parts))
+                _put_sdpa(plan.part(g, gg, i), next(parts))
         n = ctx.shapes[0][2]
-        as_inputs = (plan.to_row(g).view(1, n, h, d).transpose(1, 2)
-                     for g, (_, h, _, d) in zip(grads, ctx.shapes))
+        as_inputs = (plan.scatter(g, gg).view(1, n, h, d).transpose(1, 2)
+                     for g, gg, (_, h, _, d) in zip(grads, grads_gathered, ctx.shapes))
         return *as_inputs, None, None, None, None, None
 
 
 class _PutRows(torch.autograd.Function):
-    """Writes the sdpa buckets' outputs into bucket-ordered ``out`` (in place) next to the matmul buckets'.
+    """Writes the sdpa buckets' outputs next to the matmul buckets' and puts the gathered rows back.
 
-    Forward: ``(plan, out [N * H_kv, F'], *outs)`` with ``outs`` the sdpa outputs ``[count, H, length, D_v]``;
-    the backward hands their gradients back in that layout (views of the output gradient's rows).
+    Forward: ``(plan, out [N * H_kv, F'], out_gathered [G, F'], *outs)`` with ``outs`` the sdpa outputs
+    ``[count, H, length, D_v]`` -> ``(packed-row out [N * H_kv, F'], out_gathered)`` (the second only
+    because it was written in place); the backward hands the sdpa outputs' gradients back in their layout.
     """
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx, plan: BucketPlan, out: torch.Tensor, *parts: torch.Tensor
-    ) -> torch.Tensor:
+        ctx: FunctionCtx, plan: BucketPlan, out: torch.Tensor, out_gathered: torch.Tensor,
+        *parts: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)
         ctx.plan = plan
-        ctx.heads = parts[0].shape[1]
+        ctx.heads = [part.shape[1] for part in parts]
         for i, part in zip(plan.sdpa, parts):
-            _put_sdpa(plan, out, i, part)
-        ctx.mark_dirty(out)
-        return out
+            _put_sdpa(plan.part(out, out_gathered, i), part)
+        ctx.mark_dirty(*((out_gathered,) if plan.inverse is not None else (out, out_gathered)))
+        return plan.scatter(out, out_gathered), out_gathered  # every row gathered: `out` untouched
 
     @staticmethod
     def backward(
-        ctx: FunctionCtx, grad: torch.Tensor
+        ctx: FunctionCtx, grad: torch.Tensor, _: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan
         grad = grad.contiguous()
-        bounds = plan.bounds
-        return None, grad, *(_sdpa_view(plan, grad[slice(*bounds[i])], i, ctx.heads) for i in plan.sdpa)
-
-
-class _ToRow(torch.autograd.Function):
-    """Bucket order -> packed-row order (``[N * H_kv, F']``); the backward is the forward permutation."""
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, plan: BucketPlan, units: torch.Tensor) -> torch.Tensor:
-        ctx.plan = plan
-        return plan.to_row(units)
-
-    @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return None, ctx.plan.to_buckets(grad.contiguous())
+        grad_gathered = plan.gathered(grad)
+        parts = (_sdpa_view(plan, plan.part(grad, grad_gathered, i), i, h)
+                 for i, h in zip(plan.sdpa, ctx.heads))
+        return None, None if plan.inverse is not None else grad, grad_gathered, *parts
 
 
 def bucketed_varlen_attention(
@@ -484,7 +487,7 @@ def bucketed_varlen_attention(
         usable = use_matmul_attention(query.dtype, query.device, dropout, upcast=True)
         matmul_max = matmul_max_length if usable else 0
     plan = plan_buckets(lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
-    out, *parts = _Buckets.apply(query, key, value, plan, heads, scale, is_causal, window)
+    out, out_gathered, *parts = _Buckets.apply(query, key, value, plan, heads, scale, is_causal, window)
     n_sdpa = len(plan.sdpa)
     outs = []
     qs, ks, vs = parts[:n_sdpa], parts[n_sdpa : 2 * n_sdpa], parts[2 * n_sdpa :]
@@ -494,8 +497,5 @@ def bucketed_varlen_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal and mask is None, scale=scale,
             enable_gqa=heads != heads_kv,
         ))  # [count, H, length, D_v], laid out as [count, length, H, D_v]
-    if outs:
-        out = _PutRows.apply(plan, out, *outs)
-    if plan.inverse is not None:
-        out = _ToRow.apply(plan, out)
+    out, _ = _PutRows.apply(plan, out, out_gathered, *outs)
     return out.view(1, n, heads, dim_v)
