@@ -438,6 +438,8 @@ class _PutRows(torch.autograd.Function):
         grad_gathered = plan.gathered(grad)
         parts = (_sdpa_view(plan, plan.part(grad, grad_gathered, i), i, h)
                  for i, h in zip(plan.sdpa, ctx.heads))
+        # `out`'s gradient: `grad` itself; _Buckets reads only its in-place rows (the gathered rows were
+        # overwritten by the scatter, their gradient is `grad_gathered`)
         return None, None if plan.inverse is not None else grad, grad_gathered, *parts
 
 
