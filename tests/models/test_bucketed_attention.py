@@ -137,19 +137,14 @@ def test_plan_groups_segments_by_length():
     lengths = [1, 5, 0, 1, 9, 3, 1, 0, 12, 5, 5]  # 1 x3, 5 x3 (the last two side by side), 9, 3, 12
     plan = plan_buckets(lengths)
     assert plan.shapes == ((3, 1), (1, 3), (3, 5), (1, 9), (1, 12))  # one bucket per length, shortest first
-    assert plan.places == ((False, 0), (True, 16), (False, 3), (True, 7), (True, 20))  # alone: in place
-    assert plan.gather.tolist() == [0, 6, 19, 1, 2, 3, 4, 5, *range(32, 42)] and plan.inverse is None
-    in_place = [torch.arange(s, s + c * n) for (c, n), (kept, s) in zip(plan.shapes, plan.places) if kept]
-    covered = torch.cat([plan.gather, *in_place])
+    assert plan.starts == (None, 16, None, 7, 20)  # segments alone (or side by side) run on views
+    assert plan.indices(0).tolist() == [0, 6, 19] and plan.indices(2).tolist()[:5] == [1, 2, 3, 4, 5]
+    views = [torch.arange(s, s + c * n) for (c, n), s in zip(plan.shapes, plan.starts) if s is not None]
+    covered = torch.cat([plan.gather, *views])
     assert torch.equal(covered.sort().values, torch.arange(sum(lengths)))  # every token exactly once
     assert len(plan_buckets(MIXES["short_rl"] * 10).shapes) == 9  # 960 segments of 8-16 tokens: 9 calls
-    mixed = plan_buckets(MIXES["short_rl"])  # most rows would be gathered: all are (scattered by a gather)
-    assert not any(kept for kept, _ in mixed.places) and torch.equal(mixed.gather[mixed.inverse],
-                                                                    torch.arange(sum(MIXES["short_rl"])))
     in_order = plan_buckets(sorted(MIXES["short_rl"]))
-    assert in_order.gather is None and all(kept for kept, _ in in_order.places)  # nothing to move
-    kv_major = plan_buckets([2, 2], heads_kv=2, matmul_max_length=MATMUL_MAX_LENGTH)
-    assert kv_major.gather.tolist() == [0, 2, 1, 3, 4, 6, 5, 7]  # matmul rows (segment, kv head, token)
+    assert all(s is not None for s in in_order.starts) and in_order.gather.numel() == 0
     with pytest.raises(ValueError, match="lengths must be >= 0"):
         plan_buckets([3, -1])
 

@@ -126,7 +126,6 @@ def matmul_attention_backward(
     value: torch.Tensor,
     probs: torch.Tensor,
     scale: float,
-    out: Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`matmul_attention_forward`: four matmuls, nothing recomputed.
 
@@ -137,83 +136,59 @@ def matmul_attention_backward(
         value: ``[B, L, D_v]``.
         probs: ``[B, L * g, L]`` from the forward.
         scale: Softmax scale.
-        out: ``(d_query, d_key, d_value)`` tensors to write into (contiguous, shaped like the inputs), or
-            ``None`` (new tensors).
 
     Returns:
         ``(d_query, d_key, d_value)`` shaped like the inputs.
 
     """
-    d_query, d_key, d_value = out if out is not None else (None, None, None)
-    d_value = torch.bmm(probs.transpose(1, 2), grad_out, out=d_value)
+    d_value = torch.bmm(probs.transpose(1, 2), grad_out)
     d_scores = torch.bmm(grad_out, value.transpose(1, 2))  # dP
     # dS = P * (dP - rowsum(P * dP)) * scale, where rowsum(P * dP) = rowsum(dout * out)
     d_scores.sub_((d_scores * probs).sum(-1, keepdim=True)).mul_(probs).mul_(scale)
-    d_query = torch.bmm(d_scores, key, out=d_query)
-    return d_query, torch.bmm(d_scores.transpose(1, 2), query, out=d_key), d_value
+    return torch.bmm(d_scores, key), torch.bmm(d_scores.transpose(1, 2), query), d_value
 
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """The segments of a packed row grouped by length, and where each bucket's rows are read and written.
+    """The segments of a packed row grouped by length, and where each bucket's rows come from.
 
     Rows are addressed in units of ``[N * H_kv, F / H_kv]`` (a token is ``H_kv`` consecutive rows, one per
-    KV-head group). Each bucket's rows are in its kernel's order: token-major for sdpa buckets (rows
-    ``(segment, token, kv head)``, read as ``[count, H, length, D]`` views) and KV-head-major for matmul
-    buckets (rows ``(segment, kv head, token)``, the matrices of :func:`matmul_attention_forward`).
-
-    A bucket of segments side by side in the row whose order is token-major (sdpa, or matmul with one KV
-    head) is read and written *in place*, as a slice of the packed row; the others are *gathered*: one
-    ``index_select`` per tensor brings all their rows, bucket after bucket, into one tensor (each bucket a
-    slice of it), and one scatter takes them back (an ``index_select`` with the inverse permutation when
-    every row is gathered, else ``index_copy_`` of the gathered rows). Data movement only: which rows are
-    gathered never changes a result. Where more than half the rows would be gathered, all are (a gather
-    is cheaper than a scatter on CPU).
+    KV-head group), so a bucket can be read token-major (sdpa buckets: rows ``(segment, token, kv head)``)
+    or KV-head-major (matmul buckets: rows ``(segment, kv head, token)``, the matrices of
+    :func:`matmul_attention_forward`) with the same index.
 
     Attributes:
         shapes: ``(count, length)`` of each bucket, shortest length first.
         matmul: Per bucket, whether it runs the matmul path (rows KV-head-major) rather than sdpa.
         heads_kv: ``H_kv``, the rows per token.
-        places: Per bucket ``(in_place, start)``: its rows are rows ``start : start + count * length *
-            H_kv`` of the packed row (``in_place``) or of the gathered tensor.
-        gather: ``[G]`` long, the packed-row rows of the gathered buckets, bucket after bucket; ``None``
-            when no bucket is gathered.
-        inverse: ``[N * H_kv]`` long, the inverse of ``gather`` when it is a permutation of every row,
-            else ``None``.
+        starts: Per bucket, the first token when its segments lie side by side in the row (it is read as a
+            view, or one transposing copy when KV-head-major), else ``None`` (its rows are gathered).
+        gather: ``[G]`` long, the rows of the gathered buckets, bucket after bucket.
+        offsets: Per bucket, where its rows start in ``gather`` (``None`` for a run).
 
     """
 
     shapes: tuple[tuple[int, int], ...]
     matmul: tuple[bool, ...]
     heads_kv: int
-    places: tuple[tuple[bool, int], ...]
-    gather: torch.Tensor | None
-    inverse: torch.Tensor | None
+    starts: tuple[int | None, ...]
+    gather: torch.Tensor
+    offsets: tuple[int | None, ...]
+
+    def sizes(self) -> list[int]:
+        """Rows (``[N * H_kv]`` units) of each bucket."""
+        return [count * length * self.heads_kv for count, length in self.shapes]
 
     @property
     def sdpa(self) -> list[int]:
         """The buckets that run sdpa (not the matmul path), in bucket order."""
         return [i for i, kv_major in enumerate(self.matmul) if not kv_major]
 
-    def gathered(self, units: torch.Tensor) -> torch.Tensor:
-        """The gathered buckets' rows of packed-row ``units`` ``[N * H_kv, F']``, bucket after bucket."""
-        if self.gather is None:
-            return units.new_empty(0, units.shape[1])
-        return units.index_select(0, self.gather)
-
-    def part(self, units: torch.Tensor, gathered: torch.Tensor, i: int) -> torch.Tensor:
-        """Bucket ``i``'s rows, in its order: a slice of packed-row ``units`` or of ``gathered``."""
-        in_place, start = self.places[i]
-        count, length = self.shapes[i]
-        return (units if in_place else gathered)[start : start + count * length * self.heads_kv]
-
-    def scatter(self, units: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
-        """Packed-row rows: ``units`` (in-place buckets written) with the ``gathered`` rows put back."""
-        if self.gather is None:
-            return units
-        if self.inverse is not None:
-            return gathered.index_select(0, self.inverse)
-        return units.index_copy_(0, self.gather, gathered)
+    def indices(self, i: int) -> torch.Tensor:
+        """``[count * length * H_kv]`` long, the rows of gathered bucket ``i`` (a view of ``gather``)."""
+        start = self.offsets[i]
+        assert start is not None, f"bucket {i} is a run of the row, not gathered"
+        return self.gather[start : start + self.sizes()[i]]
 
 
 @functools.lru_cache(maxsize=8)
@@ -227,38 +202,28 @@ def _cached_plan(
     for i, n in enumerate(lengths):
         if n > 0:
             by_length.setdefault(n, []).append(i)
-    shapes, matmul, rows_of, in_place = [], [], [], []
+    shapes, matmul, starts, offsets, gathered = [], [], [], [], []
+    taken = 0
     heads = torch.arange(heads_kv)
     for length in sorted(by_length):
         segments = by_length[length]
         shapes.append((len(segments), length))
         kv_major = length <= matmul_max_length
         matmul.append(kv_major)
+        side_by_side = all(first[b] == first[a] + length for a, b in zip(segments, segments[1:]))
+        if side_by_side:
+            starts.append(first[segments[0]])
+            offsets.append(None)
+            continue
+        starts.append(None)
+        offsets.append(taken)
         tokens = torch.tensor([first[i] for i in segments])[:, None] + torch.arange(length)[None, :]
         rows = tokens[:, :, None] * heads_kv + heads  # [count, length, H_kv]
-        rows_of.append((rows.transpose(1, 2) if kv_major else rows).reshape(-1))
-        side_by_side = all(first[b] == first[a] + length for a, b in zip(segments, segments[1:]))
-        in_place.append(side_by_side and (not kv_major or heads_kv == 1))
-    total = sum(rows.numel() for rows in rows_of)
-    if 2 * sum(rows.numel() for rows, kept in zip(rows_of, in_place) if not kept) > total:
-        in_place = [False] * len(rows_of)
-    places, gathered, taken = [], [], 0
-    for rows, kept in zip(rows_of, in_place):
-        places.append((kept, int(rows[0]) if kept else taken))
-        if not kept:
-            gathered.append(rows)
-            taken += rows.numel()
-    gather = torch.cat(gathered) if gathered else None
-    inverse = None
-    if gather is not None and gather.numel() == total:
-        if torch.equal(gather, torch.arange(total)):  # already in bucket order: nothing to move
-            gather, places = None, [(True, start) for _, start in places]
-        else:
-            inverse = torch.empty_like(gather)
-            inverse[gather] = torch.arange(total)
+        gathered.append((rows.transpose(1, 2) if kv_major else rows).reshape(-1))
+        taken += len(segments) * length * heads_kv
+    gather = torch.cat(gathered) if gathered else torch.zeros(0, dtype=torch.long)
     return BucketPlan(
-        tuple(shapes), tuple(matmul), heads_kv, tuple(places),
-        None if gather is None else gather.to(device), None if inverse is None else inverse.to(device),
+        tuple(shapes), tuple(matmul), heads_kv, tuple(starts), gather.to(device), tuple(offsets)
     )
 
 
@@ -273,7 +238,7 @@ def plan_buckets(
 
     Args:
         lengths: Length of each segment (0 allowed: empty segments are skipped).
-        device: Device of the index tensors.
+        device: Device of the index tensor.
         heads_kv: KV heads of the attention (rows per token).
         matmul_max_length: Buckets of segments up to this length run the matmul path (0: none).
 
@@ -286,8 +251,41 @@ def plan_buckets(
     return _cached_plan(tuple(int(n) for n in lengths), heads_kv, matmul_max_length, torch.device(device))
 
 
-def _sdpa_view(plan: BucketPlan, rows: torch.Tensor, i: int, heads: int) -> torch.Tensor:
-    """Sdpa bucket ``i``'s rows (token-major ``[count * length * H_kv, F']``) as ``[count, h, length, D]``.
+def _read(plan: BucketPlan, units: torch.Tensor, i: int) -> torch.Tensor:
+    """The rows of bucket ``i`` from ``units`` ``[N * H_kv, F']``, in its order (``[rows, F']``).
+
+    A run of the row is a view (token-major) or one transposing copy (KV-head-major); others a gather.
+    """
+    start = plan.starts[i]
+    if start is None:
+        return units.index_select(0, plan.indices(i))
+    first = start * plan.heads_kv
+    rows = units[first : first + plan.sizes()[i]]
+    if not plan.matmul[i] or plan.heads_kv == 1:
+        return rows
+    count, length = plan.shapes[i]
+    return rows.view(count, length, plan.heads_kv, -1).transpose(1, 2).reshape(rows.shape)
+
+
+def _write(plan: BucketPlan, units: torch.Tensor, i: int, part: torch.Tensor) -> None:
+    """Write the rows of bucket ``i`` (in its order, ``[rows, F']``) into ``units`` ``[N * H_kv, F']``."""
+    part = part.to(units.dtype)
+    start = plan.starts[i]
+    if start is None:
+        units.index_put_((plan.indices(i),), part)
+        return
+    first = start * plan.heads_kv
+    rows = units[first : first + part.shape[0]]
+    if not plan.matmul[i] or plan.heads_kv == 1:
+        rows.copy_(part)
+        return
+    count, length = plan.shapes[i]
+    kv_major = part.view(count, plan.heads_kv, length, -1)
+    rows.view(count, length, plan.heads_kv, -1).copy_(kv_major.transpose(1, 2))
+
+
+def _sdpa_layout(plan: BucketPlan, i: int, rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Token-major rows of sdpa bucket ``i`` ``[count * length * H_kv, F']`` as ``[count, heads, length, D]``.
 
     A view: the sdpa inputs and output gradients cross the autograd functions in sdpa's layout, so the
     per-bucket reshapes are not recorded (one autograd node per bucket: the sdpa call).
@@ -296,10 +294,12 @@ def _sdpa_view(plan: BucketPlan, rows: torch.Tensor, i: int, heads: int) -> torc
     return rows.view(count, length, heads, -1).transpose(1, 2)
 
 
-def _put_sdpa(rows: torch.Tensor, part: torch.Tensor) -> None:
-    """Write ``part`` ``[count, h, length, D]`` (sdpa's layout) into a bucket's token-major ``rows``."""
-    count, heads, length = part.shape[:3]
-    rows.view(count, length, heads, -1).copy_(part.transpose(1, 2))
+def _rows_layout(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """``[count, h, length, D]`` (sdpa's layout) as token-major rows ``[count * length * H_kv, F']``.
+
+    The inverse of :func:`_sdpa_layout` (a copy unless already laid out as ``[count, length, h, D]``).
+    """
+    return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2] * heads_kv, -1)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -312,19 +312,13 @@ def _units(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return x.view(x.shape[0] * heads_kv, -1)
 
 
-def _store(target: torch.Tensor, result: torch.Tensor) -> None:
-    """Copy a bucket's fp32 result into its slice of a (possibly half-precision) tensor."""
-    target.view(result.shape).copy_(result)
-
-
 class _Buckets(torch.autograd.Function):
-    """Gathers q/k/v, runs the matmul buckets and hands out the sdpa buckets' inputs.
+    """Runs the short buckets and reads the sdpa buckets' rows.
 
-    Forward: ``(q [1, H, N, D], k [1, H_kv, N, D], v [1, H_kv, N, D_v])`` -> ``(out [N * H_kv, F'],
-    out_gathered [G, F'], *q_parts, *k_parts, *v_parts)`` with ``F' = H * D_v / H_kv``: the matmul
-    buckets' output rows, in place or gathered (:class:`BucketPlan`; the sdpa buckets' rows are written by
-    :class:`_PutRows`); the parts are the sdpa buckets' inputs in sdpa's layout (views), q ``[count, H,
-    length, D]``, k and v ``[count, H_kv, length, D]``.
+    Forward: ``(q [1, H, N, D], k [1, H_kv, N, D], v [1, H_kv, N, D_v])`` -> ``(out [N, H * D_v], *q_parts,
+    *k_parts, *v_parts)``: ``out`` holds the short buckets' rows (the sdpa buckets' rows are written
+    by :class:`_PutRows`); the parts are the sdpa buckets' inputs in sdpa's layout (views), q
+    ``[count, H, length, D]``, k and v ``[count, H_kv, length, D]``.
     """
 
     @staticmethod
@@ -339,108 +333,81 @@ class _Buckets(torch.autograd.Function):
         is_causal: bool,
         window: int | None,
     ) -> tuple[torch.Tensor, ...]:
-        ctx.set_materialize_grads(False)
         ctx.shapes = (query.shape, key.shape, value.shape)
-        heads_kv = plan.heads_kv
+        query, key, value = (_rows(x) for x in (query, key, value))
+        heads_kv, n = plan.heads_kv, query.shape[0]
         group = heads // heads_kv
-        rows = [_units(_rows(x), heads_kv) for x in (query, key, value)]
-        gathered = [plan.gathered(x) for x in rows]
-        q, k, v = (functools.partial(plan.part, x, g) for x, g in zip(rows, gathered))
-        out = rows[0].new_empty(rows[0].shape[0], group * rows[2].shape[1])
-        out_gathered = out.new_empty(gathered[0].shape[0], out.shape[1])
-        fp32 = out.dtype == torch.float32
-        probs_of = []
+        q, k, v = (_units(x, heads_kv) for x in (query, key, value))
+        out = query.new_empty(n, heads * value.shape[1] // heads_kv)
+        out_units = _units(out, heads_kv)
+        saved = []
         for i, (count, length) in enumerate(plan.shapes):
             if not plan.matmul[i]:
                 continue
             batch = count * heads_kv
-            qb = q(i).view(batch, length * group, -1).float()  # half precision: in fp32
-            kb, vb = (x(i).view(batch, length, -1).float() for x in (k, v))
+            qb = _read(plan, q, i).view(batch, length * group, -1).float()  # half precision: in fp32
+            kb, vb = (_read(plan, x, i).view(batch, length, -1).float() for x in (k, v))
             mask = additive_mask(length, group, is_causal, window, query.device)
-            probs = _softmax_(torch.baddbmm(mask, qb, kb.transpose(1, 2), alpha=scale))
-            target = plan.part(out, out_gathered, i)
-            if fp32:
-                torch.bmm(probs, vb, out=target.view(batch, length * group, -1))
-            else:
-                _store(target, torch.bmm(probs, vb))
-            probs_of.append(probs)
-        ctx.save_for_backward(*rows, *gathered, *probs_of)
-        ctx.plan, ctx.scale, ctx.group = plan, scale, group
+            ob, probs = matmul_attention_forward(qb, kb, vb, mask, scale)
+            _write(plan, out_units, i, ob.view(count * length * heads_kv, -1))
+            saved += [qb, kb, vb, probs]
+        ctx.save_for_backward(*saved)
+        ctx.plan, ctx.scale = plan, scale
         sources = zip((q, k, v), (heads, heads_kv, heads_kv))
-        return out, out_gathered, *(_sdpa_view(plan, x(i), i, h) for x, h in sources for i in plan.sdpa)
+        return out, *(_sdpa_layout(plan, i, _read(plan, x, i), h) for x, h in sources for i in plan.sdpa)
 
     @staticmethod
     def backward(
-        ctx: FunctionCtx, grad_out: torch.Tensor | None, grad_gathered: torch.Tensor,
-        *grad_parts: torch.Tensor,
+        ctx: FunctionCtx, grad_out: torch.Tensor, *grad_parts: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan
-        saved = ctx.saved_tensors
-        rows, gathered, probs_of = saved[:3], saved[3:6], saved[6:]
-        q, k, v = (functools.partial(plan.part, x, g) for x, g in zip(rows, gathered))
-        dout = functools.partial(plan.part, grad_out, grad_gathered)
-        grads = [torch.empty_like(x) for x in rows]
-        grads_gathered = [torch.empty_like(x) for x in gathered]
-        fp32 = rows[0].dtype == torch.float32
-        probs_iter = iter(probs_of)
-        for i, (count, length) in enumerate(plan.shapes):
-            if not plan.matmul[i]:
-                continue
-            probs = next(probs_iter)
-            batch = count * plan.heads_kv
-            qb = q(i).view(batch, length * ctx.group, -1).float()
-            kb, vb = (x(i).view(batch, length, -1).float() for x in (k, v))
-            dob = dout(i).view(batch, length * ctx.group, -1).float()
-            targets = [plan.part(g, gg, i) for g, gg in zip(grads, grads_gathered)]
-            if fp32:
-                shaped = [t.view(x.shape) for t, x in zip(targets, (qb, kb, vb))]
-                matmul_attention_backward(dob, qb, kb, vb, probs, ctx.scale, out=shaped)
-            else:
-                for t, dx in zip(targets, matmul_attention_backward(dob, qb, kb, vb, probs, ctx.scale)):
-                    _store(t, dx)
+        n = grad_out.shape[0]
+        grads = [grad_out.new_empty(n, h * d) for _, h, _, d in ctx.shapes]
+        units = [_units(g, plan.heads_kv) for g in grads]
+        dout = _units(grad_out.contiguous(), plan.heads_kv)
+        saved = iter(ctx.saved_tensors)
         parts = iter(grad_parts)
-        for g, gg in zip(grads, grads_gathered):
+        for i, kv_major in enumerate(plan.matmul):
+            if not kv_major:
+                continue
+            qb, kb, vb, probs = next(saved), next(saved), next(saved), next(saved)
+            dob = _read(plan, dout, i).view(qb.shape[0], qb.shape[1], -1).float()
+            d = matmul_attention_backward(dob, qb, kb, vb, probs, ctx.scale)
+            for x, dx in zip(units, d):
+                _write(plan, x, i, dx.view(-1, x.shape[1]))
+        for x in units:
             for i in plan.sdpa:
-                _put_sdpa(plan.part(g, gg, i), next(parts))
-        n = ctx.shapes[0][2]
-        as_inputs = (plan.scatter(g, gg).view(1, n, h, d).transpose(1, 2)
-                     for g, gg, (_, h, _, d) in zip(grads, grads_gathered, ctx.shapes))
+                _write(plan, x, i, _rows_layout(next(parts), plan.heads_kv))
+        as_inputs = (g.view(1, n, h, d).transpose(1, 2) for g, (_, h, _, d) in zip(grads, ctx.shapes))
         return *as_inputs, None, None, None, None, None
 
 
 class _PutRows(torch.autograd.Function):
-    """Writes the sdpa buckets' outputs next to the matmul buckets' and puts the gathered rows back.
+    """Writes the sdpa buckets' outputs into ``out`` (in place) next to the short buckets' rows.
 
-    Forward: ``(plan, out [N * H_kv, F'], out_gathered [G, F'], *outs)`` with ``outs`` the sdpa outputs
-    ``[count, H, length, D_v]`` -> ``(packed-row out [N * H_kv, F'], out_gathered)`` (the second only
-    because it was written in place); the backward hands the sdpa outputs' gradients back in their layout.
+    Forward: ``(plan, out [N, H * D_v], *outs)`` with ``outs`` the sdpa outputs ``[count, H, length, D_v]``;
+    the backward hands their gradients back in that layout (views of the output gradient's rows).
     """
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx, plan: BucketPlan, out: torch.Tensor, out_gathered: torch.Tensor,
-        *parts: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.set_materialize_grads(False)
+        ctx: FunctionCtx, plan: BucketPlan, out: torch.Tensor, *parts: torch.Tensor
+    ) -> torch.Tensor:
         ctx.plan = plan
-        ctx.heads = [part.shape[1] for part in parts]
+        ctx.heads = parts[0].shape[1]
+        units = _units(out, plan.heads_kv)
         for i, part in zip(plan.sdpa, parts):
-            _put_sdpa(plan.part(out, out_gathered, i), part)
-        ctx.mark_dirty(*((out_gathered,) if plan.inverse is not None else (out, out_gathered)))
-        return plan.scatter(out, out_gathered), out_gathered  # every row gathered: `out` untouched
+            _write(plan, units, i, _rows_layout(part, plan.heads_kv))
+        ctx.mark_dirty(out)
+        return out
 
     @staticmethod
     def backward(
-        ctx: FunctionCtx, grad: torch.Tensor, _: torch.Tensor | None
+        ctx: FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan
-        grad = grad.contiguous()
-        grad_gathered = plan.gathered(grad)
-        parts = (_sdpa_view(plan, plan.part(grad, grad_gathered, i), i, h)
-                 for i, h in zip(plan.sdpa, ctx.heads))
-        # `out`'s gradient: `grad` itself; _Buckets reads only its in-place rows (the gathered rows were
-        # overwritten by the scatter, their gradient is `grad_gathered`)
-        return None, None if plan.inverse is not None else grad, grad_gathered, *parts
+        units = _units(grad.contiguous(), plan.heads_kv)
+        return None, grad, *(_sdpa_layout(plan, i, _read(plan, units, i), ctx.heads) for i in plan.sdpa)
 
 
 def bucketed_varlen_attention(
@@ -489,7 +456,7 @@ def bucketed_varlen_attention(
         usable = use_matmul_attention(query.dtype, query.device, dropout, upcast=True)
         matmul_max = matmul_max_length if usable else 0
     plan = plan_buckets(lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
-    out, out_gathered, *parts = _Buckets.apply(query, key, value, plan, heads, scale, is_causal, window)
+    out, *parts = _Buckets.apply(query, key, value, plan, heads, scale, is_causal, window)
     n_sdpa = len(plan.sdpa)
     outs = []
     qs, ks, vs = parts[:n_sdpa], parts[n_sdpa : 2 * n_sdpa], parts[2 * n_sdpa :]
@@ -499,5 +466,6 @@ def bucketed_varlen_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal and mask is None, scale=scale,
             enable_gqa=heads != heads_kv,
         ))  # [count, H, length, D_v], laid out as [count, length, H, D_v]
-    out, _ = _PutRows.apply(plan, out, out_gathered, *outs)
+    if outs:
+        out = _PutRows.apply(plan, out, *outs)
     return out.view(1, n, heads, dim_v)
