@@ -268,11 +268,15 @@ def _read(plan: BucketPlan, units: torch.Tensor, i: int) -> torch.Tensor:
 
 
 def _write(plan: BucketPlan, units: torch.Tensor, i: int, part: torch.Tensor) -> None:
-    """Write the rows of bucket ``i`` (in its order, ``[rows, F']``) into ``units`` ``[N * H_kv, F']``."""
+    """Write the rows of bucket ``i`` (in its order, ``[rows, F']``) into ``units`` ``[N * H_kv, F']``.
+
+    Gathered buckets go back by ``index_copy_`` (each row written once; on CPU it measured faster than
+    ``index_put_`` with the same index).
+    """
     part = part.to(units.dtype)
     start = plan.starts[i]
     if start is None:
-        units.index_put_((plan.indices(i),), part)
+        units.index_copy_(0, plan.indices(i), part)
         return
     first = start * plan.heads_kv
     rows = units[first : first + part.shape[0]]
