@@ -1,5 +1,8 @@
+import atexit
+import gc
 import os
 from contextlib import ExitStack
+from pathlib import Path
 
 from verl_trainer.testing.gc_freeze import imports_without_gc
 from verl_trainer.utils.threads import apply_thread_env_defaults
@@ -16,6 +19,7 @@ apply_thread_env_defaults()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import verl_trainer.testing  # noqa: E402
 from verl_trainer.testing import use_worker_pool  # noqa: E402
 
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -24,6 +28,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # compares must not differ by what a timing chose (tests/models/test_attention_autotune.py turns it on).
 os.environ.setdefault("VERL_TRAINER_ATTENTION_AUTOTUNE", "0")
 os.environ.setdefault("VERL_TRAINER_ATTENTION_AUTOTUNE_CACHE", "0")
+# Every Python process a test starts (recipes, scripts, ranks) skips the cyclic collection of its shutdown
+# (verl_trainer/testing/exit_freeze/sitecustomize.py); this process too, as the session ends.
+_EXIT_FREEZE = str(Path(verl_trainer.testing.__file__).parent / "exit_freeze")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_EXIT_FREEZE, os.environ.get("PYTHONPATH")) if p)
+atexit.register(gc.freeze)
 
 # What a Trainer or engine started in the pytest process leaves behind: every later test and every
 # subprocess it starts would inherit them (a recipe launched by a later test rendezvoused on a port this

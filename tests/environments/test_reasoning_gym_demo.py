@@ -17,7 +17,7 @@ pytest.importorskip("reasoning_gym", reason="needs the envs extra: pip install -
 from tests.trainer.common import read_csv_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 100
+STEPS = 75  # the documented curve's step 75 clears both thresholds with margin (below)
 RISE = 0.03
 
 
@@ -35,6 +35,6 @@ def test_the_reasoning_gym_demo_learns_the_task(tmp_path):
     metrics = read_csv_metrics(tmp_path / "outputs" / "grpo_reasoning_gym")
     before, after = metrics[0], metrics[STEPS]
     assert after["val/reward/mean"] >= before["val/reward/mean"] + RISE, (before, after)
-    # 5 of the 110 held-out words more reversed exactly (measured at step 100, under load: accuracy
-    # 0.145 -> 0.227, val reward 0.633 -> 0.685)
+    # 5 of the 110 held-out words more reversed exactly (measured at step 75: accuracy 0.145 -> 0.218, 8
+    # words; val reward 0.633 -> 0.682, +0.049; the same as docs/environments.md's curve at step 75)
     assert after["val/reward/accuracy"] >= before["val/reward/accuracy"] + 5 / 110 - 1e-6, (before, after)
