@@ -37,6 +37,10 @@ def write_varied_reward(base: Path) -> Path:
     return base
 
 
+VLLM_OVERRIDES = ("algorithm.rollout.name=vllm", "algorithm.rollout.max_model_len=64")
+"""The vLLM rollout on :func:`make_vllm_grpo_assets` (its 128-position model: a 64-token context)."""
+
+
 def make_vllm_grpo_assets(base: Path, num_train: int) -> Path:
     """A tiny llama with head size 32 (vLLM CPU's smallest), the arithmetic task with ``num_train`` prompts
     and 4 validation ones, and :func:`write_varied_reward`; returns ``base``."""

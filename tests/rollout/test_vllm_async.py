@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.algorithms.short_grpo import StepRecord, make_vllm_grpo_assets, short_grpo_config
+from tests.algorithms.short_grpo import VLLM_OVERRIDES, StepRecord, make_vllm_grpo_assets, short_grpo_config
 from verl_trainer.algorithms.stages.rollout import WeightSync
 from verl_trainer.data import schema
 from verl_trainer.engine import EngineConfig, EngineRegistry, OptimConfig
@@ -38,7 +38,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.own_process_group]  # an in-process 
 vllm = pytest.importorskip("vllm")
 
 STEPS = 3
-VLLM = ("algorithm.rollout.name=vllm", "algorithm.rollout.max_model_len=64")
 LORA = ("algorithm.actor.engine.lora_rank=8", "algorithm.actor.engine.lora_alpha=16")
 
 
@@ -49,7 +48,8 @@ def assets(tmp_path_factory) -> Path:
 
 def _config(assets: Path, *overrides: str):
     return short_grpo_config(str(assets / "model"), str(assets / "data"),
-                             f"algorithm.reward.name={assets / 'reward.py'}:length", *VLLM, *overrides)
+                             f"algorithm.reward.name={assets / 'reward.py'}:length", *VLLM_OVERRIDES,
+                             *overrides)
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.algorithms.short_grpo import make_vllm_grpo_assets
+from tests.algorithms.short_grpo import VLLM_OVERRIDES, make_vllm_grpo_assets
 from tests.algorithms.test_rollout_pool import _assert_same, _grpo_fit_or_none
 from verl_trainer.testing import run_distributed
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-VLLM_K1 = ("algorithm.rollout.name=vllm", "algorithm.rollout.max_model_len=64",
-           "algorithm.rollout.max_staleness=1")
+VLLM_K1 = (*VLLM_OVERRIDES, "algorithm.rollout.max_staleness=1")
 
 
 @pytest.fixture

@@ -17,14 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.algorithms.short_grpo import make_vllm_grpo_assets
+from tests.algorithms.short_grpo import VLLM_OVERRIDES, make_vllm_grpo_assets
 from tests.algorithms.test_rollout_pool import SEPARATE, _assert_same, _grpo_fit_or_none
 from verl_trainer.testing import run_distributed
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-VLLM = ("algorithm.rollout.name=vllm", "algorithm.rollout.max_model_len=64")
 ADAPTER_K1 = ("algorithm.actor.engine.lora_rank=8", "algorithm.actor.engine.lora_alpha=16",
               "algorithm.rollout.lora_sync=adapter", "algorithm.rollout.max_staleness=1")
 
@@ -41,12 +40,12 @@ def fresh_ranks(monkeypatch):
 
 
 def _colocated(assets: Path, root: Path, *overrides: str) -> dict:
-    return run_distributed(_grpo_fit_or_none, 1, assets, root, *VLLM, *overrides, timeout=900)[0]
+    return run_distributed(_grpo_fit_or_none, 1, assets, root, *VLLM_OVERRIDES, *overrides, timeout=900)[0]
 
 
 def _pooled(assets: Path, root: Path, *overrides: str) -> dict:
-    runs = run_distributed(_grpo_fit_or_none, 2, assets, root, *VLLM, *SEPARATE, *overrides, devices=2,
-                           timeout=900)
+    runs = run_distributed(_grpo_fit_or_none, 2, assets, root, *VLLM_OVERRIDES, *SEPARATE, *overrides,
+                           devices=2, timeout=900)
     assert runs[1] is None  # the rollout rank generated only
     return runs[0]
 

@@ -29,6 +29,7 @@ from verl_trainer.rollout_pool.current import set_current_pool
 
 __all__ = ["Pool", "make_group", "pool_settings", "split_world"]
 
+
 def pool_settings(module: Any) -> tuple[Any, str] | None:
     """``(rollout config, model path)`` of a module whose rollout is placed separately; else ``None``."""
     config = getattr(module, "config", None)
