@@ -20,6 +20,7 @@ caller with the rank's traceback; no process outlives :func:`close_worker_pools`
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -57,11 +58,14 @@ def start_rank(rank: int, world_size: int, port: int, env: dict[str, str], backe
                timeout_s: float) -> None:
     """Join ``rank`` of ``world_size`` to a process group at 127.0.0.1:``port``.
 
-    Sets ``env`` and the rendezvous variables first, and one intra-op thread (ranks share the cores).
+    Sets ``env`` and the rendezvous variables first, and one intra-op thread (ranks share the cores). A
+    fatal signal (a native crash: SIGSEGV, SIGABRT from a corrupted heap) prints every thread's Python stack
+    to the rank's stderr, which the test's captured output shows.
 
     Raises:
         Whatever ``torch.distributed.init_process_group`` raises (the caller reports it to the parent).
     """
+    faulthandler.enable(all_threads=True)
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
