@@ -1,4 +1,5 @@
 import os
+import signal
 import time
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from verl_trainer.testing import DistributedTestError, run_distributed
+from verl_trainer.testing.ranks import POOL_ENV
 
 
 def _all_reduce_rank():
@@ -28,6 +30,12 @@ def _hang():
 def _die_on_rank0():
     if dist.get_rank() == 0:
         os._exit(3)
+    dist.barrier()
+
+
+def _abort_on_rank0():
+    if dist.get_rank() == 0:
+        os.abort()  # as a native crash does (glibc's heap checks abort)
     dist.barrier()
 
 
@@ -68,5 +76,16 @@ def test_hang_times_out_and_leaves_no_orphans():
 
 
 def test_dead_rank_is_reported():
-    with pytest.raises(DistributedTestError, match="rank 0 exited with code 3"):
+    with pytest.raises(DistributedTestError, match="rank 0 exited with code 3") as info:
         run_distributed(_die_on_rank0, 2, timeout=60)
+    assert info.value.crash_signal is None  # an exit, not a crash
+
+
+@pytest.mark.parametrize("pooled", ["1", "0"])
+def test_a_rank_killed_by_a_signal_names_it_and_prints_its_stack(pooled, monkeypatch, capfd):
+    monkeypatch.setenv(POOL_ENV, pooled)
+    with pytest.raises(DistributedTestError, match="rank 0 exited with code -6") as info:
+        run_distributed(_abort_on_rank0, 2, timeout=60)
+    assert info.value.crash_signal == signal.SIGABRT
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err and "in _abort_on_rank0" in err

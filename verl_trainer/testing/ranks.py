@@ -40,7 +40,15 @@ from verl_trainer.testing.worker_pool import (
 
 
 class DistributedTestError(RuntimeError):
-    """A rank raised, died, or the run timed out."""
+    """A rank raised, died, or the run timed out.
+
+    ``crash_signal``: the signal that killed a rank which died without a result (a native crash: SIGSEGV,
+    SIGABRT), else None (a Python error, a time-out, a rank that exited on its own).
+    """
+
+    def __init__(self, message: str, crash_signal: int | None = None) -> None:
+        super().__init__(message)
+        self.crash_signal = crash_signal
 
 
 POOL_ENV = "VERL_TRAINER_TEST_WORKER_POOL"
@@ -185,7 +193,7 @@ def run_distributed(
             return pooled_run(fn, world_size, args, kwargs, timeout=timeout, backend=backend,
                               env=dict(env or {}), port=find_free_port)
         except PoolTaskError as err:
-            raise DistributedTestError(str(err)) from None
+            raise DistributedTestError(str(err), err.crash_signal) from None
     ctx = mp.get_context("spawn")
     port = find_free_port()
     task = pickle.dumps((fn, args, kwargs))  # unpickled (its module imported) by the rank, see _worker
@@ -204,6 +212,7 @@ def run_distributed(
         deadline = time.monotonic() + timeout
         results: dict[int, Any] = {}
         failure: str | None = None
+        crash_signal: int | None = None
         try:
             while len(results) < world_size and failure is None:
                 for rank, p in enumerate(procs):
@@ -220,6 +229,7 @@ def run_distributed(
                         p.join()
                         if not path.exists():
                             failure = f"rank {rank} exited with code {p.exitcode} and no result"
+                            crash_signal = -p.exitcode if p.exitcode is not None and p.exitcode < 0 else None
                             break
                 if failure is None and len(results) < world_size:
                     if time.monotonic() > deadline:
@@ -235,5 +245,5 @@ def run_distributed(
                     p.kill()
                     p.join(timeout=5)
         if failure is not None:
-            raise DistributedTestError(failure)
+            raise DistributedTestError(failure, crash_signal)
     return [results[r] for r in range(world_size)]

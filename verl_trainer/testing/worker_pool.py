@@ -51,7 +51,14 @@ ERROR_GRACE_S = 2.0
 
 
 class PoolTaskError(RuntimeError):
-    """A task raised on a rank, a rank died, or the task (or the pool's start) ran past its deadline."""
+    """A task raised on a rank, a rank died, or the task (or the pool's start) ran past its deadline.
+
+    ``crash_signal``: the signal that killed a rank which died without a result (a native crash), else None.
+    """
+
+    def __init__(self, message: str, crash_signal: int | None = None) -> None:
+        super().__init__(message)
+        self.crash_signal = crash_signal
 
 
 def start_rank(rank: int, world_size: int, port: int, env: dict[str, str], backend: str,
@@ -343,6 +350,7 @@ class WorkerPool:
         reasons: dict[int, str | None] = {}
         errors: list[tuple[float, int, str]] = []
         failure: str | None = None
+        crash_signal: int | None = None
         try:
             while len(results) < self.world_size and failure is None:
                 pending = [r for r in range(self.world_size) if r not in results]
@@ -364,7 +372,9 @@ class WorkerPool:
                         results[rank], reasons[rank] = value, reason
                     elif not self._procs[rank].is_alive():
                         self._procs[rank].join()
-                        failure = f"rank {rank} exited with code {self._procs[rank].exitcode} and no result"
+                        code = self._procs[rank].exitcode
+                        failure = f"rank {rank} exited with code {code} and no result"
+                        crash_signal = -code if code is not None and code < 0 else None
                         break
             if failure == "error":
                 errors.extend(self._late_errors(set(results) | {r for _, r, _ in errors}))
@@ -375,7 +385,7 @@ class WorkerPool:
             raise
         if failure is not None:
             self.close()
-            raise PoolTaskError(failure)
+            raise PoolTaskError(failure, crash_signal)
         return [results[r] for r in range(self.world_size)], [reasons[r] for r in range(self.world_size)]
 
     def _late_errors(self, done: set[int]) -> list[tuple[float, int, str]]:
