@@ -372,9 +372,9 @@ def run_chunk(cases: Iterable[Case], model_path: str, batch: TensorDict,
     except DistributedTestError as err:
         if err.crash_signal is None:
             raise
-        # A rank killed by a native crash (stop 54's CI: SIGABRT from a corrupted heap, once, not reproduced
-        # in 12 reruns) would fail every case of the chunk; the chunk runs once more on new processes, and
-        # the warning (pytest's summary) plus the rank's stack (faulthandler, captured stderr) keep it seen.
+        # A rank killed by a native crash (stop 54's CI: SIGABRT from a corrupted heap, once; 7 reruns of
+        # that chunk here did not reproduce it) would fail every case of the chunk: it runs once more on new
+        # processes; the warning (pytest's summary) and the rank's stack (faulthandler) keep the crash seen.
         warnings.warn(f"invariance chunk of {len(cases)} cases (first {cases[0].id}): {err}; run again on "
                       f"new ranks", RuntimeWarning, stacklevel=1)
         per_rank = run()
