@@ -17,10 +17,12 @@ from verl_trainer.models.attention_autotune import (
     AUTOTUNE_ENV,
     CACHE_ENV,
     PROBE_LENGTHS,
+    PROBE_TOKENS,
     ShapeKey,
     agree_on_model_attention,
     choose_crossover,
     measure_probe,
+    probe_lengths,
     tune,
 )
 from verl_trainer.models.bucketed_attention import (
@@ -74,7 +76,7 @@ def test_shape_key():
 
 def test_crossover_is_the_longest_length_the_matmul_side_won_up_to():
     calls = []
-    assert choose_crossover(FP32, _probe({8: 3.0, 16: 0.85, 32: 0.7}, calls)) == 16  # 0.85: not clearly
+    assert choose_crossover(FP32, _probe({8: 3.0, 16: 0.95, 32: 0.85}, calls)) == 16  # 0.95: not clearly
     assert calls == [8, 16, 32]  # probing stops at the first clear loss
     assert choose_crossover(FP32, _probe({8: 0.7})) == 0  # clearly slower at the shortest: sdpa everywhere
     assert choose_crossover(FP32, _probe({8: float("nan")})) == 0
@@ -82,6 +84,14 @@ def test_crossover_is_the_longest_length_the_matmul_side_won_up_to():
     assert choose_crossover(FP32, _probe(wins)) == 64  # D = 64: up to max(MATMUL_MAX_LENGTH, D)
     assert choose_crossover(ShapeKey.of(4, 1, 128, torch.float32, "cpu"), _probe(wins)) == 128
     assert choose_crossover(ShapeKey.of(4, 2, 64, torch.float32, "cuda"), _failing_probe) == 0
+
+
+@pytest.mark.parametrize("length", PROBE_LENGTHS)
+def test_the_probe_row_spreads_each_length_apart(length):
+    lengths = probe_lengths(length)
+    assert set(lengths) == set(range(length // 2 + 1, length + 1))  # every length of the probed range
+    assert all(a != b for a, b in zip(lengths, lengths[1:]))  # a length's segments lie apart (gathered)
+    assert sum(lengths) <= max(PROBE_TOKENS, sum(set(lengths)))  # about PROBE_TOKENS, one of each at least
 
 
 def test_chosen_once_per_key_and_used_by_the_attention():

@@ -6,9 +6,11 @@ matmuls and longer ones as one sdpa call each. The crossover is chosen per :clas
 ``bucketed_attention.LAYOUT_CROSSOVERS``; a layout not in that table takes the constant rule
 (:data:`MATMUL_MAX_LENGTH` in fp32, sdpa in half precision).
 
-:func:`choose_crossover` times one causal bucket of about :data:`PROBE_TOKENS` tokens forward and backward
-on both paths at each of :data:`PROBE_LENGTHS`, in :data:`PROBE_ROUNDS` paired rounds, keeping each
-side's best round; the crossover is the longest probed length up to which the matmul side is never
+:func:`choose_crossover` times, at each of :data:`PROBE_LENGTHS` ``L``, one packed row of about
+:data:`PROBE_TOKENS` tokens whose segments take the lengths ``L/2 + 1 .. L`` in turn (:func:`probe_lengths`:
+many segments per length at 8 tokens, one per length at 64, as in rows of sampled responses), forward and
+backward with those segments on the matmul path and on sdpa, in :data:`PROBE_ROUNDS` paired rounds, keeping
+each side's best round; the crossover is the longest probed length up to which the matmul side is never
 clearly slower (speed-up >= :data:`KEEP_MATMUL_ABOVE`), 0 when it is at the shortest.
 
 Invariants: one choice per key whether or not gradients are needed (old and new log-probs of the same
@@ -51,6 +53,7 @@ __all__ = [
     "AUTOTUNE_ENV",
     "CACHE_ENV",
     "PROBE_LENGTHS",
+    "PROBE_TOKENS",
     "ShapeKey",
     "agree_on_model_attention",
     "autotune_enabled",
@@ -58,6 +61,7 @@ __all__ = [
     "choose_crossover",
     "clear_cache",
     "measure_probe",
+    "probe_lengths",
     "tune",
 ]
 
@@ -71,21 +75,22 @@ PROBE_LENGTHS = (8, 16, 32, 64, 128)
 """Segment lengths the autotune times (shortest first)."""
 
 PROBE_TOKENS = 512
-"""Tokens per probed bucket (``max(1, PROBE_TOKENS // L)`` segments of ``L``)."""
+"""Tokens of the probed row (:func:`probe_lengths`; at least one segment of each length)."""
 
 PROBE_ROUNDS = 9
 """Paired rounds per probed length (after one warm-up of each side); each side's fastest round counts."""
 
-KEEP_MATMUL_ABOVE = 0.8
-"""A probed length stays on the matmul path unless it measured clearly slower than sdpa (below this speed-up):
-one bucket alone understates the matmul path's gain on a whole row, where every sdpa bucket adds its own
-autograd nodes and copies (``bench/attention.py --grid``: a crossover chosen at a 1.0 threshold lost to the
-constant on short segments in fp32)."""
+KEEP_MATMUL_ABOVE = 0.9
+"""A probed length stays on the matmul path unless it measured clearly slower than sdpa (below this speed-up).
+Not 1.0: the probe's row is short (:data:`PROBE_TOKENS`), and the matmul path gains with the segments per
+length, which a real row of short responses has more of (GQA 4 / 2 x 32: the probe read 0.92 at 16
+tokens, while ``bench/attention.py``'s 1,024 segments of 8-16 ran 4.8x over the loop with crossover 16,
+3.9x with 8)."""
 
 _OFF = ("0", "false", "off", "no")
 _UPCAST = tuple(str(d) for d in (torch.float32, torch.bfloat16, torch.float16))
 _FORMAT = 1
-_PROBE_VERSION = 2  # in the file's keys: choices of an older probe (median of ratios) are measured again
+_PROBE_VERSION = 3  # in the file's keys: an older probe's choices (one bucket, one length) are measured again
 
 Probe = Callable[["ShapeKey", int], float]
 """``probe(key, length) -> speed-up`` of the matmul side over the sdpa side at ``length`` (> 1: faster)."""
@@ -201,23 +206,35 @@ def _write_file(path: Path, key: ShapeKey, crossover: int) -> None:
         _warn_once(f"could not write the attention autotune cache {path} ({err}); keeping it in memory")
 
 
-def measure_probe(key: ShapeKey, length: int, rounds: int = PROBE_ROUNDS) -> float:
-    """Speed-up of the matmul side over the sdpa side on one bucket of ``length``-token segments.
+def probe_lengths(length: int) -> list[int]:
+    """The probe row at ``length``: ``length // 2 + 1 .. length`` in turn, about :data:`PROBE_TOKENS` tokens.
 
-    Both sides are the real packed attention (``bucketed_varlen_attention``) on q/k/v in HF's layout,
-    fwd+bwd, with
-    ``matmul_max_length`` = ``length`` (the matmul path) and 0 (sdpa).
+    Consecutive segments differ in length, so each length's segments lie apart in the row (gathered into
+    their bucket), and each length has ``PROBE_TOKENS / (L/2 * 3L/4)`` segments: many at 8 tokens, one or
+    two at 64, as in rows of sampled responses, where few segments share a long length.
+    """
+    cycle = list(range(length // 2 + 1, length + 1))
+    count = max(len(cycle), PROBE_TOKENS // sum(cycle) * len(cycle))
+    return [cycle[i % len(cycle)] for i in range(count)]
+
+
+def measure_probe(key: ShapeKey, length: int, rounds: int = PROBE_ROUNDS) -> float:
+    """Speed-up of the matmul path over sdpa for the segments of ``length // 2 + 1 .. length`` tokens.
+
+    Both sides are the real packed attention (``bucketed_varlen_attention``) on one row of
+    :func:`probe_lengths` in HF's layout, fwd+bwd, with ``matmul_max_length`` = ``length`` (every bucket on
+    the matmul path) and ``length // 2`` (every bucket on sdpa).
 
     Args:
         key: The layout (``key.eligible()``).
-        length: Segment length ``L``; the bucket is ``max(1, PROBE_TOKENS // L)`` segments.
+        length: The longest segment of the row.
         rounds: Paired rounds (sides alternate; each round one fwd+bwd per side).
 
     Returns:
         ``fastest sdpa round / fastest matmul round`` (load from other processes only adds time).
     """
     with torch.inference_mode(False), torch.enable_grad():  # timed fwd+bwd even under no_grad
-        lengths = [length] * max(1, PROBE_TOKENS // length)
+        lengths = probe_lengths(length)
         n, g = sum(lengths), torch.Generator().manual_seed(length)
         q, k, v = (
             torch.randn(1, n, h, key.head_dim, generator=g).to(key.torch_dtype).transpose(1, 2)
@@ -232,13 +249,13 @@ def measure_probe(key: ShapeKey, length: int, rounds: int = PROBE_ROUNDS) -> flo
             torch.autograd.grad(out, (q, k, v), grad)
             return time.perf_counter() - start
 
-        run(length), run(0)  # warm-up (plans and masks cached)
+        run(length), run(length // 2)  # warm-up (plans and masks cached)
         matmul_s = sdpa_s = math.inf
         for i in range(rounds):
             if i % 2:
-                matmul_s, sdpa_s = min(matmul_s, run(length)), min(sdpa_s, run(0))
+                matmul_s, sdpa_s = min(matmul_s, run(length)), min(sdpa_s, run(length // 2))
             else:
-                sdpa_s, matmul_s = min(sdpa_s, run(0)), min(matmul_s, run(length))
+                sdpa_s, matmul_s = min(sdpa_s, run(length // 2)), min(matmul_s, run(length))
         return sdpa_s / max(matmul_s, 1e-9)
 
 
