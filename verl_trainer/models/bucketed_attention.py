@@ -175,20 +175,21 @@ class BucketPlan:
     gather: torch.Tensor
     offsets: tuple[int | None, ...]
 
-    def sizes(self) -> list[int]:
-        """Rows (``[N * H_kv]`` units) of each bucket."""
-        return [count * length * self.heads_kv for count, length in self.shapes]
+    @functools.cached_property
+    def sizes(self) -> tuple[int, ...]:
+        """Rows (``[N * H_kv]`` units) of each bucket (computed once per plan: plans are cached)."""
+        return tuple(count * length * self.heads_kv for count, length in self.shapes)
 
-    @property
-    def sdpa(self) -> list[int]:
+    @functools.cached_property
+    def sdpa(self) -> tuple[int, ...]:
         """The buckets that run sdpa (not the matmul path), in bucket order."""
-        return [i for i, kv_major in enumerate(self.matmul) if not kv_major]
+        return tuple(i for i, kv_major in enumerate(self.matmul) if not kv_major)
 
     def indices(self, i: int) -> torch.Tensor:
         """``[count * length * H_kv]`` long, the rows of gathered bucket ``i`` (a view of ``gather``)."""
         start = self.offsets[i]
         assert start is not None, f"bucket {i} is a run of the row, not gathered"
-        return self.gather[start : start + self.sizes()[i]]
+        return self.gather[start : start + self.sizes[i]]
 
 
 @functools.lru_cache(maxsize=8)
@@ -260,7 +261,7 @@ def _read(plan: BucketPlan, units: torch.Tensor, i: int) -> torch.Tensor:
     if start is None:
         return units.index_select(0, plan.indices(i))
     first = start * plan.heads_kv
-    rows = units[first : first + plan.sizes()[i]]
+    rows = units[first : first + plan.sizes[i]]
     if not plan.matmul[i] or plan.heads_kv == 1:
         return rows
     count, length = plan.shapes[i]
