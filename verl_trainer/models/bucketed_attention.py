@@ -1,26 +1,24 @@
-"""Packed (varlen) attention without a Python loop over short segments: one call per short length.
+"""Packed (varlen) attention without a Python loop per segment: one call per segment length.
 
-Where no fused varlen kernel exists (CPU; CUDA in fp32 or without one), a packed row runs as follows:
+Where no fused varlen kernel exists (CPU; CUDA in fp32 or without one), the segments of a packed row are
+grouped by length; each group (a *bucket*) is one batched call with no padding and no mask beyond the
+causal (or sliding-window) one:
 
-* segments up to the layout's crossover (:func:`matmul_crossover`; CPU without dropout only) are grouped
-  by length; each group (a *bucket*) is one batched-matmul call with a hand-written backward
-  (:func:`matmul_attention_forward`), no padding and no mask beyond the causal (or sliding-window) one;
-  half precision runs them upcast to fp32 and rounds once at the end;
-* longer segments run one ``scaled_dot_product_attention`` call each, on views of q/k/v, as the
-  per-segment loop does (several segments of one long length would gain little from one batched call and
-  pay a gather and a scatter of their rows).
+* buckets of segments up to the layout's crossover (:func:`matmul_crossover`; CPU without dropout only)
+  run as batched matmuls with a hand-written backward (:func:`matmul_attention_forward`); half precision
+  runs them upcast to fp32 and rounds once at the end;
+* the others run as one ``scaled_dot_product_attention`` over ``[count, H, length, D]``.
 
-Invariants: every packed token is computed once (no scatter-add, no zero fill); no token attends across
-segments; a segment's kernel depends only on its own length and the layout (never on the other segments
-of its row), so a sample gives the same result in any micro-batch; the result equals a per-segment sdpa
-loop bitwise on sdpa segments and to fp32 round-off on matmul buckets (they sum in another order). How
-the crossover is chosen: ``verl_trainer.models.attention_autotune`` and docs/internals.md.
+Invariants: every packed token belongs to exactly one bucket, so each output and gradient row is written
+once (no scatter-add, no zero fill); no token attends across segments; the result equals a per-segment
+sdpa loop to fp32 round-off (sdpa buckets bitwise; matmul buckets sum in another order). How the
+crossover is chosen: ``verl_trainer.models.attention_autotune`` and docs/internals.md.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -291,6 +289,24 @@ def _write(plan: BucketPlan, units: torch.Tensor, i: int, part: torch.Tensor) ->
     rows.view(count, length, plan.heads_kv, -1).copy_(kv_major.transpose(1, 2))
 
 
+def _sdpa_layout(plan: BucketPlan, i: int, rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Token-major rows of sdpa bucket ``i`` ``[count * length * H_kv, F']`` as ``[count, heads, length, D]``.
+
+    A view: the sdpa inputs and output gradients cross the autograd functions in sdpa's layout, so the
+    per-bucket reshapes are not recorded (one autograd node per bucket: the sdpa call).
+    """
+    count, length = plan.shapes[i]
+    return rows.view(count, length, heads, -1).transpose(1, 2)
+
+
+def _rows_layout(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """``[count, h, length, D]`` (sdpa's layout) as token-major rows ``[count * length * H_kv, F']``.
+
+    The inverse of :func:`_sdpa_layout` (a copy unless already laid out as ``[count, length, h, D]``).
+    """
+    return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2] * heads_kv, -1)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``[1, H, N, D]`` -> ``[N, H * D]`` (free for HF's layout, a transposed ``[1, N, H, D]``)."""
     return x.transpose(1, 2).reshape(x.shape[2], -1)
@@ -301,12 +317,13 @@ def _units(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return x.view(x.shape[0] * heads_kv, -1)
 
 
-class _MatmulBuckets(torch.autograd.Function):
-    """Attention of a packed row whose segments all run the matmul path, bucket by bucket.
+class _Buckets(torch.autograd.Function):
+    """Runs the short buckets and reads the sdpa buckets' rows.
 
-    Forward: ``(q [1, H, N, D], k [1, H_kv, N, D], v [1, H_kv, N, D_v], plan, ...)`` -> ``out [N, H * D_v]``
-    (every bucket of ``plan`` on the matmul path; each output row written once). Backward: the gradients of
-    q, k and v in their layouts (views of ``[N, H * D]`` rows), each row written once.
+    Forward: ``(q [1, H, N, D], k [1, H_kv, N, D], v [1, H_kv, N, D_v])`` -> ``(out [N, H * D_v], *q_parts,
+    *k_parts, *v_parts)``: ``out`` holds the short buckets' rows (the sdpa buckets' rows are written
+    by :class:`_PutRows`); the parts are the sdpa buckets' inputs in sdpa's layout (views), q
+    ``[count, H, length, D]``, k and v ``[count, H_kv, length, D]``.
     """
 
     @staticmethod
@@ -320,9 +337,7 @@ class _MatmulBuckets(torch.autograd.Function):
         scale: float,
         is_causal: bool,
         window: int | None,
-    ) -> torch.Tensor:
-        if plan.sdpa:
-            raise ValueError(f"_MatmulBuckets runs matmul buckets only; buckets {list(plan.sdpa)} are sdpa's")
+    ) -> tuple[torch.Tensor, ...]:
         ctx.shapes = (query.shape, key.shape, value.shape)
         query, key, value = (_rows(x) for x in (query, key, value))
         heads_kv, n = plan.heads_kv, query.shape[0]
@@ -332,6 +347,8 @@ class _MatmulBuckets(torch.autograd.Function):
         out_units = _units(out, heads_kv)
         saved = []
         for i, (count, length) in enumerate(plan.shapes):
+            if not plan.matmul[i]:
+                continue
             batch = count * heads_kv
             qb = _read(plan, q, i).view(batch, length * group, -1).float()  # half precision: in fp32
             kb, vb = (_read(plan, x, i).view(batch, length, -1).float() for x in (k, v))
@@ -341,29 +358,61 @@ class _MatmulBuckets(torch.autograd.Function):
             saved += [qb, kb, vb, probs]
         ctx.save_for_backward(*saved)
         ctx.plan, ctx.scale = plan, scale
-        return out
+        sources = zip((q, k, v), (heads, heads_kv, heads_kv))
+        return out, *(_sdpa_layout(plan, i, _read(plan, x, i), h) for x, h in sources for i in plan.sdpa)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: FunctionCtx, grad_out: torch.Tensor, *grad_parts: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
         plan: BucketPlan = ctx.plan
         n = grad_out.shape[0]
         grads = [grad_out.new_empty(n, h * d) for _, h, _, d in ctx.shapes]
         units = [_units(g, plan.heads_kv) for g in grads]
         dout = _units(grad_out.contiguous(), plan.heads_kv)
         saved = iter(ctx.saved_tensors)
-        for i in range(len(plan.shapes)):
+        parts = iter(grad_parts)
+        for i, kv_major in enumerate(plan.matmul):
+            if not kv_major:
+                continue
             qb, kb, vb, probs = next(saved), next(saved), next(saved), next(saved)
             dob = _read(plan, dout, i).view(qb.shape[0], qb.shape[1], -1).float()
             d = matmul_attention_backward(dob, qb, kb, vb, probs, ctx.scale)
             for x, dx in zip(units, d):
                 _write(plan, x, i, dx.view(-1, x.shape[1]))
+        for x in units:
+            for i in plan.sdpa:
+                _write(plan, x, i, _rows_layout(next(parts), plan.heads_kv))
         as_inputs = (g.view(1, n, h, d).transpose(1, 2) for g, (_, h, _, d) in zip(grads, ctx.shapes))
         return *as_inputs, None, None, None, None, None
 
 
-def _compact(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Segments ``[1, h, L_i, D]`` side by side as ``[1, h, sum L_i, D]`` in HF's layout (one copy)."""
-    return torch.cat([x.transpose(1, 2) for x in parts], 1).transpose(1, 2)
+class _PutRows(torch.autograd.Function):
+    """Writes the sdpa buckets' outputs into ``out`` (in place) next to the short buckets' rows.
+
+    Forward: ``(plan, out [N, H * D_v], *outs)`` with ``outs`` the sdpa outputs ``[count, H, length, D_v]``;
+    the backward hands their gradients back in that layout (views of the output gradient's rows).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, plan: BucketPlan, out: torch.Tensor, *parts: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.plan = plan
+        ctx.heads = parts[0].shape[1]
+        units = _units(out, plan.heads_kv)
+        for i, part in zip(plan.sdpa, parts):
+            _write(plan, units, i, _rows_layout(part, plan.heads_kv))
+        ctx.mark_dirty(out)
+        return out
+
+    @staticmethod
+    def backward(
+        ctx: FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        plan: BucketPlan = ctx.plan
+        units = _units(grad.contiguous(), plan.heads_kv)
+        return None, grad, *(_sdpa_layout(plan, i, _read(plan, units, i), ctx.heads) for i in plan.sdpa)
 
 
 def bucketed_varlen_attention(
@@ -378,13 +427,7 @@ def bucketed_varlen_attention(
     window: int | None = None,
     matmul_max_length: int | None = None,
 ) -> torch.Tensor:
-    """Attention within each segment of a packed row: short segments batched by length, long ones one by one.
-
-    Segments up to ``matmul_max_length`` tokens run as one batched-matmul call per length (a bucket;
-    :func:`matmul_attention_forward`, in fp32: half-precision buckets are upcast); longer ones one sdpa call
-    each on views of q/k/v, as the per-segment loop does (bitwise its result). A row of short segments only
-    runs the buckets on the row itself; otherwise the short segments are copied side by side first (their
-    buckets then read that compact row) and the outputs joined by one ``cat`` in the row's order.
+    """Attention within each segment of a packed row, one call per distinct segment length.
 
     Args:
         query: ``[1, H, N, D]``.
@@ -395,9 +438,10 @@ def bucketed_varlen_attention(
         dropout: Attention dropout probability.
         is_causal: Causal attention within each segment.
         window: Sliding window (query ``i`` reads keys ``i - window < j <= i``), causal only; ``None``: off.
-        matmul_max_length: Segments up to this length run the matmul buckets where that path applies (CPU,
-            no dropout, no autocast); longer ones, and all others, sdpa. 0: sdpa everywhere. ``None``: the
-            layout's crossover (:func:`matmul_crossover`).
+        matmul_max_length: Buckets of segments up to this length run batched matmuls
+            (:func:`matmul_attention_forward`, in fp32: half-precision buckets are upcast) where that
+            path applies (CPU, no dropout, no autocast); longer ones, and all others, one sdpa call.
+            0: sdpa everywhere. ``None``: the layout's crossover (:func:`matmul_crossover`).
 
     Returns:
         ``[1, N, H, D_v]``.
@@ -410,37 +454,23 @@ def bucketed_varlen_attention(
     n, heads, heads_kv, dim_v = query.shape[2], query.shape[1], key.shape[1], value.shape[3]
     if n == 0:
         return query.new_zeros(1, 0, heads, dim_v)
-    if any(int(length) < 0 for length in lengths):
-        raise ValueError(f"segment lengths must be >= 0, got {list(lengths)}")
     scale = query.shape[3] ** -0.5 if scaling is None else scaling
     if matmul_max_length is None:
         matmul_max = matmul_crossover(query, key, dropout)
     else:
         usable = use_matmul_attention(query.dtype, query.device, dropout, upcast=True)
         matmul_max = matmul_max_length if usable else 0
-    lengths = [int(length) for length in lengths]
-    short = [0 < length <= matmul_max for length in lengths]
-    if all(s or length == 0 for s, length in zip(short, lengths)):  # the buckets on the row itself
-        plan = plan_buckets(lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
-        out = _MatmulBuckets.apply(query, key, value, plan, heads, scale, is_causal, window)
-        return out.view(1, n, heads, dim_v)
-    qs, ks, vs = (x.split(lengths, 2) for x in (query, key, value))
-    short_out: Iterator[torch.Tensor] = iter(())
-    if any(short):
-        picked = [i for i, s in enumerate(short) if s]
-        short_lengths = [lengths[i] for i in picked]
-        plan = plan_buckets(short_lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
-        compact = (_compact([parts[i] for i in picked]) for parts in (qs, ks, vs))
-        out = _MatmulBuckets.apply(*compact, plan, heads, scale, is_causal, window)
-        short_out = iter(out.view(-1, heads, dim_v).split(short_lengths))
-    pieces = []
-    for length, is_short, q, k, v in zip(lengths, short, qs, ks, vs):
-        if is_short:
-            pieces.append(next(short_out))
-        elif length:
-            mask = None if window is None else sliding_window_mask(length, window, query.device)
-            pieces.append(F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal and mask is None, scale=scale,
-                enable_gqa=heads != heads_kv,
-            ).transpose(1, 2).reshape(length, heads, dim_v))  # a view where sdpa laid it out [1, L, H, D_v]
-    return torch.cat(pieces).unsqueeze(0)
+    plan = plan_buckets(lengths, query.device, heads_kv=heads_kv, matmul_max_length=matmul_max)
+    out, *parts = _Buckets.apply(query, key, value, plan, heads, scale, is_causal, window)
+    n_sdpa = len(plan.sdpa)
+    outs = []
+    qs, ks, vs = parts[:n_sdpa], parts[n_sdpa : 2 * n_sdpa], parts[2 * n_sdpa :]
+    for i, q, k, v in zip(plan.sdpa, qs, ks, vs):  # q [count, H, length, D], k, v [count, H_kv, length, D]
+        mask = None if window is None else sliding_window_mask(plan.shapes[i][1], window, query.device)
+        outs.append(F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal and mask is None, scale=scale,
+            enable_gqa=heads != heads_kv,
+        ))  # [count, H, length, D_v], laid out as [count, length, H, D_v]
+    if outs:
+        out = _PutRows.apply(plan, out, *outs)
+    return out.view(1, n, heads, dim_v)
