@@ -363,17 +363,18 @@ def run_chunk(cases: Iterable[Case], model_path: str, batch: TensorDict,
     worlds = {c.world for c in cases}
     if len(worlds) != 1:
         raise ValueError(f"one spawn runs one world size, got {sorted(worlds)}")
+    world = worlds.pop()
+
     def run() -> list[Any]:
         return run_distributed(run_cases_on_rank, world, cases, model_path, batch, timeout=timeout, env=ENV)
 
-    world = worlds.pop()
     try:
         per_rank = run()
     except DistributedTestError as err:
         if err.crash_signal is None:
             raise
-        # A rank killed by a native crash (stop 54's CI: SIGABRT from a corrupted heap, once; 7 reruns of
-        # that chunk here did not reproduce it) would fail every case of the chunk: it runs once more on new
+        # A rank killed by a native crash (seen once in CI: SIGABRT from a corrupted heap; 7 reruns of that
+        # chunk did not reproduce it) would fail every case of the chunk: it runs once more on new
         # processes; the warning (pytest's summary) and the rank's stack (faulthandler) keep the crash seen.
         warnings.warn(f"invariance chunk of {len(cases)} cases (first {cases[0].id}): {err}; run again on "
                       f"new ranks", RuntimeWarning, stacklevel=1)
