@@ -219,8 +219,8 @@ def test_memory_is_limited_for_all_processes_together(isolation):
     if not isolation.cgroup:  # per process only: each child may hold memory_mb (here less than 400 MiB)
         assert run_python(code, limits=LIMITS, isolation=isolation).stdout.split()[:2] == ["held", "0"]
         return
-    # The code reward's memory limit (1 GiB), with time for the out-of-memory kills on a loaded machine (beside
-    # the other CI lane the default 10 s once ended the program before it printed; 2-5 s when quiet).
+    # The code reward's memory limit (1 GiB), with time for the out-of-memory kills on a loaded machine
+    # (beside the other CI lane the default 10 s once ended the program before it printed; 2-5 s quiet).
     result = run_python(code, limits=SandboxLimits(timeout_s=60), isolation=isolation)
     assert not result.timed_out and result.stdout.split()[:1] == ["held"], result
     assert int(result.stdout.split()[1]) * 400 <= SandboxLimits().memory_mb, result
