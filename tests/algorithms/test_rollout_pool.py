@@ -30,6 +30,7 @@ import torch
 from tests.algorithms.short_grpo import make_varied_reward_assets
 from tests.algorithms.test_async_rollout import _grpo_fit, _without_timing
 from verl_trainer.testing import run_distributed
+from verl_trainer.testing.ranks import POOL_ENV
 
 SEPARATE = ("algorithm.rollout.placement=separate", "algorithm.rollout.rollout_ranks=1",
             "algorithm.rollout.weight_sync_bucket_mb=0.01")
@@ -45,7 +46,7 @@ def assets(tmp_path_factory) -> Path:
 @pytest.fixture
 def fresh_ranks(monkeypatch):
     """The pool re-makes the default group: run its ranks on fresh processes, not pooled ones."""
-    monkeypatch.setenv("VERL_TRAINER_TEST_WORKER_POOL", "0")
+    monkeypatch.setenv(POOL_ENV, "0")
 
 
 def _summary(run: dict | None) -> dict | None:

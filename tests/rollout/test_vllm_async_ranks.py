@@ -14,6 +14,7 @@ import pytest
 from tests.algorithms.short_grpo import VLLM_OVERRIDES, make_vllm_grpo_assets
 from tests.algorithms.test_rollout_pool import _assert_same, _grpo_fit_or_none
 from verl_trainer.testing import run_distributed
+from verl_trainer.testing.ranks import POOL_ENV
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -27,7 +28,7 @@ def assets(tmp_path) -> Path:
 
 
 def test_staleness_one_at_dp2_reproduces_from_the_seed(assets, tmp_path, monkeypatch):
-    monkeypatch.setenv("VERL_TRAINER_TEST_WORKER_POOL", "0")  # an engine holds process state: fresh ranks
+    monkeypatch.setenv(POOL_ENV, "0")  # an engine holds process state: fresh ranks
     first, second = (run_distributed(_grpo_fit_or_none, 2, assets, tmp_path / name, *VLLM_K1, devices=2,
                                      timeout=900) for name in ("first", "second"))
     for a, b in zip(first, second, strict=True):

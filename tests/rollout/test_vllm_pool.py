@@ -20,6 +20,7 @@ import torch
 from tests.algorithms.short_grpo import VLLM_OVERRIDES, make_vllm_grpo_assets
 from tests.algorithms.test_rollout_pool import SEPARATE, _assert_same, _grpo_fit_or_none
 from verl_trainer.testing import run_distributed
+from verl_trainer.testing.ranks import POOL_ENV
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -36,7 +37,7 @@ def assets(tmp_path_factory) -> Path:
 @pytest.fixture
 def fresh_ranks(monkeypatch):
     """The pool re-makes the default group, and an engine holds process state: fresh processes."""
-    monkeypatch.setenv("VERL_TRAINER_TEST_WORKER_POOL", "0")
+    monkeypatch.setenv(POOL_ENV, "0")
 
 
 def _colocated(assets: Path, root: Path, *overrides: str) -> dict:
@@ -54,7 +55,7 @@ def _pooled(assets: Path, root: Path, *overrides: str) -> dict:
 def synchronous(assets, tmp_path_factory) -> dict:
     """The colocated synchronous vLLM run (fresh ranks: the module's tests set no worker pool either)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VERL_TRAINER_TEST_WORKER_POOL", "0")
+        patch.setenv(POOL_ENV, "0")
         return _colocated(assets, tmp_path_factory.mktemp("plain"))
 
 
