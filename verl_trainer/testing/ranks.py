@@ -34,6 +34,7 @@ from verl_trainer.testing.gc_freeze import imports_without_gc
 from verl_trainer.testing.worker_pool import (
     PoolTaskError,
     close_worker_pools,
+    crash_signal,
     pooled_run,
     start_rank,
 )
@@ -212,7 +213,7 @@ def run_distributed(
         deadline = time.monotonic() + timeout
         results: dict[int, Any] = {}
         failure: str | None = None
-        crash_signal: int | None = None
+        killed_by: int | None = None
         try:
             while len(results) < world_size and failure is None:
                 for rank, p in enumerate(procs):
@@ -229,7 +230,7 @@ def run_distributed(
                         p.join()
                         if not path.exists():
                             failure = f"rank {rank} exited with code {p.exitcode} and no result"
-                            crash_signal = -p.exitcode if p.exitcode is not None and p.exitcode < 0 else None
+                            killed_by = crash_signal(p.exitcode)
                             break
                 if failure is None and len(results) < world_size:
                     if time.monotonic() > deadline:
@@ -245,5 +246,5 @@ def run_distributed(
                     p.kill()
                     p.join(timeout=5)
         if failure is not None:
-            raise DistributedTestError(failure, crash_signal)
+            raise DistributedTestError(failure, killed_by)
     return [results[r] for r in range(world_size)]

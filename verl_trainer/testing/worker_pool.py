@@ -61,6 +61,11 @@ class PoolTaskError(RuntimeError):
         self.crash_signal = crash_signal
 
 
+def crash_signal(exitcode: int | None) -> int | None:
+    """The signal that ended a process with ``exitcode`` (multiprocessing's ``-signum``), else None."""
+    return -exitcode if exitcode is not None and exitcode < 0 else None
+
+
 def start_rank(rank: int, world_size: int, port: int, env: dict[str, str], backend: str,
                timeout_s: float) -> None:
     """Join ``rank`` of ``world_size`` to a process group at 127.0.0.1:``port``.
@@ -350,7 +355,7 @@ class WorkerPool:
         reasons: dict[int, str | None] = {}
         errors: list[tuple[float, int, str]] = []
         failure: str | None = None
-        crash_signal: int | None = None
+        killed_by: int | None = None
         try:
             while len(results) < self.world_size and failure is None:
                 pending = [r for r in range(self.world_size) if r not in results]
@@ -374,7 +379,7 @@ class WorkerPool:
                         self._procs[rank].join()
                         code = self._procs[rank].exitcode
                         failure = f"rank {rank} exited with code {code} and no result"
-                        crash_signal = -code if code is not None and code < 0 else None
+                        killed_by = crash_signal(code)
                         break
             if failure == "error":
                 errors.extend(self._late_errors(set(results) | {r for _, r, _ in errors}))
@@ -385,7 +390,7 @@ class WorkerPool:
             raise
         if failure is not None:
             self.close()
-            raise PoolTaskError(failure, crash_signal)
+            raise PoolTaskError(failure, killed_by)
         return [results[r] for r in range(self.world_size)], [reasons[r] for r in range(self.world_size)]
 
     def _late_errors(self, done: set[int]) -> list[tuple[float, int, str]]:
